@@ -1,0 +1,28 @@
+"""The decoder-only transformer workbench: build, train and look inside GPT-style models."""
+
+from workbench.accounting import (
+    count_params,
+    forward_flops_per_token,
+    kv_cache_bytes_per_token,
+    seed_param_formula,
+    training_flops,
+)
+from workbench.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from workbench.config import ModelConfig
+from workbench.model import HookedDecoder, KVCache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelConfig",
+    "HookedDecoder",
+    "KVCache",
+    "count_params",
+    "seed_param_formula",
+    "forward_flops_per_token",
+    "training_flops",
+    "kv_cache_bytes_per_token",
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointError",
+]

@@ -1,0 +1,78 @@
+"""Parameters, FLOPs and KV-cache bytes, computed from the config alone.
+
+``count_params`` builds the model on PyTorch's meta device, so even GPT-3 175B costs no
+memory, and the count is exact for every variant (it is the model's own parameter list).
+The closed forms of the seed texts are here too, to compare against.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from workbench.config import ModelConfig
+
+
+def _component(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blocks":
+        return {"attn": "attention", "mlp": "ffn", "ln1": "norms", "ln2": "norms"}.get(parts[2], parts[2])
+    return {"embed": "embedding", "pos_embed": "positional", "ln_final": "norms", "unembed": "unembedding"}.get(
+        parts[0], parts[0]
+    )
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Exact parameter counts: ``total``, ``non_embedding`` and one entry per component."""
+    from workbench.model import HookedDecoder
+
+    with torch.device("meta"):
+        model = HookedDecoder(cfg)
+    counts: dict[str, int] = defaultdict(int)
+    for name, p in model.named_parameters():
+        counts[_component(name)] += p.numel()
+    for key in ("embedding", "positional", "attention", "ffn", "norms", "unembedding"):
+        counts.setdefault(key, 0)
+    counts["total"] = sum(p.numel() for p in model.parameters())
+    counts["non_embedding"] = counts["total"] - counts["embedding"] - counts["positional"] - counts["unembedding"]
+    if cfg.ffn == "moe":
+        expert = counts["ffn"] // cfg.n_layers - cfg.d_model * cfg.n_experts
+        counts["active"] = counts["total"] - cfg.n_layers * expert * (cfg.n_experts - cfg.experts_per_token) // cfg.n_experts
+    else:
+        counts["active"] = counts["total"]
+    return dict(counts)
+
+
+def seed_param_formula(cfg: ModelConfig) -> int:
+    """The seeds' closed form N = V*d + L*(12 d^2 + 2 d) + d.
+
+    Exact for a tied, bias-free(ish) GPT block with d_mlp = 4d, MHA, RMS-like norms with
+    one gain vector each, and no positional parameters: 4d^2 (attention) + 8d^2 (MLP) per layer,
+    2d per layer for the two norms, d for the final norm.
+    """
+    V, d, L = cfg.d_vocab, cfg.d_model, cfg.n_layers
+    return V * d + L * (12 * d * d + 2 * d) + d
+
+
+def forward_flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:
+    """Forward FLOPs per token: 2 per active weight (multiply-add) plus attention's
+    QK^T and AV products over ``context`` positions (n_ctx by default), as in Kaplan et al. (2020)."""
+    context = cfg.n_ctx if context is None else context
+    counts = count_params(cfg)
+    matmul_params = counts["active"] - counts["embedding"] - counts["positional"] - counts["norms"]
+    if cfg.tie_embeddings:
+        matmul_params += cfg.d_vocab * cfg.d_model  # the tied head still does a d x V product
+    attention = 2 * 2 * cfg.n_layers * context * cfg.n_heads * cfg.d_head
+    return 2 * matmul_params + attention
+
+
+def training_flops(cfg: ModelConfig, n_tokens: int) -> int:
+    """The 6ND rule: forward (2N) plus backward (4N) per token, N the active non-embedding count."""
+    counts = count_params(cfg)
+    return 6 * (counts["active"] - counts["embedding"] - counts["positional"]) * n_tokens
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
+    """Bytes of keys and values stored per token of context (bf16 by default)."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.d_head * bytes_per_value

@@ -1,0 +1,150 @@
+"""Causal self-attention covering MHA, GQA and MQA (``n_kv_heads`` = n_heads, between, 1).
+
+Weights use TransformerLens' layout (``W_Q [head, d_model, d_head]``, ``W_O [head, d_head,
+d_model]``); keys and values are stored once per KV head (``_W_K``, ``_W_V``) and the
+``W_K``/``W_V`` properties repeat them per query head, as TL's grouped-query attention does.
+
+Two paths give the same output: when nothing listens to ``hook_attn_scores`` or
+``hook_pattern``, attention runs through ``F.scaled_dot_product_attention`` and the
+[batch, head, query, key] tensors are never materialised; otherwise the explicit path runs.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from workbench.components.positional import ATTN_POSITIONS
+from workbench.components.registry import pick
+from workbench.config import ModelConfig
+
+
+class KVCacheEntry:
+    """Keys and values of one layer for the positions seen so far, preallocated to n_ctx."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype):
+        shape = (batch, cfg.n_kv_heads, cfg.n_ctx, cfg.d_head)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store [batch, kv_head, new, d_head] keys/values; return all keys/values so far."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache full: {end} positions exceed n_ctx={self.k.shape[2]}")
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, kv, d, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head
+        self.group = h // kv
+        self.W_Q = nn.Parameter(torch.empty(h, d, e))
+        self._W_K = nn.Parameter(torch.empty(kv, d, e))
+        self._W_V = nn.Parameter(torch.empty(kv, d, e))
+        self.W_O = nn.Parameter(torch.empty(h, e, d))
+        self._make_bias("b_Q", (h, e), cfg.qkv_bias)
+        self._make_bias("_b_K", (kv, e), cfg.qkv_bias)
+        self._make_bias("_b_V", (kv, e), cfg.qkv_bias)
+        self._make_bias("b_O", (d,), cfg.bias)
+        self.attn_scale = math.sqrt(e)
+        self.position = pick(ATTN_POSITIONS, cfg.positional, "positional")(cfg)
+
+        self.hook_q = HookPoint()  # [batch, pos, head_index, d_head]
+        self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
+        if self.position.rotates:
+            self.hook_rot_q = HookPoint()
+            self.hook_rot_k = HookPoint()
+        self.hook_attn_scores = HookPoint()  # [batch, head_index, query_pos, key_pos]
+        self.hook_pattern = HookPoint()  # [batch, head_index, query_pos, key_pos]
+        self.hook_z = HookPoint()  # [batch, pos, head_index, d_head]
+        self.hook_result = HookPoint()  # [batch, pos, head_index, d_model]
+
+    def _make_bias(self, name: str, shape: tuple, learned: bool) -> None:
+        if learned:
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+        else:
+            self.register_buffer(name, torch.zeros(shape), persistent=False)
+
+    @property
+    def W_K(self) -> Float[Tensor, "head_index d_model d_head"]:
+        return self._W_K.repeat_interleave(self.group, dim=0)
+
+    @property
+    def W_V(self) -> Float[Tensor, "head_index d_model d_head"]:
+        return self._W_V.repeat_interleave(self.group, dim=0)
+
+    @property
+    def b_K(self) -> Float[Tensor, "head_index d_head"]:
+        return self._b_K.repeat_interleave(self.group, dim=0)
+
+    @property
+    def b_V(self) -> Float[Tensor, "head_index d_head"]:
+        return self._b_V.repeat_interleave(self.group, dim=0)
+
+    def _explicit_needed(self) -> bool:
+        return self.hook_attn_scores.has_hooks() or self.hook_pattern.has_hooks()
+
+    def forward(
+        self,
+        x: Float[Tensor, "batch pos d_model"],
+        kv_cache: Optional[KVCacheEntry] = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        offset = kv_cache.length if kv_cache is not None else 0
+        q = self.hook_q(torch.einsum("bpd,hde->bphe", x, self.W_Q) + self.b_Q)
+        k = self.hook_k(torch.einsum("bpd,hde->bphe", x, self._W_K) + self._b_K)
+        v = self.hook_v(torch.einsum("bpd,hde->bphe", x, self._W_V) + self._b_V)
+        if self.position.rotates:
+            q = self.hook_rot_q(self.position.rotate(q, offset))
+            k = self.hook_rot_k(self.position.rotate(k, offset))
+        # (batch, head, pos, d_head) for the attention product
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)
+        n_query, n_key = q.shape[2], k.shape[2]
+        bias = self.position.score_bias(n_query, n_key, offset)
+        if self._explicit_needed():
+            z = self._explicit(q, k, v, bias, offset)
+        else:
+            z = self._fused(q, k, v, bias, offset)
+        z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head_index, d_head]
+        if self.hook_result.has_hooks():
+            result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
+            return result.sum(dim=2) + self.b_O
+        return z.flatten(2) @ self.W_O.flatten(0, 1) + self.b_O
+
+    def _causal_mask(self, n_query: int, n_key: int, offset: int, device: torch.device) -> Tensor:
+        q_pos = torch.arange(offset, offset + n_query, device=device)
+        return torch.arange(n_key, device=device)[None, :] <= q_pos[:, None]  # [query, key], True = visible
+
+    def _fused(self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int) -> Tensor:
+        n_query, n_key = q.shape[2], k.shape[2]
+        gqa = self.group > 1
+        if bias is None and offset == 0 and n_query == n_key:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        mask = self._causal_mask(n_query, n_key, offset, q.device)
+        if bias is not None:
+            mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def _explicit(self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int) -> Tensor:
+        if self.group > 1:
+            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+        scores = q @ k.transpose(-1, -2) / self.attn_scale  # [batch, head, query, key]
+        if bias is not None:
+            scores = scores + bias
+        mask = self._causal_mask(q.shape[2], k.shape[2], offset, q.device)
+        scores = self.hook_attn_scores(scores.masked_fill(~mask, float("-inf")))
+        pattern = self.hook_pattern(torch.softmax(scores, dim=-1).to(v.dtype))
+        return pattern @ v

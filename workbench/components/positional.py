@@ -1,0 +1,212 @@
+"""Position information: added to the embedding (learned, sinusoidal) or applied
+inside attention (RoPE rotates queries and keys, ALiBi biases the scores).
+
+Two registries, because the two kinds act in different places of the skeleton:
+``POS_EMBEDDINGS`` is used once by the model, ``ATTN_POSITIONS`` once per attention layer.
+Every variant takes ``offset``, the number of positions already in the KV cache.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from workbench.config import ModelConfig
+
+
+# ---- added to the embedding ---------------------------------------------------------
+class LearnedPositions(nn.Module):
+    adds_to_residual = True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, cfg.d_model))
+
+    def forward(self, tokens: Int[Tensor, "batch pos"], offset: int = 0) -> Float[Tensor, "batch pos d_model"]:
+        pos = self.W_pos[offset : offset + tokens.shape[1]]
+        return pos.unsqueeze(0).expand(tokens.shape[0], -1, -1)
+
+
+class SinusoidalPositions(nn.Module):
+    """Vaswani et al. (2017): sin on even dims, cos on odd dims; nothing learned."""
+
+    adds_to_residual = True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        pos = torch.arange(cfg.n_ctx, dtype=torch.float32)[:, None]
+        freq = torch.exp(torch.arange(0, cfg.d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / cfg.d_model))
+        table = torch.zeros(cfg.n_ctx, cfg.d_model)
+        table[:, 0::2] = torch.sin(pos * freq)
+        table[:, 1::2] = torch.cos(pos * freq)[:, : cfg.d_model // 2]
+        self.register_buffer("W_pos", table, persistent=False)
+
+    forward = LearnedPositions.forward
+
+
+class NoPositionEmbedding(nn.Module):
+    """For RoPE, ALiBi and NoPE: nothing is added to the residual stream."""
+
+    adds_to_residual = False
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+
+    def forward(self, tokens: Int[Tensor, "batch pos"], offset: int = 0) -> None:
+        return None
+
+
+POS_EMBEDDINGS = {
+    "learned": LearnedPositions,
+    "sinusoidal": SinusoidalPositions,
+    "rope": NoPositionEmbedding,
+    "alibi": NoPositionEmbedding,
+    "none": NoPositionEmbedding,
+}
+
+
+# ---- applied inside attention ---------------------------------------------------------
+class NoAttnPosition(nn.Module):
+    rotates = False
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+
+    def score_bias(self, n_query: int, n_key: int, offset: int) -> Optional[Tensor]:
+        return None
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
+    """Inverse frequencies of RoPE and the attention scaling, for each scaling variant.
+
+    Mirrors Hugging Face's ``ROPE_INIT_FUNCTIONS`` (default, linear, llama3, yarn), so that
+    imported checkpoints reproduce their logits. ``dynamic`` is applied per call in ``Rotary``.
+    """
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    factor, scaling = cfg.rope_scaling_factor, 1.0
+    original = cfg.rope_original_n_ctx or cfg.n_ctx
+    if cfg.rope_scaling == "linear":
+        inv_freq = inv_freq / factor
+    elif cfg.rope_scaling == "llama3":
+        low_wavelen = original / cfg.rope_low_freq_factor
+        high_wavelen = original / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif cfg.rope_scaling == "yarn":
+        scaling = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        def correction_dim(n_rot: float) -> float:
+            return (dim * math.log(original / (n_rot * 2 * math.pi))) / (2 * math.log(cfg.rope_base))
+
+        low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+        high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, scaling
+
+
+class Rotary(nn.Module):
+    """RoPE (Su et al. 2021) on the first ``rotary_dim`` dims of each query and key head."""
+
+    rotates = True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        inv_freq, self.scaling = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotate_pairs = self._rotate_interleaved if cfg.rotary_interleaved else self._rotate_half
+
+    def score_bias(self, n_query: int, n_key: int, offset: int) -> Optional[Tensor]:
+        return None
+
+    def _inv_freq_for(self, n_positions: int) -> Tensor:
+        cfg = self.cfg
+        original = cfg.rope_original_n_ctx or cfg.n_ctx
+        if cfg.rope_scaling != "dynamic" or n_positions <= original:
+            return self.inv_freq
+        dim = cfg.rotary_dim
+        base = cfg.rope_base * (
+            (cfg.rope_scaling_factor * n_positions / original) - (cfg.rope_scaling_factor - 1)
+        ) ** (dim / (dim - 2))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=self.inv_freq.device).float() / dim))
+
+    def cos_sin(self, n_positions: int, offset: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        positions = torch.arange(offset, offset + n_positions, device=self.inv_freq.device, dtype=torch.float32)
+        angles = torch.outer(positions, self._inv_freq_for(offset + n_positions))  # [pos, rotary_dim/2]
+        if self.cfg.rotary_interleaved:
+            angles = angles.repeat_interleave(2, dim=-1)
+        else:
+            angles = torch.cat([angles, angles], dim=-1)
+        # [pos, 1, rotary_dim], broadcast over heads
+        return (angles.cos() * self.scaling).to(dtype)[:, None], (angles.sin() * self.scaling).to(dtype)[:, None]
+
+    @staticmethod
+    def _rotate_half(x: Tensor) -> Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([-x2, x1], dim=-1)
+
+    @staticmethod
+    def _rotate_interleaved(x: Tensor) -> Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([-x2, x1], dim=-1).flatten(-2)
+
+    def rotate(
+        self, x: Float[Tensor, "batch pos head_index d_head"], offset: int
+    ) -> Float[Tensor, "batch pos head_index d_head"]:
+        r = self.cfg.rotary_dim
+        cos, sin = self.cos_sin(x.shape[1], offset, x.dtype)
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        x_rot = x_rot * cos + self.rotate_pairs(x_rot) * sin
+        return torch.cat([x_rot, x_pass], dim=-1) if x_pass.shape[-1] else x_rot
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """Press et al. (2022): a geometric sequence; for non-powers of two, interleave the next one."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        return torch.tensor(power_of_two_slopes(n_heads))
+    closest = 2 ** math.floor(math.log2(n_heads))
+    extra = power_of_two_slopes(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(power_of_two_slopes(closest) + extra)
+
+
+class ALiBi(nn.Module):
+    """A per-head linear penalty on distance, added to the attention scores."""
+
+    rotates = False
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+
+    def score_bias(self, n_query: int, n_key: int, offset: int) -> Float[Tensor, "head_index query_pos key_pos"]:
+        q_pos = torch.arange(offset, offset + n_query, device=self.slopes.device)
+        k_pos = torch.arange(n_key, device=self.slopes.device)
+        distance = (k_pos[None, :] - q_pos[:, None]).clamp(max=0).to(self.slopes.dtype)
+        return self.slopes[:, None, None] * distance
+
+
+ATTN_POSITIONS = {
+    "learned": NoAttnPosition,
+    "sinusoidal": NoAttnPosition,
+    "none": NoAttnPosition,
+    "rope": Rotary,
+    "alibi": ALiBi,
+}

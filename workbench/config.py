@@ -1,0 +1,317 @@
+"""ModelConfig: every architectural choice of the decoder-only skeleton, as plain data.
+
+A frozen dataclass of primitives, so it survives JSON, checkpoints and Streamlit's
+cache. Component choices are ``Literal`` strings resolved once by the registries in
+``workbench.components``. TransformerLens utilities read ``model.cfg`` by their own
+field names (``normalization_type``, ``act_fn``, ``gated_mlp``, ...); those are
+read-only properties derived here from our choices so the two vocabularies never drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+NormChoice = Literal["layernorm", "rmsnorm", "none"]
+PlacementChoice = Literal["pre", "post"]
+PositionalChoice = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
+FFNChoice = Literal["relu", "gelu", "gelu_new", "swiglu", "geglu", "moe"]
+MoEExpertChoice = Literal["swiglu", "geglu", "relu", "gelu", "gelu_new"]
+RopeScalingChoice = Literal["none", "linear", "dynamic", "llama3", "yarn"]
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one decoder-only model.
+
+    Sizes use TransformerLens' names. ``None`` for a derived size means "the usual
+    default": ``d_head = d_model // n_heads``, ``n_kv_heads = n_heads`` (MHA),
+    ``d_mlp = 4 * d_model``.
+    """
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_vocab: int
+    n_ctx: int
+    d_head: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    d_mlp: Optional[int] = None
+
+    norm: NormChoice = "layernorm"
+    norm_placement: PlacementChoice = "pre"
+    positional: PositionalChoice = "learned"
+    ffn: FFNChoice = "gelu"
+    attn_only: bool = False
+    parallel_residual: bool = False
+    tie_embeddings: bool = True
+
+    # Biases: ``bias`` covers every linear map; ``qkv_bias`` overrides it for the
+    # query/key/value projections only (Qwen2 has q/k/v biases and nothing else).
+    bias: bool = True
+    qkv_bias: Optional[bool] = None
+    norm_eps: float = 1e-5
+
+    # RoPE: ``rotary_dim`` < d_head rotates only the first dims (GPT-NeoX partial rotary);
+    # ``rotary_interleaved`` pairs (0,1),(2,3).. (GPT-J) instead of halves (NeoX/Llama).
+    rope_base: float = 10000.0
+    rotary_dim: Optional[int] = None
+    rotary_interleaved: bool = False
+    rope_scaling: RopeScalingChoice = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_n_ctx: Optional[int] = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+
+    # Mixture of experts (ffn="moe"): top-k routing over n_experts gated MLPs.
+    n_experts: int = 4
+    experts_per_token: int = 2
+    moe_expert: MoEExpertChoice = "swiglu"
+
+    init_std: float = 0.02
+    seed: Optional[int] = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_literal(f.name, getattr(self, f.name), _resolved_hints()[f.name])
+        for name in ("d_model", "n_layers", "n_heads", "d_vocab", "n_ctx"):
+            _check_positive(name, getattr(self, name))
+        if self.d_head is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
+                    "set d_head explicitly or choose n_heads dividing d_model"
+                )
+            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.d_mlp is None:
+            object.__setattr__(self, "d_mlp", 4 * self.d_model)
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.d_head)
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.bias)
+        for name in ("d_head", "n_kv_heads", "d_mlp", "rotary_dim", "n_experts", "experts_per_token"):
+            _check_positive(name, getattr(self, name))
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
+                "(n_kv_heads = n_heads is MHA, 1 is MQA, a divisor in between is GQA)"
+            )
+        if self.rotary_dim > self.d_head or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and at most d_head={self.d_head}")
+        if self.experts_per_token > self.n_experts:
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} exceeds n_experts={self.n_experts}"
+            )
+        if self.parallel_residual and self.norm_placement == "post":
+            raise ValueError(
+                "parallel_residual=True needs norm_placement='pre' (GPT-J/NeoX layout); "
+                "a post-norm parallel block has no standard definition"
+            )
+        if self.parallel_residual and self.attn_only:
+            raise ValueError("parallel_residual=True has no meaning with attn_only=True")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+
+    # ---- TransformerLens' vocabulary, derived (read-only) -------------------------
+    @property
+    def normalization_type(self) -> Optional[str]:
+        return {"layernorm": "LN", "rmsnorm": "RMS", "none": None}[self.norm]
+
+    @property
+    def final_rms(self) -> bool:
+        return self.norm == "rmsnorm"
+
+    @property
+    def positional_embedding_type(self) -> str:
+        return {
+            "learned": "standard",
+            "sinusoidal": "sinusoidal",
+            "rope": "rotary",
+            "alibi": "alibi",
+            "none": "none",
+        }[self.positional]
+
+    @property
+    def act_fn(self) -> str:
+        act = self.moe_expert if self.ffn == "moe" else self.ffn
+        return {"swiglu": "silu", "geglu": "gelu"}.get(act, act)
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.ffn in ("swiglu", "geglu") or (self.ffn == "moe" and self.moe_expert in ("swiglu", "geglu"))
+
+    @property
+    def n_key_value_heads(self) -> Optional[int]:
+        return None if self.n_kv_heads == self.n_heads else self.n_kv_heads
+
+    @property
+    def num_experts(self) -> Optional[int]:
+        return self.n_experts if self.ffn == "moe" else None
+
+    @property
+    def rotary_base(self) -> float:
+        return self.rope_base
+
+    @property
+    def eps(self) -> float:
+        return self.norm_eps
+
+    @property
+    def parallel_attn_mlp(self) -> bool:
+        return self.parallel_residual
+
+    @property
+    def use_attn_result(self) -> bool:
+        return False
+
+    @property
+    def default_prepend_bos(self) -> bool:
+        return False
+
+    @property
+    def original_architecture(self) -> str:
+        return "workbench.HookedDecoder"
+
+    @property
+    def device(self) -> Optional[str]:
+        return None
+
+    @property
+    def is_gqa(self) -> bool:
+        return 1 < self.n_kv_heads < self.n_heads
+
+    # ---- construction and serialisation ---------------------------------------
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed; derived sizes are re-derived unless given."""
+        data = self.to_dict()
+        for derived, default in _DERIVED_DEFAULTS.items():
+            if derived not in changes and data[derived] == default(self):
+                data[derived] = None
+        data.update(changes)
+        return ModelConfig.from_dict(data)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"a model config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown ModelConfig field(s) {unknown}; valid fields are {sorted(known)}"
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "ModelConfig":
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text_or_path).read_text()
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; valid presets are {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], "name": name, **overrides})
+
+    @staticmethod
+    def presets() -> list[str]:
+        return sorted(PRESETS)
+
+
+_DERIVED_DEFAULTS = {
+    "d_head": lambda c: c.d_model // c.n_heads if c.d_model % c.n_heads == 0 else -1,
+    "n_kv_heads": lambda c: c.n_heads,
+    "d_mlp": lambda c: 4 * c.d_model,
+    "rotary_dim": lambda c: c.d_head,
+    "qkv_bias": lambda c: c.bias,
+}
+
+_HINTS: dict[str, Any] = {}
+
+
+def _resolved_hints() -> dict[str, Any]:
+    if not _HINTS:
+        _HINTS.update(typing.get_type_hints(ModelConfig))
+    return _HINTS
+
+
+def _check_literal(name: str, value: Any, hint: Any) -> None:
+    args = typing.get_args(hint)
+    literal = hint if typing.get_origin(hint) is Literal else None
+    if literal is None:
+        for arg in args:
+            if typing.get_origin(arg) is Literal:
+                literal = arg
+    if literal is not None and value not in typing.get_args(literal):
+        raise ValueError(
+            f"ModelConfig.{name}={value!r} is not a valid choice; "
+            f"valid choices are {list(typing.get_args(literal))}"
+        )
+    if hint is bool and not isinstance(value, bool):
+        raise ValueError(f"ModelConfig.{name} must be true or false, got {value!r}")
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"ModelConfig.{name} must be an integer, got {value!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # GPT-2 small (124M): the 2019 block, learned positions, tied head.
+    "gpt2-small": dict(
+        d_model=768, n_layers=12, n_heads=12, d_vocab=50257, n_ctx=1024,
+        norm="layernorm", positional="learned", ffn="gelu_new", tie_embeddings=True,
+    ),
+    # GPT-3 175B as in Brown et al. (2020), table 2.1: d=12288, 96 layers, 96 heads.
+    "gpt3-175b": dict(
+        d_model=12288, n_layers=96, n_heads=96, d_vocab=50257, n_ctx=2048,
+        norm="layernorm", positional="learned", ffn="gelu", tie_embeddings=True,
+    ),
+    # Small models for the bench: the 2020 block and the 2026 block.
+    "gpt2-style-tiny": dict(
+        d_model=128, n_layers=2, n_heads=4, d_vocab=512, n_ctx=128,
+        norm="layernorm", positional="learned", ffn="gelu", tie_embeddings=True,
+    ),
+    "llama-style-tiny": dict(
+        d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=352, d_vocab=512, n_ctx=128,
+        norm="rmsnorm", positional="rope", ffn="swiglu", bias=False, tie_embeddings=False,
+        norm_eps=1e-6,
+    ),
+    "attn-only-2l": dict(
+        d_model=128, n_layers=2, n_heads=8, d_vocab=64, n_ctx=64,
+        norm="layernorm", positional="rope", attn_only=True, tie_embeddings=False,
+    ),
+    "moe-tiny": dict(
+        d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=256, d_vocab=512, n_ctx=128,
+        norm="rmsnorm", positional="rope", ffn="moe", n_experts=4, experts_per_token=2,
+        bias=False, tie_embeddings=False,
+    ),
+    "nanogpt-bench": dict(
+        d_model=256, n_layers=4, n_heads=8, d_mlp=1024, d_vocab=4096, n_ctx=256,
+        norm="layernorm", positional="learned", ffn="gelu", tie_embeddings=True,
+    ),
+}

@@ -1,0 +1,363 @@
+"""HookedDecoder: the decoder-only skeleton on TransformerLens' HookedRootModule.
+
+    tokens -> embed (+ positions) -> L x Block -> final norm -> unembed -> logits
+
+Every residual-stream write, attention pattern and norm scale is a HookPoint under
+TransformerLens' name, so ``run_with_cache`` returns a real ``ActivationCache`` whose
+methods (``accumulated_resid``, ``decompose_resid``, ``stack_head_results``, ...) work.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Literal, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+from transformer_lens import ActivationCache, FactoredMatrix, HookedRootModule
+from transformer_lens.hook_points import HookPoint
+
+from workbench.components.attention import KVCacheEntry
+from workbench.components.block import Block
+from workbench.components.norm import NORMS
+from workbench.components.positional import POS_EMBEDDINGS
+from workbench.components.registry import pick
+from workbench.config import ModelConfig
+
+ReturnType = Optional[Literal["logits", "loss", "both"]]
+
+
+class Embed(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+
+    def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+        return self.W_E[tokens]
+
+
+class Unembed(nn.Module):
+    """The head; when tied, ``W_U`` is ``W_E`` transposed and nothing is stored here."""
+
+    def __init__(self, cfg: ModelConfig, embed: Embed):
+        super().__init__()
+        if cfg.tie_embeddings:
+            self._embed = [embed]  # a list, so the tied weight is not registered twice
+        else:
+            self.W_U_param = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
+        self.register_buffer("b_U", torch.zeros(cfg.d_vocab), persistent=False)
+        self.tied = cfg.tie_embeddings
+
+    @property
+    def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
+        return self._embed[0].W_E.T if self.tied else self.W_U_param
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
+        return x @ self.W_U + self.b_U
+
+
+class KVCache:
+    """Per-layer keys and values for incremental decoding; ``length`` positions so far."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype):
+        self.entries = [KVCacheEntry(cfg, batch, device, dtype) for _ in range(cfg.n_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.entries[0].length
+
+    def __getitem__(self, layer: int) -> KVCacheEntry:
+        return self.entries[layer]
+
+
+class HookedDecoder(HookedRootModule):
+    def __init__(self, cfg: ModelConfig, tokenizer: Any = None):
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"HookedDecoder needs a ModelConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.embed = Embed(cfg)
+        self.hook_embed = HookPoint()  # [batch, pos, d_model]
+        self.pos_embed = pick(POS_EMBEDDINGS, cfg.positional, "positional")(cfg)
+        if self.pos_embed.adds_to_residual:
+            self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
+        self.blocks = nn.ModuleList([Block(cfg, layer) for layer in range(cfg.n_layers)])
+        self.ln_final = pick(NORMS, cfg.norm, "norm")(cfg)
+        self.unembed = Unembed(cfg, self.embed)
+        self.init_weights()
+        self.setup()
+
+    # ---- construction -----------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """GPT-2 style: N(0, init_std); output projections scaled by 1/sqrt(2 * n_layers)."""
+        if any(p.is_meta for p in self.parameters()):
+            return
+        seed = self.cfg.seed if seed is None else seed
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.ndim < 2:
+                p.fill_(1.0 if name.endswith(".w") else 0.0)
+            else:
+                scale = out_std if name.endswith(("W_O", "W_out")) else std
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.W_E.device
+
+    def make_kv_cache(self, batch: int) -> KVCache:
+        return KVCache(self.cfg, batch, self.device, self.embed.W_E.dtype)
+
+    # ---- forward ----------------------------------------------------------------
+    def forward(
+        self,
+        input: Union[str, Sequence[str], Tensor],
+        return_type: ReturnType = "logits",
+        loss_per_token: bool = False,
+        *,
+        tokens: Optional[Tensor] = None,
+        start_at_layer: Optional[int] = None,
+        stop_at_layer: Optional[int] = None,
+        kv_cache: Optional[KVCache] = None,
+    ):
+        """Run the model.
+
+        ``input`` is tokens [batch, pos] (or a string when a tokenizer is attached), or, with
+        ``start_at_layer``, the residual stream [batch, pos, d_model] entering that block;
+        ``tokens`` then supplies the targets for the loss. With ``stop_at_layer`` the residual
+        stream entering that block is returned instead of logits.
+        """
+        if return_type not in ("logits", "loss", "both", None):
+            raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
+        offset = kv_cache.length if kv_cache is not None else 0
+        if start_at_layer is None:
+            tokens = self._check_tokens(self.to_tokens(input) if not isinstance(input, Tensor) else input, offset)
+            resid = self.hook_embed(self.embed(tokens))
+            if self.pos_embed.adds_to_residual:
+                resid = resid + self.hook_pos_embed(self.pos_embed(tokens, offset))
+            start_at_layer = 0
+        else:
+            resid = input.to(self.device)
+            if tokens is not None:
+                tokens = self._check_tokens(tokens, offset)
+        for block in self.blocks[start_at_layer:stop_at_layer]:
+            resid = block(resid, kv_cache[block.layer] if kv_cache is not None else None)
+        if stop_at_layer is not None:
+            return resid
+        logits = self.unembed(self.ln_final(resid))
+        if return_type == "logits":
+            return logits
+        if tokens is None:
+            raise ValueError("the loss needs tokens: pass tokens=... when starting from a residual stream")
+        loss = self.loss_fn(logits, tokens, per_token=loss_per_token)
+        if return_type == "loss":
+            return loss
+        return (logits, loss) if return_type == "both" else None
+
+    @staticmethod
+    def loss_fn(
+        logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"], per_token: bool = False
+    ) -> Tensor:
+        """Next-token cross-entropy, every position supervised at once; [batch, pos-1] if per_token."""
+        if tokens.shape[1] < 2:
+            raise ValueError("the next-token loss needs at least 2 tokens per sequence")
+        losses = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1), reduction="none"
+        ).view(tokens.shape[0], -1)
+        return losses if per_token else losses.mean()
+
+    def _check_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] == 0:
+            raise ValueError("empty input: need at least one token")
+        if offset + tokens.shape[1] > self.cfg.n_ctx:
+            raise ValueError(
+                f"sequence of {offset + tokens.shape[1]} tokens is longer than the context "
+                f"n_ctx={self.cfg.n_ctx}; shorten the prompt or use a model with a larger n_ctx"
+            )
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.d_vocab):
+            raise ValueError(
+                f"token ids must lie in [0, {self.cfg.d_vocab}); got range "
+                f"[{int(tokens.min())}, {int(tokens.max())}]"
+            )
+        return tokens.to(self.device)
+
+    def run_with_cache(self, *args: Any, remove_batch_dim: bool = False, **kwargs: Any):
+        """Like HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``."""
+        out, cache_dict = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
+        return out, ActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+
+    # ---- generation -------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        input: Union[str, Tensor],
+        max_new_tokens: int = 32,
+        use_kv_cache: bool = True,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop_tokens: Optional[Iterable[int]] = None,
+        verbose: bool = False,
+    ) -> Union[Tensor, str]:
+        """Continue ``input`` by up to ``max_new_tokens`` tokens (greedy when temperature=0).
+
+        A row that emits one of ``stop_tokens`` is finished: it is padded with that stop token
+        while other rows go on; generation ends when every row has finished. A string input
+        returns a string (the prompt and its continuation); tokens return [batch, pos + new].
+        """
+        as_string = isinstance(input, str)
+        tokens = self._check_tokens(self.to_tokens(input) if as_string else input)
+        if tokens.shape[1] + max_new_tokens > self.cfg.n_ctx:
+            raise ValueError(
+                f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds n_ctx={self.cfg.n_ctx}"
+            )
+        if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 1")
+        was_training = self.training
+        self.eval()
+        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        stops = torch.tensor(sorted(set(stop_tokens or [])), device=self.device, dtype=torch.long)
+        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=self.device)
+        pad = torch.full_like(finished, int(stops[0]) if len(stops) else 0, dtype=torch.long)
+        cache = self.make_kv_cache(tokens.shape[0]) if use_kv_cache else None
+        logits = self(tokens, kv_cache=cache)[:, -1]
+        for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generating"):
+            next_token = _sample(logits, temperature, top_k, top_p, gen)
+            next_token = torch.where(finished, pad, next_token)
+            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+            finished |= torch.isin(next_token, stops)
+            if bool(finished.all()) or tokens.shape[1] == self.cfg.n_ctx:
+                break
+            step_input = next_token[:, None] if use_kv_cache else tokens
+            logits = self(step_input, kv_cache=cache)[:, -1]
+        self.train(was_training)
+        return self.to_string(tokens[0]) if as_string else tokens
+
+    # ---- tokenizer helpers --------------------------------------------------------
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer attached: pass token ids, or set model.tokenizer")
+        return self.tokenizer
+
+    def to_tokens(self, text: Union[str, Sequence[str]]) -> Int[Tensor, "batch pos"]:
+        tok = self._need_tokenizer()
+        texts = [text] if isinstance(text, str) else list(text)
+        ids = [tok.encode(t) for t in texts]
+        if len({len(i) for i in ids}) != 1:
+            raise ValueError("texts tokenize to different lengths; pass them one at a time or as padded ids")
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def to_string(self, tokens: Union[Tensor, Sequence[int]]) -> str:
+        ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
+        return self._need_tokenizer().decode(ids)
+
+    def to_str_tokens(self, input: Union[str, Tensor, Sequence[int]]) -> list[str]:
+        tok = self._need_tokenizer()
+        ids = tok.encode(input) if isinstance(input, str) else input
+        ids = ids.flatten().tolist() if isinstance(ids, Tensor) else list(ids)
+        return [tok.token_str(i) for i in ids]
+
+    def to_single_token(self, text: str) -> int:
+        ids = self._need_tokenizer().encode(text)
+        if len(ids) != 1:
+            raise ValueError(f"{text!r} is {len(ids)} tokens, not one")
+        return ids[0]
+
+    # ---- weights under TransformerLens' names ---------------------------------------
+    @property
+    def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
+        return self.embed.W_E
+
+    @property
+    def W_pos(self) -> Tensor:
+        if not self.pos_embed.adds_to_residual:
+            raise AttributeError(f"positional={self.cfg.positional!r} adds no position embedding (no W_pos)")
+        return self.pos_embed.W_pos
+
+    @property
+    def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
+        return self.unembed.W_U
+
+    @property
+    def b_U(self) -> Float[Tensor, "d_vocab"]:
+        return self.unembed.b_U
+
+    def _stack(self, get) -> Tensor:
+        return torch.stack([get(block) for block in self.blocks], dim=0)
+
+    W_Q = property(lambda self: self._stack(lambda b: b.attn.W_Q))
+    W_K = property(lambda self: self._stack(lambda b: b.attn.W_K))
+    W_V = property(lambda self: self._stack(lambda b: b.attn.W_V))
+    W_O = property(lambda self: self._stack(lambda b: b.attn.W_O))
+    b_Q = property(lambda self: self._stack(lambda b: b.attn.b_Q))
+    b_K = property(lambda self: self._stack(lambda b: b.attn.b_K))
+    b_V = property(lambda self: self._stack(lambda b: b.attn.b_V))
+    b_O = property(lambda self: self._stack(lambda b: b.attn.b_O))
+    W_in = property(lambda self: self._stack(lambda b: b.mlp.W_in))
+    W_out = property(lambda self: self._stack(lambda b: b.mlp.W_out))
+    W_gate = property(lambda self: self._stack(lambda b: b.mlp.W_gate))
+    b_in = property(lambda self: self._stack(lambda b: b.mlp.b_in))
+    b_out = property(lambda self: self._stack(lambda b: b.mlp.b_out))
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+
+    @property
+    def OV(self) -> FactoredMatrix:
+        return FactoredMatrix(self.W_V, self.W_O)
+
+    def tokens_to_residual_directions(self, tokens: Union[str, int, Tensor]) -> Tensor:
+        """The unembedding direction(s) of tokens: [d_model], or [..., d_model] for a tensor."""
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        if isinstance(tokens, int):
+            return self.W_U[:, tokens]
+        return self.W_U[:, tokens.to(self.device)].movedim(0, -1)
+
+    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
+        """Sum of the output biases written to the residual stream before ``layer``."""
+        total = torch.zeros(self.cfg.d_model, device=self.device)
+        for i in range(layer):
+            total = total + self.blocks[i].attn.b_O
+            if include_mlp_biases and not self.cfg.attn_only and hasattr(self.blocks[i].mlp, "b_out"):
+                total = total + self.blocks[i].mlp.b_out
+        if mlp_input:
+            if layer >= self.cfg.n_layers:
+                raise ValueError(f"mlp_input=True needs layer < n_layers={self.cfg.n_layers}")
+            total = total + self.blocks[layer].attn.b_O
+        return total
+
+
+def _sample(
+    logits: Float[Tensor, "batch d_vocab"],
+    temperature: float,
+    top_k: Optional[int],
+    top_p: Optional[float],
+    gen: Optional[torch.Generator],
+) -> Int[Tensor, "batch"]:
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]

@@ -1,0 +1,139 @@
+"""Tokenizers saved with checkpoints: character-level, byte-level, and BPE.
+
+Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``,
+``token_str(id) -> str`` (a readable label for plots), ``vocab_size``, and ``save(dir)``,
+which writes ``tokenizer.json``; ``load_tokenizer(dir)`` restores whichever kind was saved.
+BPE is trained locally with the ``tokenizers`` library; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet; unseen characters map to ``unk``."""
+
+    kind = "char"
+
+    def __init__(self, chars: Iterable[str], unk: str = "\ufffd"):
+        alphabet = sorted(set(chars) - {unk})
+        self.unk = unk
+        self.itos = [unk] + alphabet
+        self.stoi = {c: i for i, c in enumerate(self.itos)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        return cls(set(text))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.stoi.get(c, 0) for c in text]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.itos[int(i)] for i in ids)
+
+    def token_str(self, token_id: int) -> str:
+        return self.itos[int(token_id)]
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "chars": self.itos[1:], "unk": self.unk}
+
+    def save(self, directory: Union[str, Path]) -> None:
+        Path(directory, TOKENIZER_FILE).write_text(json.dumps(self.to_dict(), ensure_ascii=False))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes, 256 ids: every string is encodable; decoding replaces broken sequences."""
+
+    kind = "byte"
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def token_str(self, token_id: int) -> str:
+        b = bytes([int(token_id)])
+        return b.decode("utf-8") if token_id < 128 else f"<0x{int(token_id):02X}>"
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind}
+
+    save = CharTokenizer.save
+
+
+class BPETokenizer:
+    """Byte-level BPE trained on a local corpus with Hugging Face ``tokenizers``."""
+
+    kind = "bpe"
+
+    def __init__(self, hf_tokenizer):
+        self.hf = hf_tokenizer
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 1024, min_frequency: int = 2) -> "BPETokenizer":
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode([int(i) for i in ids])
+
+    def token_str(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "tokenizer": json.loads(self.hf.to_str())}
+
+    save = CharTokenizer.save
+
+
+Tokenizer = Union[CharTokenizer, ByteTokenizer, BPETokenizer]
+
+
+def tokenizer_from_dict(data: dict) -> Tokenizer:
+    kind = data.get("kind")
+    if kind == "char":
+        return CharTokenizer(data["chars"], unk=data.get("unk", "\ufffd"))
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return BPETokenizer(HFTokenizer.from_str(json.dumps(data["tokenizer"])))
+    raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds are ['bpe', 'byte', 'char']")
+
+
+def load_tokenizer(directory: Union[str, Path]) -> Optional[Tokenizer]:
+    """The tokenizer saved in ``directory``, or None when there is none."""
+    path = Path(directory, TOKENIZER_FILE)
+    if not path.exists():
+        return None
+    return tokenizer_from_dict(json.loads(path.read_text()))
