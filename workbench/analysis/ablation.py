@@ -1,0 +1,245 @@
+"""Ablation: knock out part of the model and measure what changes.
+
+One ``AblationSpec`` says *what* (a head, a layer's attention, a layer's MLP, some MLP
+neurons, the residual stream, or one direction in it; optionally only at some positions)
+and *how* (``zero``; ``mean`` over a reference batch, per position; ``resample`` from
+other inputs). ``ablate`` runs one ablation with a hook; ``ablation_sweep`` runs one for
+every head or every layer. The sweep starts each ablated run from the clean run's cached
+activations at the ablated layer (``workbench.analysis.resume``): nothing below the layer,
+and for heads not even that layer's attention, is recomputed; on a GPU it also stacks
+several ablations into one forward. ``naive=True`` runs the plain one-hooked-forward-per-unit
+loop instead (the reference the tests and ``benchmarks/sweep.py`` compare against).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence, Union
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from workbench.analysis.common import Metric, as_tokens, check_choice, check_head, check_layer, loss_metric
+from workbench.analysis.resume import hook_name, needed_hooks, run_from_site
+
+TARGETS = ("head", "attn", "mlp", "neurons", "resid", "direction")
+METHODS = ("zero", "mean", "resample")
+# target -> (hook, site run_from_site resumes at; None = resume a hooked run at the block)
+_HOOKS = {
+    "head": ("attn.hook_z", "z"),
+    "attn": ("hook_attn_out", "attn_out"),
+    "mlp": ("hook_mlp_out", "mlp_out"),
+    "neurons": ("mlp.hook_post", None),
+    "resid": ("hook_resid_pre", "resid_pre"),
+    "direction": ("hook_resid_pre", "resid_pre"),
+}
+
+
+@dataclass
+class AblationSpec:
+    """What to ablate and how.
+
+    target: ``head`` (needs ``head``), ``attn``, ``mlp``, ``neurons`` (needs ``neurons``,
+    indices into ``mlp.hook_post``), ``resid`` (the stream entering ``layer``) or
+    ``direction`` (the component of that stream along ``direction``).
+    positions: only these positions are ablated (all when None).
+    method: ``zero``, ``mean`` (over the reference batch, per position) or ``resample``
+    (each sequence takes the activation of another: the next one in the batch when no
+    reference is given, else a random reference row drawn with ``seed``).
+    """
+
+    target: Literal["head", "attn", "mlp", "neurons", "resid", "direction"]
+    layer: int
+    head: Optional[int] = None
+    neurons: Optional[Sequence[int]] = None
+    direction: Optional[Tensor] = None
+    positions: Optional[Sequence[int]] = None
+    method: Literal["zero", "mean", "resample"] = "zero"
+    seed: int = 0
+
+    def validate(self, model) -> "AblationSpec":
+        check_choice("target", self.target, TARGETS)
+        check_choice("method", self.method, METHODS)
+        check_layer(model, self.layer)
+        if self.target == "head":
+            check_head(model, self.head)
+        if self.target in ("mlp", "neurons") and model.cfg.attn_only:
+            raise ValueError(f"target={self.target!r} needs an MLP, but this model is attention-only")
+        if self.target == "neurons" and not self.neurons:
+            raise ValueError("target='neurons' needs neurons=[indices into the MLP hidden layer]")
+        if self.target == "direction":
+            if self.direction is None or self.direction.shape != (model.cfg.d_model,):
+                raise ValueError(f"target='direction' needs direction=a [d_model={model.cfg.d_model}] tensor")
+        return self
+
+    @property
+    def hook(self) -> str:
+        return f"blocks.{self.layer}.{_HOOKS[self.target][0]}"
+
+    @property
+    def label(self) -> str:
+        where = f"L{self.layer}H{self.head}" if self.target == "head" else f"L{self.layer} {self.target}"
+        return f"{where} ({self.method})"
+
+
+def replacement(spec: AblationSpec, act: Tensor, ref_act: Optional[Tensor]) -> Tensor:
+    """``act`` with the spec's part ablated (a new tensor; ``act`` is left alone)."""
+    batch, n_pos = act.shape[:2]
+    if spec.method == "zero":
+        source = torch.zeros_like(act)
+    elif spec.method == "mean":
+        if ref_act.shape[1] < n_pos:
+            raise ValueError(f"the reference has {ref_act.shape[1]} positions, fewer than the input's {n_pos}")
+        source = ref_act[:, :n_pos].mean(0, keepdim=True).expand_as(act)
+    else:
+        if ref_act.shape[1] < n_pos:
+            raise ValueError(f"the reference has {ref_act.shape[1]} positions, fewer than the input's {n_pos}")
+        source = ref_act[_resample_rows(spec, batch, ref_act.shape[0], ref_act.device), :n_pos]
+    out = act.clone()
+    pos = slice(None) if spec.positions is None else torch.as_tensor(list(spec.positions), device=act.device)
+    if spec.target == "head":
+        out[:, pos, spec.head] = source[:, pos, spec.head]
+    elif spec.target == "neurons":
+        idx = torch.as_tensor(list(spec.neurons), device=act.device)
+        out[:, pos, ..., idx] = source[:, pos, ..., idx]
+    elif spec.target == "direction":
+        unit = (spec.direction / spec.direction.norm()).to(act)
+        along = (act[:, pos] @ unit)[..., None] * unit
+        out[:, pos] = act[:, pos] - along + (source[:, pos] @ unit)[..., None] * unit
+    else:
+        out[:, pos] = source[:, pos]
+    return out
+
+
+def _resample_rows(spec: AblationSpec, batch: int, ref_batch: int, device) -> Tensor:
+    if spec.seed < 0:  # the input is its own reference: every row takes the next row's activation
+        if batch < 2:
+            raise ValueError("resample ablation without a reference needs a batch of at least 2 sequences")
+        return (torch.arange(batch) + 1) % batch
+    gen = torch.Generator().manual_seed(spec.seed)
+    return torch.randint(0, ref_batch, (batch,), generator=gen).to(device)
+
+
+def _reference_acts(model, tokens: Tensor, reference: Optional[Tensor], names: set[str], method: str):
+    """The reference run's activations at ``names`` (the input itself when no reference)."""
+    if method == "zero":
+        return {}
+    ref = tokens if reference is None else as_tokens(model, reference)
+    _, cache = model.run_with_cache(ref, names_filter=lambda name: name in names)
+    return cache.cache_dict
+
+
+def _effective(spec: AblationSpec, reference: Optional[Tensor]) -> AblationSpec:
+    if spec.method == "resample" and reference is None:
+        return AblationSpec(**{**spec.__dict__, "seed": -1})
+    return spec
+
+
+def ablation_hooks(model, tokens: Tensor, spec: AblationSpec, reference: Optional[Tensor] = None) -> list:
+    """``fwd_hooks`` for ``run_with_hooks`` that apply ``spec`` (reference activations precomputed)."""
+    spec = spec.validate(model)
+    refs = {spec.method: _reference_acts(model, tokens, reference, {spec.hook}, spec.method)}
+    return _spec_hook(spec, refs, reference)
+
+
+@torch.no_grad()
+def ablate(
+    model,
+    tokens: Union[str, Int[Tensor, "batch pos"]],
+    spec: AblationSpec,
+    reference: Optional[Int[Tensor, "batch pos"]] = None,
+    return_type: str = "logits",
+) -> Tensor:
+    """The model's output (logits, or loss) with ``spec`` ablated, via one hooked forward."""
+    tokens = as_tokens(model, tokens)
+    hooks = ablation_hooks(model, tokens, spec, reference)
+    return model.run_with_hooks(tokens, fwd_hooks=hooks, return_type=return_type)
+
+
+def sweep_specs(model, unit: str, methods: Sequence[str], positions=None) -> list[AblationSpec]:
+    """Every head (``unit="head"``) or every layer's attention and MLP (``unit="layer"``)."""
+    check_choice("unit", unit, ("head", "layer"))
+    specs = []
+    for method in methods:
+        check_choice("method", method, METHODS)
+        for layer in range(model.cfg.n_layers):
+            if unit == "head":
+                specs += [AblationSpec("head", layer, head=h, method=method, positions=positions)
+                          for h in range(model.cfg.n_heads)]
+            else:
+                specs.append(AblationSpec("attn", layer, method=method, positions=positions))
+                if not model.cfg.attn_only:
+                    specs.append(AblationSpec("mlp", layer, method=method, positions=positions))
+    return specs
+
+
+@torch.no_grad()
+def ablation_sweep(
+    model,
+    tokens: Union[str, Int[Tensor, "batch pos"]],
+    unit: str = "head",
+    methods: Sequence[str] = ("zero",),
+    metric: Optional[Metric] = None,
+    reference: Optional[Int[Tensor, "batch pos"]] = None,
+    positions: Optional[Sequence[int]] = None,
+    specs: Optional[Sequence[AblationSpec]] = None,
+    stack: Optional[int] = None,
+    naive: bool = False,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """Ablate every head or layer in turn; one row per ablation.
+
+    ``metric`` maps logits to a scalar (default: the mean next-token loss of ``tokens``).
+    ``stack`` ablations share one forward (default: 1 on CPU, where a forward already fills
+    the cores, 16 on a GPU). Columns: target, layer, head, method, label, metric, clean, delta.
+    """
+    tokens = as_tokens(model, tokens)
+    metric = loss_metric(tokens) if metric is None else metric
+    specs = [s.validate(model) for s in (specs or sweep_specs(model, unit, methods, positions))]
+    stack = stack or (16 if model.device.type == "cuda" else 1)
+    was_training = model.training
+    model.eval()
+    sites = needed_hooks(model)
+    clean_logits, cache = model.run_with_cache(tokens, names_filter=lambda name: name in sites)
+    clean = float(metric(clean_logits))
+    ref_names = {s.hook for s in specs}
+    refs = {m: _reference_acts(model, tokens, reference, ref_names, m) for m in {s.method for s in specs}}
+
+    values: dict[int, float] = {}
+    bar = tqdm(total=len(specs), disable=not progress, desc="ablation sweep")
+    if naive:
+        for i, spec in enumerate(specs):
+            values[i] = float(metric(ablate(model, tokens, spec, reference)))
+            bar.update()
+    else:
+        # Group the edits that resume at the same place, then run them `stack` at a time.
+        groups: dict[tuple, list[int]] = {}
+        for i, spec in enumerate(specs):
+            groups.setdefault((spec.layer, _HOOKS[spec.target][1] or "hooked", spec.hook), []).append(i)
+        for (layer, site, hook), members in groups.items():
+            for start in range(0, len(members), stack):
+                chunk = members[start : start + stack]
+                if site == "hooked":  # neurons: resume at the block, with the hook inside its MLP
+                    logits = [model.run_with_hooks(cache[hook_name(layer, "resid_pre")], start_at_layer=layer,
+                                                   fwd_hooks=_spec_hook(specs[i], refs, reference)) for i in chunk]
+                else:
+                    edits = [replacement(_effective(specs[i], reference), cache[hook], refs[specs[i].method].get(hook))
+                             for i in chunk]
+                    logits = run_from_site(model, layer, site, torch.cat(edits), cache.cache_dict).chunk(len(chunk))
+                for i, lg in zip(chunk, logits):
+                    values[i] = float(metric(lg))
+                bar.update(len(chunk))
+    bar.close()
+    model.train(was_training)
+    rows = [(s.target, s.layer, -1 if s.head is None else s.head, s.method, s.label, values[i], clean, values[i] - clean)
+            for i, s in enumerate(specs)]
+    return pd.DataFrame(rows, columns=["target", "layer", "head", "method", "label", "metric", "clean", "delta"])
+
+
+def _spec_hook(spec: AblationSpec, refs: dict, reference) -> list:
+    eff = _effective(spec, reference)
+    ref_act = refs[spec.method].get(spec.hook)
+    return [(spec.hook, lambda act, hook: replacement(eff, act, ref_act))]

@@ -1,0 +1,138 @@
+"""Attention heads: patterns as tables, and what kind of head each one is.
+
+Head scores follow TransformerLens' ``head_detector`` detection patterns (previous-token,
+duplicate-token, induction) plus first-token attention, computed for every head of every
+layer from one cached run. A score is the attention a head puts on the positions its
+pattern names, averaged over the query positions that have such a position, so a perfect
+induction head scores 1 on repeated random tokens (TL's ``"mul"`` score averages over every
+query row instead; the tests convert one into the other).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+from workbench.analysis.common import as_tokens, check_choice, str_tokens
+
+SCORE_KINDS = ("previous_token", "duplicate_token", "induction", "first_token")
+
+
+def _pattern_cache(model, tokens: Tensor, layers: Sequence[int]):
+    wanted = {f"blocks.{l}.attn.hook_pattern" for l in layers}
+    _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in wanted)
+    return cache
+
+
+@torch.no_grad()
+def attention_patterns(
+    model,
+    tokens: Union[str, Int[Tensor, "batch pos"]],
+    layers: Optional[Sequence[int]] = None,
+    heads: Optional[Sequence[int]] = None,
+    batch_index: Optional[int] = 0,
+) -> pd.DataFrame:
+    """Attention weights, one row per (batch, layer, head, query_pos, key_pos) with key <= query.
+
+    Columns: batch, layer, head, query_pos, key_pos, query_token, key_token, attention.
+    ``batch_index=None`` keeps every sequence of the batch.
+    """
+    tokens = as_tokens(model, tokens)
+    layers = list(range(model.cfg.n_layers)) if layers is None else list(layers)
+    heads = list(range(model.cfg.n_heads)) if heads is None else list(heads)
+    if batch_index is not None:
+        tokens = tokens[batch_index : batch_index + 1]
+    cache = _pattern_cache(model, tokens, layers)
+    frames = []
+    labels = np.empty(tokens.shape, dtype=object)
+    labels[:] = [str_tokens(model, row) for row in tokens]
+    for layer in layers:
+        pattern = cache[f"blocks.{layer}.attn.hook_pattern"][:, heads].float().cpu().numpy()  # [b, h, q, k]
+        causal = np.broadcast_to(np.tril(np.ones(pattern.shape[-2:], dtype=bool)), pattern.shape)
+        b, h, q, k = np.nonzero(causal)
+        frames.append(pd.DataFrame({
+            "batch": b if batch_index is None else batch_index,
+            "layer": layer,
+            "head": np.asarray(heads)[h],
+            "query_pos": q,
+            "key_pos": k,
+            "query_token": labels[b, q],
+            "key_token": labels[b, k],
+            "attention": pattern[b, h, q, k],
+        }))
+    return pd.concat(frames, ignore_index=True)
+
+
+# ---- detection patterns, as TransformerLens' head_detector defines them ------------------------
+def detection_mask(kind: str, tokens: Int[Tensor, "batch pos"]) -> Bool[Tensor, "batch query_pos key_pos"]:
+    """Where a head of ``kind`` should attend: [batch, query, key], causal (key <= query)."""
+    check_choice("kind", kind, SCORE_KINDS)
+    batch, pos = tokens.shape
+    q = torch.arange(pos, device=tokens.device)[:, None]
+    k = torch.arange(pos, device=tokens.device)[None, :]
+    if kind == "previous_token":
+        mask = (k == q - 1).expand(batch, -1, -1)
+    elif kind == "first_token":
+        mask = ((k == 0) & (q > 0)).expand(batch, -1, -1)
+    elif kind == "duplicate_token":  # an earlier copy of the current token
+        mask = (tokens[:, :, None] == tokens[:, None, :]) & (k < q)
+    else:  # induction: the token after an earlier copy of the current token
+        same = tokens[:, :, None] == tokens[:, None, :]  # [b, q, k']
+        shifted = torch.zeros_like(same)
+        shifted[:, :, 1:] = same[:, :, :-1]  # key k where token[k-1] == token[q]
+        mask = shifted & (k - 1 < q) & (k <= q)
+    return mask
+
+
+def repeated_random_tokens(
+    model, seq_len: int = 20, batch: int = 8, seed: int = 0, prefix: Optional[int] = None
+) -> Int[Tensor, "batch pos"]:
+    """Random tokens repeated once: ``[prefix?] r_1..r_n r_1..r_n`` (the induction test input)."""
+    if 2 * seq_len + (prefix is not None) > model.cfg.n_ctx:
+        raise ValueError(f"2 * seq_len={2 * seq_len} exceeds n_ctx={model.cfg.n_ctx}: pick a shorter seq_len")
+    gen = torch.Generator().manual_seed(seed)
+    half = torch.randint(0, model.cfg.d_vocab, (batch, seq_len), generator=gen)
+    tokens = torch.cat([half, half], dim=1)
+    if prefix is not None:
+        tokens = torch.cat([torch.full((batch, 1), prefix), tokens], dim=1)
+    return tokens.to(model.device)
+
+
+@torch.no_grad()
+def head_scores(
+    model,
+    tokens: Union[str, Int[Tensor, "batch pos"], None] = None,
+    kinds: Sequence[str] = SCORE_KINDS,
+    seq_len: Optional[int] = None,
+    batch: int = 8,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Every head's score for each kind: columns layer, head, kind, score (0..1).
+
+    Without ``tokens``, the scores are measured on repeated random tokens
+    (``repeated_random_tokens``, ``seq_len`` up to 20, at most half the context), where
+    induction and duplicate-token heads show themselves.
+    """
+    for kind in kinds:
+        check_choice("kind", kind, SCORE_KINDS)
+    seq_len = min(20, model.cfg.n_ctx // 2) if seq_len is None else seq_len
+    tokens = repeated_random_tokens(model, seq_len, batch, seed) if tokens is None else as_tokens(model, tokens)
+    layers = range(model.cfg.n_layers)
+    cache = _pattern_cache(model, tokens, layers)
+    patterns = torch.stack([cache[f"blocks.{l}.attn.hook_pattern"] for l in layers]).float()  # [l, b, h, q, k]
+    rows = []
+    for kind in kinds:
+        mask = detection_mask(kind, tokens).float()  # [b, q, k]
+        has_target = mask.sum(-1) > 0  # [b, q]
+        on_target = (patterns * mask[None, :, None]).sum(-1)  # [l, b, h, q]
+        n_rows = has_target.sum().clamp(min=1)
+        score = (on_target * has_target[None, :, None]).sum(dim=(1, 3)) / n_rows  # [l, h]
+        for layer in layers:
+            for head in range(model.cfg.n_heads):
+                rows.append((layer, head, kind, float(score[layer, head])))
+    return pd.DataFrame(rows, columns=["layer", "head", "kind", "score"])
