@@ -1,0 +1,415 @@
+"""What every page shares: where checkpoints live, cached loading, the pickers, prompt checks.
+
+Models are cached with ``st.cache_resource`` keyed by the checkpoint directory and the
+modification time of its weights, so re-saving a checkpoint reloads it and nothing else
+ever does: widgets change the analysis (cached with ``st.cache_data`` by the pages, keyed
+by :attr:`Checkpoint.key` and plain values), never the model. Bad input (a directory that
+is not a checkpoint, a corrupt file, an unusable prompt) becomes a message in the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import os
+import sys
+import tempfile
+import threading
+import zipfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+import streamlit as st
+import torch
+
+import workbench as wb
+from workbench.checkpoint import CONFIG_FILE, META_FILE, WEIGHTS_FILE, read_meta
+
+REPO = Path(__file__).resolve().parent.parent
+ENV_VAR = "WORKBENCH_CHECKPOINTS"
+DEFAULT_CHECKPOINT = "stories-2026"
+DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She liked to play in the park with her dog."
+UPLOAD_LIMIT_MB = 200
+OTHER_DIR = "Another directory…"
+UPLOAD_ROOT = Path(tempfile.gettempdir()) / "workbench-uploads"
+
+# How many times each checkpoint was really loaded (read from disk): the tests use it to
+# check that changing a widget never reloads a model.
+LOADS: Counter = Counter()
+
+
+# ---- where checkpoints live ------------------------------------------------------------------
+def checkpoints_root(argv: Optional[list[str]] = None) -> Path:
+    """``--checkpoints DIR`` after ``--`` on the command line, else $WORKBENCH_CHECKPOINTS, else ./checkpoints."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--checkpoints")
+    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    root = args.checkpoints or os.environ.get(ENV_VAR) or REPO / "checkpoints"
+    return Path(root).expanduser().resolve()
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+
+
+def list_checkpoints(root: Path) -> dict[str, str]:
+    """Checkpoint name -> directory, for every checkpoint directly under ``root`` (sorted)."""
+    if not root.is_dir():
+        return {}
+    found = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and is_checkpoint(p))
+    return {p.name: str(p) for p in found}
+
+
+def all_checkpoints() -> dict[str, str]:
+    """The checkpoints folder plus whatever was uploaded this session."""
+    return {**list_checkpoints(checkpoints_root()), **st.session_state.get("uploaded_checkpoints", {})}
+
+
+def default_checkpoint(options: list[str]) -> Optional[str]:
+    if DEFAULT_CHECKPOINT in options:
+        return DEFAULT_CHECKPOINT
+    return options[0] if options else None
+
+
+# ---- loading -----------------------------------------------------------------------------------
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the model, its tokenizer, meta.json, and a cache key for analyses."""
+
+    name: str
+    path: str
+    stamp: int
+    model: Any
+    tokenizer: Any
+    meta: dict
+    lock: threading.Lock = field(repr=False)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Hashable identity for ``st.cache_data`` functions: (directory, weights mtime)."""
+        return (self.path, self.stamp)
+
+    @property
+    def cfg(self) -> wb.ModelConfig:
+        return self.model.cfg
+
+
+def weights_stamp(path: str) -> int:
+    try:
+        return Path(path, WEIGHTS_FILE).stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+@st.cache_resource(max_entries=8, show_spinner="Loading the checkpoint…")
+def _load(path: str, stamp: int) -> tuple[Any, Any, dict, threading.Lock]:
+    LOADS[path] += 1
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    model, tok = wb.load_checkpoint(path)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    # One lock per model: hooks are attached to the shared module during a forward, so two
+    # sessions must not run the same model at once.
+    return model, tok, read_meta(path), threading.Lock()
+
+
+def model_for(key: tuple[str, int]):
+    """The cached model of a :attr:`Checkpoint.key`, for use inside ``st.cache_data`` functions."""
+    model, _, _, lock = _load(*key)
+    return model, lock
+
+
+def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint]:
+    """Load (cached) the checkpoint at ``path``; on failure show why in ``where`` and return None."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        where.error(f"`{path}` is not a directory. Pick a checkpoint directory (it holds {CONFIG_FILE} and {WEIGHTS_FILE}).")
+        return None
+    try:
+        model, tok, meta, lock = _load(str(p.resolve()), weights_stamp(str(p)))
+    except wb.CheckpointError as e:
+        where.error(f"Cannot load this checkpoint: {e}")
+        return None
+    except Exception as e:  # anything else a damaged directory can raise
+        where.error(f"Cannot load `{path}`: {type(e).__name__}: {e}")
+        return None
+    if tok is None:
+        where.error(f"`{path}` has no tokenizer.json, so prompts cannot be typed for it.")
+        return None
+    return Checkpoint(name or p.name, str(p.resolve()), weights_stamp(str(p)), model, tok, meta, lock)
+
+
+def checkpoint_picker(label: str, key: str, where=None, default: Optional[str] = None) -> Optional[Checkpoint]:
+    """A selectbox over the known checkpoints plus 'Another directory…'; returns the loaded one."""
+    where = where or st.sidebar
+    options = all_checkpoints()
+    names = list(options) + [OTHER_DIR]
+    chosen = st.session_state.get(key)
+    if chosen not in names:  # first run, or the chosen one vanished: fall back to the default
+        st.session_state[key] = default if default in names else default_checkpoint(list(options)) or OTHER_DIR
+    name = where.selectbox(label, names, key=key)
+    if name == OTHER_DIR:
+        path = where.text_input("Checkpoint directory", key=f"{key}_dir", placeholder="/path/to/checkpoint")
+        if not path.strip():
+            where.info("Type the path of a checkpoint directory.")
+            return None
+        return load(path.strip(), where=where)
+    return load(options[name], name=name, where=where)
+
+
+# ---- uploads -------------------------------------------------------------------------------------
+def upload_widget(where=None) -> None:
+    """Accept a zipped checkpoint (or its files), unpack it under the temp folder, add it to the pickers.
+
+    Each upload gets a fresh directory named by its content hash under the system temp folder,
+    so an upload can never land on a checkpoint in the checkpoints folder.
+    """
+    where = where or st.sidebar
+    with where.expander("Upload a checkpoint"):
+        files = st.file_uploader(
+            f"A .zip of a checkpoint directory, or its files ({CONFIG_FILE}, {WEIGHTS_FILE}, tokenizer.json, ...); "
+            f"at most {UPLOAD_LIMIT_MB} MB",
+            accept_multiple_files=True,
+            key="upload",
+            max_upload_size=UPLOAD_LIMIT_MB,
+        )
+        if not files:
+            return
+        try:
+            name, path = save_upload([(f.name, f.getvalue()) for f in files])
+        except ValueError as e:
+            st.error(str(e))
+            return
+        st.session_state.setdefault("uploaded_checkpoints", {})[name] = path
+        st.success(f"Uploaded as **{name}**; it is now in every checkpoint picker.")
+
+
+def save_upload(files: list[tuple[str, bytes]], root: Path = UPLOAD_ROOT) -> tuple[str, str]:
+    """Write uploaded files to a new temp directory; returns (picker name, directory)."""
+    total = sum(len(data) for _, data in files)
+    if total > UPLOAD_LIMIT_MB * 2**20:
+        raise ValueError(f"the upload is {total / 2**20:.0f} MB; the limit is {UPLOAD_LIMIT_MB} MB")
+    digest = hashlib.sha256(b"".join(n.encode() + d for n, d in sorted(files))).hexdigest()[:12]
+    target = root / digest
+    contents: dict[str, bytes] = {}
+    for fname, data in files:
+        if fname.endswith(".zip"):
+            contents.update(_unzip(data))
+        else:
+            contents[Path(fname).name] = data
+    contents = _strip_common_folder(contents)
+    if CONFIG_FILE not in contents or WEIGHTS_FILE not in contents:
+        raise ValueError(
+            f"this upload is not a checkpoint: it needs {CONFIG_FILE} and {WEIGHTS_FILE} "
+            f"(got {sorted(contents) or 'nothing'})"
+        )
+    target.mkdir(parents=True, exist_ok=True)
+    for fname, data in contents.items():
+        (target / fname).write_bytes(data)
+    stem = next((Path(n).stem for n, _ in files if n.endswith(".zip")), "checkpoint")
+    return f"upload: {stem} ({digest[:6]})", str(target)
+
+
+def _unzip(data: bytes) -> dict[str, bytes]:
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile:
+        raise ValueError("the .zip file is corrupt or not a zip archive") from None
+    infos = [i for i in archive.infolist() if not i.is_dir() and "__MACOSX" not in i.filename]
+    if sum(i.file_size for i in infos) > UPLOAD_LIMIT_MB * 2**20:
+        raise ValueError(f"the .zip unpacks to more than {UPLOAD_LIMIT_MB} MB")
+    out = {}
+    for info in infos:
+        parts = Path(info.filename).parts
+        if info.filename.startswith("/") or ".." in parts:  # never write outside the upload folder
+            raise ValueError(f"the .zip holds an unsafe path {info.filename!r}")
+        out["/".join(parts)] = archive.read(info)
+    return out
+
+
+def _strip_common_folder(contents: dict[str, bytes]) -> dict[str, bytes]:
+    """A zip of a folder holds 'name/config.json': keep only the files of the checkpoint itself."""
+    if CONFIG_FILE in contents:
+        return {k: v for k, v in contents.items() if "/" not in k}
+    tops = {k.split("/")[0] for k in contents if "/" in k}
+    for top in sorted(tops):
+        inner = {k[len(top) + 1:]: v for k, v in contents.items() if k.startswith(top + "/")}
+        if CONFIG_FILE in inner:
+            return {k: v for k, v in inner.items() if "/" not in k}
+    return contents
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+def default_prompt(ckpt: Optional[Checkpoint]) -> str:
+    """A prompt the checkpoint can read: meta.json's ``default_prompt``, else a stories sentence."""
+    if ckpt is not None and isinstance(ckpt.meta.get("default_prompt"), str):
+        return ckpt.meta["default_prompt"]
+    return DEFAULT_PROMPT
+
+
+def prompt_box(ckpt: Optional[Checkpoint], key: str = "prompt", label: str = "Prompt", where=st) -> str:
+    """A text area whose default follows the checkpoint until the user edits it."""
+    default = default_prompt(ckpt)
+    last_default = st.session_state.get(f"{key}__default")
+    if key not in st.session_state or st.session_state[key] == last_default:
+        st.session_state[key] = default
+    st.session_state[f"{key}__default"] = default
+    return where.text_area(label, key=key, height=80)
+
+
+def unencodable(tokenizer, text: str) -> list[str]:
+    """The pieces of ``text`` the tokenizer cannot represent (they would become ``unk``)."""
+    stoi = getattr(tokenizer, "stoi", None)
+    if stoi is not None:  # closed vocabularies: characters or words
+        splitter = getattr(tokenizer, "_split", None)
+        pieces = splitter.findall(text) if splitter is not None else list(text)
+        return list(dict.fromkeys(p for p in pieces if p not in stoi))
+    if tokenizer.decode(tokenizer.encode(text)) != text:  # open vocabularies should round-trip
+        return [text]
+    return []
+
+
+def encode_prompt(ckpt: Checkpoint, text: str, min_tokens: int = 2) -> list[int]:
+    """Token ids of ``text`` for this checkpoint, or ValueError with a message for the page."""
+    if not text or not text.strip():
+        raise ValueError("The prompt is empty: type some text.")
+    bad = unencodable(ckpt.tokenizer, text)
+    if bad:
+        shown = ", ".join(repr(b) for b in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise ValueError(
+            f"This checkpoint's tokenizer cannot encode {shown}. "
+            f"Use only what its vocabulary ({ckpt.tokenizer.vocab_size} tokens) contains."
+        )
+    ids = ckpt.tokenizer.encode(text)
+    if len(ids) > ckpt.cfg.n_ctx:
+        raise ValueError(
+            f"The prompt is {len(ids)} tokens; this model's context is {ckpt.cfg.n_ctx} tokens. Shorten the prompt."
+        )
+    if len(ids) < min_tokens:
+        raise ValueError(f"The prompt is {len(ids)} token(s); at least {min_tokens} are needed to score a prediction.")
+    return ids
+
+
+def prompt_ids(ckpt: Checkpoint, text: str, where=st) -> Optional[tuple[int, ...]]:
+    """:func:`encode_prompt`, with the message shown in the page instead of raised."""
+    try:
+        return tuple(encode_prompt(ckpt, text))
+    except ValueError as e:
+        where.warning(str(e))
+        return None
+
+
+# ---- analyses, cached --------------------------------------------------------------------------
+def _token_losses(model, tokens):
+    """Per-token loss of the prompt: the loss at position i is for predicting token i + 1."""
+    from workbench.analysis.common import str_tokens
+
+    logits, losses = model(tokens, return_type="both", loss_per_token=True)
+    labels = str_tokens(model, tokens[0])
+    top = logits[0, :-1].argmax(-1)
+    return pd.DataFrame({
+        "pos": range(1, tokens.shape[1]),
+        "token": labels[1:],
+        "context": labels[:-1],
+        "loss": losses[0].float().cpu().numpy(),
+        "predicted": str_tokens(model, top),
+        "correct": (top == tokens[0, 1:]).cpu().numpy(),
+    })
+
+
+def _residual_norms(model, tokens):
+    """L2 norm of the residual stream entering each block (and the final stream), per position."""
+    from workbench.analysis.common import str_tokens
+    from workbench.analysis.lens import residual_stack
+
+    resid, _ = residual_stack(model, tokens)
+    norms = resid[:, 0].norm(dim=-1).float().cpu().numpy()  # [layer, pos]
+    labels = str_tokens(model, tokens[0])
+    n = model.cfg.n_layers
+    return pd.DataFrame([
+        {"layer": l, "layer_label": "final" if l == n else f"resid_pre {l}", "pos": p, "token": labels[p], "norm": norms[l, p]}
+        for l in range(norms.shape[0]) for p in range(norms.shape[1])
+    ])
+
+
+def _analyses() -> dict:
+    from workbench.analysis import attribution, heads, lens
+
+    return {
+        "token_losses": _token_losses,
+        "logit_lens": lens.logit_lens,
+        "attention_patterns": heads.attention_patterns,
+        "head_scores": heads.head_scores,
+        "direct_logit_attribution": attribution.direct_logit_attribution,
+        "residual_norms": _residual_norms,
+    }
+
+
+@st.cache_data(max_entries=256, show_spinner=False)
+def analysis(name: str, key: tuple[str, int], ids: Optional[tuple[int, ...]], **kwargs) -> Any:
+    """``workbench.analysis`` function ``name`` on the cached model ``key`` and prompt ``ids``.
+
+    Cached by value (checkpoint identity, token ids, arguments), so a rerun with the same
+    widgets costs nothing and a widget that changes only the drawing recomputes nothing.
+    """
+    model, lock = model_for(key)
+    fn = _analyses()[name]
+    with lock, torch.no_grad():
+        if ids is None:
+            return fn(model, **kwargs)
+        return fn(model, torch.tensor([ids], device=model.device), **kwargs)
+
+
+# ---- drawing --------------------------------------------------------------------------------------
+def show(fig, key: Optional[str] = None, **kwargs) -> Any:
+    """Draw a plotly figure with Streamlit's theme, so it reads in light and dark mode."""
+    fig.update_layout(paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)")
+    return st.plotly_chart(fig, theme="streamlit", key=key, **kwargs)
+
+
+def table(df, **kwargs) -> None:
+    st.dataframe(df, hide_index=True, **kwargs)
+
+
+# ---- the model card ---------------------------------------------------------------------------------
+def read_metrics(ckpt: Checkpoint) -> Optional[pd.DataFrame]:
+    """metrics.csv of a checkpoint (step, train_loss, val_loss, lr, grad_norm, tokens_per_s), if any."""
+    path = Path(ckpt.path, "metrics.csv")
+    if not path.is_file():
+        return None
+    try:
+        return pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError):
+        return None
+
+
+def config_table(cfg: wb.ModelConfig) -> pd.DataFrame:
+    return pd.DataFrame({"field": list(cfg.to_dict()), "value": [str(v) for v in cfg.to_dict().values()]})
+
+
+def model_card(ckpt: Checkpoint) -> None:
+    """Config, parameter counts, what meta.json says, and the training curve."""
+    from ui import figures
+
+    counts = wb.count_params(ckpt.cfg)
+    cols = st.columns(4)
+    cols[0].metric("Parameters", f"{counts['total']:,}")
+    cols[1].metric("Non-embedding", f"{counts['non_embedding']:,}")
+    cols[2].metric("Layers × heads", f"{ckpt.cfg.n_layers} × {ckpt.cfg.n_heads}")
+    cols[3].metric("Context", f"{ckpt.cfg.n_ctx} tokens")
+    left, right = st.columns([1, 2])
+    with left:
+        table(config_table(ckpt.cfg), height=300)
+    with right:
+        metrics = read_metrics(ckpt)
+        if metrics is not None and "step" in metrics:
+            show(figures.training_curves({ckpt.name: metrics}), key=f"curve_{ckpt.path}")
+        else:
+            st.info("This checkpoint has no metrics.csv, so there is no training curve.")
+    shown = {k: v for k, v in ckpt.meta.items() if k not in ("metrics",)}
+    with st.expander("meta.json"):
+        st.json(shown, expanded=False)

@@ -1,0 +1,6 @@
+"""stub"""
+import streamlit as st
+
+
+def render() -> None:
+    st.header("compare")

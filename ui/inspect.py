@@ -1,0 +1,136 @@
+"""Inspect: one checkpoint, one prompt, everything inside it.
+
+Tokens with their per-token loss; the attention pattern of a chosen head and a grid of
+every head; the logit lens; direct logit attribution for a target token (or a logit
+difference between two); residual-stream norms per layer; and the model card.
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from ui import common, figures
+
+LENS_VALUES = {
+    "probability of the next token": "target_prob",
+    "KL to the final distribution": "kl_to_final",
+    "entropy": "entropy",
+}
+
+
+def render() -> None:
+    st.header("Inspect")
+    ckpt = common.checkpoint_picker("Checkpoint", key="ckpt")
+    common.upload_widget()
+    if ckpt is None:
+        return
+    st.caption(f"**{ckpt.name}** · `{ckpt.path}`")
+    text = common.prompt_box(ckpt)
+    ids = common.prompt_ids(ckpt, text)
+    if ids is not None:
+        _tokens_and_loss(ckpt, ids)
+        left, right = st.columns(2)
+        with left:
+            _attention(ckpt, ids)
+        with right:
+            _every_head(ckpt, ids)
+        _lens(ckpt, ids)
+        _head_scores(ckpt, ids)
+        _attribution(ckpt, ids)
+        _residual_norms(ckpt, ids)
+    st.subheader("Model card")
+    common.model_card(ckpt)
+
+
+def _tokens_and_loss(ckpt: common.Checkpoint, ids) -> None:
+    losses = common.analysis("token_losses", ckpt.key, ids)
+    st.subheader("Tokens and per-token loss")
+    c1, c2, c3 = st.columns(3)
+    c1.metric("Prompt length", f"{len(ids)} tokens")
+    c2.metric("Mean loss", f"{losses['loss'].mean():.3f} nats")
+    c3.metric("Top-1 accuracy", f"{losses['correct'].mean():.0%}")
+    common.show(figures.token_losses(losses), key="inspect_loss")
+
+
+def _attention(ckpt: common.Checkpoint, ids) -> None:
+    st.subheader("Attention")
+    cfg = ckpt.cfg
+    a, b = st.columns(2)
+    layer = a.selectbox("Layer", range(cfg.n_layers), key="attn_layer")
+    head = b.selectbox("Head", range(cfg.n_heads), key="attn_head")
+    patterns = common.analysis("attention_patterns", ckpt.key, ids)
+    common.show(figures.attention_heatmap(patterns, layer, head), key="inspect_attention")
+
+
+def _lens(ckpt: common.Checkpoint, ids) -> None:
+    st.subheader("Logit lens")
+    shown = st.selectbox("Colour", list(LENS_VALUES), key="lens_value")
+    lens = common.analysis("logit_lens", ckpt.key, ids, k=3)
+    common.show(figures.logit_lens(lens, LENS_VALUES[shown]), key="inspect_lens")
+
+
+def _every_head(ckpt: common.Checkpoint, ids) -> None:
+    st.subheader("Every head")
+    if not st.toggle("Show the pattern of every head", value=True, key="attn_grid"):
+        return
+    patterns = common.analysis("attention_patterns", ckpt.key, ids)
+    common.show(figures.attention_grid(patterns), key="inspect_grid")
+
+
+def _head_scores(ckpt: common.Checkpoint, ids) -> None:
+    scores = common.analysis("head_scores", ckpt.key, ids)
+    wide = scores.pivot_table(index=["layer", "head"], columns="kind", values="score").reset_index()
+    st.caption("Head scores on this prompt (attention on the positions each kind of head attends to).")
+    common.table(wide.round(3))
+
+
+def _attribution(ckpt: common.Checkpoint, ids) -> None:
+    st.subheader("Direct logit attribution")
+    if ckpt.cfg.norm_placement == "post":
+        st.info("Direct logit attribution needs a pre-norm model; this one is post-norm.")
+        return
+    lens = common.analysis("logit_lens", ckpt.key, ids, k=3)
+    tokens = [ckpt.tokenizer.token_str(i) for i in ids]
+    a, b, c, d = st.columns([2, 2, 2, 1])
+    pos = a.selectbox("At position", range(len(ids)), index=len(ids) - 1,
+                      format_func=lambda p: f"{p}: {tokens[p]!r}", key="dla_pos")
+    final = lens[(lens["layer"] == ckpt.cfg.n_layers) & (lens["pos"] == pos)].iloc[0]
+    answer_text = b.text_input("Target token", value=final["top1"], key=f"dla_answer_{pos}",
+                               help="Default: the model's top prediction at this position.")
+    wrong_text = c.text_input("minus token (optional)", value="", key=f"dla_wrong_{pos}",
+                              help="Attribute the logit difference target − this token.")
+    granularity = d.radio("Split", ["head", "layer"], key="dla_granularity")
+    try:
+        answer = _single_token(ckpt, answer_text)
+        wrong = _single_token(ckpt, wrong_text) if wrong_text.strip() else None
+    except ValueError as e:
+        st.warning(str(e))
+        return
+    df = common.analysis("direct_logit_attribution", ckpt.key, ids, answer=answer, wrong=wrong, pos=pos)
+    df = df[df["granularity"] == granularity]
+    what = f"logit[{answer_text!r}]" + (f" − logit[{wrong_text!r}]" if wrong is not None else "")
+    title = f"{what} at position {pos} = {df['total'].iloc[0]:.2f}"
+    common.show(figures.dla_bars(df, title), key="inspect_dla")
+
+
+def _single_token(ckpt: common.Checkpoint, text: str) -> int:
+    """The id of a token typed by the user, as the tokenizer spells it (leading space and all)."""
+    if not text:
+        raise ValueError("Type a target token.")
+    tok = ckpt.tokenizer
+    stoi = getattr(tok, "stoi", None)
+    if stoi is not None and text in stoi:
+        return stoi[text]
+    if common.unencodable(tok, text):
+        raise ValueError(f"{text!r} is not in this checkpoint's vocabulary.")
+    ids = tok.encode(text)
+    if len(ids) != 1:
+        pieces = [tok.token_str(i) for i in ids]
+        raise ValueError(f"{text!r} is {len(ids)} tokens ({pieces}), not one: type a single token.")
+    return ids[0]
+
+
+def _residual_norms(ckpt: common.Checkpoint, ids) -> None:
+    st.subheader("Residual-stream norm per layer")
+    norms = common.analysis("residual_norms", ckpt.key, ids)
+    common.show(figures.residual_norms(norms), key="inspect_norms")
