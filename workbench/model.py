@@ -27,7 +27,6 @@ from workbench.components.positional import POS_EMBEDDINGS
 from workbench.components.registry import pick
 from workbench.config import ModelConfig
 
-ReturnType = Optional[Literal["logits", "loss", "both"]]
 
 
 class Embed(nn.Module):
@@ -118,7 +117,7 @@ class HookedDecoder(HookedRootModule):
     def forward(
         self,
         input: Union[str, Sequence[str], Tensor],
-        return_type: ReturnType = "logits",
+        return_type: Optional[str] = "logits",
         loss_per_token: bool = False,
         *,
         tokens: Optional[Tensor] = None,

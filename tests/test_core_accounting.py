@@ -1,0 +1,60 @@
+"""Parameter, FLOP and KV-cache accounting from the config alone."""
+
+import resource
+
+import pytest
+import torch
+
+import workbench as wb
+from conftest import tiny
+from test_core_model import VARIANTS
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_count_equals_the_real_model(name):
+    cfg = tiny(**VARIANTS[name])
+    counts = wb.count_params(cfg)
+    model = wb.HookedDecoder(cfg)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    parts = ("embedding", "positional", "attention", "ffn", "norms", "unembedding")
+    assert sum(counts[p] for p in parts) == counts["total"]
+
+
+def test_gpt3_175b_within_one_percent_without_memory():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    total = wb.count_params(wb.ModelConfig.from_preset("gpt3-175b"))["total"]
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert abs(total - 175e9) / 175e9 < 0.01
+    assert grown_mib < 300, f"counting allocated {grown_mib:.0f} MiB"
+
+
+def test_seed_closed_form_is_exact_under_its_assumptions():
+    # The seeds' N = V d + L (12 d^2 + 2 d) + d: tied, bias-free, d_mlp = 4d, MHA, one gain per norm, no position table.
+    for d, L, V in [(64, 3, 1000), (768, 12, 50257)]:
+        cfg = wb.ModelConfig(d_model=d, n_layers=L, n_heads=8, d_vocab=V, n_ctx=128, norm="rmsnorm",
+                             positional="rope", ffn="gelu", bias=False, tie_embeddings=True)
+        assert wb.count_params(cfg)["total"] == wb.seed_param_formula(cfg) == V * d + L * (12 * d * d + 2 * d) + d
+
+
+def test_moe_active_parameters_and_flops():
+    cfg = tiny(ffn="moe", n_experts=4, experts_per_token=1, bias=False)
+    counts = wb.count_params(cfg)
+    expert = 3 * cfg.d_model * cfg.d_mlp  # a SwiGLU expert: gate, in, out
+    assert counts["total"] - counts["active"] == cfg.n_layers * 3 * expert
+    dense = tiny(bias=False, ffn="swiglu")
+    assert wb.forward_flops_per_token(cfg) == wb.forward_flops_per_token(dense) + 2 * cfg.n_layers * cfg.d_model * 4
+
+
+def test_flops_and_kv_bytes():
+    cfg = tiny(bias=False, tie_embeddings=False)
+    n = wb.count_params(cfg)
+    matmul = n["attention"] + n["ffn"] + n["unembedding"]
+    assert wb.forward_flops_per_token(cfg, context=10) == 2 * matmul + 4 * cfg.n_layers * 10 * cfg.d_model
+    assert wb.training_flops(cfg, 1000) == 6 * (n["total"] - n["embedding"] - n["positional"]) * 1000
+    assert wb.kv_cache_bytes_per_token(cfg) == 2 * 2 * 4 * 8 * 2
+    assert wb.kv_cache_bytes_per_token(cfg.replace(n_kv_heads=1)) * 4 == wb.kv_cache_bytes_per_token(cfg)
+    # and it is what the KV cache really allocates per position
+    model = wb.HookedDecoder(cfg).to(torch.bfloat16)
+    cache = model.make_kv_cache(1)
+    held = sum(e.k.numel() * e.k.element_size() + e.v.numel() * e.v.element_size() for e in cache.entries)
+    assert held == wb.kv_cache_bytes_per_token(cfg) * cfg.n_ctx
