@@ -10,6 +10,7 @@ from workbench.accounting import (
 from workbench.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from workbench.config import ModelConfig
 from workbench.model import HookedDecoder, KVCache
+from workbench.interop import from_hf, to_hf
 
 __version__ = "0.1.0"
 
@@ -25,4 +26,6 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "CheckpointError",
+    "from_hf",
+    "to_hf",
 ]

@@ -128,6 +128,10 @@ def tokenizer_from_dict(data: dict) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         return BPETokenizer(HFTokenizer.from_str(json.dumps(data["tokenizer"])))
+    if kind == "hf":  # the Hugging Face tokenizer of an imported model (workbench.interop)
+        from workbench.interop.hf_tokenizer import HFTokenizer as ImportedTokenizer
+
+        return ImportedTokenizer.from_dict(data)
     raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds are ['bpe', 'byte', 'char']")
 
 

@@ -1,0 +1,289 @@
+"""Which Hugging Face architecture a model is, as a ``ModelConfig``, and back.
+
+``config_from_hf`` reads a ``transformers`` config (GPT-2, Llama, Mistral, Qwen2, Mixtral,
+GPT-NeoX) and returns our family name and ``ModelConfig``; ``hf_config_for`` does the reverse
+for our configs that have an HF equivalent. Anything either side cannot express exactly
+raises ``UnsupportedHFConfig`` naming the field: an imported model either reproduces HF's
+numbers or does not load.
+
+Biases one side lacks are zero on the other (e.g. GPT-NeoX with ``attention_bias=False`` has
+an MLP bias, so it imports as ``bias=True, qkv_bias=False`` with ``b_O = 0``): exact, not an
+approximation. A bias we learned that the HF family has no slot for is an error.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from workbench.config import ModelConfig
+
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "gpt_neox")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral")
+
+# HF ACT2FN names -> our activation names (exact matches only; "gelu_fast" etc. differ).
+_ACTS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+_GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
+
+_ROPE_KEYS = {
+    "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+    "high_freq_factor", "beta_fast", "beta_slow", "partial_rotary_factor", "attention_factor",
+    "mscale", "mscale_all_dim", "truncate",
+}
+
+
+class UnsupportedHFConfig(ValueError):
+    """An HF config field (or a component of ours) with no exact counterpart on the other side."""
+
+
+def _unsupported(field: str, value: Any, why: str) -> UnsupportedHFConfig:
+    return UnsupportedHFConfig(f"unsupported Hugging Face config field {field}={value!r}: {why}")
+
+
+# ---- HF -> ours -----------------------------------------------------------------------
+def config_from_hf(hf: Any, n_ctx: Optional[int] = None) -> tuple[str, ModelConfig]:
+    """(family, ModelConfig) for a ``transformers`` config; raises ``UnsupportedHFConfig``."""
+    family = getattr(hf, "model_type", None)
+    if family not in FAMILIES:
+        raise _unsupported("model_type", family, f"supported families are {list(FAMILIES)}")
+    if getattr(hf, "add_cross_attention", False) or getattr(hf, "is_encoder_decoder", False):
+        raise _unsupported("add_cross_attention", True, "the workbench builds decoder-only models")
+    if family == "gpt2":
+        fields = _gpt2_fields(hf)
+    elif family == "gpt_neox":
+        fields = _neox_fields(hf)
+    else:
+        fields = _llama_fields(hf, family)
+    if family != "gpt2":
+        fields.update(_rope_fields(hf, family, fields["d_head"]))
+    suggested = fields.pop("n_ctx")
+    if n_ctx is not None:
+        if n_ctx < 1 or (family == "gpt2" and n_ctx > hf.n_positions):
+            raise ValueError(f"n_ctx={n_ctx} must be between 1 and the model's {suggested} positions")
+        suggested = n_ctx
+    _check_sliding_window(hf, family, suggested, n_ctx is not None)
+    name = getattr(hf, "_name_or_path", "") or family
+    return family, ModelConfig(n_ctx=suggested, name=str(name), **fields)
+
+
+def _gpt2_fields(hf: Any) -> dict:
+    if not getattr(hf, "scale_attn_weights", True):
+        raise _unsupported("scale_attn_weights", False, "our attention always divides scores by sqrt(d_head)")
+    if getattr(hf, "scale_attn_by_inverse_layer_idx", False):
+        raise _unsupported("scale_attn_by_inverse_layer_idx", True, "no per-layer score scaling here")
+    act = hf.activation_function
+    if act not in _ACTS:
+        raise _unsupported("activation_function", act, f"supported: {sorted(_ACTS)}")
+    # reorder_and_upcast_attn only changes the precision of the scores; in fp32 it is the same math.
+    return dict(
+        d_model=hf.n_embd, n_layers=hf.n_layer, n_heads=hf.n_head, d_vocab=hf.vocab_size,
+        n_ctx=hf.n_positions, d_mlp=hf.n_inner or 4 * hf.n_embd, d_head=hf.n_embd // hf.n_head,
+        norm="layernorm", positional="learned", ffn=_ACTS[act], bias=True,
+        norm_eps=hf.layer_norm_epsilon, tie_embeddings=bool(hf.tie_word_embeddings),
+    )
+
+
+def _neox_fields(hf: Any) -> dict:
+    act = hf.hidden_act
+    if act not in _ACTS:
+        raise _unsupported("hidden_act", act, f"supported: {sorted(_ACTS)}")
+    # attention_bias covers query_key_value and dense; the MLP always has biases.
+    return dict(
+        d_model=hf.hidden_size, n_layers=hf.num_hidden_layers, n_heads=hf.num_attention_heads,
+        d_vocab=hf.vocab_size, n_ctx=hf.max_position_embeddings, d_mlp=hf.intermediate_size,
+        d_head=hf.hidden_size // hf.num_attention_heads, norm="layernorm", positional="rope",
+        ffn=_ACTS[act], bias=True, qkv_bias=bool(hf.attention_bias),
+        parallel_residual=bool(hf.use_parallel_residual), norm_eps=hf.layer_norm_eps,
+        tie_embeddings=bool(hf.tie_word_embeddings),
+    )
+
+
+def _llama_fields(hf: Any, family: str) -> dict:
+    act = hf.hidden_act
+    if act not in _GATED_ACTS:
+        raise _unsupported("hidden_act", act, f"supported for {family}: {sorted(_GATED_ACTS)}")
+    d_head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    fields = dict(
+        d_model=hf.hidden_size, n_layers=hf.num_hidden_layers, n_heads=hf.num_attention_heads,
+        n_kv_heads=hf.num_key_value_heads or hf.num_attention_heads, d_vocab=hf.vocab_size,
+        n_ctx=hf.max_position_embeddings, d_mlp=hf.intermediate_size, d_head=d_head,
+        norm="rmsnorm", positional="rope", ffn=_GATED_ACTS[act], norm_eps=hf.rms_norm_eps,
+        tie_embeddings=bool(hf.tie_word_embeddings), bias=False,
+    )
+    if family == "llama":
+        attn_bias, mlp_bias = bool(hf.attention_bias), bool(hf.mlp_bias)
+        # Our `bias` covers o_proj and the MLP together; the part HF lacks is imported as zeros.
+        fields.update(bias=attn_bias or mlp_bias, qkv_bias=attn_bias)
+    elif family == "qwen2":
+        fields.update(qkv_bias=True)  # Qwen2: q/k/v biases, nothing else
+    elif family == "mixtral":
+        if act not in ("silu", "swish"):
+            raise _unsupported("hidden_act", act, "Mixtral experts are SwiGLU here (silu)")
+        fields.update(ffn="moe", moe_expert="swiglu", n_experts=hf.num_local_experts,
+                      experts_per_token=hf.num_experts_per_tok)
+    return fields
+
+
+def _rope_fields(hf: Any, family: str, d_head: int) -> dict:
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+    unknown = sorted(set(params) - _ROPE_KEYS)
+    if unknown:
+        raise _unsupported(f"rope_parameters.{unknown[0]}", params[unknown[0]], "not a RoPE option the workbench models")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", 1.0)
+    rotary_dim = int(d_head * partial)
+    if family in LLAMA_LIKE and rotary_dim != d_head:
+        raise _unsupported("rope_parameters.partial_rotary_factor", partial, f"{family} rotates the whole head")
+    max_pos = hf.max_position_embeddings
+    out = dict(rope_base=float(params["rope_theta"]), rotary_dim=rotary_dim, n_ctx=max_pos)
+    if rope_type == "default":
+        return out
+    if rope_type not in ("linear", "dynamic", "llama3", "yarn"):
+        raise _unsupported("rope_parameters.rope_type", rope_type, "supported: default, linear, dynamic, llama3, yarn")
+    original = params.get("original_max_position_embeddings") or max_pos
+    factor = params.get("factor")
+    if factor is None:
+        if rope_type != "yarn":
+            raise _unsupported("rope_parameters.factor", None, f"rope_type={rope_type!r} needs a factor")
+        factor = max_pos / original
+    out.update(rope_scaling=rope_type, rope_scaling_factor=float(factor))
+    if rope_type in ("linear", "dynamic"):
+        # HF scales relative to max_position_embeddings, the length the model was trained at.
+        original = max_pos
+    out.update(rope_original_n_ctx=int(original), n_ctx=max(max_pos, int(factor * original)))
+    if rope_type == "llama3":
+        out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]))
+    if rope_type == "yarn":
+        for key in ("mscale", "mscale_all_dim"):
+            if params.get(key):
+                raise _unsupported(f"rope_parameters.{key}", params[key], "YaRN's DeepSeek mscale variant is not modelled")
+        default_scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        given = params.get("attention_factor")
+        if given is not None and abs(given - default_scale) > 1e-12:
+            raise _unsupported("rope_parameters.attention_factor", given, f"only YaRN's default {default_scale} is modelled")
+        if params.get("truncate", True) is False:
+            raise _unsupported("rope_parameters.truncate", False, "only the truncated correction range is modelled")
+        out.update(rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1))
+    elif params.get("attention_factor") not in (None, 1.0):
+        raise _unsupported("rope_parameters.attention_factor", params["attention_factor"], f"not used by {rope_type}")
+    return out
+
+
+def _check_sliding_window(hf: Any, family: str, n_ctx: int, explicit: bool) -> None:
+    """A window at least as long as the context never cuts anything; a shorter one would."""
+    window = getattr(hf, "sliding_window", None) if family in ("mistral", "mixtral", "qwen2") else None
+    if family == "qwen2" and "sliding_attention" not in (getattr(hf, "layer_types", None) or []):
+        window = None
+    if window is not None and window < n_ctx:
+        hint = "" if explicit else f"; pass n_ctx<={window} to import it with a context the window never cuts"
+        raise _unsupported("sliding_window", window, f"the workbench has no sliding-window attention and the context is {n_ctx}{hint}")
+
+
+# ---- ours -> HF -----------------------------------------------------------------------
+def hf_family_for(cfg: ModelConfig) -> str:
+    """The HF family that expresses ``cfg`` exactly; ``UnsupportedHFConfig`` naming the component if none."""
+
+    def no(component: str, why: str) -> UnsupportedHFConfig:
+        return UnsupportedHFConfig(f"{component} has no Hugging Face equivalent among {list(FAMILIES)}: {why}")
+
+    if cfg.norm_placement == "post":
+        raise no("norm_placement='post' (post-norm)", "every supported family is pre-norm")
+    if cfg.positional in ("alibi", "sinusoidal", "none"):
+        raise no(f"positional={cfg.positional!r}", "supported families use learned positions or RoPE")
+    if cfg.norm == "none":
+        raise no("norm='none'", "every supported family normalises")
+    if cfg.attn_only:
+        raise no("attn_only=True", "every supported family has an FFN")
+    if cfg.rotary_interleaved:
+        raise no("rotary_interleaved=True (GPT-J pairing)", "supported families rotate halves")
+    gated = cfg.ffn in ("swiglu", "geglu")
+    if cfg.positional == "learned":
+        if cfg.norm != "layernorm" or gated or cfg.ffn == "moe" or cfg.parallel_residual or cfg.rope_scaling != "none":
+            raise no(_describe(cfg), "learned positions export as GPT-2: LayerNorm, a plain GELU/ReLU MLP, sequential")
+        _require_mha(cfg, "GPT-2")
+        return "gpt2"
+    if cfg.norm == "layernorm":
+        if gated or cfg.ffn == "moe":
+            raise no(f"ffn={cfg.ffn!r} with LayerNorm", "LayerNorm + RoPE exports as GPT-NeoX, whose MLP is plain")
+        _require_mha(cfg, "GPT-NeoX")
+        return "gpt_neox"
+    if cfg.parallel_residual:
+        raise no("parallel_residual=True with RMSNorm", "only GPT-NeoX (LayerNorm) has a parallel block")
+    if cfg.rotary_dim != cfg.d_head:
+        raise no("rotary_dim < d_head with RMSNorm", "Llama-family models rotate the whole head")
+    if cfg.ffn == "moe":
+        if cfg.moe_expert != "swiglu" or cfg.bias or cfg.qkv_bias:
+            raise no(f"ffn='moe' with moe_expert={cfg.moe_expert!r}, bias={cfg.bias}, qkv_bias={cfg.qkv_bias}",
+                     "Mixtral has SwiGLU experts and no biases at all")
+        return "mixtral"
+    if not gated:
+        raise no(f"ffn={cfg.ffn!r} with RMSNorm", "Llama-family MLPs are gated (swiglu, geglu)")
+    if cfg.qkv_bias and not cfg.bias:
+        return "qwen2" if cfg.ffn == "swiglu" else "llama"
+    return "llama"
+
+
+def _describe(cfg: ModelConfig) -> str:
+    return f"positional='learned' with norm={cfg.norm!r}, ffn={cfg.ffn!r}, parallel_residual={cfg.parallel_residual}"
+
+
+def _require_mha(cfg: ModelConfig, family: str) -> None:
+    if cfg.n_kv_heads != cfg.n_heads:
+        raise UnsupportedHFConfig(f"n_kv_heads={cfg.n_kv_heads} < n_heads (GQA/MQA) has no {family} equivalent")
+    if cfg.n_heads * cfg.d_head != cfg.d_model:
+        raise UnsupportedHFConfig(f"d_head={cfg.d_head} with n_heads * d_head != d_model has no {family} equivalent")
+
+
+def hf_config_for(cfg: ModelConfig, family: Optional[str] = None) -> Any:
+    """A ``transformers`` config of ``family`` (default: ``hf_family_for(cfg)``) equal to ``cfg``."""
+    import transformers
+
+    family = family or hf_family_for(cfg)
+    common = dict(vocab_size=cfg.d_vocab, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None)
+    if family == "gpt2":
+        act = {"gelu_new": "gelu_new", "gelu": "gelu", "relu": "relu"}[cfg.ffn]
+        return transformers.GPT2Config(
+            n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_positions=cfg.n_ctx,
+            n_inner=cfg.d_mlp, activation_function=act, layer_norm_epsilon=cfg.norm_eps, **common,
+        )
+    rope = _rope_parameters(cfg)
+    max_pos = cfg.rope_original_n_ctx if cfg.rope_scaling in ("linear", "dynamic") and cfg.rope_original_n_ctx else cfg.n_ctx
+    if family == "gpt_neox":
+        act = {"gelu_new": "gelu_new", "gelu": "gelu", "relu": "relu"}[cfg.ffn]
+        rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.d_head
+        return transformers.GPTNeoXConfig(
+            hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+            intermediate_size=cfg.d_mlp, hidden_act=act, max_position_embeddings=max_pos,
+            layer_norm_eps=cfg.norm_eps, use_parallel_residual=cfg.parallel_residual,
+            attention_bias=cfg.bias or cfg.qkv_bias, rope_parameters=rope, **common,
+        )
+    sizes = dict(
+        hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.d_head, intermediate_size=cfg.d_mlp,
+        max_position_embeddings=max_pos, rms_norm_eps=cfg.norm_eps, rope_parameters=rope,
+        hidden_act="silu" if cfg.act_fn == "silu" else "gelu", **common,
+    )
+    if family == "mixtral":
+        return transformers.MixtralConfig(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                                          sliding_window=None, **sizes)
+    if family == "qwen2":
+        return transformers.Qwen2Config(use_sliding_window=False, **sizes)
+    return transformers.LlamaConfig(attention_bias=cfg.bias or cfg.qkv_bias, mlp_bias=cfg.bias, **sizes)
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    rope: dict = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling, "rope_theta": cfg.rope_base}
+    if cfg.rope_scaling == "none":
+        return rope
+    rope["factor"] = cfg.rope_scaling_factor
+    if cfg.rope_scaling in ("llama3", "yarn"):
+        rope["original_max_position_embeddings"] = cfg.rope_original_n_ctx or cfg.n_ctx
+    if cfg.rope_scaling == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
+    if cfg.rope_scaling == "yarn":
+        rope.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
+    return rope
