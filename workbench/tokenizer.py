@@ -1,5 +1,10 @@
 """Tokenizers saved with checkpoints: character-level, byte-level, and BPE.
 
+Four kinds: ``CharTokenizer`` (one id per character), ``ByteTokenizer`` (UTF-8 bytes),
+``BPETokenizer`` (byte-level BPE) and ``WordTokenizer`` (one id per word or punctuation
+mark of a closed vocabulary, used by the synthetic ``stories`` grammar so that every name
+is a single token).
+
 Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``,
 ``token_str(id) -> str`` (a readable label for plots), ``vocab_size``, and ``save(dir)``,
 which writes ``tokenizer.json``; ``load_tokenizer(dir)`` restores whichever kind was saved.
@@ -9,6 +14,7 @@ BPE is trained locally with the ``tokenizers`` library; nothing is downloaded.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
@@ -115,11 +121,60 @@ class BPETokenizer:
     save = CharTokenizer.save
 
 
-Tokenizer = Union[CharTokenizer, ByteTokenizer, BPETokenizer]
+class WordTokenizer:
+    """One id per word, punctuation mark or newline of a fixed vocabulary; others map to ``unk``.
+
+    ``encode`` splits on whitespace and punctuation; ``decode`` joins with single spaces and
+    no space before punctuation or around newlines, so canonical text (single spaces, as the
+    ``stories`` grammar writes it) round-trips exactly.
+    """
+
+    kind = "word"
+    _split = re.compile(r"\n|[\w']+|[^\w\s]")
+    _no_space_before = set(".,!?;:")
+
+    def __init__(self, words: Iterable[str], unk: str = "<unk>"):
+        vocab = sorted(set(words) - {unk})
+        self.unk = unk
+        self.itos = [unk] + vocab
+        self.stoi = {w: i for i, w in enumerate(self.itos)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "WordTokenizer":
+        return cls(cls._split.findall(text))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.stoi.get(w, 0) for w in self._split.findall(text)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out: list[str] = []
+        for i in ids:
+            word = self.itos[int(i)]
+            if out and word not in self._no_space_before and word != "\n" and out[-1] != "\n":
+                out.append(" ")
+            out.append(word)
+        return "".join(out)
+
+    def token_str(self, token_id: int) -> str:
+        return self.itos[int(token_id)]
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "words": self.itos[1:], "unk": self.unk}
+
+    save = CharTokenizer.save
+
+
+Tokenizer = Union[CharTokenizer, ByteTokenizer, BPETokenizer, WordTokenizer]
 
 
 def tokenizer_from_dict(data: dict) -> Tokenizer:
     kind = data.get("kind")
+    if kind == "word":
+        return WordTokenizer(data["words"], unk=data.get("unk", "<unk>"))
     if kind == "char":
         return CharTokenizer(data["chars"], unk=data.get("unk", "\ufffd"))
     if kind == "byte":
@@ -132,7 +187,7 @@ def tokenizer_from_dict(data: dict) -> Tokenizer:
         from workbench.interop.hf_tokenizer import HFTokenizer as ImportedTokenizer
 
         return ImportedTokenizer.from_dict(data)
-    raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds are ['bpe', 'byte', 'char']")
+    raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds are ['bpe', 'byte', 'char', 'word']")
 
 
 def load_tokenizer(directory: Union[str, Path]) -> Optional[Tokenizer]:

@@ -1,0 +1,83 @@
+"""Tokenizers: round trips (including characters and bytes never seen), and save/load with a checkpoint."""
+
+import json
+
+import pytest
+import torch
+
+import workbench as wb
+from conftest import tiny
+from workbench.tokenizer import (
+    BPETokenizer,
+    ByteTokenizer,
+    CharTokenizer,
+    WordTokenizer,
+    load_tokenizer,
+    tokenizer_from_dict,
+)
+
+CORPUS = "the cat sat on the mat. the dog sat on the log.\nthe end of the story, said the cat.\n" * 20
+UNSEEN = "Zebra \u00e9t\u00e9 \u4e2d\u6587 \U0001f600 \x00 tab\tend"
+
+
+def test_char_round_trip_and_unknown_characters():
+    tok = CharTokenizer.from_text(CORPUS)
+    assert tok.decode(tok.encode(CORPUS)) == CORPUS
+    ids = tok.encode("cat\u4e2d")
+    assert ids[-1] == 0 and tok.decode(ids) == "cat" + tok.unk  # unseen -> the unk id, not an error
+    assert tok.vocab_size == len(set(CORPUS)) + 1
+
+
+def test_byte_round_trip_on_any_string():
+    tok = ByteTokenizer()
+    for text in (CORPUS, UNSEEN, ""):
+        ids = tok.encode(text)
+        assert all(0 <= i < 256 for i in ids)
+        assert tok.decode(ids) == text
+    assert tok.decode([0xE4, 0xB8]) == "\ufffd"  # a truncated UTF-8 sequence decodes with a replacement
+    assert tok.token_str(ord("a")) == "a" and tok.token_str(0xE4) == "<0xE4>"
+
+
+def test_bpe_trains_locally_and_round_trips_unseen_text():
+    tok = BPETokenizer.train([CORPUS], vocab_size=300)
+    assert 256 < tok.vocab_size <= 300
+    assert len(tok.encode(CORPUS)) < len(CORPUS.encode())  # merges were learned
+    for text in (CORPUS, UNSEEN):
+        assert tok.decode(tok.encode(text)) == text  # byte-level: nothing is out of vocabulary
+
+
+def test_word_round_trip_and_unknown_words():
+    text = "When Mary and John went to the store, John gave a drink to Mary.\nThe end."
+    tok = WordTokenizer.from_text(text)
+    assert tok.decode(tok.encode(text)) == text
+    assert [tok.token_str(i) for i in tok.encode("Mary, John.")] == ["Mary", ",", "John", "."]
+    assert tok.encode("Mary met Zelda") == [tok.stoi["Mary"], 0, 0]
+
+
+@pytest.mark.parametrize("kind", ["char", "byte", "bpe", "word"])
+def test_saved_with_checkpoint_and_restored(tmp_path, kind):
+    tok = {
+        "char": lambda: CharTokenizer.from_text(CORPUS),
+        "byte": ByteTokenizer,
+        "bpe": lambda: BPETokenizer.train([CORPUS], vocab_size=280),
+        "word": lambda: WordTokenizer.from_text(CORPUS),
+    }[kind]()
+    model = wb.HookedDecoder(tiny(d_vocab=tok.vocab_size))
+    wb.save_checkpoint(model, tmp_path / "ck", tokenizer=tok)
+    loaded_model, loaded = wb.load_checkpoint(tmp_path / "ck")
+    assert type(loaded) is type(tok) and loaded_model.tokenizer is loaded
+    sample = CORPUS[:60] + (UNSEEN if kind in ("byte", "bpe") else "")
+    assert loaded.encode(sample) == tok.encode(sample)
+    assert loaded.decode(tok.encode(sample)) == tok.decode(tok.encode(sample))
+    assert load_tokenizer(tmp_path / "ck").to_dict() == tok.to_dict()
+    text = CORPUS[:20]
+    assert torch.equal(loaded_model.to_tokens(text)[0], torch.tensor(tok.encode(text)))
+
+
+def test_unknown_kind_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="valid kinds are"):
+        tokenizer_from_dict({"kind": "sentencepiece"})
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"kind": "nope"}))
+    with pytest.raises(ValueError, match="nope"):
+        load_tokenizer(tmp_path)
+    assert load_tokenizer(tmp_path / "missing") is None
