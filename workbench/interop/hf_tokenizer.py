@@ -1,6 +1,7 @@
 """A Hugging Face fast tokenizer behind the workbench tokenizer interface.
 
-``HFTokenizer`` wraps the ``tokenizers.Tokenizer`` that backs every HF *fast* tokenizer, so
+``HFTokenizer`` wraps the ``tokenizers.Tokenizer`` that backs every HF *fast* tokenizer (a
+``BPETokenizer`` subclass: both hold a ``tokenizers.Tokenizer`` as ``.hf``), so
 ``model.to_tokens`` / ``to_str_tokens`` / ``generate(str)`` work on imported models, and the
 tokenizer saves with our checkpoints (``tokenizer.json`` of kind ``"hf"``, restored by
 ``workbench.tokenizer.tokenizer_from_dict``). Encoding goes through the backend's post-processor,
@@ -13,19 +14,19 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-from workbench.tokenizer import TOKENIZER_FILE
+from workbench.tokenizer import BPETokenizer
 
 # Special-token attributes of a transformers tokenizer that survive a save/load through us.
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-class HFTokenizer:
-    """encode/decode/token_str/vocab_size/save over a ``tokenizers.Tokenizer``."""
+class HFTokenizer(BPETokenizer):
+    """encode/decode/token_str/vocab_size/save over a ``tokenizers.Tokenizer``; special tokens kept."""
 
     kind = "hf"
 
     def __init__(self, backend: Any, special_tokens: Optional[dict] = None, add_special_tokens: bool = True):
-        self.backend = backend
+        super().__init__(backend)
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.add_special_tokens = add_special_tokens
 
@@ -47,30 +48,23 @@ class HFTokenizer:
         from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self.backend.to_str()), **self.special_tokens)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.backend.get_vocab_size()
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self.hf.to_str()), **self.special_tokens)
 
     def token_id(self, name: str) -> Optional[int]:
         """Id of a special token by role (``"eos_token"``, ...), or None when the tokenizer has none."""
         token = self.special_tokens.get(name)
-        return None if token is None else self.backend.token_to_id(token)
+        return None if token is None else self.hf.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=self.add_special_tokens).ids
+        return self.hf.encode(text, add_special_tokens=self.add_special_tokens).ids
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def token_str(self, token_id: int) -> str:
-        return self.decode([token_id])
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def to_dict(self) -> dict:
         return {
             "kind": self.kind,
-            "tokenizer": json.loads(self.backend.to_str()),
+            "tokenizer": json.loads(self.hf.to_str()),
             "special_tokens": self.special_tokens,
             "add_special_tokens": self.add_special_tokens,
         }
@@ -84,9 +78,6 @@ class HFTokenizer:
             data.get("special_tokens", {}),
             data.get("add_special_tokens", True),
         )
-
-    def save(self, directory: Union[str, Path]) -> None:
-        Path(directory, TOKENIZER_FILE).write_text(json.dumps(self.to_dict(), ensure_ascii=False))
 
 
 def load_hf_tokenizer(directory: Union[str, Path]) -> Optional[HFTokenizer]:
