@@ -5,7 +5,10 @@ The checkpoints folder is ``--checkpoints DIR`` (after ``--``), else $WORKBENCH_
 else ``checkpoints/`` next to this file.
 """
 
+import os
+
 import streamlit as st
+import torch
 
 from ui import ablate, build_train, common, compare, inspect, sweeps
 
@@ -17,6 +20,9 @@ PAGES = {
     "Sweeps": sweeps.render,
 }
 
+# One thread: the app's forwards are small and latency-bound, and extra threads only
+# contend with Streamlit's own (and with other work on a shared machine).
+torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", "1")))
 st.set_page_config(page_title="Transformer workbench", page_icon="🔬", layout="wide")
 st.sidebar.title("Workbench")
 page = st.sidebar.radio("Page", list(PAGES), key="page")

@@ -32,7 +32,9 @@ from workbench.checkpoint import CONFIG_FILE, META_FILE, WEIGHTS_FILE, read_meta
 REPO = Path(__file__).resolve().parent.parent
 ENV_VAR = "WORKBENCH_CHECKPOINTS"
 DEFAULT_CHECKPOINT = "stories-2026"
-DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She liked to play in the park with her dog."
+# An indirect-object sentence of the stories grammar: the shipped stories models should answer "Mary".
+DEFAULT_PROMPT = ("Once upon a time, Mary and John lived in a small town. "
+                  "When Mary and John went to the store, John gave a drink to")
 UPLOAD_LIMIT_MB = 200
 OTHER_DIR = "Another directory…"
 UPLOAD_ROOT = Path(tempfile.gettempdir()) / "workbench-uploads"
@@ -75,6 +77,28 @@ def default_checkpoint(options: list[str]) -> Optional[str]:
     return options[0] if options else None
 
 
+class IdTokenizer:
+    """For checkpoints without a tokenizer: a prompt is token ids separated by spaces or commas."""
+
+    kind = "ids"
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.replace(",", " ").split()]
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def token_str(self, token_id: int) -> str:
+        return str(int(token_id))
+
+    def unencodable(self, text: str) -> list[str]:
+        pieces = text.replace(",", " ").split()
+        return [p for p in pieces if not (p.isdigit() and int(p) < self.vocab_size)]
+
+
 # ---- loading -----------------------------------------------------------------------------------
 @dataclass
 class Checkpoint:
@@ -108,8 +132,9 @@ def weights_stamp(path: str) -> int:
 @st.cache_resource(max_entries=8, show_spinner="Loading the checkpoint…")
 def _load(path: str, stamp: int) -> tuple[Any, Any, dict, threading.Lock]:
     LOADS[path] += 1
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     model, tok = wb.load_checkpoint(path)
+    if tok is None:  # abstract-id tasks (induction, modular): prompts are typed as token ids
+        tok = model.tokenizer = IdTokenizer(model.cfg.d_vocab)
     for p in model.parameters():
         p.requires_grad_(False)
     # One lock per model: hooks are attached to the shared module during a forward, so two
@@ -136,9 +161,6 @@ def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint
         return None
     except Exception as e:  # anything else a damaged directory can raise
         where.error(f"Cannot load `{path}`: {type(e).__name__}: {e}")
-        return None
-    if tok is None:
-        where.error(f"`{path}` has no tokenizer.json, so prompts cannot be typed for it.")
         return None
     return Checkpoint(name or p.name, str(p.resolve()), weights_stamp(str(p)), model, tok, meta, lock)
 
@@ -246,8 +268,13 @@ def _strip_common_folder(contents: dict[str, bytes]) -> dict[str, bytes]:
 # ---- prompts -------------------------------------------------------------------------------------
 def default_prompt(ckpt: Optional[Checkpoint]) -> str:
     """A prompt the checkpoint can read: meta.json's ``default_prompt``, else a stories sentence."""
-    if ckpt is not None and isinstance(ckpt.meta.get("default_prompt"), str):
+    if ckpt is None:
+        return DEFAULT_PROMPT
+    if isinstance(ckpt.meta.get("default_prompt"), str):
         return ckpt.meta["default_prompt"]
+    if isinstance(ckpt.tokenizer, IdTokenizer):  # a random segment seen twice: what induction heads copy
+        segment = torch.randint(0, ckpt.cfg.d_vocab, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+        return ckpt.tokenizer.decode(segment * 2)
     return DEFAULT_PROMPT
 
 
@@ -262,14 +289,18 @@ def prompt_box(ckpt: Optional[Checkpoint], key: str = "prompt", label: str = "Pr
 
 
 def unencodable(tokenizer, text: str) -> list[str]:
-    """The pieces of ``text`` the tokenizer cannot represent (they would become ``unk``)."""
+    """The pieces of ``text`` the tokenizer cannot represent (they would become ``unk``).
+
+    Closed vocabularies (characters, words, ids) are checked piece by piece; byte-level
+    tokenizers (byte, BPE, Hugging Face) encode every string.
+    """
+    if isinstance(tokenizer, IdTokenizer):
+        return tokenizer.unencodable(text)
     stoi = getattr(tokenizer, "stoi", None)
     if stoi is not None:  # closed vocabularies: characters or words
         splitter = getattr(tokenizer, "_split", None)
         pieces = splitter.findall(text) if splitter is not None else list(text)
         return list(dict.fromkeys(p for p in pieces if p not in stoi))
-    if tokenizer.decode(tokenizer.encode(text)) != text:  # open vocabularies should round-trip
-        return [text]
     return []
 
 
@@ -282,7 +313,9 @@ def encode_prompt(ckpt: Checkpoint, text: str, min_tokens: int = 2) -> list[int]
         shown = ", ".join(repr(b) for b in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
         raise ValueError(
             f"This checkpoint's tokenizer cannot encode {shown}. "
-            f"Use only what its vocabulary ({ckpt.tokenizer.vocab_size} tokens) contains."
+            + ("Type token ids between 0 and {}, separated by spaces.".format(ckpt.cfg.d_vocab - 1)
+               if isinstance(ckpt.tokenizer, IdTokenizer)
+               else f"Use only what its vocabulary ({ckpt.tokenizer.vocab_size} tokens) contains.")
         )
     ids = ckpt.tokenizer.encode(text)
     if len(ids) > ckpt.cfg.n_ctx:
@@ -315,7 +348,7 @@ def _token_losses(model, tokens):
         "pos": range(1, tokens.shape[1]),
         "token": labels[1:],
         "context": labels[:-1],
-        "loss": losses[0].float().cpu().numpy(),
+        "loss": losses[0].detach().float().cpu().numpy(),
         "predicted": str_tokens(model, top),
         "correct": (top == tokens[0, 1:]).cpu().numpy(),
     })
@@ -327,7 +360,7 @@ def _residual_norms(model, tokens):
     from workbench.analysis.lens import residual_stack
 
     resid, _ = residual_stack(model, tokens)
-    norms = resid[:, 0].norm(dim=-1).float().cpu().numpy()  # [layer, pos]
+    norms = resid[:, 0].detach().norm(dim=-1).float().cpu().numpy()  # [layer, pos]
     labels = str_tokens(model, tokens[0])
     n = model.cfg.n_layers
     return pd.DataFrame([
@@ -366,8 +399,14 @@ def analysis(name: str, key: tuple[str, int], ids: Optional[tuple[int, ...]], **
 
 # ---- drawing --------------------------------------------------------------------------------------
 def show(fig, key: Optional[str] = None, **kwargs) -> Any:
-    """Draw a plotly figure with Streamlit's theme, so it reads in light and dark mode."""
-    fig.update_layout(paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)")
+    """Draw a plotly figure in the app's own light or dark theme.
+
+    Streamlit's chart theme sets backgrounds, fonts and grid colours from the theme the user
+    picked, over whatever plotly template the figure carries; the fixed template of
+    ``workbench.viz`` is dropped so it is not sent to the browser at all. The data's colour
+    scales (perceptually uniform, chosen by viz) stay.
+    """
+    fig.layout.template = None
     return st.plotly_chart(fig, theme="streamlit", key=key, **kwargs)
 
 
@@ -393,7 +432,7 @@ def config_table(cfg: wb.ModelConfig) -> pd.DataFrame:
 
 def model_card(ckpt: Checkpoint) -> None:
     """Config, parameter counts, what meta.json says, and the training curve."""
-    from ui import figures
+    from workbench import viz
 
     counts = wb.count_params(ckpt.cfg)
     cols = st.columns(4)
@@ -407,7 +446,7 @@ def model_card(ckpt: Checkpoint) -> None:
     with right:
         metrics = read_metrics(ckpt)
         if metrics is not None and "step" in metrics:
-            show(figures.training_curves({ckpt.name: metrics}), key=f"curve_{ckpt.path}")
+            show(viz.loss_curves(metrics, title=f"Training curve of {ckpt.name}"), key=f"curve_{ckpt.path}")
         else:
             st.info("This checkpoint has no metrics.csv, so there is no training curve.")
     shown = {k: v for k, v in ckpt.meta.items() if k not in ("metrics",)}

@@ -10,11 +10,13 @@ from __future__ import annotations
 import streamlit as st
 
 from ui import common, figures
+from workbench import viz
 
 LENS_VALUES = {
     "probability of the next token": "target_prob",
-    "KL to the final distribution": "kl_to_final",
-    "entropy": "entropy",
+    "probability of the top token": "prob",
+    "rank of the next token": "rank",
+    "KL to the final distribution": "kl",
 }
 
 
@@ -33,9 +35,7 @@ def render() -> None:
         with left:
             _attention(ckpt, ids)
         with right:
-            _every_head(ckpt, ids)
-        _lens(ckpt, ids)
-        _head_scores(ckpt, ids)
+            _lens(ckpt, ids)
         _attribution(ckpt, ids)
         _residual_norms(ckpt, ids)
     st.subheader("Model card")
@@ -54,27 +54,28 @@ def _tokens_and_loss(ckpt: common.Checkpoint, ids) -> None:
 
 def _attention(ckpt: common.Checkpoint, ids) -> None:
     st.subheader("Attention")
-    cfg = ckpt.cfg
-    a, b = st.columns(2)
-    layer = a.selectbox("Layer", range(cfg.n_layers), key="attn_layer")
-    head = b.selectbox("Head", range(cfg.n_heads), key="attn_head")
+    # Lazy tabs: the grid of every head (one heatmap per head) is drawn only when opened.
+    one, every, scores = st.tabs(["One head", "Every head", "Head scores"], key="attn_tab", on_change="rerun")
     patterns = common.analysis("attention_patterns", ckpt.key, ids)
-    common.show(figures.attention_heatmap(patterns, layer, head), key="inspect_attention")
+    if one.open:
+        with one:
+            a, b = st.columns(2)
+            layer = a.selectbox("Layer", range(ckpt.cfg.n_layers), key="attn_layer")
+            head = b.selectbox("Head", range(ckpt.cfg.n_heads), key="attn_head")
+            common.show(viz.attention_figure(patterns, layer, head), key="inspect_attention")
+    if every.open:
+        with every:
+            common.show(viz.attention_grid(patterns), key="inspect_grid")
+    if scores.open:
+        with scores:
+            _head_scores(ckpt, ids)
 
 
 def _lens(ckpt: common.Checkpoint, ids) -> None:
     st.subheader("Logit lens")
     shown = st.selectbox("Colour", list(LENS_VALUES), key="lens_value")
     lens = common.analysis("logit_lens", ckpt.key, ids, k=3)
-    common.show(figures.logit_lens(lens, LENS_VALUES[shown]), key="inspect_lens")
-
-
-def _every_head(ckpt: common.Checkpoint, ids) -> None:
-    st.subheader("Every head")
-    if not st.toggle("Show the pattern of every head", value=True, key="attn_grid"):
-        return
-    patterns = common.analysis("attention_patterns", ckpt.key, ids)
-    common.show(figures.attention_grid(patterns), key="inspect_grid")
+    common.show(viz.logit_lens_figure(lens, color=LENS_VALUES[shown]), key="inspect_lens")
 
 
 def _head_scores(ckpt: common.Checkpoint, ids) -> None:
@@ -107,10 +108,10 @@ def _attribution(ckpt: common.Checkpoint, ids) -> None:
         st.warning(str(e))
         return
     df = common.analysis("direct_logit_attribution", ckpt.key, ids, answer=answer, wrong=wrong, pos=pos)
-    df = df[df["granularity"] == granularity]
+    fig = viz.dla_figure(df, granularity=granularity)
     what = f"logit[{answer_text!r}]" + (f" − logit[{wrong_text!r}]" if wrong is not None else "")
-    title = f"{what} at position {pos} = {df['total'].iloc[0]:.2f}"
-    common.show(figures.dla_bars(df, title), key="inspect_dla")
+    fig.update_layout(title=f"{what} at position {pos} = {df['total'].iloc[0]:.3f}: direct attribution")
+    common.show(fig, key="inspect_dla")
 
 
 def _single_token(ckpt: common.Checkpoint, text: str) -> int:
