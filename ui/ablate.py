@@ -1,6 +1,179 @@
-"""stub"""
+"""Ablate: knock out heads, layers, MLPs or neurons (optionally at some positions) and compare.
+
+Clean and ablated sit side by side: per-token loss and its change, the prediction at
+each position, the logit lens, and the attention of the head whose pattern changed most.
+A button runs the ablation sweep over every head (a progress bar, one layer at a time)
+and draws the layer x head heatmap; clicking a cell ablates that head.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
 import streamlit as st
+
+from ui import common, figures
+from workbench import viz
+
+KINDS = {"zero": "zero", "mean (over reference text)": "mean", "resample (from reference text)": "resample"}
 
 
 def render() -> None:
-    st.header("ablate")
+    st.header("Ablate")
+    ckpt = common.checkpoint_picker("Checkpoint", key="ckpt")
+    common.upload_widget()
+    if ckpt is None:
+        return
+    text = common.prompt_box(ckpt)
+    ids = common.prompt_ids(ckpt, text)
+    if ids is None:
+        return
+    kind = KINDS[st.radio("Kind", list(KINDS), horizontal=True, key="ablate_kind")]
+    reference = common.reference_batch(ckpt.key, len(ids), ids) if kind != "zero" else None
+    ablation = _choose_units(ckpt, ids, kind)
+    if ablation is not None:
+        if ablation:
+            _compare(ckpt, ids, ablation, reference)
+        else:
+            st.info("Choose units to ablate above, or run the head sweep below and click a cell.")
+    _head_sweep(ckpt, ids, kind, reference)
+
+
+def unit_options(cfg) -> list[str]:
+    out = []
+    for layer in range(cfg.n_layers):
+        out += [f"L{layer}H{h}" for h in range(cfg.n_heads)] + [f"L{layer} attn"]
+        if not cfg.attn_only:
+            out += [f"L{layer} mlp", f"L{layer} block (attn + mlp)"]
+    return out
+
+
+def parse_neurons(text: str, cfg) -> list[tuple[int, tuple[int, ...]]]:
+    """'L0: 3, 17; L2: 5' -> [(0, (3, 17)), (2, (5,))]; ValueError with a message otherwise."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        m = re.fullmatch(r"L(\d+)\s*:\s*([\d,\s]+)", part)
+        if not m:
+            raise ValueError(f"Cannot read neurons {part!r}: write them as 'L0: 3, 17; L1: 5'.")
+        layer, neurons = int(m.group(1)), tuple(int(n) for n in re.findall(r"\d+", m.group(2)))
+        if layer >= cfg.n_layers:
+            raise ValueError(f"Layer {layer} does not exist: this model has layers 0..{cfg.n_layers - 1}.")
+        bad = [n for n in neurons if n >= cfg.d_mlp]
+        if bad:
+            raise ValueError(f"Neurons {bad} do not exist: the MLP has {cfg.d_mlp} neurons (0..{cfg.d_mlp - 1}).")
+        out.append((layer, neurons))
+    return out
+
+
+def _choose_units(ckpt: common.Checkpoint, ids, kind: str):
+    """The widgets that pick what to ablate; returns the hashable ablation (None on bad input)."""
+    cfg = ckpt.cfg
+    left, right = st.columns([3, 2])
+    units = left.multiselect("Units to ablate", unit_options(cfg), key="ablate_units",
+                             help="Heads (LxHy), a layer's attention, its MLP, or both.")
+    neurons_text = "" if cfg.attn_only else right.text_input(
+        "MLP neurons", key="ablate_neurons", placeholder="L0: 3, 17; L1: 5")
+    tokens = [ckpt.tokenizer.token_str(i) for i in ids]
+    positions = st.multiselect("Only at positions (all when empty)", range(len(ids)), key="ablate_positions",
+                               format_func=lambda p: f"{p}: {tokens[p]!r}")
+    try:
+        neurons = parse_neurons(neurons_text, cfg)
+    except ValueError as e:
+        st.warning(str(e))
+        return None
+    pos = tuple(positions) or None
+    specs = []
+    for unit in units:
+        layer = int(re.match(r"L(\d+)", unit).group(1))
+        if "H" in unit.split()[0]:
+            specs.append(("head", layer, int(unit.split("H")[1]), None, pos, kind))
+        elif unit.endswith("attn"):
+            specs.append(("attn", layer, None, None, pos, kind))
+        elif unit.endswith("mlp"):
+            specs.append(("mlp", layer, None, None, pos, kind))
+        else:
+            specs += [("attn", layer, None, None, pos, kind), ("mlp", layer, None, None, pos, kind)]
+    specs += [("neurons", layer, None, n, pos, kind) for layer, n in neurons]
+    return tuple(specs)
+
+
+def _compare(ckpt: common.Checkpoint, ids, ablation, reference) -> None:
+    clean = common.analysis("token_losses", ckpt.key, ids)
+    ablated = common.analysis("token_losses", ckpt.key, ids, ablation=ablation, reference=reference)
+    a, b, c = st.columns(3)
+    a.metric("Clean loss", f"{clean['loss'].mean():.3f}")
+    b.metric("Ablated loss", f"{ablated['loss'].mean():.3f}", delta=f"{ablated['loss'].mean() - clean['loss'].mean():+.3f}",
+             delta_color="inverse")
+    c.metric("Top-1 accuracy, clean → ablated", f"{clean['correct'].mean():.0%} → {ablated['correct'].mean():.0%}")
+
+    st.subheader("Per-token loss")
+    common.show(figures.token_losses_compare({"clean": clean, "ablated": ablated}), key="ablate_loss")
+    change = clean[["pos", "context", "token"]].rename(columns={"context": "after", "token": "next token"})
+    change["clean prediction"] = clean["predicted"]
+    change["ablated prediction"] = ablated["predicted"]
+    change["clean loss"] = clean["loss"].round(3)
+    change["ablated loss"] = ablated["loss"].round(3)
+    change["change"] = (ablated["loss"] - clean["loss"]).round(3)
+    st.caption("The prediction at each position, clean and ablated (rows where the prediction changed first).")
+    changed = change["clean prediction"] != change["ablated prediction"]
+    common.table(pd.concat([change[changed], change[~changed]]), height=260)
+
+    st.subheader("Logit lens, clean and ablated")
+    lens_clean = common.analysis("logit_lens", ckpt.key, ids, k=3)
+    lens_ablated = common.analysis("logit_lens", ckpt.key, ids, ablation=ablation, reference=reference, k=3)
+    fig = viz.side_by_side(viz.logit_lens_figure(lens_clean), viz.logit_lens_figure(lens_ablated),
+                           titles=("clean", "ablated"))
+    fig.update_layout(height=max(320, 50 * (ckpt.cfg.n_layers + 1) + 200))
+    common.show(fig, key="ablate_lens")
+
+    st.subheader("Attention where it changes")
+    pat_clean = common.analysis("attention_patterns", ckpt.key, ids)
+    pat_ablated = common.analysis("attention_patterns", ckpt.key, ids, ablation=ablation, reference=reference)
+    diff = pat_clean[["layer", "head"]].copy()
+    diff["change"] = (pat_ablated["attention"].to_numpy() - pat_clean["attention"].to_numpy())
+    per_head = diff.assign(change=diff["change"].abs()).groupby(["layer", "head"], as_index=False)["change"].max()
+    per_head = per_head.rename(columns={"change": "max |Δ attention|"}).sort_values("max |Δ attention|", ascending=False)
+    if per_head["max |Δ attention|"].iloc[0] < 1e-6:
+        st.info("No attention pattern changes: the ablated units are in the last layers, or write nothing "
+                "that later heads read.")
+        return
+    options = [f"L{r.layer}H{r.head}" for r in per_head.itertuples()]
+    left, right = st.columns([1, 3])
+    with left:
+        common.table(per_head.round(4).head(12))
+    with right:
+        chosen = st.selectbox("Head (most changed first)", options, key="ablate_attn_head")
+        layer, head = (int(x) for x in re.findall(r"\d+", chosen))
+        fig = viz.side_by_side(viz.attention_figure(pat_clean, layer, head), viz.attention_figure(pat_ablated, layer, head),
+                               titles=(f"{chosen} clean", f"{chosen} ablated"))
+        common.show(fig, key="ablate_attention")
+
+
+def _head_sweep(ckpt: common.Checkpoint, ids, kind: str, reference) -> None:
+    st.subheader("Head sweep")
+    st.caption(f"Ablate every head on its own ({kind}) and measure the change in the prompt's mean loss.")
+    state_key = ("sweep", ckpt.key, ids, kind)
+    if st.button("Run the head sweep", key="ablate_sweep"):
+        bar = st.progress(0.0, text="ablating heads…")
+        parts = []
+        for layer in range(ckpt.cfg.n_layers):
+            parts.append(common.analysis("head_sweep", ckpt.key, ids, reference=reference, layer=layer, method=kind))
+            bar.progress((layer + 1) / ckpt.cfg.n_layers, text=f"ablated the heads of layer {layer}")
+        bar.empty()
+        st.session_state["head_sweep"] = (state_key, pd.concat(parts, ignore_index=True))
+    stored = st.session_state.get("head_sweep")
+    if stored is None or stored[0] != state_key:
+        return
+    sweep = stored[1]
+    fig = viz.layer_head_figure(sweep, value="delta", title="Change in loss when each head is ablated (click a cell)")
+    common.show(fig, key="sweep_heatmap", on_select=_ablate_clicked_head, selection_mode="points")
+    with st.expander("Sweep table"):
+        common.table(sweep.sort_values("delta", ascending=False))
+
+
+def _ablate_clicked_head() -> None:
+    """A click on the sweep heatmap (cell 'L1' x 'H2') ablates that head alone."""
+    points = st.session_state.get("sweep_heatmap", {}).get("selection", {}).get("points", [])
+    if points:
+        st.session_state["ablate_units"] = [f"{points[0]['y']}{points[0]['x']}"]

@@ -369,6 +369,14 @@ def _residual_norms(model, tokens):
     ])
 
 
+def _head_sweep(model, tokens, layer: int, method: str, reference=None):
+    """The ablation sweep over the heads of one layer (the page loops over layers for its progress bar)."""
+    from workbench.analysis import AblationSpec, ablation_sweep
+
+    specs = [AblationSpec("head", layer, head=h, method=method) for h in range(model.cfg.n_heads)]
+    return ablation_sweep(model, tokens, specs=specs, reference=reference)
+
+
 def _analyses() -> dict:
     from workbench.analysis import attribution, heads, lens
 
@@ -379,22 +387,74 @@ def _analyses() -> dict:
         "head_scores": heads.head_scores,
         "direct_logit_attribution": attribution.direct_logit_attribution,
         "residual_norms": _residual_norms,
+        "head_sweep": _head_sweep,
     }
 
 
+Ablation = tuple[tuple, ...]  # hashable AblationSpecs: (target, layer, head, neurons, positions, method)
+
+
+def _ablation_hooks(model, tokens, ablation: Ablation, reference):
+    from workbench.analysis import AblationSpec, ablation_hooks
+
+    hooks = []
+    for target, layer, head, neurons, positions, method in ablation:
+        spec = AblationSpec(target, layer, head=head, neurons=neurons, positions=positions, method=method)
+        hooks += ablation_hooks(model, tokens, spec, reference)
+    return hooks
+
+
 @st.cache_data(max_entries=256, show_spinner=False)
-def analysis(name: str, key: tuple[str, int], ids: Optional[tuple[int, ...]], **kwargs) -> Any:
+def analysis(
+    name: str,
+    key: tuple[str, int],
+    ids: Optional[tuple[int, ...]],
+    ablation: Ablation = (),
+    reference: Optional[tuple[tuple[int, ...], ...]] = None,
+    **kwargs,
+) -> Any:
     """``workbench.analysis`` function ``name`` on the cached model ``key`` and prompt ``ids``.
 
     Cached by value (checkpoint identity, token ids, arguments), so a rerun with the same
     widgets costs nothing and a widget that changes only the drawing recomputes nothing.
+    With ``ablation``, the analysis runs on the model with those units ablated (the hooks of
+    ``workbench.analysis.ablation_hooks`` stay attached while it runs); ``reference`` is the
+    batch that mean and resample ablations draw from.
     """
     model, lock = model_for(key)
     fn = _analyses()[name]
     with lock, torch.no_grad():
         if ids is None:
             return fn(model, **kwargs)
-        return fn(model, torch.tensor([ids], device=model.device), **kwargs)
+        tokens = torch.tensor([ids], device=model.device)
+        ref = torch.tensor(reference, device=model.device) if reference is not None else None
+        if name == "head_sweep":
+            return fn(model, tokens, reference=ref, **kwargs)
+        hooks = _ablation_hooks(model, tokens, ablation, ref) if ablation else []
+        with model.hooks(fwd_hooks=hooks):
+            return fn(model, tokens, **kwargs)
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def reference_batch(key: tuple[str, int], n_pos: int, ids: tuple[int, ...], rows: int = 16) -> tuple[tuple[int, ...], ...]:
+    """Sequences that mean and resample ablations draw from, ``n_pos`` tokens each.
+
+    The validation split of the task the checkpoint was trained on (meta.json names it),
+    else shuffles of the prompt itself.
+    """
+    from workbench.data import get_task
+
+    _, _, meta, _ = _load(*key)
+    try:
+        task = get_task(meta["task"], **meta.get("task_options", {}))
+        if task.fixed_seq_len and task.default_seq_len != n_pos:
+            raise ValueError("the task's sequences have another length")
+        batch = task.batch(rows, n_pos, step=0, split="val")
+        return tuple(tuple(int(t) for t in row) for row in batch.tolist())
+    except (KeyError, TypeError, ValueError):
+        gen = torch.Generator().manual_seed(0)
+        base = torch.tensor(ids)
+        return tuple(tuple(base[torch.randperm(n_pos, generator=gen)].tolist()) for _ in range(rows))
 
 
 # ---- drawing --------------------------------------------------------------------------------------
