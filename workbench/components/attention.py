@@ -102,9 +102,8 @@ class Attention(nn.Module):
         kv_cache: Optional[KVCacheEntry] = None,
     ) -> Float[Tensor, "batch pos d_model"]:
         offset = kv_cache.length if kv_cache is not None else 0
-        q = self.hook_q(torch.einsum("bpd,hde->bphe", x, self.W_Q) + self.b_Q)
-        k = self.hook_k(torch.einsum("bpd,hde->bphe", x, self._W_K) + self._b_K)
-        v = self.hook_v(torch.einsum("bpd,hde->bphe", x, self._W_V) + self._b_V)
+        q, k, v = self._project_qkv(x)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if self.position.rotates:
             q = self.hook_rot_q(self.position.rotate(q, offset))
             k = self.hook_rot_k(self.position.rotate(k, offset))
@@ -122,7 +121,16 @@ class Attention(nn.Module):
         if self.hook_result.has_hooks():
             result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
             return result.sum(dim=2) + self.b_O
-        return z.flatten(2) @ self.W_O.flatten(0, 1) + self.b_O
+        return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, self.b_O)
+
+    def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values [batch, pos, head, d_head] from one fused matmul."""
+        h, kv, e = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.d_head
+        weight = torch.cat([self.W_Q, self._W_K, self._W_V], dim=0)  # [h + 2kv, d_model, d_head]
+        bias = torch.cat([self.b_Q, self._b_K, self._b_V], dim=0).flatten()
+        qkv = F.linear(x, weight.transpose(1, 2).flatten(0, 1), bias)  # [batch, pos, (h + 2kv) * d_head]
+        q, k, v = qkv.unflatten(-1, (h + 2 * kv, e)).split([h, kv, kv], dim=2)
+        return q, k, v
 
     def _causal_mask(self, n_query: int, n_key: int, offset: int, device: torch.device) -> Tensor:
         q_pos = torch.arange(offset, offset + n_query, device=device)

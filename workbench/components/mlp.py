@@ -42,8 +42,8 @@ class MLP(nn.Module):
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        pre = self.hook_pre(x @ self.W_in + self.b_in)
-        return self.hook_post(self.act(pre)) @ self.W_out + self.b_out
+        pre = self.hook_pre(F.linear(x, self.W_in.T, self.b_in))
+        return F.linear(self.hook_post(self.act(pre)), self.W_out.T, self.b_out)
 
 
 class GatedMLP(nn.Module):
@@ -63,9 +63,9 @@ class GatedMLP(nn.Module):
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        gate = self.hook_pre(x @ self.W_gate + self.b_gate)
-        linear = self.hook_pre_linear(x @ self.W_in + self.b_in)
-        return self.hook_post(self.act(gate) * linear) @ self.W_out + self.b_out
+        gate = self.hook_pre(F.linear(x, self.W_gate.T, self.b_gate))
+        linear = self.hook_pre_linear(F.linear(x, self.W_in.T, self.b_in))
+        return F.linear(self.hook_post(self.act(gate) * linear), self.W_out.T, self.b_out)
 
 
 def _dense(kind: str):
