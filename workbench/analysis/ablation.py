@@ -150,7 +150,7 @@ def ablate(
     model,
     tokens: Union[str, Int[Tensor, "batch pos"]],
     spec: AblationSpec,
-    reference: Optional[Int[Tensor, "batch pos"]] = None,
+    reference: Optional[Int[Tensor, "ref_batch ref_pos"]] = None,
     return_type: str = "logits",
 ) -> Tensor:
     """The model's output (logits, or loss) with ``spec`` ablated, via one hooked forward."""
@@ -183,7 +183,7 @@ def ablation_sweep(
     unit: str = "head",
     methods: Sequence[str] = ("zero",),
     metric: Optional[Metric] = None,
-    reference: Optional[Int[Tensor, "batch pos"]] = None,
+    reference: Optional[Int[Tensor, "ref_batch ref_pos"]] = None,
     positions: Optional[Sequence[int]] = None,
     specs: Optional[Sequence[AblationSpec]] = None,
     stack: Optional[int] = None,

@@ -203,19 +203,22 @@ def train_tuned_lens(
     gen = torch.Generator().manual_seed(seed)
     was_training = model.training
     model.eval()
+    # The model is frozen, so its residual streams are computed once, not once per step.
+    with torch.no_grad():
+        streams = torch.cat([residual_stack(model, chunk)[0] for chunk in data.split(64)], dim=1)
     history = []
     for step in tqdm(range(steps), disable=not progress, desc="tuned lens"):
         rows = torch.randint(0, data.shape[0], (min(batch_size, data.shape[0]),), generator=gen)
+        resid = streams[:, rows.to(streams.device)]
         with torch.no_grad():
-            resid, final_logits = residual_stack(model, data[rows.to(data.device)])
-            final_logp = final_logits.float().log_softmax(-1)
+            final_logp = _project(model, resid[-1:])[0].float().log_softmax(-1)
         logp = _project(model, lens.translate(resid)[:-1]).float().log_softmax(-1)
         kl = (final_logp.exp() * (final_logp - logp)).sum(-1).mean(dim=(1, 2))  # [layer]
         opt.zero_grad(set_to_none=True)
         kl.sum().backward()
         opt.step()
         sched.step()
-        history.append(float(kl.mean()))
+        history.append(float(kl.detach().mean()))
     for p in model.parameters():  # backward left grads on the frozen model
         p.grad = None
     model.train(was_training)

@@ -1,0 +1,121 @@
+"""Ablation: the fast sweep equals the naive hooked loop exactly; each ablation against a
+direct edit of the weights; mean ablation with the input as reference changes nothing."""
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny
+
+import workbench as wb
+from workbench.analysis import AblationSpec, ablate, ablation_sweep
+
+LAYOUTS = [{}, {"norm_placement": "post"}, {"parallel_residual": True}, {"attn_only": True},
+           {"norm": "rmsnorm", "positional": "rope", "ffn": "swiglu", "n_kv_heads": 2}]
+
+
+@pytest.mark.parametrize("kw", LAYOUTS)
+def test_sweep_equals_naive_loop_exactly(kw):
+    model = wb.HookedDecoder(tiny(**kw)).eval()
+    tokens = torch.randint(0, 50, (3, 10))
+    reference = torch.randint(0, 50, (5, 12))
+    for unit, methods in (("head", ("zero", "resample")), ("layer", ("mean",))):
+        fast = ablation_sweep(model, tokens, unit=unit, methods=methods, reference=reference)
+        naive = ablation_sweep(model, tokens, unit=unit, methods=methods, reference=reference, naive=True)
+        assert (fast.metric.to_numpy() == naive.metric.to_numpy()).all(), (fast.metric - naive.metric).abs().max()
+    assert (fast.delta != 0).any()
+
+
+def test_stacked_sweep_matches_the_naive_loop():
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (3, 10))
+    stacked = ablation_sweep(model, tokens, unit="head", methods=("mean",), stack=3)
+    plain = ablation_sweep(model, tokens, unit="head", methods=("mean",), naive=True)
+    torch.testing.assert_close(torch.tensor(stacked.metric.to_numpy()), torch.tensor(plain.metric.to_numpy()),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_sweep_table_shape_and_custom_specs():
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (2, 8))
+    table = ablation_sweep(model, tokens, unit="head", methods=("zero", "mean"))
+    assert len(table) == 2 * 2 * 4 and set(table.columns) >= {"layer", "head", "method", "metric", "clean", "delta"}
+    specs = [AblationSpec("neurons", 1, neurons=[0, 5, 7]), AblationSpec("resid", 1, positions=[2]),
+             AblationSpec("direction", 0, direction=torch.randn(32), method="mean")]
+    fast = ablation_sweep(model, tokens, specs=specs)
+    naive = ablation_sweep(model, tokens, specs=specs, naive=True)
+    assert (fast.metric.to_numpy() == naive.metric.to_numpy()).all()
+
+
+def _edited(model, edit):
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        edit(other)
+    return other
+
+
+@pytest.mark.parametrize("spec,edit", [
+    (AblationSpec("head", 1, head=2), lambda m: m.blocks[1].attn.W_O[2].zero_()),
+    (AblationSpec("attn", 0), lambda m: (m.blocks[0].attn.W_O.zero_(), m.blocks[0].attn.b_O.zero_())),
+    (AblationSpec("mlp", 1), lambda m: (m.blocks[1].mlp.W_out.zero_(), m.blocks[1].mlp.b_out.zero_())),
+    (AblationSpec("neurons", 0, neurons=[1, 4, 9]), lambda m: m.blocks[0].mlp.W_out.index_fill_(0, torch.tensor([1, 4, 9]), 0.0)),
+])
+def test_zero_ablation_equals_zeroing_the_weights(spec, edit):
+    model = wb.HookedDecoder(tiny(bias=True)).eval()
+    with torch.no_grad():
+        for block in model.blocks:  # non-zero biases, so "zero the output" is not "zero the weights" by accident
+            block.attn.b_O.add_(0.1)
+            block.mlp.b_out.add_(0.1)
+    tokens = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        expected = _edited(model, edit)(tokens)
+    torch.testing.assert_close(ablate(model, tokens, spec), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [AblationSpec("head", 0, head=1, method="mean"), AblationSpec("attn", 1, method="mean"),
+                                  AblationSpec("mlp", 0, method="mean"), AblationSpec("neurons", 1, neurons=[3], method="mean"),
+                                  AblationSpec("resid", 1, method="mean"),
+                                  AblationSpec("direction", 1, direction=torch.ones(32), method="mean")])
+def test_mean_ablation_with_the_input_as_reference_changes_nothing(spec):
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (1, 9)).repeat(3, 1)  # every row the same: the mean is each row
+    with torch.no_grad():
+        clean = model(tokens)
+    torch.testing.assert_close(ablate(model, tokens, spec, reference=tokens), clean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ablate(model, tokens, spec), clean, rtol=1e-5, atol=1e-6)
+
+
+def test_positions_and_resample_and_direction():
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        clean = model(tokens)
+    out = ablate(model, tokens, AblationSpec("resid", 1, positions=[5]))
+    torch.testing.assert_close(out[:, :5], clean[:, :5])  # causal: earlier positions cannot see it
+    assert not torch.allclose(out[:, 5:], clean[:, 5:])
+    # resample without a reference: row 0 takes row 1's stream and vice versa
+    swapped = ablate(model, tokens, AblationSpec("resid", 0, method="resample"))
+    with torch.no_grad():
+        torch.testing.assert_close(swapped, model(tokens.flip(0)))
+    direction = torch.randn(32)
+    seen = {}
+
+    def grab(act, hook):
+        seen["x"] = act
+
+    hooks = wb.analysis.ablation_hooks(model, tokens, AblationSpec("direction", 1, direction=direction))
+    model.run_with_hooks(tokens, fwd_hooks=hooks + [("blocks.1.hook_resid_pre", grab)])
+    assert (seen["x"] @ direction).abs().max() < 1e-4
+
+
+def test_bad_specs_are_refused():
+    model = wb.HookedDecoder(tiny())
+    tokens = torch.randint(0, 50, (1, 5))
+    for kwargs, message in [(dict(target="head", layer=0, head=9), "head"), (dict(target="nope", layer=0), "target"),
+                            (dict(target="attn", layer=5), "layer"), (dict(target="attn", layer=0, method="x"), "method"),
+                            (dict(target="neurons", layer=0), "neurons"), (dict(target="direction", layer=0), "direction"),
+                            (dict(target="attn", layer=0, method="resample"), "at least 2")]:
+        with pytest.raises((ValueError, TypeError), match=message):  # under pytest jaxtyping may check first
+            ablate(model, tokens, AblationSpec(**kwargs))
+    with pytest.raises(ValueError, match="attention-only"):
+        ablate(wb.HookedDecoder(tiny(attn_only=True)), tokens, AblationSpec("mlp", 0))

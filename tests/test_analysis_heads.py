@@ -1,0 +1,103 @@
+"""Attention-pattern tables and head scores against TransformerLens' head_detector, and the
+shipped induction model."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny
+from transformer_lens import head_detector as hd
+
+import workbench as wb
+from workbench.analysis import (
+    AblationSpec,
+    ablate,
+    attention_patterns,
+    detection_mask,
+    head_scores,
+    repeated_random_tokens,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_attention_patterns_table_matches_the_cache():
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (2, 7))
+    table = attention_patterns(model, tokens, batch_index=1)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    assert len(table) == 2 * 4 * 7 * 8 // 2  # layers x heads x causal (query, key) pairs
+    assert (table.key_pos <= table.query_pos).all() and (table.batch == 1).all()
+    row = table[(table.layer == 1) & (table["head"] == 2) & (table.query_pos == 5) & (table.key_pos == 3)]
+    assert float(row.attention.iloc[0]) == pytest.approx(float(cache["pattern", 1][1, 2, 5, 3]), rel=1e-6)
+    assert row.query_token.iloc[0] == str(int(tokens[1, 5])) and row.key_token.iloc[0] == str(int(tokens[1, 3]))
+    np.testing.assert_allclose(table.groupby(["layer", "head", "query_pos"]).attention.sum(), 1, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["previous_token", "duplicate_token", "induction"])
+def test_detection_masks_are_transformer_lens_patterns(kind):
+    tokens = torch.tensor([[3, 5, 7, 3, 5, 9, 3, 5]])
+    ours = detection_mask(kind, tokens)[0].float()
+    theirs = getattr(hd, f"get_{kind}_head_detection_pattern")(tokens)
+    assert torch.equal(ours, theirs)
+
+
+def test_head_scores_agree_with_transformer_lens_scores():
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = repeated_random_tokens(model, seq_len=8, batch=1, seed=3)
+    table = head_scores(model, tokens).set_index(["kind", "layer", "head"])["score"]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, remove_batch_dim=True)
+    n = tokens.shape[1]
+    first = torch.zeros(n, n)
+    first[1:, 0] = 1
+    patterns = {"previous_token": hd.get_previous_token_head_detection_pattern(tokens),
+                "duplicate_token": hd.get_duplicate_token_head_detection_pattern(tokens),
+                "induction": hd.get_induction_head_detection_pattern(tokens), "first_token": first}
+    for kind, pattern in patterns.items():
+        rows_with_target = int((pattern.sum(-1) > 0).sum())
+        for layer in range(2):
+            for head in range(4):
+                tl = hd.compute_head_attention_similarity_score(
+                    cache["pattern", layer][head], pattern, exclude_bos=False, exclude_current_token=False,
+                    error_measure="mul")
+                # TL averages over every query row, ours over the rows that have a target
+                assert table[kind, layer, head] == pytest.approx(tl * n / rows_with_target, rel=1e-5)
+
+
+def test_head_scores_bad_kind():
+    model = wb.HookedDecoder(tiny())
+    with pytest.raises(ValueError, match="previous_token"):
+        head_scores(model, kinds=["nope"])
+    with pytest.raises(ValueError, match="n_ctx"):
+        repeated_random_tokens(model, seq_len=20)
+
+
+def test_shipped_induction_model_has_an_induction_head_that_matters():
+    path = REPO / "checkpoints" / "induction-attn2l"
+    if not (path / "config.json").exists():
+        pytest.skip("checkpoints/induction-attn2l is not built yet (issue 3 trains it)")
+    model, _ = wb.load_checkpoint(path)
+    model.eval()
+    scores = head_scores(model, seq_len=min(24, model.cfg.n_ctx // 2 - 1), batch=16, seed=123)
+    induction = scores[scores.kind == "induction"].set_index(["layer", "head"])["score"]
+    layer, head = induction.idxmax()
+    assert induction.max() > 0.5, induction
+    assert layer >= 1  # induction needs a previous-token head below it
+
+    tokens = repeated_random_tokens(model, seq_len=min(24, model.cfg.n_ctx // 2 - 1), batch=16, seed=7)
+    half = tokens.shape[1] // 2
+
+    def second_half_loss(spec=None):
+        logits = ablate(model, tokens, spec) if spec else model(tokens)
+        losses = model.loss_fn(logits, tokens, per_token=True)
+        return float(losses[:, half:].mean())
+
+    clean = second_half_loss()
+    ablated = second_half_loss(AblationSpec("head", layer, head=head, method="zero"))
+    weakest = induction.loc[layer].idxmin()
+    other = second_half_loss(AblationSpec("head", layer, head=int(weakest), method="zero"))
+    assert ablated > clean + 0.5, (clean, ablated)
+    assert ablated - clean > other - clean

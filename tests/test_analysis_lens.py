@@ -1,0 +1,102 @@
+"""Logit lens and tuned lens against direct computations, and on the shipped story models."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny
+
+import workbench as wb
+from workbench.analysis import TunedLens, compare_lenses, logit_lens, train_tuned_lens, tuned_lens
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _model(**kw):
+    return wb.HookedDecoder(tiny(**kw)).eval()
+
+
+@pytest.mark.parametrize("kw", [{}, {"norm": "rmsnorm", "positional": "rope"}, {"norm": "none"}])
+def test_logit_lens_last_layer_is_the_models_distribution(kw):
+    model = _model(**kw)
+    tokens = torch.randint(0, 50, (2, 9))
+    table = logit_lens(model, tokens, k=3)
+    with torch.no_grad():
+        probs = model(tokens).softmax(-1)
+    final = table[table.layer == model.cfg.n_layers].sort_values(["batch", "pos"])
+    assert len(table) == (model.cfg.n_layers + 1) * 2 * 9
+    np.testing.assert_allclose(final.kl_to_final, 0, atol=1e-5)
+    top = probs.max(-1)
+    np.testing.assert_allclose(final.top1_prob, top.values.flatten().numpy(), rtol=1e-5)
+    assert (final.top1_id.to_numpy() == top.indices.flatten().numpy()).all()
+    expected = probs[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    with_target = final[final.target_rank > 0]
+    np.testing.assert_allclose(with_target.target_prob, expected.flatten().numpy(), rtol=1e-5)
+    assert final[final.pos == 8].target_rank.eq(-1).all()  # no next token at the end
+
+
+def test_logit_lens_matches_transformer_lens_recomputed_norm():
+    model = _model()
+    tokens = torch.randint(0, 50, (1, 7))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    stack = cache.accumulated_resid(layer=None, apply_ln=False)
+    logits = (cache.apply_ln_to_stack(stack, layer=None, recompute_ln=True) @ model.W_U).detach()
+    table = logit_lens(model, tokens, k=1).sort_values(["layer", "pos"])
+    np.testing.assert_allclose(table.top1_prob, logits.softmax(-1).max(-1).values.flatten().numpy(), rtol=1e-5)
+    # rank 1 exactly when the target is the top token
+    has = table[table.target_rank > 0]
+    assert ((has.target_rank == 1) == (has.top1_id == has.target_id)).all()
+
+
+def test_identity_tuned_lens_is_the_logit_lens():
+    model = _model()
+    tokens = torch.randint(0, 50, (2, 6))
+    lens = TunedLens(model.cfg.n_layers, model.cfg.d_model)
+    a, b = logit_lens(model, tokens), tuned_lens(model, tokens, lens)
+    np.testing.assert_allclose(a.kl_to_final, b.kl_to_final, atol=1e-6)
+    assert (b.lens == "tuned").all()
+
+
+def test_tuned_lens_beats_logit_lens_and_round_trips(tmp_path):
+    model = _model(n_layers=3)
+    data = torch.randint(0, 50, (32, 12))
+    lens = train_tuned_lens(model, data, steps=30, batch_size=16, lr=3e-3, progress=False)
+    held_out = torch.randint(0, 50, (8, 16))
+    kl = compare_lenses(model, held_out, lens).pivot(index="layer", columns="lens", values="kl")
+    assert (kl.loc[: model.cfg.n_layers - 1, "tuned"] < kl.loc[: model.cfg.n_layers - 1, "logit"]).all(), kl
+
+    wb.save_checkpoint(model, tmp_path / "ckpt")
+    lens.save(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "tuned_lens.safetensors").exists() and (tmp_path / "ckpt" / "tuned_lens.json").exists()
+    loaded = TunedLens.load(tmp_path / "ckpt", model)
+    np.testing.assert_allclose(tuned_lens(model, held_out, loaded).kl_to_final,
+                               tuned_lens(model, held_out, lens).kl_to_final, rtol=1e-6)
+    assert loaded.info["train"]["steps"] == 30
+    wb.load_checkpoint(tmp_path / "ckpt")  # the checkpoint itself is untouched and still loads
+    with pytest.raises(ValueError, match="n_layers"):
+        TunedLens.load(tmp_path / "ckpt", _model())
+
+
+def test_tuned_lens_load_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train one"):
+        TunedLens.load(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["stories-2020", "stories-2026"])
+def test_shipped_story_models_tuned_lens_beats_logit_lens(name):
+    path = REPO / "checkpoints" / name
+    if not (path / "config.json").exists():
+        pytest.skip(f"checkpoints/{name} is not built yet (issue 3 trains it)")
+    if not (path / "tuned_lens.safetensors").exists():
+        pytest.skip(f"checkpoints/{name} has no tuned lens yet: run experiments/lens_comparison.py")
+    model, _ = wb.load_checkpoint(path)
+    model.eval()
+    lens = TunedLens.load(path, model)
+    torch.manual_seed(1)
+    prompt = torch.randint(0, model.cfg.d_vocab, (4, 8))
+    text = model.generate(prompt, max_new_tokens=min(56, model.cfg.n_ctx - 8), temperature=1.0, seed=1)
+    kl = compare_lenses(model, text, lens).pivot(index="layer", columns="lens", values="kl")
+    last = model.cfg.n_layers
+    assert (kl.loc[: last - 1, "tuned"] < kl.loc[: last - 1, "logit"]).all(), kl

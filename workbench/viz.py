@@ -1,0 +1,218 @@
+"""Plotly figures drawn from the analysis DataFrames (never from raw tensors).
+
+Each function takes the table an analysis call returned and gives a ``plotly`` Figure:
+attention patterns (one head, or every head in a grid), the logit-lens heatmap, direct
+logit attribution bars, a layer x head heatmap for sweeps, loss curves from a
+checkpoint's ``metrics.csv``, and ``side_by_side`` for any two of them. ``theme`` is
+``"light"`` or ``"dark"``; colour scales are perceptually uniform so both read well, and
+text on heatmaps takes plotly's automatic contrasting colour.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from workbench.analysis.common import check_choice, unique_labels
+
+THEMES = {"light": "plotly_white", "dark": "plotly_dark"}
+SEQUENTIAL = "Viridis"
+DIVERGING = "RdBu"
+POSITIVE, NEGATIVE = "#2f6db5", "#d1495b"  # a blue and a red that read on white and on black
+
+
+def _template(theme: str) -> str:
+    check_choice("theme", theme, list(THEMES))
+    return THEMES[theme]
+
+
+def _one_batch(frame: pd.DataFrame, batch: Optional[int]) -> pd.DataFrame:
+    if "batch" not in frame or batch is None:
+        return frame
+    if batch not in set(frame["batch"]):
+        raise ValueError(f"batch={batch} is not in the table; it has batches {sorted(set(frame['batch']))}")
+    return frame[frame["batch"] == batch]
+
+
+def _square(frame: pd.DataFrame) -> tuple[np.ndarray, list[str], list[str]]:
+    """An attention pattern [query, key] (NaN above the diagonal) with unique token labels."""
+    n = int(frame["query_pos"].max()) + 1
+    z = np.full((n, n), np.nan)
+    z[frame["query_pos"].to_numpy(), frame["key_pos"].to_numpy()] = frame["attention"].to_numpy()
+    tokens = frame.drop_duplicates("query_pos").sort_values("query_pos")["query_token"].tolist()
+    labels = unique_labels(tokens)
+    return z, labels, labels
+
+
+def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optional[int] = 0,
+                     theme: str = "light") -> go.Figure:
+    """One head's pattern: query tokens down, key tokens across, hover shows both and the weight."""
+    frame = _one_batch(patterns, batch)
+    frame = frame[(frame["layer"] == layer) & (frame["head"] == head)]
+    if frame.empty:
+        raise ValueError(f"no pattern for layer {layer} head {head} in the table")
+    z, ys, xs = _square(frame)
+    fig = go.Figure(go.Heatmap(
+        z=z, x=xs, y=ys, colorscale=SEQUENTIAL, zmin=0, zmax=1, colorbar=dict(title="attention"),
+        hovertemplate="query %{y}<br>key %{x}<br>attention %{z:.3f}<extra></extra>",
+    ))
+    fig.update_yaxes(autorange="reversed", title="query")
+    fig.update_xaxes(title="key", tickangle=-45)
+    fig.update_layout(title=f"Attention L{layer}H{head}", template=_template(theme))
+    return fig
+
+
+def attention_grid(patterns: pd.DataFrame, batch: Optional[int] = 0, theme: str = "light") -> go.Figure:
+    """Every head's pattern, layers down, heads across, on one colour scale."""
+    frame = _one_batch(patterns, batch)
+    layers, heads = sorted(frame["layer"].unique()), sorted(frame["head"].unique())
+    fig = make_subplots(rows=len(layers), cols=len(heads), horizontal_spacing=0.01, vertical_spacing=0.02,
+                        subplot_titles=[f"L{l}H{h}" for l in layers for h in heads])
+    for r, layer in enumerate(layers, 1):
+        for c, head in enumerate(heads, 1):
+            z, ys, xs = _square(frame[(frame["layer"] == layer) & (frame["head"] == head)])
+            fig.add_trace(go.Heatmap(
+                z=z, x=xs, y=ys, coloraxis="coloraxis",
+                hovertemplate=f"L{layer}H{head}<br>query %{{y}}<br>key %{{x}}<br>attention %{{z:.3f}}<extra></extra>",
+            ), row=r, col=c)
+    fig.update_xaxes(showticklabels=False)
+    fig.update_yaxes(showticklabels=False, autorange="reversed")
+    fig.update_layout(coloraxis=dict(colorscale=SEQUENTIAL, cmin=0, cmax=1, colorbar=dict(title="attention")),
+                      title="Attention patterns", template=_template(theme),
+                      height=max(300, 160 * len(layers)), width=max(400, 160 * len(heads)))
+    return fig
+
+
+def logit_lens_figure(lens: pd.DataFrame, batch: Optional[int] = 0, color: str = "prob",
+                      theme: str = "light") -> go.Figure:
+    """Layers down, positions across, the lens' top token in each cell.
+
+    ``color``: ``prob`` (the top token's probability), ``target_prob``, ``rank`` (the
+    target's rank, log scale) or ``kl`` (KL to the final distribution).
+    """
+    check_choice("color", color, ("prob", "target_prob", "rank", "kl"))
+    frame = _one_batch(lens, batch)
+    column = {"prob": "top1_prob", "target_prob": "target_prob", "rank": "target_rank", "kl": "kl_to_final"}[color]
+    grid = frame.pivot(index="layer", columns="pos", values=column).sort_index()
+    text = frame.pivot(index="layer", columns="pos", values="top1").sort_index()
+    tokens = frame.drop_duplicates("pos").sort_values("pos")["token"].tolist()
+    rows = frame.drop_duplicates("layer").sort_values("layer")["layer_label"].tolist()
+    z = grid.to_numpy(dtype=float)
+    if color == "rank":
+        z = np.log10(np.where(z > 0, z, np.nan))
+    targets = frame.pivot(index="layer", columns="pos", values="target").sort_index().to_numpy()
+    fig = go.Figure(go.Heatmap(
+        z=z, x=unique_labels(tokens), y=rows, text=text.to_numpy(), texttemplate="%{text}",
+        customdata=np.dstack([targets, grid.to_numpy()]),
+        colorscale=SEQUENTIAL, reversescale=color in ("rank", "kl"),
+        zmin=0 if color in ("prob", "target_prob") else None, zmax=1 if color in ("prob", "target_prob") else None,
+        colorbar=dict(title={"rank": "log10 rank", "kl": "KL"}.get(color, "probability")),
+        hovertemplate="%{y} at %{x}<br>top token %{text}<br>target %{customdata[0]}<br>"
+                      + f"{column} " + "%{customdata[1]:.3g}<extra></extra>",
+    ))
+    fig.update_xaxes(title="position", tickangle=-45)
+    fig.update_yaxes(title="layer")
+    fig.update_layout(title=f"{frame['lens'].iloc[0].capitalize()} lens", template=_template(theme))
+    return fig
+
+
+def dla_figure(dla: pd.DataFrame, granularity: str = "layer", batch: Optional[int] = None,
+               theme: str = "light") -> go.Figure:
+    """Direct logit attribution bars, one per component (averaged over the batch unless ``batch``)."""
+    check_choice("granularity", granularity, ("head", "layer"))
+    frame = _one_batch(dla, batch)
+    frame = frame[frame["granularity"] == granularity]
+    order = frame.drop_duplicates("component")["component"].tolist()
+    mean = frame.groupby("component", sort=False)["attribution"].mean().reindex(order)
+    total = frame.groupby("batch")["total"].first().mean()
+    fig = go.Figure(go.Bar(
+        x=order, y=mean.to_numpy(), marker_color=np.where(mean.to_numpy() >= 0, POSITIVE, NEGATIVE),
+        hovertemplate="%{x}<br>attribution %{y:.4f}<extra></extra>",
+    ))
+    fig.update_layout(title=f"Direct logit attribution (parts sum to {total:.3f})", template=_template(theme),
+                      xaxis_title="component", yaxis_title="logit attribution")
+    return fig
+
+
+def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = "",
+                      facet: Optional[str] = None, theme: str = "light") -> go.Figure:
+    """A layer x head heatmap of ``value`` (e.g. an ablation sweep's ``delta``, or head scores).
+
+    With ``facet`` (a column such as ``method`` or ``kind``), one panel per value of it.
+    """
+    for column in ("layer", "head", value) + ((facet,) if facet else ()):
+        if column not in frame:
+            raise ValueError(f"the table has no column {column!r}; it has {list(frame.columns)}")
+    frame = frame[frame["head"] >= 0]
+    panels = sorted(frame[facet].unique()) if facet else [None]
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[str(p) for p in panels] if facet else None,
+                        horizontal_spacing=0.06)
+    diverging = bool((frame[value] < 0).any() and (frame[value] > 0).any())
+    limit = float(frame[value].abs().max()) or 1.0
+    for c, panel in enumerate(panels, 1):
+        part = frame if panel is None else frame[frame[facet] == panel]
+        grid = part.pivot_table(index="layer", columns="head", values=value, aggfunc="mean")
+        fig.add_trace(go.Heatmap(
+            z=grid.to_numpy(), x=[f"H{h}" for h in grid.columns], y=[f"L{l}" for l in grid.index],
+            coloraxis="coloraxis", hovertemplate="%{y} %{x}<br>" + value + " %{z:.4f}<extra></extra>",
+        ), row=1, col=c)
+    axis = dict(colorscale=DIVERGING, cmid=0, cmin=-limit, cmax=limit) if diverging else dict(colorscale=SEQUENTIAL)
+    fig.update_layout(coloraxis={**axis, "colorbar": dict(title=value)}, title=title or value,
+                      template=_template(theme))
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def loss_curves(metrics: Union[str, Path, pd.DataFrame], title: str = "Loss", log_x: bool = False,
+                theme: str = "light") -> go.Figure:
+    """Train and validation loss against step, from ``metrics.csv`` (a path, a checkpoint
+    directory, or its DataFrame: step, train_loss, val_loss, ...). A ``run`` column gives
+    one pair of curves per run."""
+    if not isinstance(metrics, pd.DataFrame):
+        path = Path(metrics)
+        metrics = pd.read_csv(path / "metrics.csv" if path.is_dir() else path)
+    if "step" not in metrics:
+        raise ValueError(f"metrics need a 'step' column; got {list(metrics.columns)}")
+    runs = metrics.groupby("run", sort=False) if "run" in metrics else [("", metrics)]
+    fig = go.Figure()
+    for run, part in runs:
+        for column, dash in (("train_loss", "solid"), ("val_loss", "dash")):
+            if column in part and part[column].notna().any():
+                rows = part[part[column].notna()]
+                name = f"{run} {column}".strip()
+                fig.add_trace(go.Scatter(x=rows["step"], y=rows[column], mode="lines", name=name,
+                                         line=dict(dash=dash)))
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss", template=_template(theme),
+                      xaxis_type="log" if log_x else None)
+    return fig
+
+
+def side_by_side(left: go.Figure, right: go.Figure, titles: Optional[tuple[str, str]] = None,
+                 theme: str = "light") -> go.Figure:
+    """Two figures in one row (e.g. a model clean and ablated, or two models)."""
+    for source in (left, right):
+        if any(getattr(trace, "xaxis", None) not in (None, "x") for trace in source.data):
+            raise ValueError("side_by_side takes single-panel figures; this one has several subplots")
+    titles = titles or tuple((f.layout.title.text or "") for f in (left, right))
+    spacing = 0.28  # room for the left panel's colour bar and the right panel's tick labels
+    fig = make_subplots(rows=1, cols=2, subplot_titles=titles, horizontal_spacing=spacing)
+    for col, source in ((1, left), (2, right)):
+        for trace in source.data:
+            trace = go.Figure(trace).data[0]  # a copy, so the source figure is left alone
+            if isinstance(trace, go.Heatmap) and trace.coloraxis is None:
+                trace.update(colorbar=dict(x=0.5 - spacing / 2 + 0.01 if col == 1 else 1.0, len=0.9, thickness=12))
+            if isinstance(trace, go.Heatmap) and trace.coloraxis is not None:
+                axis = source.layout.coloraxis
+                trace.update(coloraxis=None, colorscale=axis.colorscale, zmin=axis.cmin, zmax=axis.cmax,
+                             showscale=col == 2)
+            fig.add_trace(trace, row=1, col=col)
+        fig.update_xaxes(title=source.layout.xaxis.title.text, row=1, col=col)
+        fig.update_yaxes(title=source.layout.yaxis.title.text, autorange=source.layout.yaxis.autorange, row=1, col=col)
+    named = any(trace.name for trace in fig.data)
+    fig.update_layout(template=_template(theme), showlegend=named)
+    return fig
