@@ -268,6 +268,8 @@ UNSUPPORTED_HF = [
      "rope_parameters.attention_factor"),
     (T.LlamaConfig, dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, **SMALL),
      "partial_rotary_factor"),
+    (T.LlamaConfig, dict(attn_logit_softcapping=30.0, **SMALL), "attn_logit_softcapping"),
+    (T.Qwen2Config, dict(final_logit_softcapping=30.0, **SMALL), "final_logit_softcapping"),
     (T.OPTConfig, dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=40, vocab_size=VOCAB), "model_type"),
 ]
 

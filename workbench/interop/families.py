@@ -32,6 +32,15 @@ _ROPE_KEYS = {
 }
 
 
+# Fields of neighbouring architectures that change the forward pass; a config carrying one
+# (set by hand or by a fine-tuning recipe) must not load as if it were absent.
+_FOREIGN_FIELDS = (
+    "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "attention_multiplier",
+    "embedding_multiplier", "residual_multiplier", "logits_scaling", "logit_scale", "use_qk_norm",
+    "qk_layernorm", "rope_interleaved", "alibi", "use_alibi", "parallel_attn", "new_decoder_architecture",
+)
+
+
 class UnsupportedHFConfig(ValueError):
     """An HF config field (or a component of ours) with no exact counterpart on the other side."""
 
@@ -48,6 +57,9 @@ def config_from_hf(hf: Any, n_ctx: Optional[int] = None) -> tuple[str, ModelConf
         raise _unsupported("model_type", family, f"supported families are {list(FAMILIES)}")
     if getattr(hf, "add_cross_attention", False) or getattr(hf, "is_encoder_decoder", False):
         raise _unsupported("add_cross_attention", True, "the workbench builds decoder-only models")
+    for field in _FOREIGN_FIELDS:
+        if getattr(hf, field, None) not in (None, False):
+            raise _unsupported(field, getattr(hf, field), f"the {family} blocks here have no such option")
     if family == "gpt2":
         fields = _gpt2_fields(hf)
     elif family == "gpt_neox":
