@@ -55,7 +55,8 @@ def checkpoints_root(argv: Optional[list[str]] = None) -> Path:
 
 
 def is_checkpoint(path: Path) -> bool:
-    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+    """A workbench checkpoint (or a Hugging Face model directory, which loads the same way)."""
+    return (path / CONFIG_FILE).is_file() and any(path.glob("*.safetensors"))
 
 
 def list_checkpoints(root: Path) -> dict[str, str]:
@@ -131,8 +132,14 @@ def weights_stamp(path: str) -> int:
 
 @st.cache_resource(max_entries=8, show_spinner="Loading the checkpoint…")
 def _load(path: str, stamp: int) -> tuple[Any, Any, dict, threading.Lock]:
+    from workbench.interop.hf import looks_like_hf_dir
+
     LOADS[path] += 1
-    model, tok = wb.load_checkpoint(path)
+    if looks_like_hf_dir(path):  # a Hugging Face model directory, imported with every hook
+        model = wb.from_hf(path)
+        tok = model.tokenizer
+    else:
+        model, tok = wb.load_checkpoint(path)
     if tok is None:  # abstract-id tasks (induction, modular): prompts are typed as token ids
         tok = model.tokenizer = IdTokenizer(model.cfg.d_vocab)
     for p in model.parameters():

@@ -1,6 +1,154 @@
-"""stub"""
+"""Sweeps: open what the scripts in ``experiments/`` wrote under ``runs/<name>/``.
+
+A run directory holds config.json, results.csv (a tidy table) and figures as HTML;
+some also hold metrics.csv (loss curves). Pick one run or several (their tables are
+stacked with a ``run`` column), filter the rows, and chart any column against another.
+The folder is ``--runs DIR`` (after ``--``), else $WORKBENCH_RUNS, else ``runs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+import plotly.express as px
 import streamlit as st
+
+from ui import common
+from workbench import viz
+
+RESULTS = "results.csv"
+MAX_FILTER_VALUES = 40  # columns with more distinct values than this get a range filter, if numeric
+
+
+def runs_root(argv: Optional[list[str]] = None) -> Path:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--runs")
+    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return Path(args.runs or os.environ.get("WORKBENCH_RUNS") or common.REPO / "runs").expanduser().resolve()
+
+
+def list_runs(root: Path) -> dict[str, Path]:
+    """Run name -> directory, for every directory under ``root`` holding a results.csv (nested too)."""
+    if not root.is_dir():
+        return {}
+    found = sorted(p.parent for p in root.rglob(RESULTS))
+    return {str(p.relative_to(root)): p for p in found}
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def read_results(path: str, stamp: float) -> pd.DataFrame:
+    return pd.read_csv(path)
 
 
 def render() -> None:
-    st.header("sweeps")
+    st.header("Sweeps")
+    root = runs_root()
+    runs = list_runs(root)
+    if not runs:
+        st.info(f"No runs under `{root}` yet. Each script in `experiments/` writes one, e.g. "
+                "`python experiments/head_ablation_sweep.py --quick`; or point the app at another folder "
+                "with `streamlit run app.py -- --runs DIR` or $WORKBENCH_RUNS.")
+        return
+    chosen = st.multiselect("Runs", list(runs), default=list(runs)[:1], key="sweeps_runs")
+    if not chosen:
+        st.info("Pick one run, or several to compare them.")
+        return
+    frames = []
+    for name in chosen:
+        path = runs[name] / RESULTS
+        try:
+            frames.append(read_results(str(path), path.stat().st_mtime).assign(run=name))
+        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as e:
+            st.warning(f"Cannot read `{path}`: {e}")
+    if not frames:
+        return
+    table = pd.concat(frames, ignore_index=True)
+    filtered = _filters(table)
+    st.caption(f"{len(filtered)} of {len(table)} rows")
+    common.table(filtered, height=320)
+    st.download_button("Download the filtered table (CSV)", filtered.to_csv(index=False), "results.csv", key="sweeps_csv")
+    _chart(filtered)
+    _curves(chosen, runs)
+    for name in chosen:
+        _run_files(name, runs[name])
+
+
+def _filters(table: pd.DataFrame) -> pd.DataFrame:
+    with st.expander("Filter rows", expanded=True):
+        cols = st.columns(3)
+        mask = pd.Series(True, index=table.index)
+        i = 0
+        for column in table.columns:
+            values = table[column].dropna().unique()
+            if len(values) < 2:
+                continue
+            where = cols[i % 3]
+            if len(values) <= MAX_FILTER_VALUES and not pd.api.types.is_float_dtype(table[column]):
+                keep = where.multiselect(column, sorted(values, key=str), key=f"sweeps_f_{column}")
+                if keep:
+                    mask &= table[column].isin(keep)
+                i += 1
+            elif pd.api.types.is_numeric_dtype(table[column]):
+                lo, hi = float(table[column].min()), float(table[column].max())
+                low, high = where.slider(column, lo, hi, (lo, hi), key=f"sweeps_f_{column}")
+                mask &= table[column].between(low, high) | table[column].isna()
+                i += 1
+    return table[mask]
+
+
+def _chart(table: pd.DataFrame) -> None:
+    numeric = [c for c in table.columns if pd.api.types.is_numeric_dtype(table[c])]
+    if not numeric or table.empty:
+        return
+    st.subheader("Chart")
+    cols = st.columns(4)
+    others = [c for c in table.columns if c not in numeric]
+    x = cols[0].selectbox("x", list(table.columns), index=list(table.columns).index(others[0] if others else numeric[0]),
+                          key="sweeps_x")
+    y = cols[1].selectbox("y", numeric, index=len(numeric) - 1, key="sweeps_y")
+    color = cols[2].selectbox("colour", ["(none)"] + list(table.columns),
+                              index=1 + list(table.columns).index("run") if table["run"].nunique() > 1 else 0,
+                              key="sweeps_color")
+    kind = cols[3].radio("kind", ["bar", "line", "scatter"], horizontal=True, key="sweeps_kind")
+    if {"layer", "head"} <= set(table.columns) and st.toggle("As a layer x head heatmap", key="sweeps_lh"):
+        facet = next((c for c in ("method", "kind", "run") if c in table and table[c].nunique() > 1), None)
+        common.show(viz.layer_head_figure(table, value=y, facet=facet), key="sweeps_heatmap")
+        return
+    draw = {"bar": px.bar, "line": px.line, "scatter": px.scatter}[kind]
+    kwargs = dict(barmode="group") if kind == "bar" else {}
+    fig = draw(table, x=x, y=y, color=None if color == "(none)" else color, **kwargs)
+    common.show(fig, key="sweeps_chart")
+
+
+def _curves(chosen: list[str], runs: dict[str, Path]) -> None:
+    frames = []
+    for name in chosen:
+        for path in sorted(runs[name].rglob("metrics.csv")):
+            label = name if path.parent == runs[name] else f"{name}/{path.parent.relative_to(runs[name])}"
+            try:
+                frames.append(pd.read_csv(path).assign(run=label))
+            except (pd.errors.ParserError, pd.errors.EmptyDataError):
+                continue
+    if frames:
+        st.subheader("Loss curves")
+        common.show(viz.loss_curves(pd.concat(frames, ignore_index=True)), key="sweeps_curves")
+
+
+def _run_files(name: str, path: Path) -> None:
+    with st.expander(f"{name}: config and figures"):
+        config = path / "config.json"
+        if config.is_file():
+            try:
+                st.json(json.loads(config.read_text()), expanded=False)
+            except json.JSONDecodeError as e:
+                st.warning(f"`{config}` is not valid JSON: {e}")
+        figures = sorted(path.glob("*.html"))
+        if figures:
+            shown = st.selectbox("Figure", [f.name for f in figures], key=f"sweeps_fig_{name}")
+            st.iframe(path / shown, height=560)
