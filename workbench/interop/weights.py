@@ -193,7 +193,7 @@ def state_from_hf(family: str, cfg: ModelConfig, hf_state: dict[str, Tensor], ou
             continue
         for name, tensor in zip(rule.ours, rule.split(hf_state[rule.hf])):
             if name in ours_expected:
-                out[name] = tensor.detach().clone().contiguous()
+                out[name] = tensor.detach()  # a view; load_state_dict copies it into the model
             elif tensor.count_nonzero():
                 raise ValueError(f"{rule.hf} holds a nonzero bias with no place in the imported config ({name})")
     for name, ref in ours_expected.items():
