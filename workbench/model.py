@@ -61,8 +61,11 @@ class Unembed(nn.Module):
 class KVCache:
     """Per-layer keys and values for incremental decoding; ``length`` positions so far."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype):
-        self.entries = [KVCacheEntry(cfg, batch, device, dtype) for _ in range(cfg.n_layers)]
+    def __init__(
+        self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, max_len: Optional[int] = None
+    ):
+        max_len = cfg.n_ctx if max_len is None else min(max_len, cfg.n_ctx)
+        self.entries = [KVCacheEntry(cfg, batch, device, dtype, max_len) for _ in range(cfg.n_layers)]
 
     @property
     def length(self) -> int:
@@ -110,8 +113,9 @@ class HookedDecoder(HookedRootModule):
     def device(self) -> torch.device:
         return self.embed.W_E.device
 
-    def make_kv_cache(self, batch: int) -> KVCache:
-        return KVCache(self.cfg, batch, self.device, self.embed.W_E.dtype)
+    def make_kv_cache(self, batch: int, max_len: Optional[int] = None) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``max_len`` (default n_ctx) positions."""
+        return KVCache(self.cfg, batch, self.device, self.embed.W_E.dtype, max_len)
 
     # ---- forward ----------------------------------------------------------------
     def forward(
@@ -231,7 +235,8 @@ class HookedDecoder(HookedRootModule):
         stops = torch.tensor(sorted(set(stop_tokens or [])), device=self.device, dtype=torch.long)
         finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=self.device)
         pad = torch.full_like(finished, int(stops[0]) if len(stops) else 0, dtype=torch.long)
-        cache = self.make_kv_cache(tokens.shape[0]) if use_kv_cache else None
+        # Sized to this call, not n_ctx: an imported 128k-context model must not allocate 128k positions.
+        cache = self.make_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens) if use_kv_cache else None
         logits = self(tokens, kv_cache=cache)[:, -1]
         for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generating"):
             next_token = _sample(logits, temperature, top_k, top_p, gen)

@@ -24,10 +24,10 @@ from workbench.config import ModelConfig
 
 
 class KVCacheEntry:
-    """Keys and values of one layer for the positions seen so far, preallocated to n_ctx."""
+    """Keys and values of one layer for the positions seen so far, preallocated to max_len."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype):
-        shape = (batch, cfg.n_kv_heads, cfg.n_ctx, cfg.d_head)
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, max_len: int):
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.d_head)
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
         self.length = 0
@@ -36,7 +36,7 @@ class KVCacheEntry:
         """Store [batch, kv_head, new, d_head] keys/values; return all keys/values so far."""
         end = self.length + k.shape[2]
         if end > self.k.shape[2]:
-            raise ValueError(f"KV cache full: {end} positions exceed n_ctx={self.k.shape[2]}")
+            raise ValueError(f"KV cache full: {end} positions exceed its capacity of {self.k.shape[2]}")
         self.k[:, :, self.length : end] = k
         self.v[:, :, self.length : end] = v
         self.length = end
