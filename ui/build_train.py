@@ -126,30 +126,29 @@ def _costs(cfg: wb.ModelConfig, config) -> None:
         common.table(parts)
 
 
-class _Reporting:
-    """The task, but every training loss is also handed to ``on_loss(step, loss)``.
+def reporting(task, on_loss):
+    """The same task, but every training loss is also handed to ``on_loss(step, loss)``.
 
-    ``workbench.training.train`` takes a ``task=`` and has no progress callback; the loop
-    calls ``task.batch(step=...)`` then ``task.loss(...)`` once per micro-batch, so a thin
-    proxy sees every step without touching the training code.
+    ``workbench.training.train`` takes a ``task=`` and has no progress callback; its loop
+    calls ``task.batch(step=...)`` and then ``task.loss(...)`` once per micro-batch, so a
+    subclass of the task's own class sees every step without touching the training code.
     """
 
-    def __init__(self, task, on_loss):
-        self._task, self._on_loss, self._step = task, on_loss, 0
+    class Reporting(type(task)):
+        def batch(self, batch_size, seq_len=None, *, step=0, split="train"):
+            if split == "train":
+                self._step = step
+            return super().batch(batch_size, seq_len, step=step, split=split)
 
-    def __getattr__(self, name):
-        return getattr(self._task, name)
+        def loss(self, model, tokens):
+            loss = super().loss(model, tokens)
+            if model.training:
+                on_loss(self._step + 1, float(loss.detach()))
+            return loss
 
-    def batch(self, batch_size, seq_len=None, *, step=0, split="train"):
-        if split == "train":
-            self._step = step
-        return self._task.batch(batch_size, seq_len, step=step, split=split)
-
-    def loss(self, model, tokens):
-        loss = self._task.loss(model, tokens)
-        if model.training:
-            self._on_loss(self._step + 1, float(loss.detach()))
-        return loss
+    proxy = Reporting.__new__(Reporting)
+    proxy.__dict__.update(task.__dict__, _step=0)
+    return proxy
 
 
 def _train(config: TrainConfig, cfg: wb.ModelConfig, task_name: str) -> None:
@@ -168,7 +167,7 @@ def _train(config: TrainConfig, cfg: wb.ModelConfig, task_name: str) -> None:
 
     out = Path(tempfile.mkdtemp(prefix="workbench-train-"))
     try:
-        result = train(config, cfg, out, task=_Reporting(get_task(task_name, seed=config.seed), on_loss), progress=False)
+        result = train(config, cfg, out, task=reporting(get_task(task_name, seed=config.seed), on_loss), progress=False)
     except (ValueError, RuntimeError) as e:
         bar.empty()
         st.error(f"Training stopped: {e}")

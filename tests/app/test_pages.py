@@ -1,0 +1,268 @@
+"""Every page of the app under Streamlit's AppTest, on the shipped default checkpoint.
+
+Each page renders without an exception; widgets change what is drawn (asserted on the
+figures' content and the metrics); bad input produces a message in the page; and no
+widget ever reloads the model (``ui.common.LOADS`` counts real loads from disk).
+"""
+
+import io
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from ui import build_train, common, sweeps
+from workbench.tokenizer import load_tokenizer
+
+DEFAULT = "stories-2026"
+
+
+def figures(at) -> list[dict]:
+    return [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
+
+
+def titles(at) -> list[str]:
+    out = []
+    for fig in figures(at):
+        title = fig.get("layout", {}).get("title", {})
+        out.append(title.get("text", "") if isinstance(title, dict) else str(title))
+    return out
+
+
+def figure(at, title_part: str) -> dict:
+    for fig, title in zip(figures(at), titles(at)):
+        if title_part in title:
+            return fig
+    raise AssertionError(f"no figure titled *{title_part}* among {titles(at)}")
+
+
+def messages(at) -> str:
+    return " | ".join(str(e.value) for e in [*at.warning, *at.error, *at.info])
+
+
+# ---- configuration ------------------------------------------------------------------------------
+def test_checkpoints_folder_from_flag_then_env_then_default(monkeypatch, tmp_path):
+    monkeypatch.setenv(common.ENV_VAR, str(tmp_path / "env"))
+    assert common.checkpoints_root(["--checkpoints", str(tmp_path / "flag")]) == tmp_path / "flag"
+    assert common.checkpoints_root([]) == tmp_path / "env"
+    monkeypatch.delenv(common.ENV_VAR)
+    assert common.checkpoints_root([]) == common.REPO / "checkpoints"
+
+
+# ---- Inspect --------------------------------------------------------------------------------------
+def test_inspect_opens_on_the_default_checkpoint_and_prompt(app, checkpoints_dir):
+    at = app("Inspect")
+    assert at.selectbox(key="ckpt").value == DEFAULT
+    assert at.text_area(key="prompt").value == common.DEFAULT_PROMPT
+    assert not at.warning and not at.error, messages(at)
+    shown = " ".join(titles(at))
+    for part in ("Per-token loss", "Attention L0H0", "Logit lens", ": direct attribution", "Residual-stream norm",
+                 "Training curve"):
+        assert part in shown, (part, titles(at))
+    # Token strings on the axes, position-prefixed so repeated tokens stay apart.
+    attention = figure(at, "Attention L0H0")["data"][0]
+    assert attention["x"][1] == "1: upon" and attention["y"][0] == "0: Once"
+    n_tokens = len(load_tokenizer(checkpoints_dir / DEFAULT).encode(common.DEFAULT_PROMPT))
+    assert at.metric[0].value == f"{n_tokens} tokens"
+
+
+def test_inspect_widgets_change_the_figures_but_never_reload_the_model(app):
+    at = app("Inspect")
+    loads = sum(common.LOADS.values())
+    at.selectbox(key="attn_layer").set_value(1)
+    at.selectbox(key="attn_head").set_value(2).run()
+    assert "Attention L1H2" in " ".join(titles(at))
+    before = figure(at, "Logit lens")["data"][0]["colorbar"]["title"]["text"]
+    at.selectbox(key="lens_value").set_value("rank of the next token").run()
+    after = figure(at, "Logit lens")["data"][0]["colorbar"]["title"]["text"]
+    assert (before, after) == ("probability", "log10 rank")
+    at.text_area(key="prompt").set_value("Mary and John went to the park .").run()
+    assert [m.value for m in at.metric][0] == "8 tokens"
+    assert figure(at, "Per-token loss")["data"][0]["x"][0] == "1: and"
+    at.session_state["attn_tab"] = "Every head"
+    at.run()
+    assert "Attention patterns" in " ".join(titles(at))
+    assert not at.exception
+    assert sum(common.LOADS.values()) == loads, "a widget change reloaded the model"
+
+
+def test_inspect_direct_logit_attribution_target_and_difference(app):
+    at = app("Inspect")
+    at.text_input(key=f"dla_answer_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("Mary")
+    at.text_input(key=f"dla_wrong_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("John").run()
+    title = next(t for t in titles(at) if "direct attribution" in t)
+    assert "logit['Mary'] − logit['John']" in title
+    at.text_input(key=f"dla_answer_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("zebra").run()
+    assert "not in this checkpoint's vocabulary" in messages(at)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("", "The prompt is empty"),
+    ("   ", "The prompt is empty"),
+    ("Mary met a zebra ☃ .", "cannot encode 'zebra', '☃'"),
+    ("Mary " * 200, "this model's context is"),
+    ("Mary", "at least 2 are needed"),
+])
+def test_inspect_bad_prompts_give_a_message(app, prompt, message):
+    at = app("Inspect")
+    at.text_area(key="prompt").set_value(prompt).run()
+    assert not at.exception
+    assert message in messages(at)
+    assert "Per-token loss" not in " ".join(titles(at))
+
+
+def test_bad_checkpoint_directories_give_a_message(app, checkpoints_dir, tmp_path):
+    at = app("Inspect")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(checkpoints_dir / DEFAULT, corrupt)
+    weights = corrupt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    (tmp_path / "empty").mkdir()
+    cases = {str(tmp_path / "missing"): "is not a directory", str(tmp_path / "empty"): "is not a checkpoint",
+             str(corrupt): "truncated or corrupt"}
+    at.selectbox(key="ckpt").set_value(common.OTHER_DIR).run()
+    for path, message in cases.items():
+        at.text_input(key="ckpt_dir").set_value(path).run()
+        assert not at.exception
+        assert message in messages(at), (path, messages(at))
+
+
+def test_uploads_land_in_a_temp_folder_with_limits(checkpoints_dir, tmp_path, monkeypatch):
+    source = checkpoints_dir / DEFAULT
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for f in source.iterdir():
+            z.write(f, f"{DEFAULT}/{f.name}")
+    name, path = common.save_upload([("mine.zip", buf.getvalue())], root=tmp_path / "uploads")
+    assert Path(path).parent == tmp_path / "uploads" and (Path(path) / "model.safetensors").is_file()
+    assert common.load(path).cfg == common.load(str(source)).cfg
+    assert not Path(path).is_relative_to(checkpoints_dir)
+
+    evil = io.BytesIO()
+    with zipfile.ZipFile(evil, "w") as z:
+        z.writestr("../../config.json", "{}")
+    with pytest.raises(ValueError, match="unsafe path"):
+        common.save_upload([("evil.zip", evil.getvalue())], root=tmp_path / "uploads")
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        common.save_upload([("notes.txt", b"hello")], root=tmp_path / "uploads")
+    with pytest.raises(ValueError, match="corrupt or not a zip"):
+        common.save_upload([("broken.zip", b"PK\x03\x04 nope")], root=tmp_path / "uploads")
+    monkeypatch.setattr(common, "UPLOAD_LIMIT_MB", 0)
+    with pytest.raises(ValueError, match="the limit is 0 MB"):
+        common.save_upload([("mine.zip", buf.getvalue())], root=tmp_path / "uploads")
+
+
+# ---- Ablate ------------------------------------------------------------------------------------------
+def test_ablate_changes_the_loss_and_the_sweep_draws_the_heatmap(app):
+    at = app("Ablate")
+    assert "Choose units to ablate" in messages(at)
+    at.multiselect(key="ablate_units").set_value(["L0H0", "L1 mlp"]).run()
+    clean, ablated = (float(m.value) for m in at.metric[:2])
+    assert ablated != clean
+    assert "Per-token loss" in titles(at)
+    lens = [f for f in figures(at) if len(f["data"]) == 2 and f["data"][0]["type"] == "heatmap"]
+    assert lens, "no side-by-side logit lens"
+    at.radio(key="ablate_kind").set_value("mean (over reference text)").run()
+    assert float(at.metric[1].value) != ablated and not at.exception
+    at.text_input(key="ablate_neurons").set_value("L0 3, 4").run()
+    assert "Cannot read neurons" in messages(at)
+    at.text_input(key="ablate_neurons").set_value("").run()
+
+    at.button(key="ablate_sweep").click().run()
+    heatmap = figure(at, "Change in loss when each head is ablated")
+    assert heatmap["data"][0]["y"] == ["L0", "L1", "L2"][: len(heatmap["data"][0]["y"])]
+
+
+def test_clicking_a_sweep_cell_ablates_that_head(monkeypatch):
+    from ui import ablate
+
+    state = {"sweep_heatmap": {"selection": {"points": [{"x": "H3", "y": "L1", "z": 0.2}]}}}
+    monkeypatch.setattr(ablate.st, "session_state", state)
+    ablate._ablate_clicked_head()
+    assert state["ablate_units"] == ["L1H3"]
+
+
+# ---- Compare -------------------------------------------------------------------------------------------
+def test_compare_shows_the_config_diff_curves_and_per_model_views(app):
+    at = app("Compare")
+    assert not at.warning and not at.error, messages(at)
+    diff = at.dataframe[0].value
+    b = at.selectbox(key="ckpt_b").value
+    assert b != DEFAULT
+    swapped = diff[diff["differs"] & diff["component"]]["field"].tolist()
+    assert swapped and swapped == diff["field"].tolist()[: len(swapped)], "swapped components come first"
+    curves = figure(at, "Training loss")
+    assert {t["name"].split()[0] for t in curves["data"]} == {DEFAULT, b}
+    at.session_state["compare_tab"] = "Attention grids"
+    at.run()
+    assert sum("Every head of" in t for t in titles(at)) == 2
+    at.session_state["compare_tab"] = "Logit lens"
+    at.run()
+    assert not at.exception
+
+
+# ---- Build & train ------------------------------------------------------------------------------------
+def test_build_updates_costs_live_trains_and_saves(app, checkpoints_dir, tmp_path, monkeypatch):
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    (root / DEFAULT).symlink_to(checkpoints_dir / DEFAULT, target_is_directory=True)
+    monkeypatch.setenv("WORKBENCH_CHECKPOINTS", str(root))
+    at = app("Build & train")
+    params = at.metric[0].value
+    at.number_input(key="bt_n_layers").set_value(3).run()
+    assert at.metric[0].value != params
+    at.number_input(key="bt_n_kv_heads").set_value(3).run()
+    assert "must divide n_heads" in messages(at)
+    at.number_input(key="bt_n_kv_heads").set_value(2).run()
+    at.number_input(key="bt_steps").set_value(6)
+    at.number_input(key="bt_batch").set_value(4)
+    at.number_input(key="bt_seq_len").set_value(16).run()
+    at.button(key="bt_train").click().run()
+    assert not at.exception and not at.error, messages(at)
+    assert "Loss during training" in " ".join(titles(at))
+    at.text_input(key="bt_name").set_value(DEFAULT).run()
+    at.button(key="bt_save").click().run()
+    assert "already exists" in messages(at)
+    at.text_input(key="bt_name").set_value("tiny-run").run()
+    at.button(key="bt_save").click().run()
+    assert (root / "tiny-run" / "model.safetensors").is_file()
+    at.session_state["page"] = "Inspect"
+    at.run()
+    assert "tiny-run" in at.selectbox(key="ckpt").options
+
+
+def test_save_trained_refuses_bad_names(tmp_path):
+    with pytest.raises(ValueError, match="not a usable checkpoint name"):
+        build_train.save_trained(tmp_path, tmp_path, "../escape")
+
+
+# ---- Sweeps ----------------------------------------------------------------------------------------------
+def test_sweeps_tables_filter_and_compare(app, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "none"))
+    at = app("Sweeps")
+    assert "No runs under" in messages(at)
+
+    runs = tmp_path / "runs"
+    (runs / "head_sweep").mkdir(parents=True)
+    rows = [dict(layer=l, head=h, method=m, delta=0.1 * l - 0.05 * h) for l in range(2) for h in range(3)
+            for m in ("zero", "mean")]
+    pd.DataFrame(rows).to_csv(runs / "head_sweep" / "results.csv", index=False)
+    (runs / "head_sweep" / "config.json").write_text(json.dumps({"checkpoint": DEFAULT}))
+    (runs / "swap").mkdir()
+    pd.DataFrame({"variant": ["pre", "post"], "final_loss": [1.0, 1.4]}).to_csv(runs / "swap" / "results.csv", index=False)
+    pd.DataFrame({"step": [1, 2], "train_loss": [3.0, 2.0]}).to_csv(runs / "swap" / "metrics.csv", index=False)
+    monkeypatch.setenv("WORKBENCH_RUNS", str(runs))
+    at = app("Sweeps")
+    at.multiselect(key="sweeps_runs").set_value(["head_sweep"]).run()
+    assert "12 of 12 rows" in [c.value for c in at.caption]
+    at.multiselect(key="sweeps_f_method").set_value(["zero"]).run()
+    assert "6 of 6 rows" not in [c.value for c in at.caption] and "6 of 12 rows" in [c.value for c in at.caption]
+    at.toggle(key="sweeps_lh").set_value(True).run()
+    assert figure(at, "delta")["data"][0]["type"] == "heatmap"
+    at.multiselect(key="sweeps_runs").set_value(["head_sweep", "swap"]).run()
+    assert not at.exception
+    assert "Loss" in " ".join(titles(at))
+    assert sweeps.list_runs(runs).keys() == {"head_sweep", "swap"}
