@@ -156,9 +156,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     if result.interrupted:
         return 130
-    _print_metrics(result.metrics, as_json=False)
-    if args.out is not None:
-        print(f"checkpoint: {args.out}")
+    if result.metrics:  # empty on DDP ranks other than 0, which neither evaluate nor write
+        _print_metrics(result.metrics, as_json=False)
+        if args.out is not None:
+            print(f"checkpoint: {args.out}")
     return 0
 
 

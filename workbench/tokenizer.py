@@ -187,7 +187,7 @@ def tokenizer_from_dict(data: dict) -> Tokenizer:
         from workbench.interop.hf_tokenizer import HFTokenizer as ImportedTokenizer
 
         return ImportedTokenizer.from_dict(data)
-    raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds are ['bpe', 'byte', 'char', 'word']")
+    raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds are ['bpe', 'byte', 'char', 'hf', 'word']")
 
 
 def load_tokenizer(directory: Union[str, Path]) -> Optional[Tokenizer]:

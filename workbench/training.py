@@ -195,9 +195,7 @@ def train(
         _restore_train_state(optimizer, state)
     wrapped = model
     if dist_info.enabled:
-        wrapped = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
-        )
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if config.compile:
         wrapped = torch.compile(wrapped)
     use_bf16 = config.autocast == "bf16" or (config.autocast == "auto" and device.type == "cuda")
@@ -248,9 +246,9 @@ def train(
                 elapsed = time.perf_counter() - window_start
                 row = {"step": step, "train_loss": train_loss, "val_loss": None, "lr": lr, "grad_norm": grad_norm,
                        "tokens_per_s": window_tokens / max(elapsed, 1e-9)}
+                history.append(row)  # before evaluating, so an interrupt during evaluation keeps the row
                 if evaluate and dist_info.is_main:
                     row["val_loss"] = task.val_loss(model, config.batch_size, seq_len, config.eval_batches)
-                history.append(row)
                 bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
                 window_tokens, window_start = 0, time.perf_counter()
             bar.update(1)

@@ -1,0 +1,151 @@
+"""The training loop: it learns, logs, resumes exactly, stops cleanly on NaN and Ctrl-C, and runs DDP."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import workbench as wb
+from conftest import tiny
+from workbench.data import get_task
+from workbench.training import METRIC_COLUMNS, TrainConfig, TrainingDiverged, read_metrics, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stories_setup(**train_overrides):
+    task = get_task("stories", seed=0)
+    cfg = tiny(d_vocab=task.vocab_size, n_ctx=32)
+    config = TrainConfig(task="stories", steps=6, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=2,
+                         eval_every=3, log_every=1, **train_overrides)
+    return task, cfg, config
+
+
+def test_short_run_lowers_the_loss_and_writes_metrics(tmp_path):
+    task, cfg, config = stories_setup()
+    config = config.replace(steps=40, eval_every=20, log_every=5, lr=1e-2, warmup_steps=5)
+    result = train(config, cfg, tmp_path / "run", progress=False)
+    history = result.history
+    assert list(history.columns) == METRIC_COLUMNS and history["step"].tolist() == list(range(5, 41, 5))
+    assert history["train_loss"].iloc[-1] < 0.6 * math.log(task.vocab_size)  # well below uniform guessing
+    assert history["train_loss"].iloc[-1] < history["train_loss"].iloc[0]
+    csv = read_metrics(tmp_path / "run")
+    assert list(csv.columns) == METRIC_COLUMNS and len(csv) == len(history)
+    assert csv["val_loss"].notna().tolist() == [s in (20, 40) for s in csv["step"]]  # empty unless evaluated
+    assert (csv["tokens_per_s"] > 0).all() and (csv["lr"] > 0).all()
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["task"] == "stories" and meta["train_config"]["steps"] == 40 and meta["step"] == 40
+    assert "ioi_accuracy" in meta["metrics"] and meta["metrics"]["val_loss"] == pytest.approx(csv["val_loss"].iloc[-1], rel=1e-4)
+    model, tok = wb.load_checkpoint(tmp_path / "run")
+    assert tok.to_dict() == task.tokenizer.to_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, result.model.state_dict()[name])
+    assert "optimizer.0.exp_avg" in load_file(str(tmp_path / "run" / "train_state.safetensors"))
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    config = TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert config.lr_at(0) == pytest.approx(0.1) and config.lr_at(9) == pytest.approx(1.0)
+    assert config.lr_at(10) == pytest.approx(1.0) and config.lr_at(55) == pytest.approx(0.55)
+    assert config.lr_at(100) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ValueError, match="valid fields"):
+        TrainConfig.from_dict({"learning_rate": 1})
+
+
+class _Trap:
+    """A permanent hook that raises (Ctrl-C) or poisons the residual stream (NaN) at the n-th forward."""
+
+    def __init__(self, at_call, action):
+        self.calls, self.at_call, self.action = 0, at_call, action
+
+    def __call__(self, resid, hook):
+        self.calls += 1
+        if self.calls == self.at_call:
+            if self.action == "interrupt":
+                raise KeyboardInterrupt
+            return resid * float("nan")
+        return resid
+
+
+def test_interrupted_then_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    task, cfg, config = stories_setup(grad_accum=2)
+    straight = train(config, cfg, tmp_path / "straight", progress=False)
+
+    model = wb.HookedDecoder(cfg)
+    model.add_hook("hook_embed", _Trap(at_call=2 * 3 + 2, action="interrupt"), is_permanent=True)  # in step 4
+    interrupted = train(config, model=model, out_dir=tmp_path / "resumed", progress=False)
+    assert interrupted.interrupted and interrupted.step == 3
+    assert json.loads((tmp_path / "resumed" / "meta.json").read_text())["step"] == 3
+
+    resumed = train(config, out_dir=tmp_path / "resumed", resume=True, progress=False)
+    assert resumed.step == config.steps
+    for name, value in straight.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name  # bit-exact
+    straight_csv, resumed_csv = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert straight_csv["step"].tolist() == resumed_csv["step"].tolist()
+    assert straight_csv["train_loss"].tolist() == pytest.approx(resumed_csv["train_loss"].tolist(), rel=1e-5)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    task, cfg, config = stories_setup(save_every=2)
+    config = config.replace(eval_every=0)  # so the n-th forward is the n-th training step
+    model = wb.HookedDecoder(cfg)
+    model.add_hook("blocks.0.hook_resid_pre", _Trap(at_call=4, action="nan"), is_permanent=True)  # step 4's forward
+    with pytest.raises(TrainingDiverged, match=r"stopped at step 3: the loss is nan.*last good checkpoint .* \(step 2\)"):
+        train(config, model=model, out_dir=tmp_path / "run", progress=False)
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the poisoned step was not applied
+    saved, _ = wb.load_checkpoint(tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "meta.json").read_text())["step"] == 2
+    assert all(torch.isfinite(p).all() for p in saved.parameters())
+
+
+def test_vocabulary_and_batch_mismatches_are_clear_errors(tmp_path):
+    task, cfg, config = stories_setup()
+    with pytest.raises(ValueError, match="d_vocab"):
+        train(config, cfg.replace(d_vocab=20), progress=False)
+    with pytest.raises(ValueError, match="divisible"):
+        train(config.replace(batch_size=7, grad_accum=2), cfg, progress=False)
+    with pytest.raises(ValueError, match="n_ctx"):
+        train(config.replace(seq_len=64), cfg, progress=False)
+
+
+def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+    task = get_task("induction", vocab=32)
+    steps, args = 4, ["--task", "induction", "--task-option", "vocab=32", "--model", "attn-only-2l",
+                      "--set", "d_model=32", "--set", "n_heads=4", "--set", "n_ctx=24", "--steps", "4",
+                      "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "1", "--eval-every", "0",
+                      "--log-every", "1", "--threads", "1", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "workbench", "train",
+           *args, "--out", str(tmp_path / "ddp")]
+    # Its own session, so a hang kills torchrun *and* its workers instead of orphaning them.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("torchrun with 2 processes did not finish in 300 s")
+    assert proc.returncode == 0, stderr[-3000:]
+
+    config = TrainConfig(task="induction", task_options={"vocab": 32}, steps=steps, batch_size=8, lr=3e-3,
+                         warmup_steps=1, eval_every=0, log_every=1, threads=1)
+    cfg = wb.ModelConfig.from_preset("attn-only-2l", d_model=32, n_heads=4, n_ctx=24, d_vocab=task.vocab_size, seed=0)
+    single = train(config, cfg, progress=False)
+    ddp_model, _ = wb.load_checkpoint(tmp_path / "ddp")
+    for name, value in single.model.state_dict().items():
+        torch.testing.assert_close(ddp_model.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    ddp_losses = read_metrics(tmp_path / "ddp")["train_loss"].tolist()
+    assert ddp_losses == pytest.approx(single.history["train_loss"].tolist(), rel=1e-4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp"]  # no stray temporary directories
