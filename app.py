@@ -26,5 +26,10 @@ torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", "1")))
 st.set_page_config(page_title="Transformer workbench", page_icon="🔬", layout="wide")
 st.sidebar.title("Workbench")
 page = st.sidebar.radio("Page", list(PAGES), key="page")
+# Streamlit forgets a widget's value on a run that does not draw it; re-setting these keys
+# keeps the checkpoint and the prompt when the user goes to another page and comes back.
+for key in common.PERSISTENT:
+    if key in st.session_state:
+        st.session_state[key] = st.session_state[key]
 st.sidebar.caption(f"Checkpoints folder: `{common.checkpoints_root()}`")
 PAGES[page]()

@@ -38,6 +38,8 @@ DEFAULT_PROMPT = ("Once upon a time, Mary and John lived in a small town. "
 UPLOAD_LIMIT_MB = 200
 OTHER_DIR = "Another directory…"
 UPLOAD_ROOT = Path(tempfile.gettempdir()) / "workbench-uploads"
+# Widget keys shared by several pages, kept while another page is shown (see app.py).
+PERSISTENT = ("ckpt", "ckpt_dir", "ckpt_b", "ckpt_b_dir", "prompt")
 
 # How many times each checkpoint was really loaded (read from disk): the tests use it to
 # check that changing a widget never reloads a model.

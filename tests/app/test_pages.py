@@ -89,6 +89,17 @@ def test_inspect_widgets_change_the_figures_but_never_reload_the_model(app):
     assert sum(common.LOADS.values()) == loads, "a widget change reloaded the model"
 
 
+def test_checkpoint_and_prompt_survive_a_visit_to_another_page(app):
+    at = app("Inspect")
+    at.text_area(key="prompt").set_value("Mary and John went to the park .").run()
+    at.session_state["page"] = "Build & train"
+    at.run()
+    at.session_state["page"] = "Inspect"
+    at.run()
+    assert at.text_area(key="prompt").value == "Mary and John went to the park ."
+    assert at.selectbox(key="ckpt").value == DEFAULT
+
+
 def test_inspect_direct_logit_attribution_target_and_difference(app):
     at = app("Inspect")
     at.text_input(key=f"dla_answer_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("Mary")
