@@ -112,6 +112,7 @@ def _train_widgets(task_name: str, cfg: wb.ModelConfig):
 
 
 def _costs(cfg: wb.ModelConfig, config) -> None:
+    st.subheader("Cost")
     counts = wb.count_params(cfg)
     cols = st.columns(4)
     cols[0].metric("Parameters", f"{counts['total']:,}")

@@ -35,9 +35,9 @@ def render() -> None:
         with left:
             _attention(ckpt, ids)
         with right:
-            _lens(ckpt, ids)
+            _residual_norms(ckpt, ids)
+        _lens(ckpt, ids)  # full width: every cell carries the lens' top token
         _attribution(ckpt, ids)
-        _residual_norms(ckpt, ids)
     st.subheader("Model card")
     common.model_card(ckpt)
 
@@ -73,7 +73,7 @@ def _attention(ckpt: common.Checkpoint, ids) -> None:
 
 def _lens(ckpt: common.Checkpoint, ids) -> None:
     st.subheader("Logit lens")
-    shown = st.selectbox("Colour", list(LENS_VALUES), key="lens_value")
+    shown = st.selectbox("Colour", list(LENS_VALUES), key="lens_value", width=320)
     lens = common.analysis("logit_lens", ckpt.key, ids, k=3)
     common.show(viz.logit_lens_figure(lens, color=LENS_VALUES[shown]), key="inspect_lens")
 

@@ -71,7 +71,7 @@ def render() -> None:
     table = pd.concat(frames, ignore_index=True)
     filtered = _filters(table)
     st.caption(f"{len(filtered)} of {len(table)} rows")
-    common.table(filtered, height=320)
+    common.table(filtered, height=min(320, 35 * (len(filtered) + 1) + 3))
     st.download_button("Download the filtered table (CSV)", filtered.to_csv(index=False), "results.csv", key="sweeps_csv")
     _chart(filtered)
     _curves(chosen, runs)
@@ -111,7 +111,9 @@ def _chart(table: pd.DataFrame) -> None:
     others = [c for c in table.columns if c not in numeric]
     x = cols[0].selectbox("x", list(table.columns), index=list(table.columns).index(others[0] if others else numeric[0]),
                           key="sweeps_x")
-    y = cols[1].selectbox("y", numeric, index=len(numeric) - 1, key="sweeps_y")
+    preferred = [c for c in numeric if any(w in c for w in ("delta", "loss", "score", "metric", "accuracy"))]
+    y = cols[1].selectbox("y", numeric, index=numeric.index(preferred[0]) if preferred else len(numeric) - 1,
+                          key="sweeps_y")
     color = cols[2].selectbox("colour", ["(none)"] + list(table.columns),
                               index=1 + list(table.columns).index("run") if table["run"].nunique() > 1 else 0,
                               key="sweeps_color")
