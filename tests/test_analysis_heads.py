@@ -13,6 +13,7 @@ import workbench as wb
 from workbench.analysis import (
     AblationSpec,
     ablate,
+    ablation_hooks,
     attention_patterns,
     detection_mask,
     head_scores,
@@ -97,7 +98,10 @@ def test_shipped_induction_model_has_an_induction_head_that_matters():
 
     clean = second_half_loss()
     ablated = second_half_loss(AblationSpec("head", layer, head=head, method="zero"))
-    weakest = induction.loc[layer].idxmin()
-    other = second_half_loss(AblationSpec("head", layer, head=int(weakest), method="zero"))
-    assert ablated > clean + 0.5, (clean, ablated)
-    assert ablated - clean > other - clean
+    assert ablated > clean + 0.2, (clean, ablated)
+    # every induction head at once: the copying is gone
+    heads = [AblationSpec("head", l, head=h) for (l, h), s in induction.items() if s > 0.5]
+    hooks = [hook for spec in heads for hook in ablation_hooks(model, tokens, spec)]
+    with torch.no_grad():
+        losses = model.loss_fn(model.run_with_hooks(tokens, fwd_hooks=hooks), tokens, per_token=True)
+    assert float(losses[:, half:].mean()) > clean + 1.0

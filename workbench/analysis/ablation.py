@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence, Union
 
+import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Int
@@ -52,13 +53,17 @@ class AblationSpec:
     """
 
     target: Literal["head", "attn", "mlp", "neurons", "resid", "direction"]
-    layer: int
-    head: Optional[int] = None
+    layer: Union[int, np.integer]  # numpy ints too: specs are often built from DataFrame rows
+    head: Optional[Union[int, np.integer]] = None
     neurons: Optional[Sequence[int]] = None
     direction: Optional[Tensor] = None
     positions: Optional[Sequence[int]] = None
     method: Literal["zero", "mean", "resample"] = "zero"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.layer = int(self.layer)
+        self.head = None if self.head is None else int(self.head)
 
     def validate(self, model) -> "AblationSpec":
         check_choice("target", self.target, TARGETS)

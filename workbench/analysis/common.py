@@ -7,6 +7,7 @@ them agree on what a token is called.
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Sequence, Union
 
 import torch
@@ -69,12 +70,12 @@ def check_choice(name: str, value, choices: Sequence) -> None:
 
 def check_layer(model, layer: int, allow_final: bool = False) -> int:
     n = model.cfg.n_layers + (1 if allow_final else 0)
-    if not isinstance(layer, int) or not -n <= layer < n:
+    if not isinstance(layer, numbers.Integral) or not -n <= layer < n:
         raise ValueError(f"layer={layer!r} out of range for a model with n_layers={model.cfg.n_layers}")
-    return layer % n
+    return int(layer) % n
 
 
 def check_head(model, head: int) -> int:
-    if not isinstance(head, int) or not 0 <= head < model.cfg.n_heads:
+    if not isinstance(head, numbers.Integral) or not 0 <= head < model.cfg.n_heads:
         raise ValueError(f"head={head!r} out of range: valid heads are 0..{model.cfg.n_heads - 1}")
     return head
