@@ -100,15 +100,16 @@ def test_first_page_in_a_real_browser(server, checkpoints_dir):
                     _wait_idle(page)
                     tokens = page.locator("[data-testid=stMetric]", has_text="Prompt length").locator("[data-testid=stMetricValue]")
                     sync_api.expect(tokens).to_have_text(f"{n_tokens} tokens", timeout=60_000)
-                for title in ("Attention, layer", "Logit lens", "Per-token loss"):
+                for title in ("Attention L", "Logit lens", "Per-token loss"):
                     figure = _figure(page, title)
                     figure.wait_for(state="visible", timeout=30_000)
                     assert figure.locator(".main-svg").count() > 0, f"figure {title!r} has no plot"
                 assert page.locator("[data-testid=stException]").count() == 0
                 assert "cannot encode" not in page.inner_text("body")
-                _figure(page, "Attention, layer").scroll_into_view_if_needed()
+                _figure(page, "Attention L").scroll_into_view_if_needed()
                 page.screenshot(path=str(ARTIFACTS / f"inspect-{scheme}.png"), full_page=False)
-                page.screenshot(path=str(ARTIFACTS / f"inspect-{scheme}-full.png"), full_page=True)
+                _figure(page, "Logit lens").scroll_into_view_if_needed()
+                page.screenshot(path=str(ARTIFACTS / f"inspect-{scheme}-lens.png"))
                 page.close()
         except Exception:
             for i, open_page in enumerate(browser.contexts[-1].pages if browser.contexts else []):
