@@ -27,7 +27,7 @@ import streamlit as st
 import torch
 
 import workbench as wb
-from workbench.checkpoint import CONFIG_FILE, META_FILE, WEIGHTS_FILE, read_meta
+from workbench.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_meta
 
 REPO = Path(__file__).resolve().parent.parent
 ENV_VAR = "WORKBENCH_CHECKPOINTS"

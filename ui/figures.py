@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-import plotly.express as px
 import plotly.graph_objects as go
-
-SEQUENTIAL = "Viridis"
-DIVERGING = "RdBu"
 
 
 def labels(pos, token) -> list[str]:
