@@ -1,0 +1,66 @@
+"""KV-cache size and decode speed as n_kv_heads goes from n_heads (MHA) through GQA to 1 (MQA).
+
+For each n_kv_heads dividing n_heads: KV-cache bytes per token (bf16, from the config alone),
+the cache for the whole context and batch, parameter count, and greedy decode tokens/s with
+the KV cache (random weights: speed does not depend on them).
+"""
+
+from __future__ import annotations
+
+import time
+
+import _common
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+NAME = "kv_cache_gqa"
+
+
+def main(argv=None) -> pd.DataFrame:
+    p = _common.parser(NAME, __doc__)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.d_model, args.n_heads, args.n_layers, args.batch, args.prompt, args.new_tokens = 32, 4, 1, 2, 4, 4
+    _common.setup(args)
+    import workbench as wb
+
+    kv_choices = [k for k in range(args.n_heads, 0, -1) if args.n_heads % k == 0]
+
+    def one(n_kv: int):
+        cfg = wb.ModelConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=n_kv,
+                             d_vocab=512, n_ctx=args.prompt + args.new_tokens, positional="rope", norm="rmsnorm",
+                             ffn="swiglu", bias=False, seed=args.seed)
+        model = wb.HookedDecoder(cfg).eval()
+        prompt = torch.randint(0, cfg.d_vocab, (args.batch, args.prompt))
+        model.generate(prompt, max_new_tokens=2)  # warm-up
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=args.new_tokens, use_kv_cache=True)
+        seconds = time.perf_counter() - start
+        per_token = wb.kv_cache_bytes_per_token(cfg)
+        yield {"n_heads": cfg.n_heads, "n_kv_heads": n_kv, "kind": "MHA" if n_kv == cfg.n_heads else "MQA" if n_kv == 1 else "GQA",
+               "kv_bytes_per_token": per_token, "kv_cache_mib": per_token * cfg.n_ctx * args.batch / 2**20,
+               "params": wb.count_params(cfg)["total"], "decode_tokens_per_s": args.batch * args.new_tokens / seconds}
+
+    results = _common.run_grid(kv_choices, one, desc="n_kv_heads")
+    if results is None:
+        return None
+    results["cache_vs_mha"] = results.kv_bytes_per_token / results.kv_bytes_per_token.iloc[0]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("KV cache bytes per token", "decode tokens/s"))
+    fig.add_trace(go.Bar(x=results.n_kv_heads.astype(str), y=results.kv_bytes_per_token, name="bytes/token"), 1, 1)
+    fig.add_trace(go.Bar(x=results.n_kv_heads.astype(str), y=results.decode_tokens_per_s, name="tokens/s"), 1, 2)
+    fig.update_xaxes(title="n_kv_heads")
+    fig.update_layout(title="KV sharing: memory and decode speed", template="plotly_white", showlegend=False)
+    _common.write_run(args.out, {"experiment": NAME, **vars(args)}, results, {"kv_cache_gqa": fig})
+    return results
+
+
+if __name__ == "__main__":
+    main()

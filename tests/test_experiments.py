@@ -1,0 +1,62 @@
+"""Every experiment runs end to end in --quick mode and writes its run directory; --help works;
+the torchrun grid split gives the same rows as one process."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ["param_table", "kv_cache_gqa", "head_ablation_sweep", "lens_comparison", "norm_placement_depth",
+               "component_swap"]
+sys.path.insert(0, str(REPO / "experiments"))
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_quick_run_writes_its_run_directory(name, tmp_path, capsys):
+    module = importlib.import_module(name)
+    results = module.main(["--quick", "--out", str(tmp_path), "--threads", "1"])
+    assert isinstance(results, pd.DataFrame) and len(results) > 0
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["experiment"] == name and config["quick"] is True
+    on_disk = pd.read_csv(tmp_path / "results.csv")
+    assert list(on_disk.columns) == list(results.columns) and len(on_disk) == len(results)
+    figures = list(tmp_path.glob("*.html"))
+    assert figures and all("plotly" in f.read_text()[:5000].lower() for f in figures)
+    assert (tmp_path / "plotly.min.js").exists()  # figures open offline
+    assert str(tmp_path) in capsys.readouterr().out  # the summary table was printed
+
+
+def test_experiment_results_make_sense(tmp_path):
+    table = importlib.import_module("param_table").main(["--quick", "--out", str(tmp_path)])
+    gpt3 = table.set_index("preset").loc["gpt3-175b"]
+    assert 174e9 < gpt3.exact < 176e9 and abs(gpt3.relative) < 0.001  # the closed form is GPT-3's count
+    kv = importlib.import_module("kv_cache_gqa").main(["--quick", "--out", str(tmp_path / "kv")])
+    assert kv.kv_bytes_per_token.is_monotonic_decreasing and kv.n_kv_heads.iloc[-1] == 1
+    assert kv.cache_vs_mha.iloc[-1] == pytest.approx(1 / kv.n_heads.iloc[0])
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_help_describes_every_experiment(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(name).main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--quick" in text and "--out" in text and f"experiments/{name}.py" in text
+
+
+def test_grid_split_across_two_ranks_matches_one_process(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29641",
+           str(REPO / "experiments" / "param_table.py"), "--quick", "--out", str(tmp_path / "two")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    one = importlib.import_module("param_table").main(["--quick", "--out", str(tmp_path / "one")])
+    two = pd.read_csv(tmp_path / "two" / "results.csv")
+    pd.testing.assert_frame_equal(two, pd.read_csv(tmp_path / "one" / "results.csv"))
+    assert len(one) == len(two)
