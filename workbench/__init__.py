@@ -11,6 +11,7 @@ from workbench.checkpoint import CheckpointError, load_checkpoint, save_checkpoi
 from workbench.config import ModelConfig
 from workbench.model import HookedDecoder, KVCache
 from workbench.interop import from_hf, to_hf
+from workbench import analysis, viz  # noqa: E402  (the analysis library and its figures)
 
 __version__ = "0.1.0"
 
@@ -28,4 +29,6 @@ __all__ = [
     "CheckpointError",
     "from_hf",
     "to_hf",
+    "analysis",
+    "viz",
 ]

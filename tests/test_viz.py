@@ -1,0 +1,82 @@
+"""Figures are built from the analysis tables: right trace types, token labels on the axes
+(unique even when tokens repeat), top tokens written in the lens cells, both themes."""
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+import torch
+from conftest import tiny
+
+import workbench as wb
+from workbench import viz
+from workbench.analysis import ablation_sweep, attention_patterns, direct_logit_attribution, head_scores, logit_lens
+from workbench.tokenizer import CharTokenizer
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    tok = CharTokenizer("abcdefgh ")
+    return wb.HookedDecoder(tiny(d_vocab=tok.vocab_size), tokenizer=tok).eval()
+
+
+def test_attention_figure_has_unique_token_labels_and_hover(model):
+    tokens = model.to_tokens("abab cab")
+    fig = viz.attention_figure(attention_patterns(model, tokens), layer=1, head=2)
+    heatmap = fig.data[0]
+    assert isinstance(heatmap, go.Heatmap)
+    assert list(heatmap.x) == ["0: a", "1: b", "2: a", "3: b", "4:  ", "5: c", "6: a", "7: b"]
+    assert len(set(heatmap.y)) == 8 and "attention" in heatmap.hovertemplate
+    z = np.array(heatmap.z, dtype=float)
+    assert np.isnan(z[0, 1]) and np.allclose(np.nansum(z, axis=1), 1, atol=1e-5)
+
+
+def test_attention_grid_has_every_head(model):
+    fig = viz.attention_grid(attention_patterns(model, model.to_tokens("abcabc")))
+    assert len(fig.data) == model.cfg.n_layers * model.cfg.n_heads
+
+
+@pytest.mark.parametrize("color", ["prob", "rank", "target_prob", "kl"])
+def test_logit_lens_figure_writes_the_top_token(model, color):
+    table = logit_lens(model, model.to_tokens("abcdabcd"))
+    fig = viz.logit_lens_figure(table, color=color, theme="dark")
+    heatmap = fig.data[0]
+    assert heatmap.texttemplate == "%{text}" and fig.layout.template.layout.paper_bgcolor is not None
+    assert np.array(heatmap.text).shape == (model.cfg.n_layers + 1, 8)
+    final = table[table.layer == model.cfg.n_layers].sort_values("pos")
+    assert list(np.array(heatmap.text)[-1]) == final.top1.tolist()
+    assert list(heatmap.y) == ["resid_pre 0", "resid_pre 1", "final"]
+
+
+def test_dla_layer_head_and_loss_figures(model, tmp_path):
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 6))
+    dla = direct_logit_attribution(model, tokens, 1, 2)
+    bars = viz.dla_figure(dla, "layer").data[0]
+    assert isinstance(bars, go.Bar) and "embed" in list(bars.x)
+    sweep = ablation_sweep(model, tokens, methods=("zero", "mean"))
+    fig = viz.layer_head_figure(sweep, "delta", facet="method")
+    assert len(fig.data) == 2 and np.array(fig.data[0].z).shape == (model.cfg.n_layers, model.cfg.n_heads)
+    scores = viz.layer_head_figure(head_scores(model, seq_len=6), "score", facet="kind")
+    assert len(scores.data) == 4
+    pd.DataFrame({"step": [10, 20, 30], "train_loss": [3.0, 2.0, 1.5], "val_loss": [None, None, 1.7], "lr": 1e-3,
+                  "grad_norm": 1.0, "tokens_per_s": 100.0}).to_csv(tmp_path / "metrics.csv", index=False)
+    curves = viz.loss_curves(tmp_path)
+    assert [t.name for t in curves.data] == ["train_loss", "val_loss"] and list(curves.data[1].x) == [30]
+
+
+def test_side_by_side_and_bad_input(model):
+    table = attention_patterns(model, model.to_tokens("abcabc"))
+    left, right = viz.attention_figure(table, 0, 0), viz.attention_figure(table, 1, 3)
+    fig = viz.side_by_side(left, right, ("clean", "ablated"))
+    assert len(fig.data) == 2 and fig.data[1].xaxis == "x2"
+    assert [a.text for a in fig.layout.annotations] == ["clean", "ablated"]
+    assert len(left.data) == 1  # the sources are left alone
+    with pytest.raises(ValueError, match="single-panel"):
+        viz.side_by_side(viz.attention_grid(table), right)
+    with pytest.raises(ValueError, match="theme"):
+        viz.attention_figure(table, 0, 0, theme="sepia")
+    with pytest.raises(ValueError, match="no pattern"):
+        viz.attention_figure(table, 0, 9)
+    with pytest.raises(ValueError, match="column"):
+        viz.layer_head_figure(table, "delta")
