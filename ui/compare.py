@@ -20,8 +20,10 @@ COMPONENTS = ("norm", "norm_placement", "positional", "ffn", "attn_only", "paral
 def render() -> None:
     st.header("Compare")
     names = list(common.all_checkpoints())
-    second = next((n for n in names if n != st.session_state.get("ckpt") and n.startswith("stories")),
-                  next((n for n in names if n != st.session_state.get("ckpt")), None))
+    first = st.session_state.get("ckpt") or common.default_checkpoint(names)
+    # By default B is another model of the same family (the two shipped story models), else any other.
+    second = next((n for n in names if n != first and n.split("-")[0] == str(first).split("-")[0]),
+                  next((n for n in names if n != first), first))
     left, right = st.columns(2)
     with left:
         a = common.checkpoint_picker("Checkpoint A", key="ckpt", where=st)
