@@ -17,8 +17,8 @@ LAYOUTS = [{}, {"norm_placement": "post"}, {"parallel_residual": True}, {"attn_o
 @pytest.mark.parametrize("kw", LAYOUTS)
 def test_sweep_equals_naive_loop_exactly(kw):
     model = wb.HookedDecoder(tiny(**kw)).eval()
-    tokens = torch.randint(0, 50, (3, 10))
-    reference = torch.randint(0, 50, (5, 12))
+    tokens = torch.randint(0, 50, (2, 8))
+    reference = torch.randint(0, 50, (3, 9))
     for unit, methods in (("head", ("zero", "resample")), ("layer", ("mean",))):
         fast = ablation_sweep(model, tokens, unit=unit, methods=methods, reference=reference)
         naive = ablation_sweep(model, tokens, unit=unit, methods=methods, reference=reference, naive=True)

@@ -92,7 +92,8 @@ def test_shipped_induction_model_has_an_induction_head_that_matters():
     half = tokens.shape[1] // 2
 
     def second_half_loss(spec=None):
-        logits = ablate(model, tokens, spec) if spec else model(tokens)
+        with torch.no_grad():
+            logits = ablate(model, tokens, spec) if spec else model(tokens)
         losses = model.loss_fn(logits, tokens, per_token=True)
         return float(losses[:, half:].mean())
 
