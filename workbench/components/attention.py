@@ -126,11 +126,24 @@ class Attention(nn.Module):
     def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values [batch, pos, head, d_head] from one fused matmul."""
         h, kv, e = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.d_head
-        weight = torch.cat([self.W_Q, self._W_K, self._W_V], dim=0)  # [h + 2kv, d_model, d_head]
-        bias = torch.cat([self.b_Q, self._b_K, self._b_V], dim=0).flatten()
-        qkv = F.linear(x, weight.transpose(1, 2).flatten(0, 1), bias)  # [batch, pos, (h + 2kv) * d_head]
+        weight, bias = self._fused_qkv_weight()
+        qkv = F.linear(x, weight, bias)  # [batch, pos, (h + 2kv) * d_head]
         q, k, v = qkv.unflatten(-1, (h + 2 * kv, e)).split([h, kv, kv], dim=2)
         return q, k, v
+
+    def _fused_qkv_weight(self) -> tuple[Tensor, Tensor]:
+        parts = (self.W_Q, self._W_K, self._W_V, self.b_Q, self._b_K, self._b_V)
+        # Outside autograd (decoding, analysis) the concatenation is reused until a weight changes:
+        # during one-token decode steps, re-copying the weights would cost as much as the matmul.
+        key = tuple((p.data_ptr(), p._version) for p in parts)
+        reuse = not (torch.is_grad_enabled() and any(p.requires_grad for p in parts))
+        if reuse and getattr(self, "_qkv_key", None) == key:
+            return self._qkv_cached
+        weight = torch.cat(parts[:3], dim=0).transpose(1, 2).flatten(0, 1)  # [(h + 2kv) * d_head, d_model]
+        bias = torch.cat(parts[3:], dim=0).flatten()
+        if reuse:
+            self._qkv_key, self._qkv_cached = key, (weight, bias)
+        return weight, bias
 
     def _causal_mask(self, n_query: int, n_key: int, offset: int, device: torch.device) -> Tensor:
         q_pos = torch.arange(offset, offset + n_query, device=device)
@@ -141,6 +154,8 @@ class Attention(nn.Module):
         gqa = self.group > 1
         if bias is None and offset == 0 and n_query == n_key:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if bias is None and n_query == 1:  # one decode step sees every cached key
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         mask = self._causal_mask(n_query, n_key, offset, q.device)
         if bias is not None:
             mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
