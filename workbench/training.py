@@ -160,6 +160,11 @@ def train(
     random.seed(config.seed)
     out_dir = Path(out_dir) if out_dir is not None else None
     state = _load_train_state(out_dir) if resume else None
+    if resume and state is None:
+        raise ValueError(
+            f"nothing to resume in {out_dir}: it holds no {STATE_JSON_FILE} (a run saved with "
+            "save_train_state=False, or no run at all); start a fresh run instead"
+        )
     history: list[dict] = []
     start_step = 0
     if state is not None:
