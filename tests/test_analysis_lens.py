@@ -9,6 +9,8 @@ from conftest import tiny
 
 import workbench as wb
 from workbench.analysis import TunedLens, compare_lenses, logit_lens, train_tuned_lens, tuned_lens
+from workbench.checkpoint import read_meta
+from workbench.data import get_task
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,9 +96,9 @@ def test_shipped_story_models_tuned_lens_beats_logit_lens(name):
     model, _ = wb.load_checkpoint(path)
     model.eval()
     lens = TunedLens.load(path, model)
-    torch.manual_seed(1)
-    prompt = torch.randint(0, model.cfg.d_vocab, (4, 8))
-    text = model.generate(prompt, max_new_tokens=min(56, model.cfg.n_ctx - 8), temperature=1.0, seed=1)
-    kl = compare_lenses(model, text, lens).pivot(index="layer", columns="lens", values="kl")
+    meta = read_meta(path)
+    task = get_task(meta["task"], **meta.get("task_options", {}))
+    held_out = task.batch(16, model.cfg.n_ctx, step=7, split="val")  # data the lens never trained on
+    kl = compare_lenses(model, held_out, lens).pivot(index="layer", columns="lens", values="kl")
     last = model.cfg.n_layers
     assert (kl.loc[: last - 1, "tuned"] < kl.loc[: last - 1, "logit"]).all(), kl

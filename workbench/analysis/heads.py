@@ -46,6 +46,8 @@ def attention_patterns(
     layers = list(range(model.cfg.n_layers)) if layers is None else list(layers)
     heads = list(range(model.cfg.n_heads)) if heads is None else list(heads)
     if batch_index is not None:
+        if not 0 <= batch_index < tokens.shape[0]:
+            raise ValueError(f"batch_index={batch_index} out of range for a batch of {tokens.shape[0]}")
         tokens = tokens[batch_index : batch_index + 1]
     cache = _pattern_cache(model, tokens, layers)
     frames = []
