@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny
+from factories import tiny
 
 import workbench as wb
 from workbench.analysis import AblationSpec, ablate, ablation_sweep

@@ -4,7 +4,7 @@ head parts equal TransformerLens' stack_head_results + logit_attrs."""
 import numpy as np
 import pytest
 import torch
-from conftest import tiny
+from factories import tiny
 
 import workbench as wb
 from workbench.analysis import direct_logit_attribution

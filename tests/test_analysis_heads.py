@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny
+from factories import tiny
 from transformer_lens import head_detector as hd
 
 import workbench as wb

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny
+from factories import tiny
 
 import workbench as wb
 from workbench.analysis import TunedLens, compare_lenses, logit_lens, train_tuned_lens, tuned_lens

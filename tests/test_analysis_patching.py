@@ -4,7 +4,7 @@ patching tracks exact patching."""
 import numpy as np
 import pytest
 import torch
-from conftest import tiny
+from factories import tiny
 from transformer_lens import patching as tl_patching
 
 import workbench as wb

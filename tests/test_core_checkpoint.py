@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import workbench as wb
-from conftest import tiny
+from factories import tiny
 from workbench.tokenizer import CharTokenizer
 
 
@@ -105,3 +105,12 @@ def test_never_unpickles(saved, monkeypatch):
 
     monkeypatch.setattr(torch, "load", forbidden)
     wb.load_checkpoint(path)
+
+
+def test_checkpoint_permissions_follow_the_umask(saved):
+    import os
+    _, path = saved
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask

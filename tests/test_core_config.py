@@ -5,7 +5,7 @@ import json
 import pytest
 
 import workbench as wb
-from conftest import tiny
+from factories import tiny
 
 
 def test_derived_sizes():

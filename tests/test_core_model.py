@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import workbench as wb
-from conftest import tiny
+from factories import tiny
 from workbench.components.mlp import FFNS
 from workbench.components.norm import NORMS
 from workbench.components.positional import POS_EMBEDDINGS

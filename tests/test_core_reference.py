@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import workbench as wb
-from conftest import tiny
+from factories import tiny
 from workbench.components.attention import Attention
 from workbench.components.block import Block
 from workbench.components.norm import LayerNorm, RMSNorm

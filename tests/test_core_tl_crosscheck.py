@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import workbench as wb
-from conftest import tiny
+from factories import tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 bridge_mod = pytest.importorskip("transformer_lens.model_bridge.sources.native", reason="TL native source missing")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import workbench as wb
-from conftest import tiny
+from factories import tiny
 from workbench.data import TASKS, answer_metrics, get_task, induction_scores
 from workbench.data.stories import NAMES, PromptBatch
 

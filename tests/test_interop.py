@@ -16,7 +16,7 @@ import socket
 import pytest
 import torch
 import transformers as T
-from conftest import tiny
+from factories import tiny
 
 import workbench as wb
 from workbench.interop import UnsupportedHFConfig, config_from_hf, hf_family_for, looks_like_hf_dir

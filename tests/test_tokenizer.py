@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import workbench as wb
-from conftest import tiny
+from factories import tiny
 from workbench.tokenizer import (
     BPETokenizer,
     ByteTokenizer,

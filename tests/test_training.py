@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import workbench as wb
-from conftest import tiny
+from factories import tiny
 from workbench.data import get_task
 from workbench.training import METRIC_COLUMNS, TrainConfig, TrainingDiverged, read_metrics, train
 

@@ -6,7 +6,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 import torch
-from conftest import tiny
+from factories import tiny
 
 import workbench as wb
 from workbench import viz

@@ -41,6 +41,12 @@ def atomic_write_dir(path: Union[str, Path], write: Any) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         write(tmp)
+        # mkdtemp makes a private (0700) directory; a checkpoint is ordinary shared data.
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)
+        for f in tmp.rglob("*"):
+            f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
         backup = None
         if path.exists():
             backup = path.parent / f".{path.name}.old-{os.getpid()}-{time.time_ns()}"
