@@ -9,12 +9,15 @@ minutes on 2 CPU cores (threads are pinned to 1, so the floating-point reduction
 hence the weights, are the same on every rebuild on the same machine and torch build).
 The shipped directories keep the weights, config, tokenizer, meta.json (final metrics)
 and metrics.csv, but not the optimizer state, which would triple their size.
-After training, each recipe's acceptance check is printed and must pass.
+After training, each recipe's acceptance check is printed and must pass. The story models
+then get their tuned lens (experiments/lens_comparison.py, 300 steps), which a rebuild would
+otherwise delete along with the old directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +46,7 @@ RECIPES = {
         train=STORIES_TRAIN,
         check=lambda m: m["ioi_accuracy"] >= 0.8 and m["ioi_logit_diff"] >= 1.0,
         shows="the 2020 block on the stories grammar",
+        tuned_lens=True,
     ),
     # The 2026 block: RMSNorm, SwiGLU, RoPE, grouped-query attention (2 KV heads), untied head;
     # d_mlp chosen so the parameter count matches stories-2020 within 1%.
@@ -53,6 +57,7 @@ RECIPES = {
         train={**STORIES_TRAIN, "lr": 3e-3, "min_lr_ratio": 1.0},
         check=lambda m: m["ioi_accuracy"] >= 0.8 and m["ioi_logit_diff"] >= 1.0,
         shows="the 2026 block on the stories grammar",
+        tuned_lens=True,
     ),
 }
 
@@ -71,6 +76,10 @@ def build(name: str, out_root: Path) -> dict:
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.metrics.items()}
     print(f"{name}: {wb.count_params(model_cfg)['total']:,} params, {size_mb:.2f} MB, {minutes:.1f} min, "
           f"check {'PASSED' if ok else 'FAILED'}: {shown}", flush=True)
+    if recipe.get("tuned_lens"):
+        lens_script = Path(__file__).resolve().parents[1] / "experiments" / "lens_comparison.py"
+        subprocess.run([sys.executable, str(lens_script), "--checkpoints", str((out_root / name).resolve()),
+                        "--steps", "300"], check=True)
     return {"name": name, "ok": ok, "minutes": minutes, "size_mb": size_mb, **result.metrics}
 
 
