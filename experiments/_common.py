@@ -31,7 +31,7 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"experiments/{name}.py", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a tiny version that runs in seconds (used by the tests)")
-    p.add_argument("--out", type=Path, default=REPO / "runs" / name, help="run directory (default: runs/%(prog)s)")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / name, help=f"run directory (default: runs/{name})")
     p.add_argument("--seed", type=int, default=0, help="seed of models and data")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     return p
