@@ -1,5 +1,6 @@
 """Ablation: the fast sweep equals the naive hooked loop exactly; each ablation against a
-direct edit of the weights; mean ablation with the input as reference changes nothing."""
+direct edit of the weights; mean ablation with the input as reference changes nothing; a single
+sequence with no reference is refused for mean and resample (it would silently change nothing)."""
 
 import copy
 
@@ -119,3 +120,24 @@ def test_bad_specs_are_refused():
             ablate(model, tokens, AblationSpec(**kwargs))
     with pytest.raises(ValueError, match="attention-only"):
         ablate(wb.HookedDecoder(tiny(attn_only=True)), tokens, AblationSpec("mlp", 0))
+
+
+@pytest.mark.parametrize("method", ["mean", "resample"])
+def test_one_sequence_without_a_reference_is_refused(method):
+    # the input would be its own reference: the mean of one row is that row, so nothing would change
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (1, 6))
+    spec = AblationSpec("head", 0, head=1, method=method)
+    with pytest.raises(ValueError, match="pass reference=a batch of other inputs"):
+        ablate(model, tokens, spec)
+    with pytest.raises(ValueError, match="pass reference=a batch of other inputs"):
+        ablation_sweep(model, tokens, unit="head", methods=("zero", method))
+    with pytest.raises(ValueError, match="pass reference=a batch of other inputs"):
+        wb.analysis.ablation_hooks(model, tokens, spec)
+    reference = torch.randint(0, 50, (3, 6))
+    with torch.no_grad():
+        clean = model(tokens)
+    assert not torch.allclose(ablate(model, tokens, spec, reference=reference), clean)
+    assert (ablation_sweep(model, tokens, methods=(method,), reference=reference).delta != 0).any()
+    torch.testing.assert_close(ablate(model, tokens, AblationSpec("head", 0, head=1)),
+                               ablate(model, tokens.repeat(2, 1), AblationSpec("head", 0, head=1))[:1])

@@ -128,6 +128,22 @@ def _resample_rows(spec: AblationSpec, batch: int, ref_batch: int, device) -> Te
     return torch.randint(0, ref_batch, (batch,), generator=gen).to(device)
 
 
+def check_reference(tokens: Tensor, reference: Optional[Tensor], methods) -> None:
+    """Refuse mean/resample ablation of a single sequence with no reference: it would change nothing.
+
+    Without ``reference`` the input is its own reference, and the mean of one row (or the
+    "other" row of a batch of one) is that row itself, so the ablated run would equal the
+    clean one and look like "this part does not matter".
+    """
+    needs_other_rows = sorted(set(methods) & {"mean", "resample"})
+    if needs_other_rows and reference is None and tokens.shape[0] < 2:
+        raise ValueError(
+            f"method={needs_other_rows[0]!r} ablation of a single sequence with no reference would change "
+            "nothing (the input is its own reference); pass reference=a batch of other inputs "
+            "(or a batch of at least 2 sequences), or use method='zero'"
+        )
+
+
 def _reference_acts(model, tokens: Tensor, reference: Optional[Tensor], names: set[str], method: str):
     """The reference run's activations at ``names`` (the input itself when no reference)."""
     if method == "zero":
@@ -146,6 +162,7 @@ def _effective(spec: AblationSpec, reference: Optional[Tensor]) -> AblationSpec:
 def ablation_hooks(model, tokens: Tensor, spec: AblationSpec, reference: Optional[Tensor] = None) -> list:
     """``fwd_hooks`` for ``run_with_hooks`` that apply ``spec`` (reference activations precomputed)."""
     spec = spec.validate(model)
+    check_reference(tokens, reference, [spec.method])
     refs = {spec.method: _reference_acts(model, tokens, reference, {spec.hook}, spec.method)}
     return _spec_hook(spec, refs, reference)
 
@@ -158,7 +175,11 @@ def ablate(
     reference: Optional[Int[Tensor, "ref_batch ref_pos"]] = None,
     return_type: str = "logits",
 ) -> Tensor:
-    """The model's output (logits, or loss) with ``spec`` ablated, via one hooked forward."""
+    """The model's output (logits, or loss) with ``spec`` ablated, via one hooked forward.
+
+    ``mean`` and ``resample`` draw from ``reference`` (default: the input batch itself, so a
+    single sequence needs a ``reference``; ValueError otherwise).
+    """
     tokens = as_tokens(model, tokens)
     hooks = ablation_hooks(model, tokens, spec, reference)
     return model.run_with_hooks(tokens, fwd_hooks=hooks, return_type=return_type)
@@ -204,6 +225,7 @@ def ablation_sweep(
     tokens = as_tokens(model, tokens)
     metric = loss_metric(tokens) if metric is None else metric
     specs = [s.validate(model) for s in (specs or sweep_specs(model, unit, methods, positions))]
+    check_reference(tokens, reference, [s.method for s in specs])
     stack = stack or (16 if model.device.type == "cuda" else 1)
     was_training = model.training
     model.eval()
