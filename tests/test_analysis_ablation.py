@@ -141,3 +141,17 @@ def test_one_sequence_without_a_reference_is_refused(method):
     assert (ablation_sweep(model, tokens, methods=(method,), reference=reference).delta != 0).any()
     torch.testing.assert_close(ablate(model, tokens, AblationSpec("head", 0, head=1)),
                                ablate(model, tokens.repeat(2, 1), AblationSpec("head", 0, head=1))[:1])
+
+
+def test_sweep_reports_progress_to_a_callback():
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (2, 6))
+    for naive, stack in ((False, 3), (True, None)):
+        calls = []
+        table = ablation_sweep(model, tokens, unit="head", stack=stack, naive=naive,
+                               progress=lambda done, total: calls.append((done, total)))
+        total = len(table)
+        assert total == 8 and all(t == total for _, t in calls)
+        dones = [d for d, _ in calls]
+        assert dones == sorted(dones) and dones[-1] == total and len(set(dones)) == len(dones)
+    assert len(calls) == total  # the naive loop reports every ablation

@@ -51,6 +51,29 @@ def test_short_run_lowers_the_loss_and_writes_metrics(tmp_path):
     assert "optimizer.0.exp_avg" in load_file(str(tmp_path / "run" / "train_state.safetensors"))
 
 
+def test_callback_sees_each_logged_row_and_can_stop_early(tmp_path):
+    task, cfg, config = stories_setup()  # 6 steps, evaluated at step 3, a row every step
+    rows = []
+    full = train(config, cfg, progress=False, callback=lambda row: rows.append(row) or "truthy, not True")
+    assert not full.stopped_early and full.step == 6  # only an exact True stops
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(set(r) == {"step", "train_loss", "val_loss", "lr", "tokens_per_s"} for r in rows)
+    for key in ("step", "train_loss", "lr", "tokens_per_s"):
+        assert [r[key] for r in rows] == full.history[key].tolist()
+    assert [r["val_loss"] is None for r in rows] == [True, True, False, True, True, True]
+
+    seen = []
+    stopped = train(config, cfg, tmp_path / "run", progress=False,
+                    callback=lambda row: seen.append(row["step"]) or row["step"] == 4)
+    assert stopped.stopped_early and not stopped.interrupted and stopped.step == seen[-1] == 4
+    assert stopped.history["step"].tolist() == [1, 2, 3, 4] and math.isfinite(stopped.metrics["val_loss"])
+    saved, _ = wb.load_checkpoint(tmp_path / "run")
+    for name, value in stopped.model.state_dict().items():
+        assert torch.equal(value, saved.state_dict()[name]), name
+    assert json.loads((tmp_path / "run" / "meta.json").read_text())["step"] == 4
+    assert read_metrics(tmp_path / "run")["step"].tolist() == [1, 2, 3, 4]
+
+
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     config = TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert config.lr_at(0) == pytest.approx(0.1) and config.lr_at(9) == pytest.approx(1.0)

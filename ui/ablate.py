@@ -2,7 +2,7 @@
 
 Clean and ablated sit side by side: per-token loss and its change, the prediction at
 each position, the logit lens, and the attention of the head whose pattern changed most.
-A button runs the ablation sweep over every head (a progress bar, one layer at a time)
+A button runs the ablation sweep over every head (one library call reporting its progress)
 and draws the layer x head heatmap; clicking a cell ablates that head.
 """
 
@@ -156,12 +156,11 @@ def _head_sweep(ckpt: common.Checkpoint, ids, kind: str, reference) -> None:
     state_key = ("sweep", ckpt.key, ids, kind)
     if st.button("Run the head sweep", key="ablate_sweep"):
         bar = st.progress(0.0, text="ablating heads…")
-        parts = []
-        for layer in range(ckpt.cfg.n_layers):
-            parts.append(common.analysis("head_sweep", ckpt.key, ids, reference=reference, layer=layer, method=kind))
-            bar.progress((layer + 1) / ckpt.cfg.n_layers, text=f"ablated the heads of layer {layer}")
+        sweep = common.analysis("ablation_sweep", ckpt.key, ids, reference=reference, unit="head", methods=(kind,),
+                                _progress=lambda done, total: bar.progress(done / total,
+                                                                           text=f"ablated {done} of {total} heads"))
         bar.empty()
-        st.session_state["head_sweep"] = (state_key, pd.concat(parts, ignore_index=True))
+        st.session_state["head_sweep"] = (state_key, sweep)
     stored = st.session_state.get("head_sweep")
     if stored is None or stored[0] != state_key:
         return

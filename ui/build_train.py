@@ -127,48 +127,28 @@ def _costs(cfg: wb.ModelConfig, config) -> None:
         common.table(parts)
 
 
-def reporting(task, on_loss):
-    """The same task, but every training loss is also handed to ``on_loss(step, loss)``.
-
-    ``workbench.training.train`` takes a ``task=`` and has no progress callback; its loop
-    calls ``task.batch(step=...)`` and then ``task.loss(...)`` once per micro-batch, so a
-    subclass of the task's own class sees every step without touching the training code.
-    """
-
-    class Reporting(type(task)):
-        def batch(self, batch_size, seq_len=None, *, step=0, split="train"):
-            if split == "train":
-                self._step = step
-            return super().batch(batch_size, seq_len, step=step, split=split)
-
-        def loss(self, model, tokens):
-            loss = super().loss(model, tokens)
-            if model.training:
-                on_loss(self._step + 1, float(loss.detach()))
-            return loss
-
-    proxy = Reporting.__new__(Reporting)
-    proxy.__dict__.update(task.__dict__, _step=0)
-    return proxy
-
-
 def _train(config: TrainConfig, cfg: wb.ModelConfig, task_name: str) -> None:
     bar = st.progress(0.0, text="starting…")
     chart = st.empty()
     history: list[dict] = []
-    last_draw = [0.0]
+    last_draw, last_val = [0.0], [""]
 
-    def on_loss(step: int, loss: float) -> None:
-        history.append({"step": step, "train_loss": loss})
+    def on_step(row: dict) -> None:
+        """``train``'s callback: one logged row (step, train_loss, val_loss or None, lr, tokens_per_s)."""
+        history.append({"step": row["step"], "train_loss": row["train_loss"]})
+        if row["val_loss"] is not None:  # evaluated only every few logged steps: a line of its own would be gaps
+            last_val[0] = f", validation loss {row['val_loss']:.3f}"
         now = time.perf_counter()
-        if now - last_draw[0] > 0.5 or step == config.steps:
+        if now - last_draw[0] > 0.5 or row["step"] == config.steps:
             last_draw[0] = now
-            bar.progress(step / config.steps, text=f"step {step} / {config.steps}: loss {loss:.3f}")
+            bar.progress(row["step"] / config.steps,
+                         text=f"step {row['step']} / {config.steps}: loss {row['train_loss']:.3f}{last_val[0]}, "
+                              f"{row['tokens_per_s']:,.0f} tokens/s")
             chart.line_chart(pd.DataFrame(history).set_index("step"), height=260)
 
     out = Path(tempfile.mkdtemp(prefix="workbench-train-"))
     try:
-        result = train(config, cfg, out, task=reporting(get_task(task_name, seed=config.seed), on_loss), progress=False)
+        result = train(config, cfg, out, task=get_task(task_name, seed=config.seed), progress=False, callback=on_step)
     except (ValueError, RuntimeError) as e:
         bar.empty()
         st.error(f"Training stopped: {e}")

@@ -20,7 +20,7 @@ import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pandas as pd
 import streamlit as st
@@ -378,16 +378,8 @@ def _residual_norms(model, tokens):
     ])
 
 
-def _head_sweep(model, tokens, layer: int, method: str, reference=None):
-    """The ablation sweep over the heads of one layer (the page loops over layers for its progress bar)."""
-    from workbench.analysis import AblationSpec, ablation_sweep
-
-    specs = [AblationSpec("head", layer, head=h, method=method) for h in range(model.cfg.n_heads)]
-    return ablation_sweep(model, tokens, specs=specs, reference=reference)
-
-
 def _analyses() -> dict:
-    from workbench.analysis import attribution, heads, lens
+    from workbench.analysis import ablation, attribution, heads, lens
 
     return {
         "token_losses": _token_losses,
@@ -396,7 +388,7 @@ def _analyses() -> dict:
         "head_scores": heads.head_scores,
         "direct_logit_attribution": attribution.direct_logit_attribution,
         "residual_norms": _residual_norms,
-        "head_sweep": _head_sweep,
+        "ablation_sweep": ablation.ablation_sweep,
     }
 
 
@@ -420,6 +412,7 @@ def analysis(
     ids: Optional[tuple[int, ...]],
     ablation: Ablation = (),
     reference: Optional[tuple[tuple[int, ...], ...]] = None,
+    _progress: Optional[Callable[[int, int], Any]] = None,
     **kwargs,
 ) -> Any:
     """``workbench.analysis`` function ``name`` on the cached model ``key`` and prompt ``ids``.
@@ -428,7 +421,8 @@ def analysis(
     widgets costs nothing and a widget that changes only the drawing recomputes nothing.
     With ``ablation``, the analysis runs on the model with those units ablated (the hooks of
     ``workbench.analysis.ablation_hooks`` stay attached while it runs); ``reference`` is the
-    batch that mean and resample ablations draw from.
+    batch that mean and resample ablations draw from. ``_progress(done, total)`` is handed
+    to ``ablation_sweep`` (the leading underscore keeps it out of the cache key).
     """
     model, lock = model_for(key)
     fn = _analyses()[name]
@@ -437,8 +431,8 @@ def analysis(
             return fn(model, **kwargs)
         tokens = torch.tensor([ids], device=model.device)
         ref = torch.tensor(reference, device=model.device) if reference is not None else None
-        if name == "head_sweep":
-            return fn(model, tokens, reference=ref, **kwargs)
+        if name == "ablation_sweep":
+            return fn(model, tokens, reference=ref, progress=_progress or False, **kwargs)
         hooks = _ablation_hooks(model, tokens, ablation, ref) if ablation else []
         with model.hooks(fwd_hooks=hooks):
             return fn(model, tokens, **kwargs)

@@ -12,6 +12,9 @@ the step itself, because batch ``k`` is a pure function of the task seed and ``k
 Nothing is lost on failure: a non-finite loss or gradient stops training before the
 optimizer step, with a clear message, leaving the last good checkpoint untouched; Ctrl-C
 saves a checkpoint at the last completed step.
+
+``callback`` sees each logged row as it is written (a live loss curve, a progress bar);
+returning ``True`` ends the run early, evaluated and saved like one that reached ``steps``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import pandas as pd
 import torch
@@ -127,6 +130,7 @@ class TrainResult:
     history: pd.DataFrame
     out_dir: Optional[Path]
     interrupted: bool = False
+    stopped_early: bool = False  # the callback asked to stop before config.steps
 
 
 def build_task(config: TrainConfig, tokenizer: Any = None) -> Task:
@@ -146,12 +150,20 @@ def train(
     model: Optional[HookedDecoder] = None,
     task: Optional[Task] = None,
     progress: bool = True,
+    callback: Optional[Callable[[dict], Optional[bool]]] = None,
 ) -> TrainResult:
     """Train a model and return it with its final metrics and the logged history.
 
     The model is ``model``, or a new one from ``model_config`` (its ``d_vocab`` must cover the
     task's vocabulary), or, with ``resume=True`` and a checkpoint in ``out_dir`` holding a
     training state, the checkpoint's model, optimizer, RNG and step.
+
+    ``callback(row)`` runs after each logged step (on the main process) with a dict of
+    ``step, train_loss, val_loss`` (None when not evaluated at that step; the last step's
+    comes in ``result.metrics``), ``lr, tokens_per_s``. Returning ``True`` (exactly: other
+    truthy values are ignored, so a callback that returns a widget does not stop anything)
+    stops training after that step; the run is then evaluated and saved as if it had
+    ended there, and ``result.stopped_early`` is True.
     """
     dist_info, device = distributed.setup(config.device)
     if config.threads:
@@ -208,7 +220,7 @@ def train(
 
     meta = {"task": task.name, "task_options": _jsonable(task.options()), "train_config": config.to_dict()}
     params = [p for p in model.parameters() if p.requires_grad]
-    step, last_saved, interrupted = start_step, start_step if state is not None else None, False
+    step, last_saved, interrupted, stopped_early = start_step, start_step if state is not None else None, False, False
     bar = tqdm(total=config.steps, initial=start_step, desc=f"train {task.name}", disable=not (progress and dist_info.is_main))
     window_tokens, window_start = 0, time.perf_counter()
 
@@ -255,8 +267,12 @@ def train(
                 if evaluate and dist_info.is_main:
                     row["val_loss"] = task.val_loss(model, config.batch_size, seq_len, config.eval_batches)
                 bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                if callback is not None:
+                    stopped_early = _ask_callback(callback, row, dist_info, device) and step < config.steps
                 window_tokens, window_start = 0, time.perf_counter()
             bar.update(1)
+            if stopped_early:
+                break
             if config.save_every and step % config.save_every == 0 and step < config.steps:
                 checkpoint()
     except KeyboardInterrupt:
@@ -280,7 +296,16 @@ def train(
                 _save(model, task, out_dir, step, optimizer, config, history, meta, metrics)
         distributed.barrier(dist_info)
     model.eval()
-    return TrainResult(model, task, step, metrics, pd.DataFrame(history, columns=METRIC_COLUMNS), out_dir, interrupted)
+    return TrainResult(model, task, step, metrics, pd.DataFrame(history, columns=METRIC_COLUMNS), out_dir, interrupted,
+                       stopped_early)
+
+
+def _ask_callback(callback, row: dict, dist_info, device) -> bool:
+    """Hand ``row`` to the callback (main process only); True when it asked to stop, on every process."""
+    stop = dist_info.is_main and callback({k: row[k] for k in ("step", "train_loss", "val_loss", "lr", "tokens_per_s")}) is True
+    if dist_info.enabled:  # every process must leave the loop at the same step, or DDP hangs
+        stop = float(distributed.all_reduce_mean(torch.tensor(float(stop), device=device), dist_info)) > 0
+    return stop
 
 
 # ---- optimizer -------------------------------------------------------------------------

@@ -14,7 +14,7 @@ loop instead (the reference the tests and ``benchmarks/sweep.py`` compare agains
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence, Union
+from typing import Callable, Literal, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -214,13 +214,15 @@ def ablation_sweep(
     specs: Optional[Sequence[AblationSpec]] = None,
     stack: Optional[int] = None,
     naive: bool = False,
-    progress: bool = False,
+    progress: Union[bool, Callable[[int, int], object]] = False,
 ) -> pd.DataFrame:
     """Ablate every head or layer in turn; one row per ablation.
 
     ``metric`` maps logits to a scalar (default: the mean next-token loss of ``tokens``).
     ``stack`` ablations share one forward (default: 1 on CPU, where a forward already fills
-    the cores, 16 on a GPU). Columns: target, layer, head, method, label, metric, clean, delta.
+    the cores, 16 on a GPU). ``progress``: True for a tqdm bar, or a callable
+    ``progress(done, total)`` called as ablations finish (an app's own progress bar).
+    Columns: target, layer, head, method, label, metric, clean, delta.
     """
     tokens = as_tokens(model, tokens)
     metric = loss_metric(tokens) if metric is None else metric
@@ -236,7 +238,7 @@ def ablation_sweep(
     refs = {m: _reference_acts(model, tokens, reference, ref_names, m) for m in {s.method for s in specs}}
 
     values: dict[int, float] = {}
-    bar = tqdm(total=len(specs), disable=not progress, desc="ablation sweep")
+    bar = _Progress(progress, len(specs))
     if naive:
         for i, spec in enumerate(specs):
             values[i] = float(metric(ablate(model, tokens, spec, reference)))
@@ -264,6 +266,24 @@ def ablation_sweep(
     rows = [(s.target, s.layer, -1 if s.head is None else s.head, s.method, s.label, values[i], clean, values[i] - clean)
             for i, s in enumerate(specs)]
     return pd.DataFrame(rows, columns=["target", "layer", "head", "method", "label", "metric", "clean", "delta"])
+
+
+class _Progress:
+    """A tqdm bar (``progress=True``) or calls of ``progress(done, total)``, behind one ``update``."""
+
+    def __init__(self, progress, total: int) -> None:
+        self.callback = progress if callable(progress) else None
+        self.done, self.total = 0, total
+        self.bar = tqdm(total=total, disable=self.callback is not None or not progress, desc="ablation sweep")
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        self.bar.update(n)
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _spec_hook(spec: AblationSpec, refs: dict, reference) -> list:
