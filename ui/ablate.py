@@ -109,7 +109,8 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference) -> None:
 
     st.subheader("Per-token loss")
     common.show(figures.token_losses_compare({"clean": clean, "ablated": ablated}), key="ablate_loss")
-    change = clean[["pos", "context", "token"]].rename(columns={"context": "after", "token": "next token"})
+    change = clean[["pos", "token", "next_token"]].rename(columns={"token": "after", "next_token": "next token"})
+    change["pos"] += 1  # the position of the token predicted, as on the plot
     change["clean prediction"] = clean["predicted"]
     change["ablated prediction"] = ablated["predicted"]
     change["clean loss"] = clean["loss"].round(3)

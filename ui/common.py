@@ -97,9 +97,10 @@ class IdTokenizer:
     def token_str(self, token_id: int) -> str:
         return str(int(token_id))
 
-    def unencodable(self, text: str) -> list[str]:
+    def unknown_pieces(self, text: str) -> list[str]:
+        """What is not a token id below ``vocab_size`` (the workbench tokenizers' method of the same name)."""
         pieces = text.replace(",", " ").split()
-        return [p for p in pieces if not (p.isdigit() and int(p) < self.vocab_size)]
+        return list(dict.fromkeys(p for p in pieces if not (p.isdigit() and int(p) < self.vocab_size)))
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -300,17 +301,11 @@ def prompt_box(ckpt: Optional[Checkpoint], key: str = "prompt", label: str = "Pr
 def unencodable(tokenizer, text: str) -> list[str]:
     """The pieces of ``text`` the tokenizer cannot represent (they would become ``unk``).
 
-    Closed vocabularies (characters, words, ids) are checked piece by piece; byte-level
-    tokenizers (byte, BPE, Hugging Face) encode every string.
+    Every workbench tokenizer (and ``IdTokenizer``) answers with ``unknown_pieces``; byte-level
+    ones (byte, BPE, Hugging Face) encode every string, so one without the method has none.
     """
-    if isinstance(tokenizer, IdTokenizer):
-        return tokenizer.unencodable(text)
-    stoi = getattr(tokenizer, "stoi", None)
-    if stoi is not None:  # closed vocabularies: characters or words
-        splitter = getattr(tokenizer, "_split", None)
-        pieces = splitter.findall(text) if splitter is not None else list(text)
-        return list(dict.fromkeys(p for p in pieces if p not in stoi))
-    return []
+    unknown_pieces = getattr(tokenizer, "unknown_pieces", None)
+    return unknown_pieces(text) if unknown_pieces is not None else []
 
 
 def encode_prompt(ckpt: Checkpoint, text: str, min_tokens: int = 2) -> list[int]:
@@ -346,48 +341,16 @@ def prompt_ids(ckpt: Checkpoint, text: str, where=st) -> Optional[tuple[int, ...
 
 
 # ---- analyses, cached --------------------------------------------------------------------------
-def _token_losses(model, tokens):
-    """Per-token loss of the prompt: the loss at position i is for predicting token i + 1."""
-    from workbench.analysis.common import str_tokens
-
-    logits, losses = model(tokens, return_type="both", loss_per_token=True)
-    labels = str_tokens(model, tokens[0])
-    top = logits[0, :-1].argmax(-1)
-    return pd.DataFrame({
-        "pos": range(1, tokens.shape[1]),
-        "token": labels[1:],
-        "context": labels[:-1],
-        "loss": losses[0].detach().float().cpu().numpy(),
-        "predicted": str_tokens(model, top),
-        "correct": (top == tokens[0, 1:]).cpu().numpy(),
-    })
-
-
-def _residual_norms(model, tokens):
-    """L2 norm of the residual stream entering each block (and the final stream), per position."""
-    from workbench.analysis.common import str_tokens
-    from workbench.analysis.lens import residual_stack
-
-    resid, _ = residual_stack(model, tokens)
-    norms = resid[:, 0].detach().norm(dim=-1).float().cpu().numpy()  # [layer, pos]
-    labels = str_tokens(model, tokens[0])
-    n = model.cfg.n_layers
-    return pd.DataFrame([
-        {"layer": l, "layer_label": "final" if l == n else f"resid_pre {l}", "pos": p, "token": labels[p], "norm": norms[l, p]}
-        for l in range(norms.shape[0]) for p in range(norms.shape[1])
-    ])
-
-
 def _analyses() -> dict:
-    from workbench.analysis import ablation, attribution, heads, lens
+    from workbench.analysis import ablation, attribution, heads, lens, tokens
 
     return {
-        "token_losses": _token_losses,
+        "token_losses": tokens.token_losses,
         "logit_lens": lens.logit_lens,
         "attention_patterns": heads.attention_patterns,
         "head_scores": heads.head_scores,
         "direct_logit_attribution": attribution.direct_logit_attribution,
-        "residual_norms": _residual_norms,
+        "residual_norms": tokens.residual_norms,
         "ablation_sweep": ablation.ablation_sweep,
     }
 

@@ -17,11 +17,14 @@ def labels(pos, token) -> list[str]:
 
 
 def token_losses(df: pd.DataFrame, title: str = "Per-token loss") -> go.Figure:
-    """Bars of the loss of predicting each token (x: the token predicted)."""
-    x = labels(df["pos"], df["token"])
+    """Bars of the loss of predicting each token (x: the token predicted, at its own position).
+
+    ``df`` is a ``workbench.analysis.token_losses`` table of one sequence.
+    """
+    x = labels(df["pos"] + 1, df["next_token"])
     fig = go.Figure(go.Bar(
         x=x, y=df["loss"], marker_color=np.where(df["correct"], "#2ca02c", "#d62728"),
-        customdata=np.stack([df["predicted"], df["context"]], axis=-1),
+        customdata=np.stack([df["predicted"], df["token"]], axis=-1),
         hovertemplate="%{x}<br>loss %{y:.3f}<br>after %{customdata[1]!r}, top prediction %{customdata[0]!r}<extra></extra>",
     ))
     fig.update_layout(title=title, yaxis_title="loss (nats)", xaxis_title="token (green: top-1 correct)",
@@ -34,7 +37,7 @@ def token_losses_compare(frames: dict[str, pd.DataFrame], title: str = "Per-toke
     """Grouped bars of per-token loss, one colour per name (same tokens in every frame)."""
     fig = go.Figure()
     for name, df in frames.items():
-        fig.add_bar(x=labels(df["pos"], df["token"]), y=df["loss"], name=name)
+        fig.add_bar(x=labels(df["pos"] + 1, df["next_token"]), y=df["loss"], name=name)
     fig.update_layout(title=title, barmode="group", yaxis_title="loss (nats)", height=340, margin=dict(t=40, b=10))
     fig.update_xaxes(type="category", tickangle=-60)
     return fig

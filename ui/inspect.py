@@ -119,9 +119,6 @@ def _single_token(ckpt: common.Checkpoint, text: str) -> int:
     if not text:
         raise ValueError("Type a target token.")
     tok = ckpt.tokenizer
-    stoi = getattr(tok, "stoi", None)
-    if stoi is not None and text in stoi:
-        return stoi[text]
     if common.unencodable(tok, text):
         raise ValueError(f"{text!r} is not in this checkpoint's vocabulary.")
     ids = tok.encode(text)

@@ -6,7 +6,8 @@ mark of a closed vocabulary, used by the synthetic ``stories`` grammar so that e
 is a single token).
 
 Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``,
-``token_str(id) -> str`` (a readable label for plots), ``vocab_size``, and ``save(dir)``,
+``token_str(id) -> str`` (a readable label for plots), ``unknown_pieces(text) -> list[str]``
+(what ``encode`` would turn into ``unk``), ``vocab_size``, and ``save(dir)``,
 which writes ``tokenizer.json``; ``load_tokenizer(dir)`` restores whichever kind was saved.
 BPE is trained locally with the ``tokenizers`` library; nothing is downloaded.
 """
@@ -43,6 +44,10 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self.stoi.get(c, 0) for c in text]
 
+    def unknown_pieces(self, text: str) -> list[str]:
+        """The characters of ``text`` outside the alphabet (each once, in order): they would encode as ``unk``."""
+        return list(dict.fromkeys(c for c in text if c not in self.stoi))
+
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(self.itos[int(i)] for i in ids)
 
@@ -64,6 +69,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def unknown_pieces(self, text: str) -> list[str]:
+        """Always empty: every string is UTF-8 bytes."""
+        return []
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -109,6 +118,10 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text).ids
 
+    def unknown_pieces(self, text: str) -> list[str]:
+        """Always empty: byte-level BPE encodes every string."""
+        return []
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode([int(i) for i in ids])
 
@@ -149,6 +162,10 @@ class WordTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [self.stoi.get(w, 0) for w in self._split.findall(text)]
+
+    def unknown_pieces(self, text: str) -> list[str]:
+        """The words of ``text`` outside the vocabulary (each once, in order): they would encode as ``unk``."""
+        return list(dict.fromkeys(w for w in self._split.findall(text) if w not in self.stoi))
 
     def decode(self, ids: Iterable[int]) -> str:
         out: list[str] = []

@@ -110,6 +110,16 @@ def test_inspect_direct_logit_attribution_target_and_difference(app):
     assert "not in this checkpoint's vocabulary" in messages(at)
 
 
+def test_unencodable_asks_each_tokenizer():
+    from workbench.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer, WordTokenizer
+
+    assert common.unencodable(CharTokenizer("ab "), "a☃b c☃") == ["☃", "c"]
+    assert common.unencodable(WordTokenizer(["Mary", "met", "."]), "Mary met a zebra, Mary.") == ["a", "zebra", ","]
+    assert common.unencodable(ByteTokenizer(), "☃ anything") == []
+    assert common.unencodable(BPETokenizer.train(["abc abc"], vocab_size=260), "☃ zz") == []
+    assert common.unencodable(common.IdTokenizer(10), "1 2, 12 x 12") == ["12", "x"]
+
+
 @pytest.mark.parametrize("prompt, message", [
     ("", "The prompt is empty"),
     ("   ", "The prompt is empty"),

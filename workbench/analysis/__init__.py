@@ -5,6 +5,7 @@
     attribution.py  direct logit attribution to heads, layers and embeddings
     ablation.py     AblationSpec, ablate, ablation_sweep (resumes from cached activations)
     patching.py     activation patching and attribution patching
+    tokens.py       per-position tables of a prompt: next-token losses, residual-stream norms
     resume.py       the engine both use: replace one activation, run only what follows
 """
 
@@ -20,6 +21,7 @@ from workbench.analysis.heads import (
 )
 from workbench.analysis.lens import TunedLens, compare_lenses, logit_lens, train_tuned_lens, tuned_lens
 from workbench.analysis.patching import PATCH_SITES, activation_patching, attribution_patching
+from workbench.analysis.tokens import residual_norms, token_losses
 
 __all__ = [
     "AblationSpec", "ablate", "ablation_hooks", "ablation_sweep", "sweep_specs",
@@ -28,4 +30,5 @@ __all__ = [
     "SCORE_KINDS", "attention_patterns", "detection_mask", "head_scores", "repeated_random_tokens",
     "TunedLens", "compare_lenses", "logit_lens", "train_tuned_lens", "tuned_lens",
     "PATCH_SITES", "activation_patching", "attribution_patching",
+    "residual_norms", "token_losses",
 ]
