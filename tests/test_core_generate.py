@@ -40,7 +40,7 @@ def test_top_p_keeps_the_nucleus(model):
     top = int(probs.argmax())
     # top_p smaller than the top token's probability keeps only that token
     for seed in range(5):
-        out = model.generate(prompt, max_new_tokens=1, temperature=1.0, top_p=float(probs.max()) * 0.5, seed=seed)
+        out = model.generate(prompt, max_new_tokens=1, temperature=1.0, top_p=float(probs.max().detach()) * 0.5, seed=seed)
         assert int(out[0, -1]) == top
 
 
