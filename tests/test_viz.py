@@ -32,9 +32,26 @@ def test_attention_figure_has_unique_token_labels_and_hover(model):
     assert np.isnan(z[0, 1]) and np.allclose(np.nansum(z, axis=1), 1, atol=1e-5)
 
 
-def test_attention_grid_has_every_head(model):
-    fig = viz.attention_grid(attention_patterns(model, model.to_tokens("abcabc")))
-    assert len(fig.data) == model.cfg.n_layers * model.cfg.n_heads
+def test_attention_grid_is_one_mosaic_of_every_head(model):
+    table = attention_patterns(model, model.to_tokens("abcab"))
+    fig = viz.attention_grid(table)
+    assert len(fig.data) == 1 and isinstance(fig.data[0], go.Heatmap) and fig.data[0].hoverongaps is False
+    heatmap, n, step = fig.data[0], 5, 6  # 5 tokens per tile, one empty row/column between tiles
+    z = np.array(heatmap.z, dtype=float)
+    assert z.shape == (2 * step - 1, 4 * step - 1)
+    assert np.isnan(z[n]).all() and np.isnan(z[:, n]).all()  # the gaps
+    for row in table.itertuples():  # every weight sits in its head's tile, at (query, key)
+        assert z[row.layer * step + row.query_pos, row.head * step + row.key_pos] == pytest.approx(row.attention)
+    assert np.isnan(z).sum() == z.size - len(table)
+    # hover names layer, head, query token, key token and weight, through unique row/column labels
+    assert heatmap.y[step + 3] == "L1 · query 3: a" and heatmap.x[2 * step + 1] == "H2 · key 1: b"
+    assert len(set(heatmap.x)) == len(heatmap.x) and len(set(heatmap.y)) == len(heatmap.y)
+    assert heatmap.hovertemplate.startswith("%{y}<br>%{x}<br>attention %{z")
+    assert list(fig.layout.xaxis.ticktext) == ["H0", "H1", "H2", "H3"] and list(fig.layout.yaxis.ticktext) == ["L0", "L1"]
+    assert list(fig.layout.xaxis.tickvals) == [f"H{h} · key 2: c" for h in range(4)]
+    assert fig.layout.yaxis.autorange == "reversed"
+    some_heads = viz.attention_grid(attention_patterns(model, model.to_tokens("abcab"), heads=[1, 3]))
+    assert list(some_heads.layout.xaxis.ticktext) == ["H1", "H3"]
 
 
 @pytest.mark.parametrize("color", ["prob", "rank", "target_prob", "kl"])
@@ -72,8 +89,9 @@ def test_side_by_side_and_bad_input(model):
     assert len(fig.data) == 2 and fig.data[1].xaxis == "x2"
     assert [a.text for a in fig.layout.annotations] == ["clean", "ablated"]
     assert len(left.data) == 1  # the sources are left alone
+    sweep = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "delta": [0.1, 0.2], "method": ["zero", "mean"]})
     with pytest.raises(ValueError, match="single-panel"):
-        viz.side_by_side(viz.attention_grid(table), right)
+        viz.side_by_side(viz.layer_head_figure(sweep, facet="method"), right)
     with pytest.raises(ValueError, match="theme"):
         viz.attention_figure(table, 0, 0, theme="sepia")
     with pytest.raises(ValueError, match="no pattern"):

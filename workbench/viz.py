@@ -1,7 +1,7 @@
 """Plotly figures drawn from the analysis DataFrames (never from raw tensors).
 
 Each function takes the table an analysis call returned and gives a ``plotly`` Figure:
-attention patterns (one head, or every head in a grid), the logit-lens heatmap, direct
+attention patterns (one head, or every head in one mosaic heatmap), the logit-lens heatmap, direct
 logit attribution bars, a layer x head heatmap for sweeps, loss curves from a
 checkpoint's ``metrics.csv``, and ``side_by_side`` for any two of them. ``theme`` is
 ``"light"`` or ``"dark"``; colour scales are perceptually uniform so both read well, and
@@ -68,20 +68,42 @@ def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optio
 
 
 def attention_grid(patterns: pd.DataFrame, batch: Optional[int] = 0, theme: str = "light") -> go.Figure:
-    """Every head's pattern, layers down, heads across, on one colour scale."""
+    """Every head's pattern, layers down, heads across, on one colour scale.
+
+    One heatmap trace laid out as a mosaic (an empty row and column between the tiles), not
+    one subplot per head: plotly builds a subplot in milliseconds, so a grid of 32 heads took
+    over a second. Each row and column has its own category label (``L1 · query 3: b``,
+    ``H2 · key 1: a``), so hover names the layer, head, query token, key token and weight
+    without a per-cell hover array (which would dominate the figure's size and build time);
+    the tick labels name the heads and layers at the centre of their tiles.
+    """
     frame = _one_batch(patterns, batch)
     layers, heads = sorted(frame["layer"].unique()), sorted(frame["head"].unique())
-    fig = make_subplots(rows=len(layers), cols=len(heads), horizontal_spacing=0.01, vertical_spacing=0.02,
-                        subplot_titles=[f"L{l}H{h}" for l in layers for h in heads])
-    for r, layer in enumerate(layers, 1):
-        for c, head in enumerate(heads, 1):
-            z, ys, xs = _square(frame[(frame["layer"] == layer) & (frame["head"] == head)])
-            fig.add_trace(go.Heatmap(
-                z=z, x=xs, y=ys, coloraxis="coloraxis",
-                hovertemplate=f"L{layer}H{head}<br>query %{{y}}<br>key %{{x}}<br>attention %{{z:.3f}}<extra></extra>",
-            ), row=r, col=c)
-    fig.update_xaxes(showticklabels=False)
-    fig.update_yaxes(showticklabels=False, autorange="reversed")
+    n = int(frame["query_pos"].max()) + 1
+    tokens = frame.drop_duplicates("query_pos").sort_values("query_pos")["query_token"].tolist()
+    labels = unique_labels(tokens)
+    step = n + 1  # a tile and the gap after it
+    rows = np.searchsorted(layers, frame["layer"].to_numpy()) * step + frame["query_pos"].to_numpy()
+    cols = np.searchsorted(heads, frame["head"].to_numpy()) * step + frame["key_pos"].to_numpy()
+    z = np.full((len(layers) * step - 1, len(heads) * step - 1), np.nan)
+    z[rows, cols] = frame["attention"].to_numpy()
+
+    def axis(units: list[str], role: str) -> list[str]:
+        out = []
+        for i, unit in enumerate(units):
+            out += [f"{unit} · {role} {label}" for label in labels] + ([f"gap {i}"] if i < len(units) - 1 else [])
+        return out
+
+    ys, xs = axis([f"L{l}" for l in layers], "query"), axis([f"H{h}" for h in heads], "key")
+    fig = go.Figure(go.Heatmap(
+        z=z, x=xs, y=ys, coloraxis="coloraxis", hoverongaps=False,
+        hovertemplate="%{y}<br>%{x}<br>attention %{z:.3f}<extra></extra>",
+    ))
+    centre = (n - 1) // 2
+    fig.update_xaxes(type="category", tickvals=xs[centre::step], ticktext=[f"H{h}" for h in heads],
+                     showgrid=False, side="top", title="key →")
+    fig.update_yaxes(type="category", tickvals=ys[centre::step], ticktext=[f"L{l}" for l in layers],
+                     showgrid=False, autorange="reversed", title="query ↓")
     fig.update_layout(coloraxis=dict(colorscale=SEQUENTIAL, cmin=0, cmax=1, colorbar=dict(title="attention")),
                       title="Attention patterns", template=_template(theme),
                       height=max(300, 160 * len(layers)), width=max(400, 160 * len(heads)))
