@@ -155,3 +155,25 @@ def test_sweep_reports_progress_to_a_callback():
         dones = [d for d, _ in calls]
         assert dones == sorted(dones) and dones[-1] == total and len(set(dones)) == len(dones)
     assert len(calls) == total  # the naive loop reports every ablation
+
+
+@pytest.mark.parametrize("positions,neurons", [([0, 2], [1, 2]), ([0, 3, 5], [4, 7]), (None, [0, 9])])
+@pytest.mark.parametrize("method", ["zero", "mean"])
+def test_neurons_at_positions_ablate_every_combination_and_nothing_else(positions, neurons, method):
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (3, 7))
+    name = "blocks.0.mlp.hook_post"
+    _, cache = model.run_with_cache(tokens, names_filter=name)
+    clean = cache[name]
+    expected = clean.clone()
+    for p in (range(tokens.shape[1]) if positions is None else positions):
+        for n in neurons:  # the direct computation: one (position, neuron) cell at a time
+            expected[:, p, n] = 0.0 if method == "zero" else clean[:, p, n].mean()
+    seen = {}
+
+    def grab(act, hook):
+        seen["x"] = act
+
+    spec = AblationSpec("neurons", 0, neurons=neurons, positions=positions, method=method)
+    model.run_with_hooks(tokens, fwd_hooks=wb.analysis.ablation_hooks(model, tokens, spec) + [(name, grab)])
+    torch.testing.assert_close(seen["x"], expected)

@@ -109,6 +109,9 @@ def replacement(spec: AblationSpec, act: Tensor, ref_act: Optional[Tensor]) -> T
         out[:, pos, spec.head] = source[:, pos, spec.head]
     elif spec.target == "neurons":
         idx = torch.as_tensor(list(spec.neurons), device=act.device)
+        # Two index tensors would pair up one-to-one (advanced indexing); a column of positions
+        # against a row of neurons broadcasts to every (position, neuron) combination instead.
+        pos = pos if spec.positions is None else pos[:, None]
         out[:, pos, ..., idx] = source[:, pos, ..., idx]
     elif spec.target == "direction":
         unit = (spec.direction / spec.direction.norm()).to(act)
