@@ -50,7 +50,9 @@ def test_flops_and_kv_bytes():
     n = wb.count_params(cfg)
     matmul = n["attention"] + n["ffn"] + n["unembedding"]
     assert wb.forward_flops_per_token(cfg, context=10) == 2 * matmul + 4 * cfg.n_layers * 10 * cfg.d_model
-    assert wb.training_flops(cfg, 1000) == 6 * (n["total"] - n["embedding"] - n["positional"]) * 1000
+    assert wb.training_flops(cfg, 1000) == 6 * matmul * 1000
+    # tied or untied, the head is one d_model x d_vocab product per token
+    assert wb.training_flops(cfg.replace(tie_embeddings=True), 1) == wb.training_flops(cfg, 1)
     assert wb.kv_cache_bytes_per_token(cfg) == 2 * 2 * 4 * 8 * 2
     assert wb.kv_cache_bytes_per_token(cfg.replace(n_kv_heads=1)) * 4 == wb.kv_cache_bytes_per_token(cfg)
     # and it is what the KV cache really allocates per position

@@ -114,3 +114,30 @@ def test_checkpoint_permissions_follow_the_umask(saved):
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o777 & ~umask
     assert (path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_never_replaces_a_folder_that_is_not_a_checkpoint(tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("precious")
+    model = wb.HookedDecoder(tiny())
+    with pytest.raises(wb.CheckpointError, match="not a checkpoint"):
+        wb.save_checkpoint(model, notes)
+    assert (notes / "notes.txt").read_text() == "precious"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(wb.CheckpointError, match="not a directory"):
+        wb.save_checkpoint(model, tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    wb.save_checkpoint(model, tmp_path / "empty")  # empty folders and old checkpoints are fine
+    wb.save_checkpoint(model, tmp_path / "empty")
+
+
+def test_meta_cannot_override_format_and_extra_files_stay_inside(tmp_path):
+    model = wb.HookedDecoder(tiny())
+    path = wb.save_checkpoint(model, tmp_path / "c", step=3, meta={"format_version": 99, "step": 7, "task": "x"})
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["format_version"] == 1 and meta["step"] == 3 and meta["task"] == "x"
+    for bad in ("../escaped.txt", "/tmp/abs.txt"):
+        with pytest.raises(ValueError, match="relative path"):
+            wb.save_checkpoint(model, tmp_path / "c", extra_files={bad: "x"})
+    assert not (tmp_path / "escaped.txt").exists()

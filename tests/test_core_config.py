@@ -24,6 +24,11 @@ def test_derived_sizes():
         ("d_model", 0, "d_model"),
         ("attn_only", "yes", "attn_only"),
         ("moe_expert", "moe", "swiglu"),
+        ("norm_eps", "1e-5", "norm_eps"),
+        ("rope_scaling_factor", 0, "rope_scaling_factor"),
+        ("rope_base", 1.0, "rope_base"),
+        ("init_std", float("nan"), "init_std"),
+        ("init_std", -0.1, "init_std"),
     ],
 )
 def test_invalid_values_name_the_field_and_choices(field, value, needle):

@@ -77,3 +77,11 @@ def test_bad_inputs_raise_clear_errors(model):
         model("hello")
     with pytest.raises(ValueError, match="return_type"):
         model(torch.zeros(1, 3, dtype=torch.long), return_type="probs")
+
+
+def test_forward_from_a_layer_and_return_none(model):
+    toks = torch.randint(0, 50, (2, 8))
+    resid = model(toks, stop_at_layer=1)
+    torch.testing.assert_close(model(resid, start_at_layer=1), model(toks), atol=1e-5, rtol=1e-5)
+    assert model(resid, start_at_layer=1, return_type=None) is None  # no tokens needed when nothing is returned
+    torch.testing.assert_close(model(resid, start_at_layer=1, tokens=toks, return_type="loss"), model(toks, return_type="loss"))

@@ -158,3 +158,16 @@ def test_loss_is_next_token_cross_entropy():
     per_token = model(toks, return_type="loss", loss_per_token=True)
     assert per_token.shape == (2, 9)
     torch.testing.assert_close(per_token.mean(), expected)
+
+
+def test_rope_frequencies_stay_float32_in_low_precision():
+    cfg = tiny(positional="rope", n_ctx=4096)
+    model = wb.HookedDecoder(cfg)
+    exact = model.blocks[0].attn.position.cos_sin(1, 3000, torch.float32)
+    model.to(torch.bfloat16)
+    rot = model.blocks[0].attn.position
+    assert rot.inv_freq.dtype == torch.float32
+    cos, sin = rot.cos_sin(1, 3000, torch.float32)
+    torch.testing.assert_close(cos, exact[0])
+    torch.testing.assert_close(sin, exact[1])
+    assert model(torch.tensor([[1, 2, 3]])).dtype == torch.bfloat16

@@ -55,22 +55,26 @@ def seed_param_formula(cfg: ModelConfig) -> int:
     return V * d + L * (12 * d * d + 2 * d) + d
 
 
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights multiplied once per token in a forward pass: every active matrix, including the
+    head (tied or not), excluding embedding/position lookups and norm gains."""
+    counts = count_params(cfg)
+    n = counts["active"] - counts["embedding"] - counts["positional"] - counts["norms"]
+    return n + (cfg.d_vocab * cfg.d_model if cfg.tie_embeddings else 0)
+
+
 def forward_flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:
-    """Forward FLOPs per token: 2 per active weight (multiply-add) plus attention's
+    """Forward FLOPs per token: 2 per multiplied weight (multiply-add) plus attention's
     QK^T and AV products over ``context`` positions (n_ctx by default), as in Kaplan et al. (2020)."""
     context = cfg.n_ctx if context is None else context
-    counts = count_params(cfg)
-    matmul_params = counts["active"] - counts["embedding"] - counts["positional"] - counts["norms"]
-    if cfg.tie_embeddings:
-        matmul_params += cfg.d_vocab * cfg.d_model  # the tied head still does a d x V product
     attention = 2 * 2 * cfg.n_layers * context * cfg.n_heads * cfg.d_head
-    return 2 * matmul_params + attention
+    return 2 * matmul_params(cfg) + attention
 
 
 def training_flops(cfg: ModelConfig, n_tokens: int) -> int:
-    """The 6ND rule: forward (2N) plus backward (4N) per token, N the active non-embedding count."""
-    counts = count_params(cfg)
-    return 6 * (counts["active"] - counts["embedding"] - counts["positional"]) * n_tokens
+    """The 6ND rule: forward (2N) plus backward (4N) per token, with N = ``matmul_params`` (the
+    same N as ``forward_flops_per_token``, so tied and untied heads count alike)."""
+    return 6 * matmul_params(cfg) * n_tokens
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:

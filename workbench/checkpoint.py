@@ -34,9 +34,26 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing, incomplete, corrupt, or from an incompatible version."""
 
 
-def atomic_write_dir(path: Union[str, Path], write: Any) -> Path:
-    """Call ``write(tmp_dir)`` then move ``tmp_dir`` to ``path``; the old contents survive a failure."""
+def check_replaceable(path: Union[str, Path]) -> Path:
+    """Raise CheckpointError unless ``path`` is absent, empty, or an earlier checkpoint / model directory."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} exists and is not a directory; choose another output path")
+    if path.is_dir() and any(path.iterdir()) and not (path / CONFIG_FILE).exists():
+        raise CheckpointError(
+            f"{path} is a non-empty directory that is not a checkpoint; refusing to replace it "
+            "(choose a new or empty output directory)"
+        )
+    return path
+
+
+def atomic_write_dir(path: Union[str, Path], write: Any) -> Path:
+    """Call ``write(tmp_dir)`` then move ``tmp_dir`` to ``path``; the old contents survive a failure.
+
+    An existing ``path`` is replaced only when it is empty or an earlier write of this kind (it
+    holds a ``config.json``): ``--out notes/`` must never wipe a folder of the user's files.
+    """
+    path = check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
@@ -80,13 +97,16 @@ def save_checkpoint(
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     info = {
+        **(meta or {}),  # first, so a caller's meta cannot overwrite the format version or step
         "format_version": FORMAT_VERSION,
         "library_version": __version__,
         "step": step,
         "metrics": metrics or {},
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **(meta or {}),
     }
+    for name in extra_files or {}:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ValueError(f"extra file name {name!r} must be a relative path inside the checkpoint")
 
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,8 +124,17 @@ class ModelConfig:
             )
         if self.parallel_residual and self.attn_only:
             raise ValueError("parallel_residual=True has no meaning with attn_only=True")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        positive = ("norm_eps", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                    "rope_beta_fast", "rope_beta_slow")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.rope_base <= 1:
+            raise ValueError(f"ModelConfig.rope_base must be > 1, got {self.rope_base}")
+        if self.init_std < 0:
+            raise ValueError(f"ModelConfig.init_std must be >= 0, got {self.init_std}")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError("rope_high_freq_factor must exceed rope_low_freq_factor for llama3 RoPE scaling")
 
     # ---- TransformerLens' vocabulary, derived (read-only) -------------------------
     @property
@@ -277,6 +287,8 @@ def _check_literal(name: str, value: Any, hint: Any) -> None:
         raise ValueError(f"ModelConfig.{name} must be true or false, got {value!r}")
     if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"ModelConfig.{name} must be an integer, got {value!r}")
+    if hint is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+        raise ValueError(f"ModelConfig.{name} must be a finite number, got {value!r}")
 
 
 def _check_positive(name: str, value: Any) -> None:

@@ -153,6 +153,9 @@ class HookedDecoder(HookedRootModule):
             resid = block(resid, kv_cache[block.layer] if kv_cache is not None else None)
         if stop_at_layer is not None:
             return resid
+        if return_type is None:
+            self.unembed(self.ln_final(resid))  # still run, so hooks on ln_final fire
+            return None
         logits = self.unembed(self.ln_final(resid))
         if return_type == "logits":
             return logits
@@ -161,7 +164,7 @@ class HookedDecoder(HookedRootModule):
         loss = self.loss_fn(logits, tokens, per_token=loss_per_token)
         if return_type == "loss":
             return loss
-        return (logits, loss) if return_type == "both" else None
+        return logits, loss
 
     @staticmethod
     def loss_fn(

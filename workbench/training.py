@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from workbench import distributed
-from workbench.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
+from workbench.checkpoint import CheckpointError, check_replaceable, load_checkpoint, read_meta, save_checkpoint
 from workbench.config import ModelConfig
 from workbench.data import Task, get_task
 from workbench.model import HookedDecoder
@@ -170,7 +170,7 @@ def train(
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    out_dir = Path(out_dir) if out_dir is not None else None
+    out_dir = check_replaceable(out_dir) if out_dir is not None else None  # fail now, not after training
     state = _load_train_state(out_dir) if resume else None
     if resume and state is None:
         raise ValueError(

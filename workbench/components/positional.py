@@ -132,6 +132,14 @@ class Rotary(nn.Module):
     def score_bias(self, n_query: int, n_key: int, offset: int) -> Optional[Tensor]:
         return None
 
+    def _apply(self, fn, recurse: bool = True):
+        # model.to(bfloat16) must not round the frequencies: at position 3000 a bf16 inv_freq
+        # moves cos/sin by up to 1.0. Keep them float32, recomputed exactly, on the new device.
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32 and not self.inv_freq.is_meta:
+            self.inv_freq = rope_inv_freq(self.cfg)[0].to(self.inv_freq.device)
+        return self
+
     def _inv_freq_for(self, n_positions: int) -> Tensor:
         cfg = self.cfg
         original = cfg.rope_original_n_ctx or cfg.n_ctx
