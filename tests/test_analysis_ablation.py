@@ -177,3 +177,14 @@ def test_neurons_at_positions_ablate_every_combination_and_nothing_else(position
     spec = AblationSpec("neurons", 0, neurons=neurons, positions=positions, method=method)
     model.run_with_hooks(tokens, fwd_hooks=wb.analysis.ablation_hooks(model, tokens, spec) + [(name, grab)])
     torch.testing.assert_close(seen["x"], expected)
+
+
+def test_a_negative_layer_counts_from_the_end():
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (2, 6))
+    last = model.cfg.n_layers - 1
+    spec = AblationSpec("head", -1, head=0)
+    assert spec.validate(model).hook == f"blocks.{last}.attn.hook_z" and spec.layer == -1
+    torch.testing.assert_close(ablate(model, tokens, spec), ablate(model, tokens, AblationSpec("head", last, head=0)))
+    swept = ablation_sweep(model, tokens, specs=[AblationSpec("mlp", -1), AblationSpec("mlp", last)])
+    assert swept.layer.tolist() == [last, last] and swept.metric[0] == swept.metric[1]

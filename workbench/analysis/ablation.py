@@ -13,7 +13,7 @@ loop instead (the reference the tests and ``benchmarks/sweep.py`` compare agains
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Literal, Optional, Sequence, Union
 
 import numpy as np
@@ -66,9 +66,10 @@ class AblationSpec:
         self.head = None if self.head is None else int(self.head)
 
     def validate(self, model) -> "AblationSpec":
+        """This spec checked against ``model``; a copy with a negative ``layer`` counted from the end."""
         check_choice("target", self.target, TARGETS)
         check_choice("method", self.method, METHODS)
-        check_layer(model, self.layer)
+        layer = check_layer(model, self.layer)
         if self.target == "head":
             check_head(model, self.head)
         if self.target in ("mlp", "neurons") and model.cfg.attn_only:
@@ -78,7 +79,8 @@ class AblationSpec:
         if self.target == "direction":
             if self.direction is None or self.direction.shape != (model.cfg.d_model,):
                 raise ValueError(f"target='direction' needs direction=a [d_model={model.cfg.d_model}] tensor")
-        return self
+        # The hook name is built from the layer: blocks.-1.* names no hook (and the caller's spec stays as given).
+        return self if layer == self.layer else replace(self, layer=layer)
 
     @property
     def hook(self) -> str:
