@@ -401,23 +401,48 @@ def analysis(
             return fn(model, tokens, **kwargs)
 
 
+# Task options that name files or folders. A checkpoint's meta.json may have been uploaded by
+# anyone: the server must never read the paths it names (e.g. the text task's path="/").
+PATH_OPTIONS = ("path", "file", "dir", "folder", "root", "corpus")
+
+
+def reference_task(meta: dict):
+    """The task meta.json names, built only when that reads no files; ValueError otherwise.
+
+    The text task always reads a corpus by path, and even the checkpoint's own corpus may have
+    changed since training (a rebuilt vocabulary would silently mismatch the model), so it is
+    never rebuilt here.
+    """
+    from workbench.data import get_task
+
+    meta = meta if isinstance(meta, dict) else {}
+    name, options = meta.get("task"), meta.get("task_options", {})
+    if not isinstance(name, str) or not isinstance(options, dict):
+        raise ValueError("meta.json names no task")
+    names_a_file = any(word in str(k).lower() for k in options for word in PATH_OPTIONS) or any(
+        isinstance(v, str) and ("/" in v or "\\" in v or v.startswith(("~", "."))) for v in options.values())
+    if name == "text" or names_a_file:
+        raise ValueError(f"task {name!r} would read files named in meta.json; they are not followed")
+    return get_task(name, **options)
+
+
 @st.cache_data(max_entries=32, show_spinner=False)
 def reference_batch(key: tuple[str, int], n_pos: int, ids: tuple[int, ...], rows: int = 16) -> tuple[tuple[int, ...], ...]:
     """Sequences that mean and resample ablations draw from, ``n_pos`` tokens each.
 
-    The validation split of the task the checkpoint was trained on (meta.json names it),
-    else shuffles of the prompt itself.
+    The validation split of the task the checkpoint was trained on (meta.json names it; never
+    a task that reads files, see :func:`reference_task`), else shuffles of the prompt itself.
     """
-    from workbench.data import get_task
-
-    _, _, meta, _ = _load(*key)
+    model, _, meta, _ = _load(*key)
     try:
-        task = get_task(meta["task"], **meta.get("task_options", {}))
+        task = reference_task(meta)
         if task.fixed_seq_len and task.default_seq_len != n_pos:
             raise ValueError("the task's sequences have another length")
         batch = task.batch(rows, n_pos, step=0, split="val")
+        if tuple(batch.shape) != (rows, n_pos) or batch.min() < 0 or batch.max() >= model.cfg.d_vocab:
+            raise ValueError("the task's tokens do not fit this model")
         return tuple(tuple(int(t) for t in row) for row in batch.tolist())
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OSError):  # OSError: a task's own files missing or unreadable
         gen = torch.Generator().manual_seed(0)
         base = torch.tensor(ids)
         return tuple(tuple(base[torch.randperm(n_pos, generator=gen)].tolist()) for _ in range(rows))

@@ -177,6 +177,44 @@ def test_uploads_land_in_a_temp_folder_with_limits(checkpoints_dir, tmp_path, mo
 
 
 # ---- Ablate ------------------------------------------------------------------------------------------
+def _is_shuffle_of(rows, ids) -> bool:
+    return all(sorted(row) == sorted(ids) for row in rows)
+
+
+def test_reference_batch_never_follows_paths_from_meta(checkpoints_dir, tmp_path, monkeypatch):
+    import workbench.data.text
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints_dir / DEFAULT, ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    stamp = common.weights_stamp(str(ckpt))
+    ids = tuple(range(3, 13))
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the server read a path named in meta.json")
+
+    monkeypatch.setattr(workbench.data.text, "read_corpus", no_reading)
+    monkeypatch.setattr(workbench.data.text.Path, "rglob", no_reading)
+    for i, options in enumerate([{"task": "text", "task_options": {"path": "/"}},
+                                 {"task": "stories", "task_options": {"corpus_dir": str(tmp_path)}},
+                                 {"task": "stories", "task_options": {"heldout_fraction": "../x"}},
+                                 {"task": "stories", "task_options": ["not", "a", "dict"]}]):
+        (ckpt / "meta.json").write_text(json.dumps({**meta, **options}))
+        common._load.clear()  # meta.json is read with the model
+        rows = common.reference_batch((str(ckpt), stamp), len(ids), ids, rows=4 + i)
+        assert len(rows) == 4 + i and _is_shuffle_of(rows, ids), options
+
+    # A task that fails on its own files (OSError) also falls back to shuffles of the prompt.
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    common._load.clear()
+    rows = common.reference_batch((str(ckpt), stamp), len(ids), ids, rows=3)
+    assert not _is_shuffle_of(rows, ids)  # the stories checkpoint's own task, rebuilt without files
+    monkeypatch.setattr("workbench.data.get_task", lambda *a, **k: (_ for _ in ()).throw(PermissionError("denied")))
+    rows = common.reference_batch((str(ckpt), stamp), len(ids), ids, rows=2)
+    assert len(rows) == 2 and _is_shuffle_of(rows, ids)
+    common._load.clear()
+
+
 def test_ablate_changes_the_loss_and_the_sweep_draws_the_heatmap(app):
     at = app("Ablate")
     assert "Choose units to ablate" in messages(at)
