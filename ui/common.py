@@ -37,7 +37,6 @@ DEFAULT_PROMPT = ("Once upon a time, Mary and John lived in a small town. "
                   "When Mary and John went to the store, John gave a drink to")
 UPLOAD_LIMIT_MB = 200
 OTHER_DIR = "Another directory…"
-UPLOAD_ROOT = Path(tempfile.gettempdir()) / "workbench-uploads"
 # Widget keys shared by several pages, kept while another page is shown (see app.py).
 PERSISTENT = ("ckpt", "ckpt_dir", "ckpt_b", "ckpt_b_dir", "prompt")
 
@@ -220,8 +219,30 @@ def upload_widget(where=None) -> None:
         st.success(f"Uploaded as **{name}**; it is now in every checkpoint picker.")
 
 
-def save_upload(files: list[tuple[str, bytes]], root: Path = UPLOAD_ROOT) -> tuple[str, str]:
-    """Write uploaded files to a new temp directory; returns (picker name, directory)."""
+_upload_root: Optional[Path] = None
+_upload_root_lock = threading.Lock()
+
+
+def upload_root() -> Path:
+    """This process's private upload folder (mode 0700, made by ``tempfile.mkdtemp`` on first use).
+
+    A fixed name such as /tmp/workbench-uploads could be created beforehand by another local
+    user, or be a symlink to somewhere else; a fresh random folder of our own cannot.
+    """
+    global _upload_root
+    with _upload_root_lock:
+        if _upload_root is None or not _upload_root.is_dir():
+            _upload_root = Path(tempfile.mkdtemp(prefix="workbench-uploads-"))
+        return _upload_root
+
+
+def save_upload(files: list[tuple[str, bytes]], root: Optional[Path] = None) -> tuple[str, str]:
+    """Write uploaded files to a folder named by their hash under ``root`` (default :func:`upload_root`).
+
+    Returns (picker name, directory). The same upload twice lands in the same folder; a folder
+    or file on the way that is a symlink is refused rather than followed.
+    """
+    root = upload_root() if root is None else Path(root)
     total = sum(len(data) for _, data in files)
     if total > UPLOAD_LIMIT_MB * 2**20:
         raise ValueError(f"the upload is {total / 2**20:.0f} MB; the limit is {UPLOAD_LIMIT_MB} MB")
@@ -239,9 +260,18 @@ def save_upload(files: list[tuple[str, bytes]], root: Path = UPLOAD_ROOT) -> tup
             f"this upload is not a checkpoint: it needs {CONFIG_FILE} and {WEIGHTS_FILE} "
             f"(got {sorted(contents) or 'nothing'})"
         )
-    target.mkdir(parents=True, exist_ok=True)
+    for folder in (root, target):
+        if folder.is_symlink():
+            raise ValueError(f"refusing to write the upload through the symlink {folder}")
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    target.mkdir(mode=0o700, exist_ok=True)
     for fname, data in contents.items():
-        (target / fname).write_bytes(data)
+        try:  # O_NOFOLLOW: a symlink planted in place of a file is refused, never written through
+            fd = os.open(target / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise ValueError(f"cannot write the uploaded {fname} into {target}: {e.strerror}") from None
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
     stem = next((Path(n).stem for n, _ in files if n.endswith(".zip")), "checkpoint")
     return f"upload: {stem} ({digest[:6]})", str(target)
 

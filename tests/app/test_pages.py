@@ -176,7 +176,39 @@ def test_uploads_land_in_a_temp_folder_with_limits(checkpoints_dir, tmp_path, mo
         common.save_upload([("mine.zip", buf.getvalue())], root=tmp_path / "uploads")
 
 
-# ---- Ablate ------------------------------------------------------------------------------------------
+def test_uploads_go_to_a_private_random_folder_and_never_through_a_symlink(tmp_path, monkeypatch):
+    import os
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # mkdtemp lands here, cleaned up by pytest
+    monkeypatch.setattr(common, "_upload_root", None)
+    files = [("config.json", b"{}"), ("model.safetensors", b"weights")]
+    _, path = common.save_upload(files)
+    root = Path(path).parent
+    assert root.parent == tmp_path and root.name.startswith("workbench-uploads-") and root.name != "workbench-uploads"
+    assert root.stat().st_mode & 0o777 == 0o700 and Path(path).stat().st_mode & 0o077 == 0
+    assert common.save_upload(files)[1] == path  # the same upload twice: the same folder
+    assert common.upload_root() == root
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    os.symlink(elsewhere, planted / Path(path).name)  # a folder pre-created as a symlink
+    with pytest.raises(ValueError, match="symlink"):
+        common.save_upload(files, root=planted)
+    linked_root = tmp_path / "linked"
+    os.symlink(elsewhere, linked_root)
+    with pytest.raises(ValueError, match="symlink"):
+        common.save_upload(files, root=linked_root)
+    target = tmp_path / "files" / Path(path).name
+    target.mkdir(parents=True)
+    os.symlink(elsewhere / "stolen", target / "config.json")  # a file planted as a symlink
+    with pytest.raises(ValueError, match="cannot write"):
+        common.save_upload(files, root=tmp_path / "files")
+    assert not any(elsewhere.iterdir())
+
+
 def _is_shuffle_of(rows, ids) -> bool:
     return all(sorted(row) == sorted(ids) for row in rows)
 
