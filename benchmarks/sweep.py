@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 from transformer_lens import patching as tl_patching
 
-import workbench as wb
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
+import workbench as wb  # noqa: E402
 from workbench.analysis import ablation_sweep, activation_patching, attribution_patching, logit_diff_metric
 
 
