@@ -10,7 +10,7 @@ methods (``accumulated_resid``, ``decompose_resid``, ``stack_head_results``, ...
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Literal, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -153,12 +153,9 @@ class HookedDecoder(HookedRootModule):
             resid = block(resid, kv_cache[block.layer] if kv_cache is not None else None)
         if stop_at_layer is not None:
             return resid
-        if return_type is None:
-            self.unembed(self.ln_final(resid))  # still run, so hooks on ln_final fire
-            return None
-        logits = self.unembed(self.ln_final(resid))
-        if return_type == "logits":
-            return logits
+        logits = self.unembed(self.ln_final(resid))  # computed even for None, so final hooks fire
+        if return_type in ("logits", None):
+            return logits if return_type else None
         if tokens is None:
             raise ValueError("the loss needs tokens: pass tokens=... when starting from a residual stream")
         loss = self.loss_fn(logits, tokens, per_token=loss_per_token)

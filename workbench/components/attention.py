@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from workbench.components.positional import ATTN_POSITIONS
-from workbench.components.registry import pick
+from workbench.components.registry import add_bias, pick
 from workbench.config import ModelConfig
 
 
@@ -53,10 +53,10 @@ class Attention(nn.Module):
         self._W_K = nn.Parameter(torch.empty(kv, d, e))
         self._W_V = nn.Parameter(torch.empty(kv, d, e))
         self.W_O = nn.Parameter(torch.empty(h, e, d))
-        self._make_bias("b_Q", (h, e), cfg.qkv_bias)
-        self._make_bias("_b_K", (kv, e), cfg.qkv_bias)
-        self._make_bias("_b_V", (kv, e), cfg.qkv_bias)
-        self._make_bias("b_O", (d,), cfg.bias)
+        add_bias(self, "b_Q", (h, e), cfg.qkv_bias)
+        add_bias(self, "_b_K", (kv, e), cfg.qkv_bias)
+        add_bias(self, "_b_V", (kv, e), cfg.qkv_bias)
+        add_bias(self, "b_O", (d,), cfg.bias)
         self.attn_scale = math.sqrt(e)
         self.position = pick(ATTN_POSITIONS, cfg.positional, "positional")(cfg)
 
@@ -70,12 +70,6 @@ class Attention(nn.Module):
         self.hook_pattern = HookPoint()  # [batch, head_index, query_pos, key_pos]
         self.hook_z = HookPoint()  # [batch, pos, head_index, d_head]
         self.hook_result = HookPoint()  # [batch, pos, head_index, d_model]
-
-    def _make_bias(self, name: str, shape: tuple, learned: bool) -> None:
-        if learned:
-            self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
-        else:
-            self.register_buffer(name, torch.zeros(shape), persistent=False)
 
     @property
     def W_K(self) -> Float[Tensor, "head_index d_model d_head"]:

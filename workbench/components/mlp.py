@@ -12,7 +12,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from workbench.components.registry import pick
+from workbench.components.registry import add_bias, pick
 from workbench.config import ModelConfig
 
 ACTIVATIONS = {
@@ -23,21 +23,14 @@ ACTIVATIONS = {
 }
 
 
-def _bias(module: nn.Module, name: str, size: int, learned: bool) -> None:
-    if learned:
-        module.register_parameter(name, nn.Parameter(torch.zeros(size)))
-    else:
-        module.register_buffer(name, torch.zeros(size), persistent=False)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, act: str):
         super().__init__()
         self.act = pick(ACTIVATIONS, act, "activation")
         self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
         self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
-        _bias(self, "b_in", cfg.d_mlp, cfg.bias)
-        _bias(self, "b_out", cfg.d_model, cfg.bias)
+        add_bias(self, "b_in", (cfg.d_mlp,), cfg.bias)
+        add_bias(self, "b_out", (cfg.d_model,), cfg.bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
@@ -55,9 +48,9 @@ class GatedMLP(nn.Module):
         self.W_gate = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
         self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
         self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
-        _bias(self, "b_gate", cfg.d_mlp, cfg.bias)
-        _bias(self, "b_in", cfg.d_mlp, cfg.bias)
-        _bias(self, "b_out", cfg.d_model, cfg.bias)
+        add_bias(self, "b_gate", (cfg.d_mlp,), cfg.bias)
+        add_bias(self, "b_in", (cfg.d_mlp,), cfg.bias)
+        add_bias(self, "b_out", (cfg.d_model,), cfg.bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp], the gate branch
         self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]

@@ -78,6 +78,11 @@ class NoAttnPosition(nn.Module):
         return None
 
 
+def _plain_inv_freq(base: float, dim: int) -> Tensor:
+    """RoPE's unscaled frequencies base^(-2i/dim), computed as Hugging Face does (int64 arange, then float)."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
     """Inverse frequencies of RoPE and the attention scaling, for each scaling variant.
 
@@ -85,7 +90,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
     imported checkpoints reproduce their logits. ``dynamic`` is applied per call in ``Rotary``.
     """
     dim = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = _plain_inv_freq(cfg.rope_base, dim)
     factor, scaling = cfg.rope_scaling_factor, 1.0
     original = cfg.rope_original_n_ctx or cfg.n_ctx
     if cfg.rope_scaling == "linear":
@@ -149,7 +154,7 @@ class Rotary(nn.Module):
         base = cfg.rope_base * (
             (cfg.rope_scaling_factor * n_positions / original) - (cfg.rope_scaling_factor - 1)
         ) ** (dim / (dim - 2))
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=self.inv_freq.device).float() / dim))
+        return _plain_inv_freq(base, dim).to(self.inv_freq.device)
 
     def cos_sin(self, n_positions: int, offset: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         positions = torch.arange(offset, offset + n_positions, device=self.inv_freq.device, dtype=torch.float32)

@@ -1,6 +1,10 @@
-"""Registry lookup shared by every component family: one clear error for an unknown key."""
+"""What every component family shares: registry lookup with one clear error for an unknown
+key, and biases that are either learned or fixed zeros."""
 
 from typing import Any, Mapping
+
+import torch
+from torch import nn
 
 
 def pick(registry: Mapping[str, Any], key: str, family: str) -> Any:
@@ -9,3 +13,12 @@ def pick(registry: Mapping[str, Any], key: str, family: str) -> Any:
         return registry[key]
     except KeyError:
         raise ValueError(f"unknown {family} {key!r}; valid choices are {sorted(registry)}") from None
+
+
+def add_bias(module: nn.Module, name: str, shape: tuple, learned: bool) -> None:
+    """A zero bias: a parameter when ``learned``, else a non-persistent zero buffer, so the TL
+    weight names (``b_O``, ``b_in``, ...) exist either way and checkpoints hold only real weights."""
+    if learned:
+        module.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+    else:
+        module.register_buffer(name, torch.zeros(shape), persistent=False)
