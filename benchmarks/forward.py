@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
 import workbench as wb  # noqa: E402
+from _timing import interleaved  # noqa: E402
 
 
 class PlainBlock(nn.Module):
@@ -65,29 +64,9 @@ class PlainGPT(nn.Module):
         return idx
 
 
-def timed(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def interleaved(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each callable, measured round-robin after one warm-up call each."""
-    for fn in fns.values():
-        fn()
-    samples = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            samples[k] += timed(fn, 1)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def matmul_peak_gflops(d: int = 256, rows: int = 2048, repeats: int = 20) -> float:
     a, b = torch.randn(rows, d), torch.randn(d, 4 * d)
-    t = statistics.median(timed(lambda: a @ b, repeats))
+    t = interleaved({"matmul": lambda: a @ b}, repeats, warmup=False)["matmul"]
     return 2 * rows * d * 4 * d / t / 1e9
 
 
@@ -127,8 +106,8 @@ def main() -> None:
             max(1, args.repeats // 3),
         )
         same = torch.equal(
-            hooked.generate(prompt, max_new_tokens=16, use_kv_cache=True),
-            hooked.generate(prompt, max_new_tokens=16, use_kv_cache=False),
+            hooked.generate(prompt, max_new_tokens=min(16, args.decode_tokens), use_kv_cache=True),
+            hooked.generate(prompt, max_new_tokens=min(16, args.decode_tokens), use_kv_cache=False),
         )
 
     rows = [

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,6 +27,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
 import workbench as wb  # noqa: E402
+from _timing import interleaved  # noqa: E402
 
 
 def build(directory: Path):
@@ -81,16 +80,11 @@ def main(argv=None) -> pd.DataFrame:
         reference = hf_sdpa(tokens).logits
         diffs = {"ours forward": (ours(tokens) - reference).abs().max().item(),
                  "bridge forward": (bridge(tokens) - reference).abs().max().item()}
-        times = {name: [] for name in contenders}
-        for _ in range(args.repeats):  # interleaved, after one warm-up call each
-            for name, run in contenders.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["hf forward (sdpa)"][1:] or times["hf forward (sdpa)"])
+        # the first round was a warm-up, dropped from the medians
+        times = interleaved(contenders, max(1, args.repeats - 1), warmup=args.repeats > 1)
+    base = times["hf forward (sdpa)"]
     rows = []
-    for name, samples in times.items():
-        median = statistics.median(samples[1:] or samples)
+    for name, median in times.items():
         rows.append({"contender": name, "median_s": median, "ratio_to_hf": median / base,
                      "tokens_per_s": args.batch * args.pos / median, "max_abs_logit_diff": diffs.get(name)})
     table = pd.DataFrame(rows)

@@ -19,9 +19,7 @@ Figures are medians of ``--repeats`` runs, the methods timed in turns within one
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,27 +29,13 @@ from transformer_lens import patching as tl_patching
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
 import workbench as wb  # noqa: E402
+from _timing import interleaved  # noqa: E402
 from workbench.analysis import ablation_sweep, activation_patching, attribution_patching, logit_diff_metric
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _paired_times(fns: dict, repeats: int) -> tuple[dict, dict]:
-    """Median seconds of each function, timed in turns (A, B, C, A, B, C, ...) so that load
-    from other processes on a shared machine hits every method alike; and the last outputs."""
-    times: dict = {name: [] for name in fns}
-    outs: dict = {}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            _sync()
-            start = time.perf_counter()
-            outs[name] = fn()
-            _sync()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}, outs
 
 
 def main(argv=None) -> pd.DataFrame:
@@ -81,7 +65,7 @@ def main(argv=None) -> pd.DataFrame:
               "resume": lambda: ablation_sweep(model, tokens, unit="head", stack=1)}
     if args.device != "cpu":
         sweeps["stacked"] = lambda: ablation_sweep(model, tokens, unit="head", stack=16)
-    t, _ = _paired_times(sweeps, args.repeats)
+    t = interleaved(sweeps, args.repeats, warmup=False, sync=_sync)
     rows = [("head ablation sweep", "naive run_with_hooks loop", t["naive"], 1.0),
             ("head ablation sweep", "resume at layer, z W_O only", t["resume"], t["naive"] / t["resume"])]
     if "stacked" in t:
@@ -95,11 +79,12 @@ def main(argv=None) -> pd.DataFrame:
     with torch.no_grad():
         _, clean_cache = model.run_with_cache(clean)
 
-    t, outs = _paired_times({
+    outs: dict = {}
+    t = interleaved({
         "tl": lambda: tl_patching.get_act_patch_attn_head_out_all_pos(model, corrupted, clean_cache, metric),
         "ours": lambda: activation_patching(model, clean, corrupted, metric, sites="head"),
         "attribution": lambda: attribution_patching(model, clean, corrupted, metric),
-    }, args.repeats)
+    }, args.repeats, warmup=False, sync=_sync, outputs=outs)
     with torch.no_grad():
         corrupted_value = float(metric(model(corrupted)))
     exact_effect = outs["tl"].flatten().cpu().numpy() - corrupted_value
