@@ -31,6 +31,7 @@ class KVCacheEntry:
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
         self.length = 0
+        self.fused_qkv: Optional[tuple[Tensor, Tensor]] = None  # set by Attention on first use
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store [batch, kv_head, new, d_head] keys/values; return all keys/values so far."""
@@ -96,7 +97,7 @@ class Attention(nn.Module):
         kv_cache: Optional[KVCacheEntry] = None,
     ) -> Float[Tensor, "batch pos d_model"]:
         offset = kv_cache.length if kv_cache is not None else 0
-        q, k, v = self._project_qkv(x)
+        q, k, v = self._project_qkv(x, kv_cache)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if self.position.rotates:
             q = self.hook_rot_q(self.position.rotate(q, offset))
@@ -117,26 +118,31 @@ class Attention(nn.Module):
             return result.sum(dim=2) + self.b_O
         return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, self.b_O)
 
-    def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _project_qkv(self, x: Tensor, kv_cache: Optional[KVCacheEntry] = None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values [batch, pos, head, d_head] from one fused matmul."""
         h, kv, e = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.d_head
-        weight, bias = self._fused_qkv_weight()
+        weight, bias = self._fused_qkv_weight(kv_cache)
         qkv = F.linear(x, weight, bias)  # [batch, pos, (h + 2kv) * d_head]
         q, k, v = qkv.unflatten(-1, (h + 2 * kv, e)).split([h, kv, kv], dim=2)
         return q, k, v
 
-    def _fused_qkv_weight(self) -> tuple[Tensor, Tensor]:
+    def _fused_qkv_weight(self, kv_cache: Optional[KVCacheEntry] = None) -> tuple[Tensor, Tensor]:
+        """W_Q, W_K, W_V (and biases) as one [(h + 2kv) * d_head, d_model] matrix.
+
+        Concatenated afresh on every call, so any change to a weight (``.data`` edits, which do
+        not bump ``_version``; ``load_state_dict``; casts) is seen by the next forward. Only a
+        KV cache keeps one concatenation for its lifetime, outside autograd: its keys and values
+        already belong to the weights it was filled with, and one-token decode steps would
+        otherwise spend as long copying the weights as multiplying by them.
+        """
+        reuse = kv_cache is not None and not torch.is_grad_enabled()
+        if reuse and kv_cache.fused_qkv is not None:
+            return kv_cache.fused_qkv
         parts = (self.W_Q, self._W_K, self._W_V, self.b_Q, self._b_K, self._b_V)
-        # Outside autograd (decoding, analysis) the concatenation is reused until a weight changes:
-        # during one-token decode steps, re-copying the weights would cost as much as the matmul.
-        key = tuple((p.data_ptr(), p._version) for p in parts)
-        reuse = not (torch.is_grad_enabled() and any(p.requires_grad for p in parts))
-        if reuse and getattr(self, "_qkv_key", None) == key:
-            return self._qkv_cached
         weight = torch.cat(parts[:3], dim=0).transpose(1, 2).flatten(0, 1)  # [(h + 2kv) * d_head, d_model]
         bias = torch.cat(parts[3:], dim=0).flatten()
         if reuse:
-            self._qkv_key, self._qkv_cached = key, (weight, bias)
+            kv_cache.fused_qkv = (weight, bias)
         return weight, bias
 
     def _causal_mask(self, n_query: int, n_key: int, offset: int, device: torch.device) -> Tensor:
@@ -144,6 +150,15 @@ class Attention(nn.Module):
         return torch.arange(n_key, device=device)[None, :] <= q_pos[:, None]  # [query, key], True = visible
 
     def _fused(self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int) -> Tensor:
+        # CPU SDPA returns 0, not NaN, for a query row that is NaN or whose visible scores are all
+        # NaN, where the explicit softmax (and the math) gives NaN: a broken weight would hide
+        # behind finite logits. Non-finite queries or keys (one summed reduction each, far
+        # cheaper than the attention) take the explicit path, so both paths always agree.
+        if not bool(torch.isfinite(q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32))):
+            return self._explicit(q, k, v, bias, offset)
+        return self._sdpa(q, k, v, bias, offset)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int) -> Tensor:
         n_query, n_key = q.shape[2], k.shape[2]
         gqa = self.group > 1
         if bias is None and offset == 0 and n_query == n_key:
