@@ -163,6 +163,11 @@ def test_a_save_that_would_overwrite_a_users_file_is_refused(tmp_path):
     assert snapshot(path) == before and leftovers(tmp_path) == []
     with pytest.raises(ValueError, match="meta.json"):
         wb.save_checkpoint(wb.HookedDecoder(tiny()), path, extra_files={"meta.json": "{}"})
+    wb.save_checkpoint(wb.HookedDecoder(tiny()), path, extra_files={"sub/ours.txt": "x"})
+    (path / "sub" / "theirs.txt").write_text("mine")
+    with pytest.raises(wb.CheckpointError, match="sub/theirs.txt"):  # a file where their folder is
+        wb.save_checkpoint(wb.HookedDecoder(tiny()), path, extra_files={"sub": "a file now"})
+    assert (path / "sub" / "theirs.txt").read_text() == "mine" and leftovers(tmp_path) == []
 
 
 def test_a_checkpoint_from_before_the_marker_is_still_ours(tmp_path):
@@ -311,7 +316,7 @@ CONCURRENT_WRITER = """
     go = path.parent / "go"
     while not go.exists():
         time.sleep(0.01)
-    for step in range(15):
+    for step in range(8):
         wb.save_checkpoint(model, path, step=step, meta={"writer": seed}, extra_files={f"from-{seed}.txt": str(step)})
 """
 

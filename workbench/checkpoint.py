@@ -111,8 +111,13 @@ def _files_in(directory: Path) -> list[str]:
 
 def _foreign_entries(path: Path, owned: frozenset[str]) -> list[str]:
     """Files, symlinks and empty folders under ``path`` the workbench did not write."""
+
+    def unreadable(error: OSError) -> None:  # os.walk would skip it silently, and it would not be carried over
+        raise CheckpointError(f"cannot read {error.filename} inside {path} ({error.strerror}), so this save cannot "
+                              "keep it; fix its permissions or move it out (nothing was changed)")
+
     out = []
-    for root, dirs, files in os.walk(path):
+    for root, dirs, files in os.walk(path, onerror=unreadable):
         rel = Path(root).relative_to(path)
         for name in files + [d for d in dirs if Path(root, d).is_symlink()]:
             if (rel / name).as_posix() not in owned:
@@ -139,8 +144,8 @@ def check_replaceable(path: Union[str, Path]) -> Path:
         entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
         if entries:
             raise CheckpointError(
-                f"{path} is a non-empty directory that is not a checkpoint the workbench wrote (no {META_FILE} "
-                f"with format {CHECKPOINT_FORMAT!r}); it holds {_shown(entries)}, which the workbench will not "
+                f"{path} is a non-empty directory that is not a checkpoint or export the workbench wrote (no "
+                f"{META_FILE} or {MANIFEST_FILE} marker); it holds {_shown(entries)}, which the workbench will not "
                 "replace or delete: choose a new or empty output directory"
             )
     return path
@@ -172,7 +177,7 @@ def locked(path: Union[str, Path], timeout: Optional[float] = None) -> Iterator[
                 raise CheckpointError(
                     f"another process{f' (pid {holder})' if holder else ''} is writing {path} and held its lock "
                     f"{lock_path} for longer than {LOCK_TIMEOUT_S if timeout is None else timeout:g} s; wait for it "
-                    "to finish or write somewhere else (if no such process exists, delete the lock file)"
+                    "to finish or write somewhere else"
                 ) from None
             time.sleep(0.05)
             continue
@@ -293,7 +298,12 @@ def atomic_write_dir(path: Union[str, Path], write: Any, *, marker: Optional[str
 def _carry_foreign(old: Path, new: Path) -> None:
     """Link (or copy) into ``new`` every entry of ``old`` the workbench did not write."""
     foreign = _foreign_entries(old, owned_files(old) or frozenset())
-    clashes = [name for name in foreign if (new / name.rstrip("/")).exists() or (new / name.rstrip("/")).is_symlink()]
+    def clashes_with_new(name: str) -> bool:
+        target = new / name.rstrip("/")
+        parents = [p for p in target.parents if p != new and new in p.parents]
+        return os.path.lexists(target) or any(os.path.lexists(p) and not p.is_dir() for p in parents)
+
+    clashes = [name for name in foreign if clashes_with_new(name)]
     if clashes:
         raise CheckpointError(
             f"{old} holds {_shown(clashes)}, not written by the workbench, and this save would overwrite it; "
