@@ -6,6 +6,10 @@ launched that way: rank r takes items r, r + W, ...; rank 0 gathers the rows ove
 writes ``runs/<name>/``: ``config.json``, ``results.csv``, one HTML file per figure, and
 prints a summary table.
 
+``--out`` must be new, empty, or a run directory (``workbench.json`` lists the files the runs
+wrote; older runs are known by ``config.json``'s ``experiment``): any other folder is refused
+before the grid runs, and a run never overwrites a file it did not write.
+
     torchrun --nproc_per_node=2 experiments/norm_placement_depth.py --quick
 """
 
@@ -38,6 +42,7 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
 
 
 def setup(args: argparse.Namespace) -> None:
+    check_run_dir(args.out)  # now, not after an hour of grid
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -88,10 +93,57 @@ def run_grid(items: list, run_one: Callable[[Any], Iterable[dict]], desc: str = 
 
 
 # ---- the run directory -------------------------------------------------------------------
+RUN_FORMAT = "workbench.run"
+
+
+def run_files(out: Path) -> Optional[set[str]]:
+    """The files of ``out`` that runs wrote, or None when ``out`` is not a run directory."""
+    from workbench.checkpoint import MANIFEST_FILE
+
+    def read(name: str) -> Optional[dict]:
+        try:
+            data = json.loads((out / name).read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    manifest = read(MANIFEST_FILE)
+    if manifest is not None and manifest.get("format") == RUN_FORMAT and isinstance(manifest.get("files"), list):
+        return {str(f) for f in manifest["files"]} | {MANIFEST_FILE}
+    config = read("config.json")
+    # A run from before manifests: its config.json is {"experiment": ..., **vars(args)} (this parser's flags).
+    if config is not None and {"experiment", "quick", "out", "seed", "threads"} <= set(config):
+        return {f.name for f in out.iterdir() if f.is_file() and
+                (f.suffix in (".csv", ".html") or f.name in ("config.json", "plotly.min.js"))}
+    return None
+
+
+def check_run_dir(out: Path) -> None:
+    """Exit with one message unless ``out`` is absent, empty, or a run directory."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"--out {out} exists and is not a folder; choose another path")
+    if out.is_dir() and run_files(out) is None:
+        entries = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
+        if entries:
+            shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} in all)" if len(entries) > 5 else "")
+            raise SystemExit(f"--out {out} is a non-empty folder that is not an experiment run directory (it holds "
+                             f"{shown}); nothing in it is overwritten: choose a new or empty folder")
+
+
 def write_run(out: Path, config: dict, results: pd.DataFrame, figures: dict, summary: Optional[pd.DataFrame] = None,
               title: str = "", tables: Optional[dict] = None) -> None:
     """Write config.json, results.csv (and <name>.csv for ``tables``) and <figure>.html under
-    ``out``; print the summary."""
+    ``out``; print the summary. A file of those names that a run did not write is never overwritten."""
+    from workbench.checkpoint import MANIFEST_FILE
+
+    names = ["config.json", "results.csv", *(f"{n}.csv" for n in tables or {}), *(f"{n}.html" for n in figures)]
+    ours = run_files(out) if out.is_dir() else set()
+    ours = set() if ours is None else ours  # a folder holding only what this run made (lens_comparison's model)
+    foreign = [n for n in names + [MANIFEST_FILE] if os.path.lexists(out / n) and n not in ours]
+    if foreign:
+        raise SystemExit(f"--out {out} already holds {', '.join(foreign)}, not written by an experiment run; "
+                         "choose a new or empty folder (nothing was written)")
+    had_plotly = os.path.lexists(out / "plotly.min.js")  # plotly reuses one that is there, never overwrites it
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
     results.to_csv(out / "results.csv", index=False)
@@ -100,6 +152,9 @@ def write_run(out: Path, config: dict, results: pd.DataFrame, figures: dict, sum
     for name, fig in figures.items():
         # plotly.min.js written once next to the figures: they open offline, and stay small
         fig.write_html(out / f"{name}.html", include_plotlyjs="directory")
+    written = set(names) | (set() if had_plotly else {"plotly.min.js"})
+    manifest = {"format": RUN_FORMAT, "files": sorted((ours | written) - {MANIFEST_FILE})}
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     table = results if summary is None else summary
     print(f"\n{title or out.name}: {len(results)} rows -> {out}")
     with pd.option_context("display.width", 160, "display.max_columns", 20):

@@ -3,21 +3,38 @@
     model.safetensors   the weights (tied weights stored once)
     config.json         the ModelConfig
     tokenizer.json      the tokenizer, when there is one
-    meta.json           format version, library version, step, metrics, anything JSON
+    meta.json           format marker and version, the files this save wrote, library version,
+                        step, metrics, anything JSON
 
 Loading never unpickles; every way a checkpoint can be broken raises ``CheckpointError``
 with one message that says what is wrong and what to do.
+
+Whatever folder a user points us at, we never delete what we did not write. A directory is
+replaced only when it is absent, empty, or marked as the workbench's own: a checkpoint by
+``meta.json``'s ``format`` (``"workbench.checkpoint"``), any other output (an HF export) by a
+small ``workbench.json`` manifest. Only the files that marker lists are replaced; anything else
+found in the folder (a user's notes beside a checkpoint) is carried into the new version
+untouched, and a save that would overwrite such a file is refused. Checkpoints written before
+the marker existed (``meta.json`` with ``format_version`` and ``library_version``) count as ours
+for the file names the workbench has always written.
+
+Concurrent writers serialise on ``fcntl.flock`` of ``.<name>.lock`` beside the target, and the
+temporary ``.<name>.tmp-<pid>-*`` / ``.<name>.old-<pid>-*`` folders a killed writer leaves behind
+are cleaned (or, when the target itself is missing, the old version restored) by the next save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -25,56 +42,305 @@ from safetensors.torch import load_file, save_file
 
 from workbench.config import FORMAT_VERSION, ModelConfig
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; saves still go through the atomic rename
+    fcntl = None
+
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 META_FILE = "meta.json"
+MANIFEST_FILE = "workbench.json"  # the ownership marker of directories that are not checkpoints
+CHECKPOINT_FORMAT = "workbench.checkpoint"
+# What save_checkpoint, train() and TunedLens.save wrote before meta.json listed its files.
+LEGACY_CHECKPOINT_FILES = frozenset({
+    WEIGHTS_FILE, CONFIG_FILE, META_FILE, "tokenizer.json", "metrics.csv", "train_state.safetensors",
+    "train_state.json", "tuned_lens.safetensors", "tuned_lens.json",
+})
+LOCK_TIMEOUT_S = 300.0  # a writer of a multi-GB checkpoint may hold the lock for minutes
+STALE_AFTER_S = 3600.0  # a temp folder this old is a leftover even if its pid is alive (reused)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory is missing, incomplete, corrupt, or from an incompatible version."""
+    """A checkpoint directory is missing, incomplete, corrupt, from an incompatible version, or not ours to replace."""
+
+
+class NonFiniteWeightsWarning(UserWarning):
+    """A loaded checkpoint holds NaN or infinite weights (a diverged run); its outputs will be NaN."""
+
+
+# ---- what the workbench wrote --------------------------------------------------------------
+def owned_files(path: Union[str, Path]) -> Optional[frozenset[str]]:
+    """The files (relative POSIX paths) the workbench wrote in directory ``path``, or None when
+    the directory carries no workbench marker (it is someone else's)."""
+    path = Path(path)
+    meta = _read_json_dict(path / META_FILE)
+    if meta is not None and meta.get("format") == CHECKPOINT_FORMAT and _is_str_list(meta.get("files")):
+        return frozenset(meta["files"]) | {META_FILE}
+    if meta is not None and "format" not in meta and isinstance(meta.get("format_version"), int) \
+            and "library_version" in meta:
+        return LEGACY_CHECKPOINT_FILES
+    manifest = _read_json_dict(path / MANIFEST_FILE)
+    if manifest is not None and str(manifest.get("format", "")).startswith("workbench.") \
+            and _is_str_list(manifest.get("files")):
+        return frozenset(manifest["files"]) | {MANIFEST_FILE}
+    return None
+
+
+def _read_json_dict(path: Path) -> Optional[dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, unreadable, not JSON, not UTF-8
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _files_in(directory: Path) -> list[str]:
+    """Relative POSIX paths of the files (and symlinks) under ``directory``, sorted."""
+    out = []
+    for root, dirs, files in os.walk(directory):
+        rel = Path(root).relative_to(directory)
+        out += [(rel / f).as_posix() for f in files]
+        out += [(rel / d).as_posix() for d in dirs if Path(root, d).is_symlink()]  # walk does not enter them
+    return sorted(out)
+
+
+def _foreign_entries(path: Path, owned: frozenset[str]) -> list[str]:
+    """Files, symlinks and empty folders under ``path`` the workbench did not write."""
+
+    def unreadable(error: OSError) -> None:  # os.walk would skip it silently, and it would not be carried over
+        raise CheckpointError(f"cannot read {error.filename} inside {path} ({error.strerror}), so this save cannot "
+                              "keep it; fix its permissions or move it out (nothing was changed)")
+
+    out = []
+    for root, dirs, files in os.walk(path, onerror=unreadable):
+        rel = Path(root).relative_to(path)
+        for name in files + [d for d in dirs if Path(root, d).is_symlink()]:
+            if (rel / name).as_posix() not in owned:
+                out.append((rel / name).as_posix())
+        if not dirs and not files and rel != Path("."):
+            out.append(rel.as_posix() + "/")
+    return sorted(out)
+
+
+def _shown(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def check_replaceable(path: Union[str, Path]) -> Path:
-    """Raise CheckpointError unless ``path`` is absent, empty, or an earlier checkpoint / model directory."""
+    """Raise CheckpointError unless ``path`` is absent, empty, or a directory the workbench wrote."""
     path = Path(path)
+    if path.is_symlink():
+        raise CheckpointError(
+            f"{path} is a symbolic link; pass the folder it points to ({os.path.realpath(path)}) or another path"
+        )
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} exists and is not a directory; choose another output path")
-    if path.is_dir() and any(path.iterdir()) and not (path / CONFIG_FILE).exists():
-        raise CheckpointError(
-            f"{path} is a non-empty directory that is not a checkpoint; refusing to replace it "
-            "(choose a new or empty output directory)"
-        )
+    if path.is_dir() and owned_files(path) is None:
+        entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+        if entries:
+            raise CheckpointError(
+                f"{path} is a non-empty directory that is not a checkpoint or export the workbench wrote (no "
+                f"{META_FILE} or {MANIFEST_FILE} marker); it holds {_shown(entries)}, which the workbench will not "
+                "replace or delete: choose a new or empty output directory"
+            )
     return path
 
 
-def atomic_write_dir(path: Union[str, Path], write: Any) -> Path:
+# ---- locking and leftovers -------------------------------------------------------------------
+@contextlib.contextmanager
+def locked(path: Union[str, Path], timeout: Optional[float] = None) -> Iterator[None]:
+    """Hold the exclusive write lock of directory ``path`` (``.<name>.lock`` beside it).
+
+    Waits up to ``timeout`` seconds (default ``LOCK_TIMEOUT_S``) for another writer, then raises
+    CheckpointError naming it. Not re-entrant: one ``with`` per write.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    lock_path = path.parent / f".{path.name}.lock"
+    deadline = time.monotonic() + (LOCK_TIMEOUT_S if timeout is None else timeout)
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                holder = _read_pid(lock_path)
+                raise CheckpointError(
+                    f"another process{f' (pid {holder})' if holder else ''} is writing {path} and held its lock "
+                    f"{lock_path} for longer than {LOCK_TIMEOUT_S if timeout is None else timeout:g} s; wait for it "
+                    "to finish or write somewhere else"
+                ) from None
+            time.sleep(0.05)
+            continue
+        # The holder before us unlinks the file on release; a lock on an unlinked file guards nothing.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)  # while still holding it: see the samestat check above
+        os.close(fd)
+
+
+def _read_pid(lock_path: Path) -> Optional[int]:
+    try:
+        return int(lock_path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) would terminate it on Windows; fall back to the age test
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, someone else's
+        return True
+    return True
+
+
+def _clean_leftovers(path: Path) -> None:
+    """Remove the ``.<name>.tmp-*`` / ``.<name>.old-*`` folders of writers that died mid-save.
+
+    Called with the lock held, so no live writer of ``path`` owns them; the pid and age tests
+    only spare a writer of an older library version that takes no lock. A writer killed between
+    its two renames leaves ``path`` missing and the previous version in ``.old-*``: that is put back.
+    """
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(tmp|old)-(\d+)-(\w+)$")
+    stale: list[tuple[str, Path]] = []
+    now = time.time()
+    for entry in path.parent.iterdir():
+        match = pattern.match(entry.name)
+        if not match or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            age = now - entry.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if _alive(int(match[2])) and age < STALE_AFTER_S and int(match[2]) != os.getpid():
+            continue
+        stale.append((match[1], entry))
+    if not path.exists():
+        backups = sorted((e for kind, e in stale if kind == "old" and owned_files(e) is not None),
+                         key=lambda e: e.stat().st_mtime)
+        if backups:
+            os.replace(backups[-1], path)
+            stale = [(kind, e) for kind, e in stale if e != backups[-1]]
+    for _, entry in stale:
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+# ---- writing -------------------------------------------------------------------------------
+def atomic_write_dir(path: Union[str, Path], write: Any, *, marker: Optional[str] = None,
+                     lock_timeout: Optional[float] = None) -> Path:
     """Call ``write(tmp_dir)`` then move ``tmp_dir`` to ``path``; the old contents survive a failure.
 
-    An existing ``path`` is replaced only when it is empty or an earlier write of this kind (it
-    holds a ``config.json``): ``--out notes/`` must never wipe a folder of the user's files.
+    ``marker`` (e.g. ``"workbench.hf_export"``) makes this write a ``workbench.json`` manifest of
+    the files ``write`` produced; without it ``write`` must mark the directory itself (a
+    checkpoint's ``meta.json``). An existing ``path`` is replaced only when it is empty or marked
+    as ours, and only the files its marker lists go: other files in it are carried into the new
+    version (``--out notes/`` must never wipe a folder of the user's files), and a write that
+    would overwrite one of them raises CheckpointError.
     """
-    path = check_replaceable(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        write(tmp)
-        # mkdtemp makes a private (0700) directory; a checkpoint is ordinary shared data.
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)
-        for f in tmp.rglob("*"):
-            f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
-        backup = None
-        if path.exists():
-            backup = path.parent / f".{path.name}.old-{os.getpid()}-{time.time_ns()}"
-            os.replace(path, backup)
-        os.replace(tmp, path)
-        if backup is not None:
-            shutil.rmtree(backup, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    from workbench import __version__
+
+    path = check_replaceable(path)  # before taking the lock: a foreign folder fails fast
+    with locked(path, lock_timeout):
+        _clean_leftovers(path)
+        path = check_replaceable(path)  # again: another writer may have changed it meanwhile
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))
+        try:
+            write(tmp)
+            if marker is not None:
+                manifest = {"format": marker, "library_version": __version__, "files": _files_in(tmp)}
+                (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+            if owned_files(tmp) is None:
+                raise RuntimeError(f"internal error: the write of {path} left no {META_FILE} or {MANIFEST_FILE} marker")
+            # mkdtemp makes a private (0700) directory; a checkpoint is ordinary shared data.
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)
+            for f in tmp.rglob("*"):
+                f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+            backup = None
+            if path.exists():
+                _carry_foreign(path, tmp)
+                backup = path.parent / f".{path.name}.old-{os.getpid()}-{time.time_ns()}"
+                os.replace(path, backup)
+            os.replace(tmp, path)
+            if backup is not None:
+                shutil.rmtree(backup, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return path
+
+
+def _carry_foreign(old: Path, new: Path) -> None:
+    """Link (or copy) into ``new`` every entry of ``old`` the workbench did not write."""
+    foreign = _foreign_entries(old, owned_files(old) or frozenset())
+    def clashes_with_new(name: str) -> bool:
+        target = new / name.rstrip("/")
+        parents = [p for p in target.parents if p != new and new in p.parents]
+        return os.path.lexists(target) or any(os.path.lexists(p) and not p.is_dir() for p in parents)
+
+    clashes = [name for name in foreign if clashes_with_new(name)]
+    if clashes:
+        raise CheckpointError(
+            f"{old} holds {_shown(clashes)}, not written by the workbench, and this save would overwrite it; "
+            "move or rename it first (nothing was changed)"
+        )
+    for name in foreign:
+        source, target = old / name.rstrip("/"), new / name.rstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith("/"):
+            target.mkdir()
+        elif source.is_symlink():
+            os.symlink(os.readlink(source), target)
+        else:
+            try:  # a hard link: no copy, and the original stays in the backup until the swap is done
+                os.link(source, target)
+            except OSError:
+                shutil.copy2(source, target)
+
+
+def record_files(directory: Union[str, Path], names: list[str]) -> None:
+    """Add ``names`` to the file list of the checkpoint marker in ``directory`` (call under ``locked``).
+
+    For files written into a checkpoint after it was saved (a tuned lens), so that replacing the
+    checkpoint replaces them too. A folder that is not a marked checkpoint is left as it is.
+    """
+    directory = Path(directory)
+    meta = _read_json_dict(directory / META_FILE)
+    if meta is None or meta.get("format") != CHECKPOINT_FORMAT or not _is_str_list(meta.get("files")):
+        return
+    meta["files"] = sorted(set(meta["files"]) | set(names))
+    tmp = directory / f".{META_FILE}.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        os.replace(tmp, directory / META_FILE)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
 
 
 def save_checkpoint(
@@ -91,6 +357,10 @@ def save_checkpoint(
 
     ``extra_files`` maps file names to contents written beside the weights (e.g. a metrics
     CSV or a training state saved as safetensors by the caller).
+
+    ``path`` must be absent, empty, or a checkpoint the workbench wrote (else CheckpointError,
+    naming the files found). Replacing a checkpoint replaces the files its ``meta.json`` lists;
+    files someone else put in the folder stay, untouched, in the new version.
     """
     from workbench import __version__
 
@@ -103,21 +373,25 @@ def save_checkpoint(
         "step": step,
         "metrics": metrics or {},
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "format": CHECKPOINT_FORMAT,
     }
     for name in extra_files or {}:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise ValueError(f"extra file name {name!r} must be a relative path inside the checkpoint")
+        if Path(name).as_posix() in (WEIGHTS_FILE, CONFIG_FILE, META_FILE):
+            raise ValueError(f"extra file name {name!r} is one the checkpoint itself writes; pick another name")
 
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         model.cfg.to_json(tmp / CONFIG_FILE)
-        (tmp / META_FILE).write_text(json.dumps(info, indent=2, default=str) + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp)
         for name, content in (extra_files or {}).items():
             target = tmp / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content if isinstance(content, bytes) else content.encode())
+        # Last, so its list of files (what a later save may replace) is complete.
+        (tmp / META_FILE).write_text(json.dumps({**info, "files": _files_in(tmp)}, indent=2, default=str) + "\n")
 
     return atomic_write_dir(path, write)
 
@@ -171,6 +445,7 @@ def load_checkpoint(path: Union[str, Path], device: Union[str, torch.device, Non
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{weights} is truncated or corrupt ({e}); re-save or re-train it") from None
+    _warn_if_not_finite(path, state)
     with torch.device("meta"):
         model = HookedDecoder(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -193,3 +468,18 @@ def load_checkpoint(path: Union[str, Path], device: Union[str, torch.device, Non
         model.to(device)
     model.eval()
     return model, model.tokenizer
+
+
+def _warn_if_not_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """Warn (NonFiniteWeightsWarning) naming the tensors that hold NaN or inf."""
+    bad = []
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            bad.append(f"{name} ({nan} NaN, {inf} inf of {tensor.numel()})")
+    if bad:
+        warnings.warn(
+            f"{path}: {len(bad)} weight tensor(s) are not finite: {_shown(bad, 8)}; the model will produce NaN "
+            "(the run that saved it probably diverged: re-train with a lower learning rate or an earlier checkpoint)",
+            NonFiniteWeightsWarning, stacklevel=3,
+        )

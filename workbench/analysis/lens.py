@@ -30,6 +30,7 @@ from workbench.analysis.common import as_tokens, str_tokens
 
 TUNED_LENS_WEIGHTS = "tuned_lens.safetensors"
 TUNED_LENS_META = "tuned_lens.json"
+LENS_FORMAT = "workbench.tuned_lens"
 
 
 # ---- the residual stream at every layer ------------------------------------------------------
@@ -149,20 +150,39 @@ class TunedLens(nn.Module):
             )
 
     def save(self, checkpoint_dir: Union[str, Path]) -> Path:
-        """Write ``tuned_lens.safetensors`` and ``tuned_lens.json`` into the checkpoint directory."""
+        """Write ``tuned_lens.safetensors`` and ``tuned_lens.json`` into the checkpoint directory.
+
+        An existing lens is replaced only when its ``tuned_lens.json`` marks it as one the
+        workbench wrote; files of those names that are not raise CheckpointError. In a checkpoint
+        the two files join meta.json's list of written files, so re-saving the checkpoint (new
+        weights) removes the lens that was trained for the old ones.
+        """
+        from workbench.checkpoint import CheckpointError, locked, record_files
+
         directory = Path(checkpoint_dir)
         if not directory.is_dir():
             raise ValueError(f"checkpoint directory {directory} does not exist")
         weights = {"weight": self.weight.detach().cpu().contiguous(), "bias": self.bias.detach().cpu().contiguous()}
-        meta = {"format": "workbench.tuned_lens", "version": 1, "n_layers": self.n_layers,
+        meta = {"format": LENS_FORMAT, "version": 1, "n_layers": self.n_layers,
                 "d_model": int(self.weight.shape[-1]), **self.info}
-        # Each file replaced atomically, so a reader never sees half a lens file.
-        tmp = directory / f".{TUNED_LENS_WEIGHTS}.tmp"
-        save_file(weights, str(tmp))
-        os.replace(tmp, directory / TUNED_LENS_WEIGHTS)
-        tmp = directory / f".{TUNED_LENS_META}.tmp"
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        os.replace(tmp, directory / TUNED_LENS_META)
+        names = (TUNED_LENS_WEIGHTS, TUNED_LENS_META)
+        with locked(directory):  # the checkpoint's own lock: a concurrent re-save cannot swap the folder away
+            present = [n for n in names if os.path.lexists(directory / n)]
+            if present and not _is_our_lens(directory / TUNED_LENS_META):
+                raise CheckpointError(
+                    f"{directory} already holds {', '.join(present)}, which is not a tuned lens the workbench "
+                    "wrote; move it away first (nothing was written)"
+                )
+            tmps = [directory / f".{n}.tmp-{os.getpid()}" for n in names]
+            try:  # each file replaced atomically, so a reader never sees half a lens file
+                save_file(weights, str(tmps[0]))
+                os.replace(tmps[0], directory / TUNED_LENS_WEIGHTS)
+                tmps[1].write_text(json.dumps(meta, indent=2) + "\n")
+                os.replace(tmps[1], directory / TUNED_LENS_META)
+            finally:
+                for tmp in tmps:
+                    tmp.unlink(missing_ok=True)
+            record_files(directory, list(names))
         return directory / TUNED_LENS_WEIGHTS
 
     @classmethod
@@ -180,6 +200,13 @@ class TunedLens(nn.Module):
             lens.check_fits(model)
             lens.to(model.device)
         return lens
+
+
+def _is_our_lens(meta_path: Path) -> bool:
+    try:
+        return json.loads(meta_path.read_text()).get("format") == LENS_FORMAT
+    except (OSError, ValueError, AttributeError):  # absent, not JSON, not a JSON object
+        return False
 
 
 def train_tuned_lens(

@@ -26,6 +26,8 @@ from workbench.interop.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from workbench.interop.weights import state_from_hf, state_to_hf
 from workbench.model import HookedDecoder
 
+HF_EXPORT_FORMAT = "workbench.hf_export"  # workbench.json's marker: transformers ignores the extra file
+
 
 def looks_like_hf_dir(path: Union[str, Path]) -> bool:
     """True when ``path`` holds a Hugging Face model (its config.json names a ``model_type``)."""
@@ -88,6 +90,9 @@ def from_hf(
 def to_hf(model: HookedDecoder, directory: Union[str, Path], *, tokenizer: Any = None) -> Path:
     """Write ``model`` as a Hugging Face model directory (safetensors + config.json), atomically.
 
+    ``directory`` must be absent, empty, or an earlier export (its ``workbench.json`` lists the
+    files the export wrote, which are all it replaces); a downloaded HF model or any other
+    folder is refused with a CheckpointError, so nothing the workbench did not write is lost.
     The family is chosen from the config (``families.hf_family_for``); a config with no HF
     equivalent raises ``UnsupportedHFConfig`` naming the component. The tokenizer (argument or
     ``model.tokenizer``) is written when it has an HF form (imported HF, BPE); otherwise a
@@ -118,7 +123,7 @@ def to_hf(model: HookedDecoder, directory: Union[str, Path], *, tokenizer: Any =
         if hf_tokenizer is not None:
             hf_tokenizer.save_pretrained(str(tmp))
 
-    return atomic_write_dir(directory, write)
+    return atomic_write_dir(directory, write, marker=HF_EXPORT_FORMAT)
 
 
 def _hf_tokenizer(tokenizer: Any) -> Any:
