@@ -243,3 +243,13 @@ def test_tied_model_is_untied_only_when_needed():
     assert model.cfg.tie_embeddings and model.W_U.data_ptr() == model.W_E.data_ptr()
     model.process_weights()
     assert not model.cfg.tie_embeddings
+
+
+def test_device_dtype_mode_and_tokenizer_are_kept():
+    model = randomised(tiny(norm="rmsnorm", ffn="swiglu")).to(torch.bfloat16).train()
+    model.tokenizer = object()
+    tokenizer = model.tokenizer
+    model.process_weights()
+    assert model.training and model.tokenizer is tokenizer
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.ln_final.w.dtype == torch.bfloat16
