@@ -419,10 +419,19 @@ def load_config(path: Union[str, Path]) -> ModelConfig:
         raise CheckpointError(f"{config_path} does not describe a valid model: {e}") from None
 
 
-def load_checkpoint(path: Union[str, Path], device: Union[str, torch.device, None] = None):
+def load_checkpoint(
+    path: Union[str, Path],
+    device: Union[str, torch.device, None] = None,
+    *,
+    fold_ln: bool = False,
+    center_writing_weights: bool = False,
+    center_unembed: bool = False,
+    fold_value_biases: bool = False,
+):
     """Load ``(model, tokenizer)`` from a directory written by ``save_checkpoint``.
 
-    The tokenizer is None when the checkpoint has none. The model is in eval mode.
+    The tokenizer is None when the checkpoint has none. The model is in eval mode. The four
+    switches (all off: the weights as saved) run ``model.process_weights`` after loading.
     """
     from workbench.model import HookedDecoder
     from workbench.tokenizer import load_tokenizer
@@ -464,6 +473,8 @@ def load_checkpoint(path: Union[str, Path], device: Union[str, torch.device, Non
         model.tokenizer = load_tokenizer(path)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: the tokenizer file is corrupt ({e})") from None
+    if fold_ln or center_writing_weights or center_unembed or fold_value_biases:
+        model.process_weights(fold_ln, center_writing_weights, center_unembed, fold_value_biases)
     if device is not None:
         model.to(device)
     model.eval()

@@ -84,6 +84,11 @@ class ModelConfig:
     seed: Optional[int] = None
     name: str = ""
 
+    # Set by ``HookedDecoder.process_weights(fold_ln=True)``: every norm's weight (and LayerNorm's
+    # bias) lives in the weights that read the norm, so the norms only centre (LayerNorm) and
+    # scale; TransformerLens calls these "LNPre" / "RMSPre" (``normalization_type``).
+    folded_ln: bool = False
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_literal(f.name, getattr(self, f.name), _resolved_hints()[f.name])
@@ -122,6 +127,11 @@ class ModelConfig:
                 "parallel_residual=True needs norm_placement='pre' (GPT-J/NeoX layout); "
                 "a post-norm parallel block has no standard definition"
             )
+        if self.folded_ln and (self.norm == "none" or self.norm_placement == "post"):
+            raise ValueError(
+                f"folded_ln=True needs a pre-norm model with a norm to fold; got norm={self.norm!r}, "
+                f"norm_placement={self.norm_placement!r}"
+            )
         if self.parallel_residual and self.attn_only:
             raise ValueError("parallel_residual=True has no meaning with attn_only=True")
         positive = ("norm_eps", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -139,6 +149,8 @@ class ModelConfig:
     # ---- TransformerLens' vocabulary, derived (read-only) -------------------------
     @property
     def normalization_type(self) -> Optional[str]:
+        if self.folded_ln:
+            return {"layernorm": "LNPre", "rmsnorm": "RMSPre"}[self.norm]
         return {"layernorm": "LN", "rmsnorm": "RMS", "none": None}[self.norm]
 
     @property

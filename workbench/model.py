@@ -17,14 +17,15 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 from tqdm.auto import tqdm
-from transformer_lens import ActivationCache, FactoredMatrix, HookedRootModule
+from transformer_lens import FactoredMatrix, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
+from workbench.cache import WorkbenchCache
 from workbench.components.attention import KVCacheEntry
 from workbench.components.block import Block
 from workbench.components.norm import NORMS
 from workbench.components.positional import POS_EMBEDDINGS
-from workbench.components.registry import pick
+from workbench.components.registry import add_bias, pick
 from workbench.config import ModelConfig
 
 
@@ -47,7 +48,8 @@ class Unembed(nn.Module):
             self._embed = [embed]  # a list, so the tied weight is not registered twice
         else:
             self.W_U_param = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
-        self.register_buffer("b_U", torch.zeros(cfg.d_vocab), persistent=False)
+        # A learned bias only once a LayerNorm is folded in (b_U += ln_final.b @ W_U); else fixed zeros.
+        add_bias(self, "b_U", (cfg.d_vocab,), cfg.folded_ln and cfg.norm == "layernorm")
         self.tied = cfg.tie_embeddings
 
     @property
@@ -197,9 +199,31 @@ class HookedDecoder(HookedRootModule):
         return tokens.to(self.device)
 
     def run_with_cache(self, *args: Any, remove_batch_dim: bool = False, **kwargs: Any):
-        """Like HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``."""
+        """Like HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``: a
+        ``WorkbenchCache``, whose ``apply_ln_to_stack`` (and so ``logit_attrs``, ``decompose_resid``,
+        ... with ``apply_ln=True``) includes the norms' weights when they are not folded."""
         out, cache_dict = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
-        return out, ActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+        return out, WorkbenchCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+
+    def process_weights(
+        self,
+        fold_ln: bool = True,
+        center_writing_weights: Optional[bool] = None,
+        center_unembed: bool = True,
+        fold_value_biases: bool = True,
+    ) -> "HookedDecoder":
+        """TransformerLens' weight processing, in place; the predictions are unchanged.
+
+        ``fold_ln`` moves every norm's weight (and LayerNorm's bias) into the weights that read it
+        (``cfg.folded_ln``; TL's LNPre/RMSPre); ``center_writing_weights`` (default: where valid,
+        i.e. pre-norm LayerNorm) removes the d_model mean of everything written to the residual
+        stream; ``center_unembed`` removes W_U's mean over the vocabulary (logits shift by a
+        constant per position); ``fold_value_biases`` moves b_V into b_O. A tied model is untied.
+        Equations and what is refused: ``workbench.processing``. Hooks attached before are removed.
+        """
+        from workbench.processing import process_weights
+
+        return process_weights(self, fold_ln, center_writing_weights, center_unembed, fold_value_biases)
 
     # ---- generation -------------------------------------------------------------
     @torch.no_grad()

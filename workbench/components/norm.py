@@ -4,6 +4,12 @@ The scale (the per-position divisor) is a hook so TransformerLens' ``apply_ln_to
 can reuse the exact scale of a run. The arithmetic mirrors ``torch.nn.LayerNorm`` /
 ``torch.nn.RMSNorm`` (tests compare against them). As in attention, unused hooks cost
 nothing: when neither hook is listened to, the fused ``F.layer_norm`` / ``F.rms_norm`` runs.
+
+Once ``process_weights(fold_ln=True)`` has moved the weights into the layers that read a
+norm (``cfg.folded_ln``), the registry builds the weightless forms TransformerLens calls
+LNPre (centre, then divide by the scale) and RMSPre (divide by the scale). They keep ``w``
+(ones) and, for LayerNorm, ``b`` (zeros) as non-persistent buffers, so code that reads
+``norm.w`` sees the folded norm's true, identity weight and checkpoints store nothing for it.
 """
 
 import torch
@@ -47,6 +53,45 @@ class RMSNorm(nn.Module):
         return self.hook_normalized(x / scale) * self.w
 
 
+class _Folded(nn.Module):
+    has_bias = False
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.eps = cfg.norm_eps
+        self.register_buffer("w", torch.ones(cfg.d_model), persistent=False)
+        if self.has_bias:
+            self.register_buffer("b", torch.zeros(cfg.d_model), persistent=False)
+        self.hook_scale = HookPoint()  # [batch, pos, 1]
+        self.hook_normalized = HookPoint()  # [batch, pos, d_model]
+
+    def _hooked(self) -> bool:
+        return self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()
+
+
+class LayerNormPre(_Folded):
+    """LayerNorm whose weight and bias were folded away: (x - mean) / sqrt(var + eps)."""
+
+    has_bias = True
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        if not self._hooked():
+            return F.layer_norm(x, self.w.shape, None, None, self.eps)
+        x = x - x.mean(-1, keepdim=True)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized(x / scale)
+
+
+class RMSNormPre(_Folded):
+    """RMSNorm whose weight was folded away: x / sqrt(mean(x^2) + eps)."""
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        if not self._hooked():
+            return F.rms_norm(x, self.w.shape, None, self.eps)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized(x / scale)
+
+
 class NoNorm(nn.Module):
     """Identity: the residual stream goes through unnormalised (no hooks to fire)."""
 
@@ -57,4 +102,18 @@ class NoNorm(nn.Module):
         return x
 
 
-NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "none": NoNorm}
+def _unless_folded(full: type, folded: type):
+    """One ``norm`` choice: the module with weights, or its weightless form once ``cfg.folded_ln``."""
+
+    def build(cfg: ModelConfig) -> nn.Module:
+        return folded(cfg) if cfg.folded_ln else full(cfg)
+
+    build.__name__ = full.__name__
+    return build
+
+
+NORMS = {
+    "layernorm": _unless_folded(LayerNorm, LayerNormPre),
+    "rmsnorm": _unless_folded(RMSNorm, RMSNormPre),
+    "none": NoNorm,
+}

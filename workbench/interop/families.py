@@ -209,6 +209,9 @@ def hf_family_for(cfg: ModelConfig) -> str:
         raise no("norm='none'", "every supported family normalises")
     if cfg.attn_only:
         raise no("attn_only=True", "every supported family has an FFN")
+    if cfg.folded_ln and cfg.norm == "layernorm":
+        raise no("a folded LayerNorm (process_weights(fold_ln=True))",
+                 "the final norm's bias now lives in an unembedding bias b_U, which no family has")
     if cfg.rotary_interleaved:
         raise no("rotary_interleaved=True (GPT-J pairing)", "supported families rotate halves")
     gated = cfg.ffn in ("swiglu", "geglu")

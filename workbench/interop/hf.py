@@ -47,12 +47,18 @@ def from_hf(
     tokenizer: Any = None,
     dtype: torch.dtype = torch.float32,
     device: Union[str, torch.device, None] = None,
+    fold_ln: bool = False,
+    center_writing_weights: bool = False,
+    center_unembed: bool = False,
+    fold_value_biases: bool = False,
 ) -> HookedDecoder:
     """A ``HookedDecoder`` with the weights of a Hugging Face causal LM, in eval mode.
 
     ``source`` is a local model directory or a built ``transformers`` model. The directory's
     tokenizer (or ``tokenizer``, a transformers tokenizer) is attached as ``model.tokenizer``.
     ``n_ctx`` caps the context (default: the model's, extended by its RoPE scaling factor).
+    The four processing switches (all off: the weights as imported) run
+    ``model.process_weights`` in float32, before the cast to ``dtype``.
     Raises ``UnsupportedHFConfig`` naming the first field the workbench cannot reproduce.
     """
     import transformers
@@ -83,6 +89,8 @@ def from_hf(
     if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
         tokenizer = HFTokenizer.from_transformers(tokenizer)
     model.tokenizer = tokenizer
+    if fold_ln or center_writing_weights or center_unembed or fold_value_biases:
+        model.process_weights(fold_ln, center_writing_weights, center_unembed, fold_value_biases)
     model.to(device=device, dtype=dtype)
     return model.eval()
 
