@@ -106,3 +106,32 @@ def test_shipped_induction_model_has_an_induction_head_that_matters():
     with torch.no_grad():
         losses = model.loss_fn(model.run_with_hooks(tokens, fwd_hooks=hooks), tokens, per_token=True)
     assert float(losses[:, half:].mean()) > clean + 1.0
+
+
+def test_head_scores_report_the_layout_they_were_measured_on():
+    model = wb.HookedDecoder(tiny()).eval()
+    probe = head_scores(model, seq_len=6, batch=3, seed=5)
+    tokens = repeated_random_tokens(model, 6, 3, seed=5)
+    # Independent count: positions whose token occurred earlier in the same row.
+    repeats = sum(int(row[q] in row[:q]) for row in tokens.tolist() for q in range(len(row)))
+    assert probe.attrs["layout"] == {"source": "repeated_random_tokens", "seq_len": 6, "seed": 5,
+                                     "batch": 3, "n_pos": 12, "repeats": repeats}
+    prompt = head_scores(model, torch.tensor([[3, 4, 3, 9, 4]]))
+    assert prompt.attrs["layout"] == {"source": "tokens", "batch": 1, "n_pos": 5, "repeats": 2}
+
+
+def test_shipped_induction_model_spreads_induction_over_layer_one():
+    """The README's claim: every layer-1 head scores high on fresh layouts and the top one moves."""
+    path = REPO / "checkpoints" / "induction-attn2l"
+    if not (path / "config.json").exists():
+        pytest.skip("checkpoints/induction-attn2l is not built yet (scripts/make_checkpoints.py)")
+    model, _ = wb.load_checkpoint(path)
+    model.eval()
+    best = set()
+    for seq_len in (8, 16, 31):
+        scores = head_scores(model, kinds=["induction"], seq_len=seq_len, batch=32, seed=0)
+        by_layer = scores.groupby("layer")["score"]
+        assert by_layer.min()[1] > 0.6 and by_layer.max()[0] < 0.1, scores
+        layer_one = scores[scores.layer == 1].set_index("head")["score"]
+        best.add(int(layer_one.idxmax()))
+    assert len(best) > 1, best  # the highest-scoring head depends on the layout

@@ -81,8 +81,23 @@ def _lens(ckpt: common.Checkpoint, ids) -> None:
 def _head_scores(ckpt: common.Checkpoint, ids) -> None:
     scores = common.analysis("head_scores", ckpt.key, ids)
     wide = scores.pivot_table(index=["layer", "head"], columns="kind", values="score").reset_index()
-    st.caption("Head scores on this prompt (attention on the positions each kind of head attends to).")
+    st.caption(layout_caption(scores.attrs["layout"]))
     common.table(wide.round(3))
+
+
+def layout_caption(layout: dict) -> str:
+    """What the head scores were measured on, from the layout ``head_scores`` reports it used."""
+    rows = f"{layout['batch']} sequence{'s' if layout['batch'] != 1 else ''}"
+    if layout["source"] == "repeated_random_tokens":
+        where = (f"repeated random tokens: {rows} of {layout['seq_len']} random tokens shown twice "
+                 f"({layout['n_pos']} tokens, seed {layout['seed']})")
+    else:
+        where = f"this prompt: {rows} of {layout['n_pos']} tokens"
+    repeats = (f"{layout['repeats']} position(s) repeat an earlier token, and only those count for the "
+               "duplicate-token and induction scores" if layout["repeats"] else
+               "no position repeats an earlier token, so the duplicate-token and induction scores are 0")
+    return (f"Head scores on {where}; {repeats}. A score belongs to this layout: on another input the "
+            "highest-scoring head can change.")
 
 
 def _attribution(ckpt: common.Checkpoint, ids) -> None:

@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 
 from workbench.config import ModelConfig
+from workbench.utils import check_int
 
 
 def _component(name: str) -> str:
@@ -66,7 +67,7 @@ def matmul_params(cfg: ModelConfig) -> int:
 def forward_flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:
     """Forward FLOPs per token: 2 per multiplied weight (multiply-add) plus attention's
     QK^T and AV products over ``context`` positions (n_ctx by default), as in Kaplan et al. (2020)."""
-    context = cfg.n_ctx if context is None else context
+    context = cfg.n_ctx if context is None else check_int("context", context, 0)
     attention = 2 * 2 * cfg.n_layers * context * cfg.n_heads * cfg.d_head
     return 2 * matmul_params(cfg) + attention
 
@@ -74,9 +75,9 @@ def forward_flops_per_token(cfg: ModelConfig, context: int | None = None) -> int
 def training_flops(cfg: ModelConfig, n_tokens: int) -> int:
     """The 6ND rule: forward (2N) plus backward (4N) per token, with N = ``matmul_params`` (the
     same N as ``forward_flops_per_token``, so tied and untied heads count alike)."""
-    return 6 * matmul_params(cfg) * n_tokens
+    return 6 * matmul_params(cfg) * check_int("n_tokens", n_tokens, 0)
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
     """Bytes of keys and values stored per token of context (bf16 by default)."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.d_head * bytes_per_value
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.d_head * check_int("bytes_per_value", bytes_per_value, 1)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
+
+from workbench.utils import check_float, check_int, check_seed
 
 NormChoice = Literal["layernorm", "rmsnorm", "none"]
 PlacementChoice = Literal["pre", "post"]
@@ -94,6 +95,9 @@ class ModelConfig:
             _check_literal(f.name, getattr(self, f.name), _resolved_hints()[f.name])
         for name in ("d_model", "n_layers", "n_heads", "d_vocab", "n_ctx"):
             _check_positive(name, getattr(self, name))
+        for name in ("d_head", "n_kv_heads", "d_mlp", "rotary_dim", "rope_original_n_ctx"):
+            if getattr(self, name) is not None:  # given explicitly: checked before anything is derived from it
+                _check_positive(name, getattr(self, name))
         if self.d_head is None:
             if self.d_model % self.n_heads:
                 raise ValueError(
@@ -109,18 +113,20 @@ class ModelConfig:
             object.__setattr__(self, "rotary_dim", self.d_head)
         if self.qkv_bias is None:
             object.__setattr__(self, "qkv_bias", self.bias)
-        for name in ("d_head", "n_kv_heads", "d_mlp", "rotary_dim", "n_experts", "experts_per_token"):
-            _check_positive(name, getattr(self, name))
+        _check_positive("n_experts", self.n_experts)
+        check_int("ModelConfig.experts_per_token", self.experts_per_token, 1, self.n_experts)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
                 "(n_kv_heads = n_heads is MHA, 1 is MQA, a divisor in between is GQA)"
             )
-        if self.rotary_dim > self.d_head or self.rotary_dim % 2:
-            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and at most d_head={self.d_head}")
-        if self.experts_per_token > self.n_experts:
+        # Only RoPE rotates: with other positions rotary_dim is inert (it still derives from d_head,
+        # so an odd d_head such as d_model=100, n_heads=4 is fine until positional='rope').
+        if self.positional == "rope" and (self.rotary_dim > self.d_head or self.rotary_dim % 2):
             raise ValueError(
-                f"experts_per_token={self.experts_per_token} exceeds n_experts={self.n_experts}"
+                f"positional='rope' needs rotary_dim even and at most d_head={self.d_head}, got "
+                f"rotary_dim={self.rotary_dim} (it defaults to d_head: set an even rotary_dim, or a d_head "
+                "that is even)"
             )
         if self.parallel_residual and self.norm_placement == "post":
             raise ValueError(
@@ -137,12 +143,12 @@ class ModelConfig:
         positive = ("norm_eps", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                     "rope_beta_fast", "rope_beta_slow")
         for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.rope_base <= 1:
-            raise ValueError(f"ModelConfig.rope_base must be > 1, got {self.rope_base}")
-        if self.init_std < 0:
-            raise ValueError(f"ModelConfig.init_std must be >= 0, got {self.init_std}")
+            check_float(f"ModelConfig.{name}", getattr(self, name), 0, None, lo_open=True)
+        check_float("ModelConfig.rope_base", self.rope_base, 1, None, lo_open=True)
+        check_float("ModelConfig.init_std", self.init_std, 0)
+        check_seed("ModelConfig.seed", self.seed, optional=True)
+        if not isinstance(self.name, str):
+            raise ValueError(f"ModelConfig.name must be a string, got {self.name!r}")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("rope_high_freq_factor must exceed rope_low_freq_factor for llama3 RoPE scaling")
 
@@ -295,17 +301,18 @@ def _check_literal(name: str, value: Any, hint: Any) -> None:
             f"ModelConfig.{name}={value!r} is not a valid choice; "
             f"valid choices are {list(typing.get_args(literal))}"
         )
+    # Optional[bool] (qkv_bias) is typed like a plain bool.
+    if typing.get_origin(hint) is typing.Union and type(None) in args:
+        if value is None:
+            return
+        hint = next(arg for arg in args if arg is not type(None))
     if hint is bool and not isinstance(value, bool):
         raise ValueError(f"ModelConfig.{name} must be true or false, got {value!r}")
-    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"ModelConfig.{name} must be an integer, got {value!r}")
-    if hint is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
-        raise ValueError(f"ModelConfig.{name} must be a finite number, got {value!r}")
+    # int and float fields are checked with their ranges in __post_init__.
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+    check_int(f"ModelConfig.{name}", value, 1)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -27,6 +27,7 @@ from workbench.components.norm import NORMS
 from workbench.components.positional import POS_EMBEDDINGS
 from workbench.components.registry import add_bias, pick
 from workbench.config import ModelConfig
+from workbench.utils import check_float, check_int, check_seed, check_token_ids, eval_mode
 
 
 
@@ -177,8 +178,15 @@ class HookedDecoder(HookedRootModule):
         ).view(tokens.shape[0], -1)
         return losses if per_token else losses.mean()
 
-    def _check_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+    def _check_tokens(self, tokens: Tensor, offset: int = 0) -> Int[Tensor, "batch pos"]:
+        """``tokens`` as long ids [batch, pos] on the model's device, or ValueError saying what is wrong.
+
+        Any integer dtype is accepted (uint8 and int32 ids are common from numpy and datasets);
+        indexing needs long, since torch reads a uint8 tensor as a boolean mask.
+        """
+        if not isinstance(tokens, Tensor):
+            raise ValueError(f"tokens must be an integer tensor [batch, pos], got {type(tokens).__name__}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
         if tokens.ndim == 1:
             tokens = tokens[None]
@@ -191,6 +199,7 @@ class HookedDecoder(HookedRootModule):
                 f"sequence of {offset + tokens.shape[1]} tokens is longer than the context "
                 f"n_ctx={self.cfg.n_ctx}; shorten the prompt or use a model with a larger n_ctx"
             )
+        tokens = tokens.long()
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.d_vocab):
             raise ValueError(
                 f"token ids must lie in [0, {self.cfg.d_vocab}); got range "
@@ -247,31 +256,33 @@ class HookedDecoder(HookedRootModule):
         """
         as_string = isinstance(input, str)
         tokens = self._check_tokens(self.to_tokens(input) if as_string else input)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
         if tokens.shape[1] + max_new_tokens > self.cfg.n_ctx:
             raise ValueError(
                 f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds n_ctx={self.cfg.n_ctx}"
             )
-        if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 1")
-        was_training = self.training
-        self.eval()
-        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-        stops = torch.tensor(sorted(set(stop_tokens or [])), device=self.device, dtype=torch.long)
-        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=self.device)
-        pad = torch.full_like(finished, int(stops[0]) if len(stops) else 0, dtype=torch.long)
-        # Sized to this call, not n_ctx: an imported 128k-context model must not allocate 128k positions.
-        cache = self.make_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens) if use_kv_cache else None
-        logits = self(tokens, kv_cache=cache)[:, -1]
-        for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generating"):
-            next_token = _sample(logits, temperature, top_k, top_p, gen)
-            next_token = torch.where(finished, pad, next_token)
-            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-            finished |= torch.isin(next_token, stops)
-            if bool(finished.all()) or tokens.shape[1] == self.cfg.n_ctx:
-                break
-            step_input = next_token[:, None] if use_kv_cache else tokens
-            logits = self(step_input, kv_cache=cache)[:, -1]
-        self.train(was_training)
+        temperature = check_float("temperature", temperature, 0)
+        top_k = None if top_k is None else check_int("top_k", top_k, 1)
+        top_p = None if top_p is None else check_float("top_p", top_p, 0, 1, lo_open=True)
+        seed = check_seed("seed", seed, optional=True)
+        stop_ids = sorted({int(check_token_ids("stop_tokens", t, self.cfg.d_vocab)) for t in (stop_tokens or [])})
+        with eval_mode(self):
+            gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+            stops = torch.tensor(stop_ids, device=self.device, dtype=torch.long)
+            finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=self.device)
+            pad = torch.full_like(finished, stop_ids[0] if stop_ids else 0, dtype=torch.long)
+            # Sized to this call, not n_ctx: an imported 128k-context model must not allocate 128k positions.
+            cache = self.make_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens) if use_kv_cache else None
+            logits = self(tokens, kv_cache=cache)[:, -1]
+            for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generating"):
+                next_token = _sample(logits, temperature, top_k, top_p, gen)
+                next_token = torch.where(finished, pad, next_token)
+                tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+                finished |= torch.isin(next_token, stops)
+                if bool(finished.all()) or tokens.shape[1] == self.cfg.n_ctx:
+                    break
+                step_input = next_token[:, None] if use_kv_cache else tokens
+                logits = self(step_input, kv_cache=cache)[:, -1]
         return self.to_string(tokens[0]) if as_string else tokens
 
     # ---- tokenizer helpers --------------------------------------------------------

@@ -41,11 +41,13 @@ from workbench.checkpoint import CheckpointError, check_replaceable, load_checkp
 from workbench.config import ModelConfig
 from workbench.data import Task, get_task
 from workbench.model import HookedDecoder
+from workbench.utils import check_float, check_int, check_seed
 
 METRICS_FILE = "metrics.csv"
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
 METRIC_COLUMNS = ["step", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s"]
+MAX_LR = 10.0
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -82,13 +84,26 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "save_every", "threads", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}")
+            check_int(f"TrainConfig.{name}", getattr(self, name), 1)
+        for name in ("warmup_steps", "eval_every", "save_every", "threads"):
+            check_int(f"TrainConfig.{name}", getattr(self, name), 0)
+        if self.seq_len is not None:
+            check_int("TrainConfig.seq_len", self.seq_len, 2)  # the next-token loss needs two tokens
+        check_seed("TrainConfig.seed", self.seed)
+        # AdamW moves every weight by about lr per step, so lr above 10 replaces a model's weights in one
+        # step; the bound also keeps lr inside the float32 range the optimizer computes in (1e40 overflows).
+        check_float("TrainConfig.lr", self.lr, 0, MAX_LR, lo_open=True)
+        check_float("TrainConfig.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_float("TrainConfig.weight_decay", self.weight_decay, 0)
+        check_float("TrainConfig.grad_clip", self.grad_clip, 0)
+        for name in ("beta1", "beta2"):  # AdamW's own range: a beta of 1 never forgets the first gradient
+            check_float(f"TrainConfig.{name}", getattr(self, name), 0, 1, hi_open=True)
+        for name in ("save_train_state", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TrainConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("task", "device"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"TrainConfig.{name} must be a string, got {getattr(self, name)!r}")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"TrainConfig.autocast={self.autocast!r}; valid choices are ['auto', 'bf16', 'none']")
         if not isinstance(self.task_options, dict):

@@ -89,6 +89,27 @@ def test_inspect_widgets_change_the_figures_but_never_reload_the_model(app):
     assert sum(common.LOADS.values()) == loads, "a widget change reloaded the model"
 
 
+def test_inspect_head_scores_say_which_layout_they_were_measured_on(app, checkpoints_dir):
+    at = app("Inspect")
+    at.session_state["attn_tab"] = "Head scores"
+    at.run()
+    ids = load_tokenizer(checkpoints_dir / DEFAULT).encode(common.DEFAULT_PROMPT)
+    repeats = sum(ids[q] in ids[:q] for q in range(len(ids)))
+    caption = " | ".join(c.value for c in at.caption)
+    assert f"Head scores on this prompt: 1 sequence of {len(ids)} tokens" in caption, caption
+    assert (f"{repeats} position(s) repeat an earlier token" if repeats else "no position repeats") in caption
+
+
+def test_head_score_caption_of_a_repeated_token_probe():
+    from ui.inspect import layout_caption
+
+    layout = {"source": "repeated_random_tokens", "seq_len": 20, "seed": 3, "batch": 8, "n_pos": 40, "repeats": 171}
+    caption = layout_caption(layout)
+    assert "8 sequences of 20 random tokens shown twice (40 tokens, seed 3)" in caption
+    assert "171 position(s) repeat" in caption
+    assert "no position repeats" in layout_caption({**layout, "repeats": 0})
+
+
 def test_checkpoint_and_prompt_survive_a_visit_to_another_page(app):
     at = app("Inspect")
     at.text_area(key="prompt").set_value("Mary and John went to the park .").run()

@@ -23,8 +23,17 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from workbench.analysis.common import Metric, as_tokens, check_choice, check_head, check_layer, loss_metric
+from workbench.analysis.common import (
+    Metric,
+    as_tokens,
+    check_choice,
+    check_head,
+    check_layer,
+    check_positions,
+    loss_metric,
+)
 from workbench.analysis.resume import hook_name, needed_hooks, run_from_site
+from workbench.utils import check_index, check_int, eval_mode
 
 TARGETS = ("head", "attn", "mlp", "neurons", "resid", "direction")
 METHODS = ("zero", "mean", "resample")
@@ -62,20 +71,31 @@ class AblationSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        self.layer = int(self.layer)
-        self.head = None if self.head is None else int(self.head)
+        # int() would turn layer=1.5 into 1 silently: only integers (numpy ones too) are accepted.
+        self.layer = check_int("layer", self.layer)
+        self.head = None if self.head is None else check_int("head", self.head)
+        self.seed = check_int("seed", self.seed)
 
-    def validate(self, model) -> "AblationSpec":
-        """This spec checked against ``model``; a copy with a negative ``layer`` counted from the end."""
+    def validate(self, model, n_pos: Optional[int] = None) -> "AblationSpec":
+        """This spec checked against ``model`` (and ``positions`` against an input of ``n_pos``
+        tokens, or the context when not given); a copy with a negative ``layer`` counted from the end."""
         check_choice("target", self.target, TARGETS)
         check_choice("method", self.method, METHODS)
         layer = check_layer(model, self.layer)
         if self.target == "head":
+            if self.head is None:
+                raise ValueError(f"target='head' needs head=an index in [0, {model.cfg.n_heads})")
             check_head(model, self.head)
         if self.target in ("mlp", "neurons") and model.cfg.attn_only:
             raise ValueError(f"target={self.target!r} needs an MLP, but this model is attention-only")
+        if self.target == "neurons" and model.cfg.ffn == "moe":
+            raise ValueError("target='neurons' needs a dense MLP; a mixture of experts has no single hidden layer")
         if self.target == "neurons" and not self.neurons:
             raise ValueError("target='neurons' needs neurons=[indices into the MLP hidden layer]")
+        if self.target == "neurons":
+            for neuron in self.neurons:
+                check_index("neurons", neuron, model.cfg.d_mlp, of=f"d_mlp={model.cfg.d_mlp}")
+        check_positions("positions", self.positions, model.cfg.n_ctx if n_pos is None else n_pos)
         if self.target == "direction":
             if self.direction is None or self.direction.shape != (model.cfg.d_model,):
                 raise ValueError(f"target='direction' needs direction=a [d_model={model.cfg.d_model}] tensor")
@@ -166,7 +186,7 @@ def _effective(spec: AblationSpec, reference: Optional[Tensor]) -> AblationSpec:
 
 def ablation_hooks(model, tokens: Tensor, spec: AblationSpec, reference: Optional[Tensor] = None) -> list:
     """``fwd_hooks`` for ``run_with_hooks`` that apply ``spec`` (reference activations precomputed)."""
-    spec = spec.validate(model)
+    spec = spec.validate(model, tokens.shape[1])
     check_reference(tokens, reference, [spec.method])
     refs = {spec.method: _reference_acts(model, tokens, reference, {spec.hook}, spec.method)}
     return _spec_hook(spec, refs, reference)
@@ -231,11 +251,18 @@ def ablation_sweep(
     """
     tokens = as_tokens(model, tokens)
     metric = loss_metric(tokens) if metric is None else metric
-    specs = [s.validate(model) for s in (specs or sweep_specs(model, unit, methods, positions))]
+    specs = [s.validate(model, tokens.shape[1]) for s in (specs or sweep_specs(model, unit, methods, positions))]
     check_reference(tokens, reference, [s.method for s in specs])
-    stack = stack or (16 if model.device.type == "cuda" else 1)
-    was_training = model.training
-    model.eval()
+    stack = (16 if model.device.type == "cuda" else 1) if stack is None else check_int("stack", stack, 1)
+    with eval_mode(model):
+        clean, values = _sweep_values(model, tokens, specs, metric, reference, stack, naive, progress)
+    rows = [(s.target, s.layer, -1 if s.head is None else s.head, s.method, s.label, values[i], clean, values[i] - clean)
+            for i, s in enumerate(specs)]
+    return pd.DataFrame(rows, columns=["target", "layer", "head", "method", "label", "metric", "clean", "delta"])
+
+
+def _sweep_values(model, tokens, specs, metric, reference, stack, naive, progress) -> tuple[float, dict[int, float]]:
+    """The clean metric and the metric of every spec's ablated run."""
     sites = needed_hooks(model)
     clean_logits, cache = model.run_with_cache(tokens, names_filter=lambda name: name in sites)
     clean = float(metric(clean_logits))
@@ -267,10 +294,7 @@ def ablation_sweep(
                     values[i] = float(metric(lg))
                 bar.update(len(chunk))
     bar.close()
-    model.train(was_training)
-    rows = [(s.target, s.layer, -1 if s.head is None else s.head, s.method, s.label, values[i], clean, values[i] - clean)
-            for i, s in enumerate(specs)]
-    return pd.DataFrame(rows, columns=["target", "layer", "head", "method", "label", "metric", "clean", "delta"])
+    return clean, values
 
 
 class _Progress:

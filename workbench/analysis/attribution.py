@@ -20,16 +20,18 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from workbench.analysis.common import as_tokens
+from workbench.utils import check_index, check_token_ids
 
 
-def _token_ids(model, value: Union[int, str, Tensor], batch: int) -> Int[Tensor, "batch"]:
+def _token_ids(model, name: str, value: Union[int, str, Tensor], batch: int) -> Int[Tensor, "batch"]:
     if isinstance(value, str):
         value = model.to_single_token(value)
-    ids = torch.as_tensor(value, device=model.device).long()
+    # No Python-style negatives: answer=-1 would silently pick the last vocabulary entry.
+    ids = check_token_ids(name, value, model.cfg.d_vocab).to(model.device)
     if ids.ndim == 0:
         ids = ids.expand(batch)
     if ids.shape != (batch,):
-        raise ValueError(f"answer/wrong tokens must be an int or a [batch={batch}] tensor, got shape {tuple(ids.shape)}")
+        raise ValueError(f"{name} must be a token id or a [batch={batch}] tensor of ids, got shape {tuple(ids.shape)}")
     return ids
 
 
@@ -52,7 +54,8 @@ def direct_logit_attribution(
     wrong: Union[int, str, Int[Tensor, "batch"], None] = None,
     pos: int = -1,
 ) -> pd.DataFrame:
-    """DLA of logit[answer] - logit[wrong] (or logit[answer] alone) at position ``pos``.
+    """DLA of logit[answer] - logit[wrong] (or logit[answer] alone) at position ``pos``
+    (negative: counted from the end, as the default -1, the last position).
 
     One row per (batch, granularity, component). ``granularity="head"`` splits attention
     into every head plus each layer's output bias; ``granularity="layer"`` has one row per
@@ -64,18 +67,17 @@ def direct_logit_attribution(
         raise ValueError("direct logit attribution needs norm_placement='pre': in a post-norm model "
                          "the final residual stream is not a sum of component outputs")
     tokens = as_tokens(model, tokens)
-    batch = tokens.shape[0]
-    answer_ids = _token_ids(model, answer, batch)
+    batch, n_pos = tokens.shape
+    pos = check_index("pos", pos, n_pos, negative=True, of=f"a prompt of {n_pos} tokens")
+    answer_ids = _token_ids(model, "answer", answer, batch)
     direction = model.W_U[:, answer_ids].T  # [batch, d_model]
     bias_u = model.b_U[answer_ids]
     if wrong is not None:
-        wrong_ids = _token_ids(model, wrong, batch)
+        wrong_ids = _token_ids(model, "wrong", wrong, batch)
         direction = direction - model.W_U[:, wrong_ids].T
         bias_u = bias_u - model.b_U[wrong_ids]
 
     logits, cache = model.run_with_cache(tokens)
-    n_pos = tokens.shape[1]
-    pos = pos % n_pos
     parts, meta = [], []  # meta: (granularity, component, kind, layer, head)
 
     def add(vector: Tensor, granularity: str, component: str, kind: str, layer=-1, head=-1):

@@ -7,12 +7,13 @@ them agree on what a token is called.
 
 from __future__ import annotations
 
-import numbers
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+
+from workbench.utils import check_index, check_int, check_token_ids
 
 Metric = Callable[[Tensor], Tensor]
 
@@ -51,13 +52,19 @@ def loss_metric(tokens: Tensor) -> Metric:
 def logit_diff_metric(
     answer: Union[int, Tensor], wrong: Union[int, Tensor], pos: int = -1
 ) -> Metric:
-    """Mean over the batch of logit[answer] - logit[wrong] at position ``pos``."""
+    """Mean over the batch of logit[answer] - logit[wrong] at position ``pos`` (negative: from the end).
+
+    The ids and the position are checked against the logits the metric is given.
+    """
+    check_token_ids("answer", answer, None)  # the type and sign now; the vocabulary size once logits come
+    check_token_ids("wrong", wrong, None)
+    check_int("pos", pos)
 
     def metric(logits: Float[Tensor, "batch pos d_vocab"]) -> Tensor:
-        at = logits[:, pos]
+        at = logits[:, check_index("pos", pos, logits.shape[1], negative=True, of=f"{logits.shape[1]} positions")]
         idx = torch.arange(at.shape[0], device=at.device)
-        a = torch.as_tensor(answer, device=at.device).expand(at.shape[0])
-        w = torch.as_tensor(wrong, device=at.device).expand(at.shape[0])
+        a = check_token_ids("answer", answer, at.shape[-1]).to(at.device).expand(at.shape[0])
+        w = check_token_ids("wrong", wrong, at.shape[-1]).to(at.device).expand(at.shape[0])
         return (at[idx, a] - at[idx, w]).mean()
 
     return metric
@@ -68,14 +75,20 @@ def check_choice(name: str, value, choices: Sequence) -> None:
         raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
 
 
-def check_layer(model, layer: int, allow_final: bool = False) -> int:
+def check_layer(model, layer: int, allow_final: bool = False, name: str = "layer") -> int:
+    """A block index (Python-style negatives count from the end), normalised to ``0..n_layers-1``."""
     n = model.cfg.n_layers + (1 if allow_final else 0)
-    if not isinstance(layer, numbers.Integral) or not -n <= layer < n:
-        raise ValueError(f"layer={layer!r} out of range for a model with n_layers={model.cfg.n_layers}")
-    return int(layer) % n
+    return check_index(name, layer, n, negative=True, of=f"n_layers={model.cfg.n_layers}")
 
 
-def check_head(model, head: int) -> int:
-    if not isinstance(head, numbers.Integral) or not 0 <= head < model.cfg.n_heads:
-        raise ValueError(f"head={head!r} out of range: valid heads are 0..{model.cfg.n_heads - 1}")
-    return head
+def check_head(model, head: int, name: str = "head") -> int:
+    return check_index(name, head, model.cfg.n_heads, of=f"n_heads={model.cfg.n_heads}")
+
+
+def check_positions(name: str, positions: Optional[Sequence[int]], n_pos: int) -> Optional[list[int]]:
+    """Position indices into a sequence of ``n_pos`` tokens (no negatives), or None for all."""
+    if positions is None:
+        return None
+    if isinstance(positions, (str, bytes)) or not hasattr(positions, "__iter__"):
+        raise ValueError(f"{name} must be a sequence of position indices, got {positions!r}")
+    return [check_index(name, p, n_pos, of=f"{n_pos} positions") for p in positions]

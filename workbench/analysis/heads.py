@@ -18,7 +18,8 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from workbench.analysis.common import as_tokens, check_choice, str_tokens
+from workbench.analysis.common import as_tokens, check_choice, check_head, check_layer, str_tokens
+from workbench.utils import check_index, check_int, check_seed, is_int
 
 SCORE_KINDS = ("previous_token", "duplicate_token", "induction", "first_token")
 
@@ -43,11 +44,10 @@ def attention_patterns(
     ``batch_index=None`` keeps every sequence of the batch.
     """
     tokens = as_tokens(model, tokens)
-    layers = list(range(model.cfg.n_layers)) if layers is None else list(layers)
-    heads = list(range(model.cfg.n_heads)) if heads is None else list(heads)
+    layers = list(range(model.cfg.n_layers)) if layers is None else [check_layer(model, l, name="layers") for l in layers]
+    heads = list(range(model.cfg.n_heads)) if heads is None else [check_head(model, h, name="heads") for h in heads]
     if batch_index is not None:
-        if not 0 <= batch_index < tokens.shape[0]:
-            raise ValueError(f"batch_index={batch_index} out of range for a batch of {tokens.shape[0]}")
+        batch_index = check_index("batch_index", batch_index, tokens.shape[0], of=f"a batch of {tokens.shape[0]}")
         tokens = tokens[batch_index : batch_index + 1]
     cache = _pattern_cache(model, tokens, layers)
     frames = []
@@ -95,8 +95,13 @@ def repeated_random_tokens(
     model, seq_len: int = 20, batch: int = 8, seed: int = 0, prefix: Optional[int] = None
 ) -> Int[Tensor, "batch pos"]:
     """Random tokens repeated once: ``[prefix?] r_1..r_n r_1..r_n`` (the induction test input)."""
-    if 2 * seq_len + (prefix is not None) > model.cfg.n_ctx:
-        raise ValueError(f"2 * seq_len={2 * seq_len} exceeds n_ctx={model.cfg.n_ctx}: pick a shorter seq_len")
+    longest = (model.cfg.n_ctx - (prefix is not None)) // 2
+    if not (is_int(seq_len) and 1 <= seq_len <= longest):
+        raise ValueError(f"seq_len must be an integer in [1, {longest}] (2 * seq_len{' + 1' if prefix is not None else ''} "
+                         f"<= n_ctx={model.cfg.n_ctx}), got {seq_len!r}: pick a shorter seq_len")
+    batch, seed = check_int("batch", batch, 1), check_seed("seed", seed)
+    if prefix is not None:
+        check_index("prefix", prefix, model.cfg.d_vocab, of=f"d_vocab={model.cfg.d_vocab}")
     gen = torch.Generator().manual_seed(seed)
     half = torch.randint(0, model.cfg.d_vocab, (batch, seq_len), generator=gen)
     tokens = torch.cat([half, half], dim=1)
@@ -118,12 +123,20 @@ def head_scores(
 
     Without ``tokens``, the scores are measured on repeated random tokens
     (``repeated_random_tokens``, ``seq_len`` up to 20, at most half the context), where
-    induction and duplicate-token heads show themselves.
+    induction and duplicate-token heads show themselves. A score belongs to the layout it was
+    measured on (on fresh layouts the best induction head of a model can change), so the
+    returned frame's ``attrs["layout"]`` says which: ``source`` ("repeated_random_tokens" or
+    "tokens"), ``batch``, ``n_pos`` and ``repeats`` (positions holding a token seen earlier in
+    their row), plus ``seq_len`` and ``seed`` for the repeated random tokens.
     """
     for kind in kinds:
         check_choice("kind", kind, SCORE_KINDS)
-    seq_len = min(20, model.cfg.n_ctx // 2) if seq_len is None else seq_len
-    tokens = repeated_random_tokens(model, seq_len, batch, seed) if tokens is None else as_tokens(model, tokens)
+    if tokens is None:
+        seq_len = min(20, model.cfg.n_ctx // 2) if seq_len is None else seq_len
+        tokens = repeated_random_tokens(model, seq_len, batch, seed)
+        layout = {"source": "repeated_random_tokens", "seq_len": seq_len, "seed": seed}
+    else:
+        tokens, layout = as_tokens(model, tokens), {"source": "tokens"}
     layers = range(model.cfg.n_layers)
     cache = _pattern_cache(model, tokens, layers)
     patterns = torch.stack([cache[f"blocks.{l}.attn.hook_pattern"] for l in layers]).float()  # [l, b, h, q, k]
@@ -137,4 +150,7 @@ def head_scores(
         for layer in layers:
             for head in range(model.cfg.n_heads):
                 rows.append((layer, head, kind, float(score[layer, head])))
-    return pd.DataFrame(rows, columns=["layer", "head", "kind", "score"])
+    frame = pd.DataFrame(rows, columns=["layer", "head", "kind", "score"])
+    repeats = int(detection_mask("duplicate_token", tokens).any(-1).sum())
+    frame.attrs["layout"] = {**layout, "batch": int(tokens.shape[0]), "n_pos": int(tokens.shape[1]), "repeats": repeats}
+    return frame

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from workbench.analysis.common import as_tokens, str_tokens
+from workbench.utils import check_float, check_int, check_seed, check_token_ids, eval_mode
 
 TUNED_LENS_WEIGHTS = "tuned_lens.safetensors"
 TUNED_LENS_META = "tuned_lens.json"
@@ -60,6 +61,12 @@ def _lens_table(
     lens_name: str,
 ) -> pd.DataFrame:
     n_layer, batch, pos, _ = lens_logits.shape
+    k = check_int("k", k, 1, model.cfg.d_vocab)
+    if targets is not None:
+        if not isinstance(targets, Tensor) or targets.shape != tokens.shape:
+            raise ValueError(f"targets must be a tensor of token ids shaped like tokens {tuple(tokens.shape)}, "
+                             f"got {tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}")
+        targets = check_token_ids("targets", targets, model.cfg.d_vocab, allow=(-1,)).to(tokens.device)
     logp = lens_logits.float().log_softmax(-1)
     final_logp = final_logits.float().log_softmax(-1)
     kl = (final_logp.exp() * (final_logp - logp)).sum(-1)  # KL(final || lens)
@@ -113,7 +120,7 @@ def logit_lens(
     Columns: lens, batch, layer, layer_label, pos, token, target_id, target, target_prob,
     target_rank (1 = top), kl_to_final (KL(final || lens), nats), entropy, and for the top
     ``k`` tokens ``top{i}``, ``top{i}_id``, ``top{i}_prob``. ``targets`` defaults to the next
-    token (none at the last position: target_rank -1, target_prob NaN).
+    token (none at the last position: target_rank -1, target_prob NaN); a target of -1 means none.
     """
     tokens = as_tokens(model, tokens)
     resid, final_logits = residual_stack(model, tokens)
@@ -224,31 +231,33 @@ def train_tuned_lens(
     the model is frozen. The loss history is kept in ``lens.info["history"]``.
     """
     data = as_tokens(model, data)
+    steps, batch_size = check_int("steps", steps, 0), check_int("batch_size", batch_size, 1)
+    lr, seed = check_float("lr", lr, 0, None, lo_open=True), check_seed("seed", seed)
     lens = TunedLens(model.cfg.n_layers, model.cfg.d_model).to(model.device)
     opt = torch.optim.Adam(lens.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / max(steps, 1))
     gen = torch.Generator().manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    # The model is frozen, so its residual streams are computed once, not once per step.
-    with torch.no_grad():
-        streams = torch.cat([residual_stack(model, chunk)[0] for chunk in data.split(64)], dim=1)
-    history = []
-    for step in tqdm(range(steps), disable=not progress, desc="tuned lens"):
-        rows = torch.randint(0, data.shape[0], (min(batch_size, data.shape[0]),), generator=gen)
-        resid = streams[:, rows.to(streams.device)]
-        with torch.no_grad():
-            final_logp = _project(model, resid[-1:])[0].float().log_softmax(-1)
-        logp = _project(model, lens.translate(resid)[:-1]).float().log_softmax(-1)
-        kl = (final_logp.exp() * (final_logp - logp)).sum(-1).mean(dim=(1, 2))  # [layer]
-        opt.zero_grad(set_to_none=True)
-        kl.sum().backward()
-        opt.step()
-        sched.step()
-        history.append(float(kl.detach().mean()))
-    for p in model.parameters():  # backward left grads on the frozen model
-        p.grad = None
-    model.train(was_training)
+    history: list[float] = []
+    with eval_mode(model):
+        try:
+            # The model is frozen, so its residual streams are computed once, not once per step.
+            with torch.no_grad():
+                streams = torch.cat([residual_stack(model, chunk)[0] for chunk in data.split(64)], dim=1)
+            for step in tqdm(range(steps), disable=not progress, desc="tuned lens"):
+                rows = torch.randint(0, data.shape[0], (min(batch_size, data.shape[0]),), generator=gen)
+                resid = streams[:, rows.to(streams.device)]
+                with torch.no_grad():
+                    final_logp = _project(model, resid[-1:])[0].float().log_softmax(-1)
+                logp = _project(model, lens.translate(resid)[:-1]).float().log_softmax(-1)
+                kl = (final_logp.exp() * (final_logp - logp)).sum(-1).mean(dim=(1, 2))  # [layer]
+                opt.zero_grad(set_to_none=True)
+                kl.sum().backward()
+                opt.step()
+                sched.step()
+                history.append(float(kl.detach().mean()))
+        finally:
+            for p in model.parameters():  # backward left grads on the frozen model
+                p.grad = None
     lens.info = {"train": {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
                            "n_sequences": int(data.shape[0]), "seq_len": int(data.shape[1])},
                  "history": history}

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from workbench.analysis.common import Metric, as_tokens, check_choice
 from workbench.analysis.resume import hook_name, needed_hooks, run_from_site
+from workbench.utils import check_int, eval_mode
 
 PATCH_SITES = ("resid_pre", "resid_mid", "attn_out", "mlp_out", "head", "head_by_pos")
 
@@ -38,6 +39,14 @@ def _units(model, site: str, n_pos: int) -> list[tuple[int, int, int]]:
     if site == "head_by_pos":
         return [(l, p, h) for l in layers for p in positions for h in heads]
     return [(l, p, -1) for l in layers for p in positions]
+
+
+def _token_pair(model, clean_tokens, corrupted_tokens) -> tuple[Tensor, Tensor]:
+    clean_tokens, corrupted_tokens = as_tokens(model, clean_tokens), as_tokens(model, corrupted_tokens)
+    if clean_tokens.shape != corrupted_tokens.shape:
+        raise ValueError(f"clean {tuple(clean_tokens.shape)} and corrupted {tuple(corrupted_tokens.shape)} "
+                         "tokens must have the same shape")
+    return clean_tokens, corrupted_tokens
 
 
 def _patched(corrupted: Tensor, clean: Tensor, pos: int, head: int) -> Tensor:
@@ -71,11 +80,8 @@ def activation_patching(
             raise ValueError("site='resid_mid' does not exist in attention-only or parallel-residual models")
         if site == "mlp_out" and model.cfg.attn_only:
             raise ValueError("site='mlp_out' does not exist in an attention-only model")
-    clean_tokens, corrupted_tokens = as_tokens(model, clean_tokens), as_tokens(model, corrupted_tokens)
-    if clean_tokens.shape != corrupted_tokens.shape:
-        raise ValueError(f"clean {tuple(clean_tokens.shape)} and corrupted {tuple(corrupted_tokens.shape)} "
-                         "tokens must have the same shape")
-    stack = stack or (16 if model.device.type == "cuda" else 1)
+    clean_tokens, corrupted_tokens = _token_pair(model, clean_tokens, corrupted_tokens)
+    stack = (16 if model.device.type == "cuda" else 1) if stack is None else check_int("stack", stack, 1)
     names = needed_hooks(model)
     clean_logits, clean_cache = model.run_with_cache(clean_tokens, names_filter=lambda n: n in names)
     corrupted_logits, cache = model.run_with_cache(corrupted_tokens, names_filter=lambda n: n in names)
@@ -116,7 +122,7 @@ def attribution_patching(
     metric when that head's clean output is patched in). With ``exact=True`` also
     ``exact`` (from ``activation_patching``), and ``frame.attrs["correlation"]`` (Pearson).
     """
-    clean_tokens, corrupted_tokens = as_tokens(model, clean_tokens), as_tokens(model, corrupted_tokens)
+    clean_tokens, corrupted_tokens = _token_pair(model, clean_tokens, corrupted_tokens)
     n = model.cfg.n_layers
     z_names = [f"blocks.{l}.attn.hook_z" for l in range(n)]
     with torch.no_grad():
@@ -126,14 +132,11 @@ def attribution_patching(
     def keep(act: Tensor, hook) -> None:
         corrupted_z[hook.name] = act
 
-    was_training = model.training
-    model.eval()
-    with torch.enable_grad():
+    with eval_mode(model), torch.enable_grad():
         logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=[(name, keep) for name in z_names])
         if not logits.requires_grad:
             raise ValueError("attribution patching needs gradients: the model's parameters have requires_grad=False")
         grads = torch.autograd.grad(metric(logits), [corrupted_z[name] for name in z_names])
-    model.train(was_training)
     per_pos = torch.stack([
         ((clean_cache[name] - corrupted_z[name].detach()) * grad).sum(dim=(0, -1))  # [pos, head]
         for name, grad in zip(z_names, grads)

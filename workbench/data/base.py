@@ -15,6 +15,8 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from workbench.utils import check_int, check_seed, eval_mode
+
 # Seeds of training batches, validation batches and evaluation sets never collide.
 _TRAIN_STREAM, _VAL_STREAM, _EVAL_STREAM = 0, 1, 2
 
@@ -34,7 +36,7 @@ class Task:
     fixed_seq_len: ClassVar[bool] = False  # True when every sequence has exactly default_seq_len tokens
 
     def __init__(self, seed: int = 0):
-        self.seed = int(seed)
+        self.seed = check_seed("seed", seed)
         self.tokenizer: Any = None
 
     # ---- what subclasses provide ------------------------------------------------
@@ -60,7 +62,9 @@ class Task:
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         stream = _TRAIN_STREAM if split == "train" else _VAL_STREAM
-        seq_len = self.default_seq_len if seq_len is None else int(seq_len)
+        batch_size = check_int("batch_size", batch_size, 1)
+        seq_len = self.default_seq_len if seq_len is None else check_int("seq_len", seq_len, 1)
+        step = check_int("step", step, 0)
         return self.sample(batch_size, seq_len, make_generator(self.seed, stream, step), split)
 
     def loss(self, model: Callable[..., Tensor], tokens: Int[Tensor, "batch pos"]) -> Tensor:
@@ -73,11 +77,11 @@ class Task:
     @torch.no_grad()
     def val_loss(self, model: torch.nn.Module, batch_size: int = 32, seq_len: Optional[int] = None, n_batches: int = 4) -> float:
         """Mean training loss over ``n_batches`` fixed validation batches."""
-        was_training = model.training
-        model.eval()
+        check_int("n_batches", n_batches, 1)
         device = next(model.parameters()).device
-        losses = [float(self.loss(model, self.batch(batch_size, seq_len, step=i, split="val").to(device))) for i in range(n_batches)]
-        model.train(was_training)
+        with eval_mode(model):
+            losses = [float(self.loss(model, self.batch(batch_size, seq_len, step=i, split="val").to(device)))
+                      for i in range(n_batches)]
         return sum(losses) / len(losses)
 
     def __repr__(self) -> str:

@@ -19,6 +19,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from workbench.data.base import _EVAL_STREAM, Task, make_generator
+from workbench.utils import check_int, check_seed, eval_mode
 
 
 class InductionTask(Task):
@@ -35,12 +36,10 @@ class InductionTask(Task):
         gap_max: int = 10,
     ):
         super().__init__(seed)
-        if not 2 <= segment_min <= segment_max:
-            raise ValueError(f"need 2 <= segment_min <= segment_max, got {segment_min}, {segment_max}")
-        if vocab < 2:
-            raise ValueError(f"vocab must be at least 2, got {vocab}")
-        self.vocab, self.default_seq_len = int(vocab), int(seq_len)
-        self.segment_min, self.segment_max, self.gap_max = int(segment_min), int(segment_max), int(gap_max)
+        self.vocab, self.default_seq_len = check_int("vocab", vocab, 2), check_int("seq_len", seq_len, 2)
+        self.segment_min = check_int("segment_min", segment_min, 2)
+        self.segment_max = check_int("segment_max", segment_max, self.segment_min)
+        self.gap_max = check_int("gap_max", gap_max, 0)
 
     @property
     def vocab_size(self) -> int:
@@ -66,6 +65,8 @@ class InductionTask(Task):
 
     def repeated_tokens(self, batch_size: int, half_len: int, seed: Optional[int] = None) -> Int[Tensor, "batch pos"]:
         """Plain repeated random tokens ``[r, r]``, shape [batch, 2 * half_len] (the evaluation layout)."""
+        batch_size, half_len = check_int("batch_size", batch_size, 1), check_int("half_len", half_len, 1)
+        seed = check_seed("seed", seed, optional=True)
         gen = make_generator(self.seed if seed is None else seed, _EVAL_STREAM)
         first = torch.randint(0, self.vocab, (batch_size, half_len), generator=gen)
         return torch.cat([first, first], dim=1)
@@ -73,13 +74,12 @@ class InductionTask(Task):
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, batch_size: int = 32, half_len: Optional[int] = None, seed: Optional[int] = None) -> dict[str, float]:
         """Loss on the first and the repeated half, and the best head's induction score."""
-        half_len = half_len or model.cfg.n_ctx // 2
+        # Two tokens per half at least, or the first half has no next-token loss to average.
+        half_len = model.cfg.n_ctx // 2 if half_len is None else check_int("half_len", half_len, 2, model.cfg.n_ctx // 2)
         tokens = self.repeated_tokens(batch_size, half_len, seed).to(model.device)
-        was_training = model.training
-        model.eval()
-        losses = model(tokens, return_type="loss", loss_per_token=True)  # [batch, 2n-1]; index i predicts token i+1
-        scores = induction_scores(model, tokens)
-        model.train(was_training)
+        with eval_mode(model):
+            losses = model(tokens, return_type="loss", loss_per_token=True)  # [batch, 2n-1]; index i predicts token i+1
+            scores = induction_scores(model, tokens)
         best = scores.loc[scores["score"].idxmax()]
         return {
             "loss_first_half": float(losses[:, : half_len - 1].mean()),

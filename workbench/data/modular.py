@@ -14,6 +14,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from workbench.data.base import Task
+from workbench.utils import check_float, check_int, eval_mode
 
 
 class ModularTask(Task):
@@ -24,15 +25,16 @@ class ModularTask(Task):
 
     def __init__(self, seed: int = 0, p: int = 113, train_fraction: float = 0.3):
         super().__init__(seed)
-        if p < 2:
-            raise ValueError(f"the modulus p must be at least 2, got {p}")
-        if not 0 < train_fraction < 1:
-            raise ValueError(f"train_fraction must lie in (0, 1), got {train_fraction}")
-        self.p, self.train_fraction = int(p), float(train_fraction)
+        # p * p pairs are held in memory (p = 4096 is 16.8M pairs, 268 MB).
+        self.p = check_int("p", p, 2, 4096)
+        self.train_fraction = check_float("train_fraction", train_fraction, 0, 1, lo_open=True, hi_open=True)
         a, b = torch.meshgrid(torch.arange(self.p), torch.arange(self.p), indexing="ij")
         pairs = torch.stack([a.flatten(), b.flatten()], dim=1)
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed))
         n_train = max(1, int(round(train_fraction * len(pairs))))
+        if n_train == len(pairs):  # the val stream and the held-out accuracy need at least one pair
+            raise ValueError(f"train_fraction={train_fraction} leaves no held-out pair of the {len(pairs)} (p={p}); "
+                             f"use a train_fraction below {1 - 1 / len(pairs):.4g}")
         self.train_pairs, self.test_pairs = pairs[order[:n_train]], pairs[order[n_train:]]
 
     @property
@@ -61,14 +63,13 @@ class ModularTask(Task):
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, batch_size: int = 4096) -> dict[str, float]:
         """Accuracy of the answer token on the training pairs and on the held-out pairs."""
-        was_training = model.training
-        model.eval()
+        batch_size = check_int("batch_size", batch_size, 1)
         out = {}
-        for split, pairs in (("train", self.train_pairs), ("test", self.test_pairs)):
-            correct = 0
-            for chunk in pairs.split(batch_size):
-                seqs = self.sequences(chunk).to(model.device)
-                correct += int((model(seqs[:, :-1])[:, -1].argmax(-1) == seqs[:, -1]).sum())
-            out[f"{split}_accuracy"] = correct / max(1, len(pairs))
-        model.train(was_training)
+        with eval_mode(model):
+            for split, pairs in (("train", self.train_pairs), ("test", self.test_pairs)):
+                correct = 0
+                for chunk in pairs.split(batch_size):
+                    seqs = self.sequences(chunk).to(model.device)
+                    correct += int((model(seqs[:, :-1])[:, -1].argmax(-1) == seqs[:, -1]).sum())
+                out[f"{split}_accuracy"] = correct / max(1, len(pairs))
         return out

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from workbench.data.base import _EVAL_STREAM, Task, make_generator
 from workbench.tokenizer import WordTokenizer
+from workbench.utils import check_float, check_int, check_seed, eval_mode
 
 NAMES = (
     "Mary John Anna Tom Lily Ben Sara Max Emma Jack Lucy Sam Mia Leo Kate Dan "
@@ -103,9 +104,8 @@ class StoriesTask(Task):
 
     def __init__(self, seed: int = 0, heldout_fraction: float = 0.2):
         super().__init__(seed)
-        if not 0 < heldout_fraction < 1:
-            raise ValueError(f"heldout_fraction must lie in (0, 1), got {heldout_fraction}")
-        self.heldout_fraction = float(heldout_fraction)
+        # 168 templates and 496 name pairs: within [0.01, 0.99] both splits keep at least two of each.
+        self.heldout_fraction = check_float("heldout_fraction", heldout_fraction, 0.01, 0.99)
         self.tokenizer = WordTokenizer(_vocabulary())
         rng = random.Random(self.seed)
         pairs = list(itertools.combinations(NAMES, 2))
@@ -154,6 +154,7 @@ class StoriesTask(Task):
 
     def stories(self, n: int, seed: Optional[int] = None) -> Iterator[str]:
         """``n`` stories as canonical text, reproducible from ``seed`` (the task seed by default)."""
+        n, seed = check_int("n", n, 0), check_seed("seed", seed, optional=True)
         rng = random.Random(self.seed if seed is None else seed)
         return (self.tokenizer.decode(self.tokenizer.encode(self.story(rng))) for _ in range(n))
 
@@ -176,6 +177,7 @@ class StoriesTask(Task):
         ``split``. Every prompt is ``\\n When A and B went to the store , B gave a drink to``
         in shape (15 tokens), with the two names in either order (ABBA and BABA).
         """
+        n, seed = check_int("n", n, 1), check_seed("seed", seed, optional=True)
         pairs, template_set = self._split(split, templates)
         rng = random.Random(int(make_generator(self.seed if seed is None else seed, _EVAL_STREAM).initial_seed()))
         prompts, corrupted, correct, wrong, names = [], [], [], [], []
@@ -201,6 +203,7 @@ class StoriesTask(Task):
 
     def possession_prompts(self, n: int, split: str = "heldout", seed: Optional[int] = None) -> PromptBatch:
         """``n`` prompts "A has a ball and B has a cup . A plays with the" -> ball (wrong: cup)."""
+        n, seed = check_int("n", n, 1), check_seed("seed", seed, optional=True)
         pairs, _ = self._split(split, None)
         rng = random.Random(int(make_generator(self.seed if seed is None else seed, _EVAL_STREAM, 1).initial_seed()))
         prompts, corrupted, correct, wrong, kinds = [], [], [], [], []
@@ -246,17 +249,15 @@ class StoriesTask(Task):
         pairs in training templates; ``possession_*``: held-out pairs. Chance accuracy is 0.5
         and chance logit difference 0.
         """
-        was_training = model.training
-        model.eval()
         out = {}
         batches = {
             "ioi": self.ioi_prompts(n, "heldout", seed=seed),
             "ioi_seen_templates": self.ioi_prompts(n, "heldout", templates="train", seed=seed),
             "possession": self.possession_prompts(n, "heldout", seed=seed),
         }
-        for name, batch in batches.items():
-            out.update({f"{name}_{k}": v for k, v in answer_metrics(model, batch).items()})
-        model.train(was_training)
+        with eval_mode(model):
+            for name, batch in batches.items():
+                out.update({f"{name}_{k}": v for k, v in answer_metrics(model, batch).items()})
         return out
 
 

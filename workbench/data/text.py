@@ -19,6 +19,7 @@ from torch import Tensor
 
 from workbench.data.base import Task
 from workbench.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer
+from workbench.utils import check_float, check_int, eval_mode
 
 TOKENIZER_KINDS = ("char", "byte", "bpe")
 
@@ -51,8 +52,8 @@ class TextTask(Task):
         super().__init__(seed)
         if path is None:
             raise ValueError("the text task needs path=FILE_OR_FOLDER (e.g. --task-option path=notes.txt)")
-        if not 0 < val_fraction < 1:
-            raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+        check_float("val_fraction", val_fraction, 0, 1, lo_open=True, hi_open=True)
+        check_int("vocab_size", vocab_size, 1)
         if isinstance(tokenizer, str) and tokenizer not in TOKENIZER_KINDS:
             raise ValueError(f"unknown tokenizer {tokenizer!r}; valid choices are {list(TOKENIZER_KINDS)}")
         self.path, self.val_fraction, self.vocab = str(path), float(val_fraction), int(vocab_size)
@@ -91,14 +92,18 @@ class TextTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, seq_len: int = 0, max_windows: int = 64) -> dict[str, float]:
-        """Loss over consecutive validation windows, its perplexity, and bits per UTF-8 byte."""
-        seq_len = min(seq_len or model.cfg.n_ctx, len(self.val_ids))
+        """Loss over consecutive validation windows, its perplexity, and bits per UTF-8 byte.
+
+        ``seq_len`` 0 means the model's n_ctx; windows are capped at the validation split's length.
+        """
+        check_int("max_windows", max_windows, 1)
+        seq_len = min(check_int("seq_len", seq_len, 0, model.cfg.n_ctx) or model.cfg.n_ctx, len(self.val_ids))
+        if seq_len == 1:  # a next-token loss needs two tokens per window
+            raise ValueError("seq_len must be 0 (the model's n_ctx) or an integer in [2, n_ctx], got 1")
         n = min(max_windows, max(1, (len(self.val_ids) - 1) // (seq_len - 1)))
         windows = torch.stack([self.val_ids[i * (seq_len - 1) : i * (seq_len - 1) + seq_len] for i in range(n)
                                if i * (seq_len - 1) + seq_len <= len(self.val_ids)])
-        was_training = model.training
-        model.eval()
-        loss = float(model(windows.to(model.device), return_type="loss"))
-        model.train(was_training)
+        with eval_mode(model):
+            loss = float(model(windows.to(model.device), return_type="loss"))
         tokens_per_byte = len(self.val_ids) / max(1, self.val_bytes)
         return {"val_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "bits_per_byte": loss * tokens_per_byte / math.log(2)}

@@ -1,0 +1,122 @@
+"""Small things every part of the library shares: a mode flip that survives exceptions, and the
+argument checks of the public API.
+
+Every public function that takes a count, an index or a scale checks it here, at the
+boundary, so a bad value raises one ``ValueError`` that names the argument and its valid
+range instead of an ``IndexError`` (or a silently wrapped index) deep inside torch.
+``bool`` is never accepted as a number: ``True`` is an ``int`` to Python but never what a
+caller meant by ``n_layers=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+Number = Union[int, float]
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model.eval()`` for the duration of the block; its previous mode is restored even on error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def _range_text(lo: Optional[Number], hi: Optional[Number], lo_open: bool = False, hi_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f" in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f" {'>' if lo_open else '>='} {lo}"
+    if hi is not None:
+        return f" {'<' if hi_open else '<='} {hi}"
+    return ""
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (numpy integers count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, torch.Tensor))
+
+
+def check_int(name: str, value: Any, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    """``value`` as an int, or ValueError naming ``name`` and the range ``[lo, hi]`` (inclusive)."""
+    if is_int(value) and (lo is None or value >= lo) and (hi is None or value <= hi):
+        return int(value)
+    raise ValueError(f"{name} must be an integer{_range_text(lo, hi)}, got {value!r}")
+
+
+def check_float(
+    name: str,
+    value: Any,
+    lo: Optional[Number] = None,
+    hi: Optional[Number] = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
+    """``value`` as a finite float within the range, or ValueError naming ``name`` and the range."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, torch.Tensor)) and math.isfinite(value)
+    if ok:
+        ok = (lo is None or (value > lo if lo_open else value >= lo)) and (
+            hi is None or (value < hi if hi_open else value <= hi)
+        )
+    if ok:
+        return float(value)
+    raise ValueError(f"{name} must be a finite number{_range_text(lo, hi, lo_open, hi_open)}, got {value!r}")
+
+
+def check_index(name: str, value: Any, size: int, *, negative: bool = False, of: str = "") -> int:
+    """An index into an axis of ``size`` entries, as a non-negative int.
+
+    Negative indices are refused unless ``negative=True`` (for arguments whose documentation
+    promises Python-style counting from the end, such as ``pos=-1``); they are then normalised
+    here, explicitly, rather than left for tensor indexing to wrap. ``of`` names the axis in
+    the message (``"n_layers=2"``).
+    """
+    lo = -size if negative else 0
+    if is_int(value) and lo <= value < size:
+        return int(value) % size
+    valid = f"[{lo}, {size})" if size > 0 else "none (the axis is empty)"
+    where = f" ({of})" if of else ""
+    raise ValueError(f"{name}={value!r} is out of range: valid values are integers in {valid}{where}")
+
+
+def check_token_ids(name: str, ids: Any, d_vocab: Optional[int], *, allow: tuple[int, ...] = ()) -> Tensor:
+    """Token ids (an int or an integer tensor) as a long tensor, each in ``[0, d_vocab)`` or in ``allow``.
+
+    ``d_vocab=None`` checks only the type and the sign (for a check made before the vocabulary is known).
+    """
+    if isinstance(ids, Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+        tensor = ids.long()
+    elif is_int(ids):
+        tensor = torch.tensor(int(ids))
+    else:
+        raise ValueError(f"{name} must be a token id (an integer) or an integer tensor of ids, got {ids!r}")
+    bad = (tensor < 0) | (tensor >= d_vocab) if d_vocab is not None else tensor < 0
+    for value in allow:
+        bad &= tensor != value
+    if bool(bad.any()):
+        valid = f"in [0, {d_vocab})" if d_vocab is not None else ">= 0"
+        extra = f" (or {', '.join(map(str, allow))})" if allow else ""
+        raise ValueError(f"{name} must be token ids {valid}{extra}; got {int(tensor[bad].flatten()[0])}")
+    return tensor
+
+
+def check_seed(name: str, value: Any, *, optional: bool = False) -> Optional[int]:
+    """A seed torch's generators accept: an integer in [0, 2**64 - 1] (or None when ``optional``)."""
+    if optional and value is None:
+        return None
+    if is_int(value) and 0 <= value < 2**64:
+        return int(value)
+    raise ValueError(f"{name} must be an integer in [0, 2**64){' or None' if optional else ''}, got {value!r}")
