@@ -10,14 +10,18 @@ from factories import tiny
 
 import workbench as wb
 from workbench.analysis import AblationSpec, ablate, ablation_sweep
+from workbench.components.block import LAYOUTS
 
-LAYOUTS = [{}, {"norm_placement": "post"}, {"parallel_residual": True}, {"attn_only": True},
-           {"norm": "rmsnorm", "positional": "rope", "ffn": "swiglu", "n_kv_heads": 2}]
+# Every block layout the Block knows (a new one is covered as soon as it is in LAYOUTS), and
+# one model whose components differ from the defaults everywhere else.
+CONFIGS = {**{name: dict(layout.config) for name, layout in LAYOUTS.items()},
+           "llama-like": {"norm": "rmsnorm", "positional": "rope", "ffn": "swiglu", "n_kv_heads": 2}}
 
 
-@pytest.mark.parametrize("kw", LAYOUTS)
-def test_sweep_equals_naive_loop_exactly(kw):
-    model = wb.HookedDecoder(tiny(**kw)).eval()
+@pytest.mark.parametrize("name", CONFIGS)
+def test_sweep_equals_naive_loop_exactly(name):
+    model = wb.HookedDecoder(tiny(**CONFIGS[name])).eval()
+    assert name not in LAYOUTS or model.blocks[0].layout == name
     tokens = torch.randint(0, 50, (2, 8))
     reference = torch.randint(0, 50, (3, 9))
     for unit, methods in (("head", ("zero", "resample")), ("layer", ("mean",))):

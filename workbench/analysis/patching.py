@@ -67,10 +67,10 @@ def activation_patching(
     sites = [sites] if isinstance(sites, str) else list(sites)
     for site in sites:
         check_choice("site", site, PATCH_SITES)
-        if site == "resid_mid" and (model.cfg.attn_only or model.cfg.parallel_residual):
-            raise ValueError("site='resid_mid' does not exist in attention-only or parallel-residual models")
-        if site == "mlp_out" and model.cfg.attn_only:
-            raise ValueError("site='mlp_out' does not exist in an attention-only model")
+        block = model.blocks[0]
+        if site in ("resid_mid", "mlp_out") and site not in block.sites:
+            raise ValueError(f"site={site!r} does not exist in the {block.layout} block layout "
+                             f"(its sites: {list(block.sites)})")
     clean_tokens, corrupted_tokens = as_tokens(model, clean_tokens), as_tokens(model, corrupted_tokens)
     if clean_tokens.shape != corrupted_tokens.shape:
         raise ValueError(f"clean {tuple(clean_tokens.shape)} and corrupted {tuple(corrupted_tokens.shape)} "
