@@ -90,7 +90,7 @@ def test_tuned_lens_load_missing(tmp_path):
 def test_shipped_story_models_tuned_lens_beats_logit_lens(name):
     path = REPO / "checkpoints" / name
     if not (path / "config.json").exists():
-        pytest.skip(f"checkpoints/{name} is not built yet (issue 3 trains it)")
+        pytest.skip(f"checkpoints/{name} is not built yet (scripts/make_checkpoints.py builds it)")
     if not (path / "tuned_lens.safetensors").exists():
         pytest.skip(f"checkpoints/{name} has no tuned lens yet: run experiments/lens_comparison.py")
     model, _ = wb.load_checkpoint(path)

@@ -23,7 +23,15 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from workbench.analysis.common import Metric, as_tokens, check_choice, check_head, check_layer, loss_metric
+from workbench.analysis.common import (
+    Metric,
+    as_tokens,
+    check_choice,
+    check_head,
+    check_layer,
+    loss_metric,
+    unit_label,
+)
 from workbench.analysis.resume import hook_name, needed_hooks, run_from_site
 
 TARGETS = ("head", "attn", "mlp", "neurons", "resid", "direction")
@@ -39,9 +47,9 @@ _HOOKS = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class AblationSpec:
-    """What to ablate and how.
+    """What to ablate and how: frozen and hashable, so it can key a cache or a set.
 
     target: ``head`` (needs ``head``), ``attn``, ``mlp``, ``neurons`` (needs ``neurons``,
     indices into ``mlp.hook_post``), ``resid`` (the stream entering ``layer``) or
@@ -50,20 +58,33 @@ class AblationSpec:
     method: ``zero``, ``mean`` (over the reference batch, per position) or ``resample``
     (each sequence takes the activation of another: the next one in the batch when no
     reference is given, else a random reference row drawn with ``seed``).
+    Sequences are stored as tuples (``direction`` as a tuple of floats), so two specs that
+    say the same thing are equal and hash the same.
     """
 
     target: Literal["head", "attn", "mlp", "neurons", "resid", "direction"]
     layer: Union[int, np.integer]  # numpy ints too: specs are often built from DataFrame rows
     head: Optional[Union[int, np.integer]] = None
     neurons: Optional[Sequence[int]] = None
-    direction: Optional[Tensor] = None
+    direction: Optional[Union[Tensor, Sequence[float]]] = None
     positions: Optional[Sequence[int]] = None
     method: Literal["zero", "mean", "resample"] = "zero"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        self.layer = int(self.layer)
-        self.head = None if self.head is None else int(self.head)
+        def ints(values):
+            return None if values is None else tuple(int(v) for v in values)
+
+        direction = self.direction
+        if isinstance(direction, Tensor):
+            if direction.ndim != 1:
+                raise ValueError(f"direction must be a [d_model] vector, got shape {tuple(direction.shape)}")
+            direction = direction.detach().double().cpu().tolist()
+        fields = {"layer": int(self.layer), "head": None if self.head is None else int(self.head),
+                  "neurons": ints(self.neurons), "positions": ints(self.positions),
+                  "direction": None if direction is None else tuple(float(x) for x in direction)}
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)  # frozen: normalised once, here
 
     def validate(self, model) -> "AblationSpec":
         """This spec checked against ``model``; a copy with a negative ``layer`` counted from the end."""
@@ -77,7 +98,7 @@ class AblationSpec:
         if self.target == "neurons" and not self.neurons:
             raise ValueError("target='neurons' needs neurons=[indices into the MLP hidden layer]")
         if self.target == "direction":
-            if self.direction is None or self.direction.shape != (model.cfg.d_model,):
+            if self.direction is None or len(self.direction) != model.cfg.d_model:
                 raise ValueError(f"target='direction' needs direction=a [d_model={model.cfg.d_model}] tensor")
         # The hook name is built from the layer: blocks.-1.* names no hook (and the caller's spec stays as given).
         return self if layer == self.layer else replace(self, layer=layer)
@@ -88,7 +109,7 @@ class AblationSpec:
 
     @property
     def label(self) -> str:
-        where = f"L{self.layer}H{self.head}" if self.target == "head" else f"L{self.layer} {self.target}"
+        where = unit_label(self.layer, head=self.head) if self.target == "head" else unit_label(self.layer, part=self.target)
         return f"{where} ({self.method})"
 
 
@@ -116,7 +137,8 @@ def replacement(spec: AblationSpec, act: Tensor, ref_act: Optional[Tensor]) -> T
         pos = pos if spec.positions is None else pos[:, None]
         out[:, pos, ..., idx] = source[:, pos, ..., idx]
     elif spec.target == "direction":
-        unit = (spec.direction / spec.direction.norm()).to(act)
+        direction = torch.tensor(spec.direction, dtype=torch.float64)
+        unit = (direction / direction.norm()).to(act)
         along = (act[:, pos] @ unit)[..., None] * unit
         out[:, pos] = act[:, pos] - along + (source[:, pos] @ unit)[..., None] * unit
     else:
@@ -160,7 +182,7 @@ def _reference_acts(model, tokens: Tensor, reference: Optional[Tensor], names: s
 
 def _effective(spec: AblationSpec, reference: Optional[Tensor]) -> AblationSpec:
     if spec.method == "resample" and reference is None:
-        return AblationSpec(**{**spec.__dict__, "seed": -1})
+        return replace(spec, seed=-1)
     return spec
 
 

@@ -113,12 +113,14 @@ def head_scores(
     seq_len: Optional[int] = None,
     batch: int = 8,
     seed: int = 0,
+    wide: bool = False,
 ) -> pd.DataFrame:
     """Every head's score for each kind: columns layer, head, kind, score (0..1).
 
     Without ``tokens``, the scores are measured on repeated random tokens
     (``repeated_random_tokens``, ``seq_len`` up to 20, at most half the context), where
-    induction and duplicate-token heads show themselves.
+    induction and duplicate-token heads show themselves. ``wide=True``: one row per head
+    (layer, head) and a column per kind instead.
     """
     for kind in kinds:
         check_choice("kind", kind, SCORE_KINDS)
@@ -137,4 +139,25 @@ def head_scores(
         for layer in layers:
             for head in range(model.cfg.n_heads):
                 rows.append((layer, head, kind, float(score[layer, head])))
-    return pd.DataFrame(rows, columns=["layer", "head", "kind", "score"])
+    frame = pd.DataFrame(rows, columns=["layer", "head", "kind", "score"])
+    if wide:
+        frame = frame.pivot(index=["layer", "head"], columns="kind", values="score")[list(kinds)]
+        frame = frame.reset_index().rename_axis(columns=None)
+    return frame
+
+
+def attention_change(clean: pd.DataFrame, changed: pd.DataFrame, tol: float = 1e-6) -> pd.DataFrame:
+    """Which heads' patterns differ between two ``attention_patterns`` tables of the same tokens
+    (e.g. a model clean and ablated): the largest absolute change of any weight, per head.
+
+    Columns: layer, head, max_change; only heads whose change exceeds ``tol``, largest first
+    (empty when nothing changed).
+    """
+    keys = ["batch", "layer", "head", "query_pos", "key_pos"]
+    if len(clean) != len(changed) or not clean[keys].reset_index(drop=True).equals(changed[keys].reset_index(drop=True)):
+        raise ValueError("the two attention tables must cover the same batch, layers, heads and positions")
+    frame = clean[["layer", "head"]].reset_index(drop=True)
+    frame["max_change"] = np.abs(changed["attention"].to_numpy() - clean["attention"].to_numpy())
+    per_head = frame.groupby(["layer", "head"], as_index=False)["max_change"].max()
+    per_head = per_head[per_head["max_change"] > tol]
+    return per_head.sort_values("max_change", ascending=False, kind="stable").reset_index(drop=True)
