@@ -192,3 +192,24 @@ def test_a_negative_layer_counts_from_the_end():
     torch.testing.assert_close(ablate(model, tokens, spec), ablate(model, tokens, AblationSpec("head", last, head=0)))
     swept = ablation_sweep(model, tokens, specs=[AblationSpec("mlp", -1), AblationSpec("mlp", last)])
     assert swept.layer.tolist() == [last, last] and swept.metric[0] == swept.metric[1]
+
+
+def test_specs_are_frozen_and_hashable_by_value():
+    import dataclasses
+
+    import numpy as np
+
+    a = AblationSpec("neurons", np.int64(1), neurons=[3, 5], positions=range(0, 3, 2), method="mean")
+    b = AblationSpec("neurons", 1, neurons=(3, 5), positions=(0, 2), method="mean")
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a.neurons == (3, 5) and a.positions == (0, 2) and type(a.layer) is int
+    assert a != dataclasses.replace(b, method="zero")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.layer = 0
+    direction = torch.randn(32)
+    d1, d2 = AblationSpec("direction", 0, direction=direction), AblationSpec("direction", 0, direction=direction.clone())
+    assert d1 == d2 and hash(d1) == hash(d2) and d1.direction == tuple(direction.double().tolist())
+    assert d1 != AblationSpec("direction", 0, direction=direction + 1)
+    with pytest.raises(ValueError, match=r"\[d_model\] vector"):
+        AblationSpec("direction", 0, direction=torch.randn(2, 32))
+    assert a.label == "L1 neurons (mean)" and AblationSpec("head", 0, head=3).label == "L0H3 (zero)"

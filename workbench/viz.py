@@ -175,7 +175,8 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     for column in ("layer", "head", value) + ((facet,) if facet else ()):
         if column not in frame:
             raise ValueError(f"the table has no column {column!r}; it has {list(frame.columns)}")
-    frame = frame[frame["head"] >= 0]
+    # Stacked with tables that have no heads, the columns turn float (NaN there): back to whole numbers.
+    frame = frame[frame["head"] >= 0].astype({"layer": int, "head": int})
     panels = sorted(frame[facet].unique()) if facet else [None]
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[str(p) for p in panels] if facet else None,
                         horizontal_spacing=0.06)

@@ -35,7 +35,7 @@ def str_tokens(model, ids: Union[Tensor, Sequence[int]]) -> list[str]:
     return [s.replace("\n", "\\n") for s in model.to_str_tokens(ids)]
 
 
-def unique_labels(labels: Sequence[str], positions: Optional[Sequence[int]] = None) -> list[str]:
+def unique_labels(labels: Sequence[str], positions: Optional[Sequence[numbers.Integral]] = None) -> list[str]:
     """Position-prefixed labels (``"3: the"``) so repeated tokens stay distinct on a plotly axis.
 
     ``positions``: the position of each label (default 0, 1, 2, ...).
@@ -44,7 +44,7 @@ def unique_labels(labels: Sequence[str], positions: Optional[Sequence[int]] = No
     return [f"{int(p)}: {label}" for p, label in zip(positions, labels)]
 
 
-def unit_label(layer: int, head: Optional[int] = None, part: Optional[str] = None) -> str:
+def unit_label(layer: numbers.Integral, head: Optional[numbers.Integral] = None, part: Optional[str] = None) -> str:
     """``L1H4`` (a head), ``L1 mlp`` (a part of a layer) or ``L1`` (the layer)."""
     if head is not None and part is not None:
         raise ValueError("a unit is a head or a part of a layer, not both")
@@ -53,7 +53,7 @@ def unit_label(layer: int, head: Optional[int] = None, part: Optional[str] = Non
     return f"L{int(layer)}" + (f" {part}" if part else "")
 
 
-def head_label(head: int) -> str:
+def head_label(head: numbers.Integral) -> str:
     """``H4``: a head on an axis whose other axis names the layer."""
     return f"H{int(head)}"
 
