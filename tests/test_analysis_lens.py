@@ -81,8 +81,17 @@ def test_tuned_lens_beats_logit_lens_and_round_trips(tmp_path):
         TunedLens.load(tmp_path / "ckpt", _model(n_layers=3))
 
 
-def test_tuned_lens_load_missing(tmp_path):
-    with pytest.raises(FileNotFoundError, match="train one"):
+def test_tuned_lens_load_missing_or_corrupt_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(wb.CheckpointError, match="train one"):
+        TunedLens.load(tmp_path)
+    TunedLens(2, 32).save(tmp_path)
+    (tmp_path / "tuned_lens.json").unlink()
+    with pytest.raises(wb.CheckpointError, match="incomplete or corrupt"):
+        TunedLens.load(tmp_path)
+    TunedLens(2, 32).save(tmp_path)
+    weights = tmp_path / "tuned_lens.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])
+    with pytest.raises(wb.CheckpointError, match="incomplete or corrupt"):
         TunedLens.load(tmp_path)
 
 

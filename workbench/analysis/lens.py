@@ -22,11 +22,13 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from workbench.analysis.common import as_tokens, str_tokens
+from workbench.checkpoint import CheckpointError
 
 TUNED_LENS_WEIGHTS = "tuned_lens.safetensors"
 TUNED_LENS_META = "tuned_lens.json"
@@ -167,14 +169,22 @@ class TunedLens(nn.Module):
 
     @classmethod
     def load(cls, checkpoint_dir: Union[str, Path], model=None) -> "TunedLens":
+        """The lens saved in ``checkpoint_dir`` (checked against ``model`` when given).
+
+        CheckpointError, as for the checkpoint itself, when there is none or it is incomplete or corrupt.
+        """
         directory = Path(checkpoint_dir)
         path = directory / TUNED_LENS_WEIGHTS
         if not path.exists():
-            raise FileNotFoundError(f"no tuned lens at {path}: train one with train_tuned_lens(...).save(dir)")
-        meta = json.loads((directory / TUNED_LENS_META).read_text())
-        weights = load_file(str(path))
-        lens = cls(meta["n_layers"], meta["d_model"])
-        lens.load_state_dict(weights)
+            raise CheckpointError(f"no tuned lens at {path}: train one with train_tuned_lens(...).save(dir)")
+        try:
+            meta = json.loads((directory / TUNED_LENS_META).read_text())
+            weights = load_file(str(path))
+            lens = cls(meta["n_layers"], meta["d_model"])
+            lens.load_state_dict(weights)
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"the tuned lens in {directory} is incomplete or corrupt ({type(e).__name__}: {e}); "
+                                  "train and save it again") from None
         lens.info = {k: v for k, v in meta.items() if k not in ("format", "version", "n_layers", "d_model")}
         if model is not None:
             lens.check_fits(model)
