@@ -10,15 +10,8 @@ from factories import tiny
 
 import workbench as wb
 from workbench import viz
-from workbench.analysis import (
-    ablation_sweep,
-    attention_patterns,
-    direct_logit_attribution,
-    head_scores,
-    logit_lens,
-    residual_norms,
-    token_losses,
-)
+from workbench.analysis import ablation_sweep, attention_patterns, direct_logit_attribution, head_scores, logit_lens
+from workbench.analysis.tokens import residual_norms, token_losses
 from workbench.tokenizer import CharTokenizer
 
 

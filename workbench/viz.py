@@ -22,7 +22,6 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.analysis.common import check_choice, head_label, unique_labels, unit_label
-from workbench.training import read_metrics
 
 THEMES = {"light": "plotly_white", "dark": "plotly_dark"}
 SEQUENTIAL = "Viridis"
@@ -202,6 +201,8 @@ def loss_curves(metrics: Union[str, Path, pd.DataFrame], title: str = "Loss", lo
     directory, or its DataFrame: step, train_loss, val_loss, ...). A ``run`` column gives
     one pair of curves per run."""
     if not isinstance(metrics, pd.DataFrame):
+        from workbench.training import read_metrics  # the one reader of metrics.csv, beside its writer
+
         metrics = read_metrics(metrics)
     if "step" not in metrics:
         raise ValueError(f"metrics need a 'step' column; got {list(metrics.columns)}")
