@@ -60,7 +60,7 @@ def main(argv=None) -> pd.DataFrame:
                           eval_batches=1, save_train_state=False, device="cpu"), cfg, out_dir=path, progress=False)
         paths, args.steps, args.n_train, args.n_eval, args.batch_size, args.lr = [path], 30, 32, 8, 8, 3e-3
     if not paths:
-        raise SystemExit(f"none of {args.checkpoints} exists yet (issue 3 builds the story checkpoints)")
+        raise SystemExit(f"none of {args.checkpoints} exists yet (python scripts/make_checkpoints.py builds the story checkpoints)")
 
     def one(path):
         model, _ = wb.load_checkpoint(path)

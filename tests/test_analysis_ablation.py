@@ -10,14 +10,18 @@ from factories import tiny
 
 import workbench as wb
 from workbench.analysis import AblationSpec, ablate, ablation_sweep
+from workbench.components.block import LAYOUTS
 
-LAYOUTS = [{}, {"norm_placement": "post"}, {"parallel_residual": True}, {"attn_only": True},
-           {"norm": "rmsnorm", "positional": "rope", "ffn": "swiglu", "n_kv_heads": 2}]
+# Every block layout the Block knows (a new one is covered as soon as it is in LAYOUTS), and
+# one model whose components differ from the defaults everywhere else.
+CONFIGS = {**{name: dict(layout.config) for name, layout in LAYOUTS.items()},
+           "llama-like": {"norm": "rmsnorm", "positional": "rope", "ffn": "swiglu", "n_kv_heads": 2}}
 
 
-@pytest.mark.parametrize("kw", LAYOUTS)
-def test_sweep_equals_naive_loop_exactly(kw):
-    model = wb.HookedDecoder(tiny(**kw)).eval()
+@pytest.mark.parametrize("name", CONFIGS)
+def test_sweep_equals_naive_loop_exactly(name):
+    model = wb.HookedDecoder(tiny(**CONFIGS[name])).eval()
+    assert name not in LAYOUTS or model.blocks[0].layout == name
     tokens = torch.randint(0, 50, (2, 8))
     reference = torch.randint(0, 50, (3, 9))
     for unit, methods in (("head", ("zero", "resample")), ("layer", ("mean",))):
@@ -188,3 +192,24 @@ def test_a_negative_layer_counts_from_the_end():
     torch.testing.assert_close(ablate(model, tokens, spec), ablate(model, tokens, AblationSpec("head", last, head=0)))
     swept = ablation_sweep(model, tokens, specs=[AblationSpec("mlp", -1), AblationSpec("mlp", last)])
     assert swept.layer.tolist() == [last, last] and swept.metric[0] == swept.metric[1]
+
+
+def test_specs_are_frozen_and_hashable_by_value():
+    import dataclasses
+
+    import numpy as np
+
+    a = AblationSpec("neurons", np.int64(1), neurons=[3, 5], positions=range(0, 3, 2), method="mean")
+    b = AblationSpec("neurons", 1, neurons=(3, 5), positions=(0, 2), method="mean")
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a.neurons == (3, 5) and a.positions == (0, 2) and type(a.layer) is int
+    assert a != dataclasses.replace(b, method="zero")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.layer = 0
+    direction = torch.randn(32)
+    d1, d2 = AblationSpec("direction", 0, direction=direction), AblationSpec("direction", 0, direction=direction.clone())
+    assert d1 == d2 and hash(d1) == hash(d2) and d1.direction == tuple(direction.double().tolist())
+    assert d1 != AblationSpec("direction", 0, direction=direction + 1)
+    with pytest.raises(ValueError, match=r"\[d_model\] vector"):
+        AblationSpec("direction", 0, direction=torch.randn(2, 32))
+    assert a.label == "L1 neurons (mean)" and AblationSpec("head", 0, head=3).label == "L0H3 (zero)"

@@ -14,6 +14,7 @@ from workbench.analysis import (
     AblationSpec,
     ablate,
     ablation_hooks,
+    attention_change,
     attention_patterns,
     detection_mask,
     head_scores,
@@ -79,7 +80,7 @@ def test_head_scores_bad_kind():
 def test_shipped_induction_model_has_an_induction_head_that_matters():
     path = REPO / "checkpoints" / "induction-attn2l"
     if not (path / "config.json").exists():
-        pytest.skip("checkpoints/induction-attn2l is not built yet (issue 3 trains it)")
+        pytest.skip("checkpoints/induction-attn2l is missing: scripts/make_checkpoints.py builds it")
     model, _ = wb.load_checkpoint(path)
     model.eval()
     scores = head_scores(model, seq_len=min(24, model.cfg.n_ctx // 2 - 1), batch=16, seed=123)
@@ -135,3 +136,31 @@ def test_shipped_induction_model_spreads_induction_over_layer_one():
         layer_one = scores[scores.layer == 1].set_index("head")["score"]
         best.add(int(layer_one.idxmax()))
     assert len(best) > 1, best  # the highest-scoring head depends on the layout
+
+
+def test_head_scores_wide_is_one_row_per_head():
+    model = wb.HookedDecoder(tiny()).eval()
+    long = head_scores(model, seq_len=6)
+    wide = head_scores(model, seq_len=6, wide=True)
+    assert list(wide.columns) == ["layer", "head", *wb.analysis.SCORE_KINDS] and len(wide) == 2 * 4
+    for row in long.itertuples():
+        assert wide[(wide.layer == row.layer) & (wide["head"] == row.head)][row.kind].iloc[0] == row.score
+
+
+def test_attention_change_finds_the_heads_an_ablation_moves():
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (1, 8))
+    clean = attention_patterns(model, tokens)
+    assert attention_change(clean, clean).empty
+    with model.hooks(fwd_hooks=ablation_hooks(model, tokens, AblationSpec("head", 0, head=1))):
+        ablated = attention_patterns(model, tokens)
+    table = attention_change(clean, ablated)
+    assert list(table.columns) == ["layer", "head", "max_change"]
+    assert set(table.layer) == {1}  # only heads above the ablated one read what it wrote
+    assert table.max_change.is_monotonic_decreasing and (table.max_change > 1e-6).all()
+    for row in table.itertuples():
+        mine = (clean.layer == row.layer) & (clean["head"] == row.head)
+        expected = (ablated[mine].attention.to_numpy() - clean[mine].attention.to_numpy())
+        assert row.max_change == pytest.approx(np.abs(expected).max())
+    with pytest.raises(ValueError, match="same batch"):
+        attention_change(clean, attention_patterns(model, tokens[:, :6]))

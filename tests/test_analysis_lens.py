@@ -81,16 +81,26 @@ def test_tuned_lens_beats_logit_lens_and_round_trips(tmp_path):
         TunedLens.load(tmp_path / "ckpt", _model(n_layers=3))
 
 
-def test_tuned_lens_load_missing(tmp_path):
-    with pytest.raises(FileNotFoundError, match="train one"):
+def test_tuned_lens_load_missing_or_corrupt_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(wb.CheckpointError, match="train one"):
         TunedLens.load(tmp_path)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    TunedLens(2, 32).save(tmp_path / "a")
+    (tmp_path / "a" / "tuned_lens.json").unlink()
+    with pytest.raises(wb.CheckpointError, match="incomplete or corrupt"):
+        TunedLens.load(tmp_path / "a")
+    TunedLens(2, 32).save(tmp_path / "b")
+    weights = tmp_path / "b" / "tuned_lens.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])
+    with pytest.raises(wb.CheckpointError, match="incomplete or corrupt"):
+        TunedLens.load(tmp_path / "b")
 
 
 @pytest.mark.parametrize("name", ["stories-2020", "stories-2026"])
 def test_shipped_story_models_tuned_lens_beats_logit_lens(name):
     path = REPO / "checkpoints" / name
     if not (path / "config.json").exists():
-        pytest.skip(f"checkpoints/{name} is not built yet (issue 3 trains it)")
+        pytest.skip(f"checkpoints/{name} is not built yet (scripts/make_checkpoints.py builds it)")
     if not (path / "tuned_lens.safetensors").exists():
         pytest.skip(f"checkpoints/{name} has no tuned lens yet: run experiments/lens_comparison.py")
     model, _ = wb.load_checkpoint(path)

@@ -9,6 +9,7 @@ from transformer_lens import patching as tl_patching
 
 import workbench as wb
 from workbench.analysis import activation_patching, attribution_patching, logit_diff_metric
+from workbench.components.block import LAYOUTS
 
 TL = {"resid_pre": tl_patching.get_act_patch_resid_pre, "resid_mid": tl_patching.get_act_patch_resid_mid,
       "attn_out": tl_patching.get_act_patch_attn_out, "mlp_out": tl_patching.get_act_patch_mlp_out,
@@ -23,11 +24,16 @@ def _pair(n_pos=7):
     return clean, corrupted
 
 
-@pytest.mark.parametrize("kw,sites", [({}, list(TL)), ({"norm": "rmsnorm", "positional": "rope", "n_kv_heads": 2,
-                                                           "ffn": "swiglu", "parallel_residual": True},
-                                                          ["attn_out", "mlp_out", "head"])])
-def test_activation_patching_equals_transformer_lens(kw, sites):
-    model = wb.HookedDecoder(tiny(**kw)).eval()
+# Every block layout the Block knows, and a parallel model with other components.
+CONFIGS = {**{name: dict(layout.config) for name, layout in LAYOUTS.items()},
+           "neox-like": {"norm": "rmsnorm", "positional": "rope", "n_kv_heads": 2, "ffn": "swiglu",
+                         "parallel_residual": True}}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_activation_patching_equals_transformer_lens(name):
+    model = wb.HookedDecoder(tiny(**CONFIGS[name])).eval()
+    sites = [s for s in TL if s not in ("resid_mid", "mlp_out") or s in model.blocks[0].sites]
     clean, corrupted = _pair(5)
     metric = logit_diff_metric(5, 9)
     ours = activation_patching(model, clean, corrupted, metric, sites=sites)

@@ -1,12 +1,13 @@
 """Per-position tables against direct computations: next-token losses from the logits by
-cross-entropy, residual norms from the cached hook activations."""
+cross-entropy, their change between two runs, residual norms from the cached hook activations."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from factories import tiny
 
 import workbench as wb
-from workbench.analysis import residual_norms, token_losses
+from workbench.analysis import AblationSpec, ablation_hooks, residual_norms, token_loss_change, token_losses
 from workbench.tokenizer import CharTokenizer
 
 
@@ -47,3 +48,28 @@ def test_residual_norms_match_the_cache():
         assert abs(row.norm - float(expected)) < 1e-4 * max(1.0, float(expected))
         assert row.layer_label == ("final" if row.layer == n else f"resid_pre {row.layer}")
         assert row.token == str(int(tokens[row.batch, row.pos]))
+
+
+def test_token_loss_change_lines_up_two_runs_changed_predictions_first():
+    model = wb.HookedDecoder(tiny()).eval()
+    tokens = torch.randint(0, 50, (1, 9))
+    clean = token_losses(model, tokens)
+    with model.hooks(fwd_hooks=ablation_hooks(model, tokens, AblationSpec("resid", 1, positions=[4, 6]))):
+        ablated = token_losses(model, tokens)
+    table = token_loss_change(clean, ablated)
+    assert len(table) == 8 and sorted(table["pos"]) == list(range(1, 9))  # the position of the token predicted
+    by_pos = table.set_index("pos")
+    for row in clean.itertuples():
+        got = by_pos.loc[row.pos + 1]
+        other = ablated[ablated.pos == row.pos].iloc[0]
+        assert got.after == row.token and got.next_token == row.next_token
+        assert got.loss_clean == row.loss and got.loss_changed == other.loss
+        assert got.change == other.loss - row.loss
+        assert got.prediction_changed == (row.predicted != other.predicted)
+    assert (by_pos.loc[1:4, "change"] == 0).all() and (by_pos.loc[5:, "change"] != 0).any()  # causal
+    flags = table["prediction_changed"].tolist()
+    assert flags == sorted(flags, reverse=True)  # changed predictions first
+    for flag in (True, False):
+        assert table[table.prediction_changed == flag]["pos"].is_monotonic_increasing
+    with pytest.raises(ValueError, match="same tokens"):
+        token_loss_change(clean, token_losses(model, torch.randint(0, 50, (1, 9))))

@@ -80,6 +80,19 @@ def test_bad_input_is_one_clear_line(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_os_errors_are_one_line_and_ctrl_c_is_not_swallowed(tmp_path, capsys, monkeypatch):
+    assert main(["train", "--config", str(tmp_path / "missing.json"), "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing.json" in err and err.count("\n") == 1 and "Traceback" not in err
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("workbench.__main__.cmd_tasks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["tasks"])
+
+
 def test_the_interop_commands_plug_in_when_present():
     subcommands = build_parser()._subparsers._group_actions[0].choices
     assert {"train", "eval", "tasks"} <= set(subcommands)

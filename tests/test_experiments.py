@@ -50,6 +50,7 @@ def test_help_describes_every_experiment(name, capsys):
     assert "--quick" in text and "--out" in text and f"experiments/{name}.py" in text
 
 
+@pytest.mark.slow  # two torchrun processes; deselect with -m "not slow"
 def test_grid_split_across_two_ranks_matches_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29641",

@@ -11,9 +11,11 @@ from workbench.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
     CharTokenizer,
+    IdTokenizer,
     WordTokenizer,
     load_tokenizer,
     tokenizer_from_dict,
+    unknown_pieces,
 )
 
 CORPUS = "the cat sat on the mat. the dog sat on the log.\nthe end of the story, said the cat.\n" * 20
@@ -54,23 +56,58 @@ def test_word_round_trip_and_unknown_words():
     assert tok.encode("Mary met Zelda") == [tok.stoi["Mary"], 0, 0]
 
 
-@pytest.mark.parametrize("kind", ["char", "byte", "bpe", "word"])
+def test_id_tokenizer_reads_ids_and_names_what_is_not_one():
+    tok = IdTokenizer(20)
+    assert tok.encode("3 17, 5") == [3, 17, 5] and tok.decode([3, 17, 5]) == "3 17 5"
+    assert tok.token_str(17) == "17" and tok.vocab_size == 20
+    assert tok.unknown_pieces("1 2, 20 x -1 20") == ["20", "x", "-1"]
+    with pytest.raises(ValueError, match="'20' is not a token id: ids are 0..19"):
+        tok.encode("1 20")
+    with pytest.raises(ValueError, match="vocab_size"):
+        IdTokenizer(0)
+
+
+def test_unknown_pieces_asks_each_tokenizer():
+    assert unknown_pieces(CharTokenizer("ab "), "a☃b c☃") == ["☃", "c"]
+    assert unknown_pieces(WordTokenizer(["Mary", "met", "."]), "Mary met a zebra, Mary.") == ["a", "zebra", ","]
+    assert unknown_pieces(ByteTokenizer(), "☃ anything") == []
+    assert unknown_pieces(BPETokenizer.train(["abc abc"], vocab_size=260), "☃ zz") == []
+    assert unknown_pieces(IdTokenizer(10), "1 2, 12 x 12") == ["12", "x"]
+    assert unknown_pieces(object(), "anything") == []  # a tokenizer without the method encodes everything
+
+
+def test_to_single_token_says_what_the_text_is_instead():
+    tok = WordTokenizer(["Mary", "John", "met", "."])
+    model = wb.HookedDecoder(tiny(d_vocab=tok.vocab_size), tokenizer=tok)
+    assert model.to_single_token("Mary") == tok.stoi["Mary"]
+    for text, message in [("", "empty"), ("zebra", "not in the tokenizer's vocabulary"),
+                          ("Mary met", r"is 2 tokens \(\['Mary', 'met'\]\), not one")]:
+        with pytest.raises(ValueError, match=message):
+            model.to_single_token(text)
+    ids = wb.HookedDecoder(tiny(d_vocab=20), tokenizer=IdTokenizer(20))
+    assert ids.to_single_token("7") == 7
+    with pytest.raises(ValueError, match="not in the tokenizer's vocabulary"):
+        ids.to_single_token("27")
+
+
+@pytest.mark.parametrize("kind", ["char", "byte", "bpe", "word", "ids"])
 def test_saved_with_checkpoint_and_restored(tmp_path, kind):
     tok = {
         "char": lambda: CharTokenizer.from_text(CORPUS),
         "byte": ByteTokenizer,
         "bpe": lambda: BPETokenizer.train([CORPUS], vocab_size=280),
         "word": lambda: WordTokenizer.from_text(CORPUS),
+        "ids": lambda: IdTokenizer(40),
     }[kind]()
     model = wb.HookedDecoder(tiny(d_vocab=tok.vocab_size))
     wb.save_checkpoint(model, tmp_path / "ck", tokenizer=tok)
     loaded_model, loaded = wb.load_checkpoint(tmp_path / "ck")
     assert type(loaded) is type(tok) and loaded_model.tokenizer is loaded
-    sample = CORPUS[:60] + (UNSEEN if kind in ("byte", "bpe") else "")
+    sample = "3 17 5 39 0" if kind == "ids" else CORPUS[:60] + (UNSEEN if kind in ("byte", "bpe") else "")
     assert loaded.encode(sample) == tok.encode(sample)
     assert loaded.decode(tok.encode(sample)) == tok.decode(tok.encode(sample))
     assert load_tokenizer(tmp_path / "ck").to_dict() == tok.to_dict()
-    text = CORPUS[:20]
+    text = sample[:20]
     assert torch.equal(loaded_model.to_tokens(text)[0], torch.tensor(tok.encode(text)))
 
 

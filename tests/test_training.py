@@ -142,6 +142,7 @@ def test_vocabulary_and_batch_mismatches_are_clear_errors(tmp_path):
         train(config.replace(seq_len=64), cfg, progress=False)
 
 
+@pytest.mark.slow  # two torchrun processes; deselect with -m "not slow"
 def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     task = get_task("induction", vocab=32)
     steps, args = 4, ["--task", "induction", "--task-option", "vocab=32", "--model", "attn-only-2l",

@@ -11,6 +11,7 @@ from factories import tiny
 import workbench as wb
 from workbench import viz
 from workbench.analysis import ablation_sweep, attention_patterns, direct_logit_attribution, head_scores, logit_lens
+from workbench.analysis.tokens import residual_norms, token_losses
 from workbench.tokenizer import CharTokenizer
 
 
@@ -98,3 +99,46 @@ def test_side_by_side_and_bad_input(model):
         viz.attention_figure(table, 0, 9)
     with pytest.raises(ValueError, match="column"):
         viz.layer_head_figure(table, "delta")
+
+
+def test_token_loss_figure_one_run_and_several(model):
+    tokens = model.to_tokens("abcab")
+    losses = token_losses(model, tokens)
+    bars = viz.token_loss_figure(losses).data
+    assert len(bars) == 1 and list(bars[0].x) == ["1: b", "2: c", "3: a", "4: b"]  # at the token predicted
+    np.testing.assert_allclose(bars[0].y, losses.loss)
+    assert list(bars[0].marker.color) == [viz.CORRECT if c else viz.WRONG for c in losses.correct]
+    assert [list(c) for c in bars[0].customdata] == [[p, t] for p, t in zip(losses.predicted, losses.token)]
+    other = losses.assign(loss=losses.loss * 2)
+    fig = viz.token_loss_figure({"clean": losses, "ablated": other}, theme="dark")
+    assert [t.name for t in fig.data] == ["clean", "ablated"] and fig.layout.barmode == "group"
+    np.testing.assert_allclose(fig.data[1].y, other.loss)
+
+
+def test_residual_norms_figure_one_line_per_position_and_the_mean(model):
+    norms = residual_norms(model, model.to_tokens("abca"))
+    fig = viz.residual_norms_figure(norms)
+    each, mean = fig.data
+    n_layer = model.cfg.n_layers + 1
+    assert len(each.x) == 4 * (n_layer + 1) and each.x[n_layer] is None  # a gap between positions
+    assert each.text[0] == "0: a" and each.text[-1] == "3: a"
+    expected = norms.groupby("layer").norm.mean().to_numpy()
+    np.testing.assert_allclose(mean.y, expected, rtol=1e-6)
+    assert list(mean.x) == ["resid_pre 0", "resid_pre 1", "final"]
+
+
+def test_loss_curves_read_metrics_through_the_library(tmp_path):
+    (tmp_path / "metrics.csv").write_bytes(b"\xff\xfe not a csv \x00")
+    with pytest.raises(ValueError, match="not a readable metrics CSV"):
+        viz.loss_curves(tmp_path)
+    assert len(viz.loss_curves(tmp_path / "missing").data) == 0  # no metrics yet: an empty figure
+
+
+def test_units_are_labelled_as_the_analysis_names_them(model):
+    from workbench.analysis import parse_head, parse_unit
+
+    sweep = ablation_sweep(model, torch.randint(0, model.cfg.d_vocab, (2, 5)))
+    heatmap = viz.layer_head_figure(sweep).data[0]
+    layer, head = parse_unit(heatmap.y[1])[0], parse_head(heatmap.x[2])
+    row = sweep[(sweep.layer == layer) & (sweep["head"] == head)].iloc[0]
+    assert row.label.startswith("L1H2") and heatmap.z[1][2] == pytest.approx(row.delta)

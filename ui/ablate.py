@@ -10,13 +10,26 @@ from __future__ import annotations
 
 import re
 
-import pandas as pd
 import streamlit as st
 
-from ui import common, figures
+from ui import common
 from workbench import viz
+from workbench.analysis import (
+    AblationSpec,
+    ablation_sweep,
+    attention_change,
+    attention_patterns,
+    logit_lens,
+    parse_head,
+    parse_unit,
+    token_loss_change,
+    token_losses,
+    unit_label,
+)
 
 KINDS = {"zero": "zero", "mean (over reference text)": "mean", "resample (from reference text)": "resample"}
+# The parts of a layer the unit picker offers, and the targets each ablates.
+PARTS = {"attn": ("attn",), "mlp": ("mlp",), "block (attn + mlp)": ("attn", "mlp")}
 
 
 def render() -> None:
@@ -30,7 +43,7 @@ def render() -> None:
     if ids is None:
         return
     kind = KINDS[st.radio("Kind", list(KINDS), horizontal=True, key="ablate_kind")]
-    reference = common.reference_batch(ckpt.key, len(ids), ids) if kind != "zero" else None
+    reference = common.reference_batch(ckpt.key, ids) if kind != "zero" else None
     ablation = _choose_units(ckpt, ids, kind)
     if ablation is not None:
         if ablation:
@@ -43,9 +56,8 @@ def render() -> None:
 def unit_options(cfg) -> list[str]:
     out = []
     for layer in range(cfg.n_layers):
-        out += [f"L{layer}H{h}" for h in range(cfg.n_heads)] + [f"L{layer} attn"]
-        if not cfg.attn_only:
-            out += [f"L{layer} mlp", f"L{layer} block (attn + mlp)"]
+        out += [unit_label(layer, head=h) for h in range(cfg.n_heads)]
+        out += [unit_label(layer, part=p) for p in PARTS if p == "attn" or not cfg.attn_only]
     return out
 
 
@@ -53,10 +65,14 @@ def parse_neurons(text: str, cfg) -> list[tuple[int, tuple[int, ...]]]:
     """'L0: 3, 17; L2: 5' -> [(0, (3, 17)), (2, (5,))]; ValueError with a message otherwise."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
-        m = re.fullmatch(r"L(\d+)\s*:\s*([\d,\s]+)", part)
-        if not m:
-            raise ValueError(f"Cannot read neurons {part!r}: write them as 'L0: 3, 17; L1: 5'.")
-        layer, neurons = int(m.group(1)), tuple(int(n) for n in re.findall(r"\d+", m.group(2)))
+        unit, _, listed = part.partition(":")
+        try:
+            layer, head, rest = parse_unit(unit)  # a layer alone: "L0"
+            if head is not None or rest is not None or not re.fullmatch(r"[\d,\s]+", listed):
+                raise ValueError(part)
+        except ValueError:
+            raise ValueError(f"Cannot read neurons {part!r}: write them as 'L0: 3, 17; L1: 5'.") from None
+        neurons = tuple(int(n) for n in re.findall(r"\d+", listed))
         if layer >= cfg.n_layers:
             raise ValueError(f"Layer {layer} does not exist: this model has layers 0..{cfg.n_layers - 1}.")
         bad = [n for n in neurons if n >= cfg.d_mlp]
@@ -85,22 +101,16 @@ def _choose_units(ckpt: common.Checkpoint, ids, kind: str):
     pos = tuple(positions) or None
     specs = []
     for unit in units:
-        layer = int(re.match(r"L(\d+)", unit).group(1))
-        if "H" in unit.split()[0]:
-            specs.append(("head", layer, int(unit.split("H")[1]), None, pos, kind))
-        elif unit.endswith("attn"):
-            specs.append(("attn", layer, None, None, pos, kind))
-        elif unit.endswith("mlp"):
-            specs.append(("mlp", layer, None, None, pos, kind))
-        else:
-            specs += [("attn", layer, None, None, pos, kind), ("mlp", layer, None, None, pos, kind)]
-    specs += [("neurons", layer, None, n, pos, kind) for layer, n in neurons]
+        layer, head, part = parse_unit(unit)
+        targets = ("head",) if head is not None else PARTS[part]
+        specs += [AblationSpec(t, layer, head=head, positions=pos, method=kind) for t in targets]
+    specs += [AblationSpec("neurons", layer, neurons=n, positions=pos, method=kind) for layer, n in neurons]
     return tuple(specs)
 
 
 def _compare(ckpt: common.Checkpoint, ids, ablation, reference) -> None:
-    clean = common.analysis("token_losses", ckpt.key, ids)
-    ablated = common.analysis("token_losses", ckpt.key, ids, ablation=ablation, reference=reference)
+    clean = common.analysis(token_losses, ckpt.key, ids)
+    ablated = common.analysis(token_losses, ckpt.key, ids, ablation=ablation, reference=reference)
     a, b, c = st.columns(3)
     a.metric("Clean loss", f"{clean['loss'].mean():.3f}")
     b.metric("Ablated loss", f"{ablated['loss'].mean():.3f}", delta=f"{ablated['loss'].mean() - clean['loss'].mean():+.3f}",
@@ -108,44 +118,34 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference) -> None:
     c.metric("Top-1 accuracy, clean → ablated", f"{clean['correct'].mean():.0%} → {ablated['correct'].mean():.0%}")
 
     st.subheader("Per-token loss")
-    common.show(figures.token_losses_compare({"clean": clean, "ablated": ablated}), key="ablate_loss")
-    change = clean[["pos", "token", "next_token"]].rename(columns={"token": "after", "next_token": "next token"})
-    change["pos"] += 1  # the position of the token predicted, as on the plot
-    change["clean prediction"] = clean["predicted"]
-    change["ablated prediction"] = ablated["predicted"]
-    change["clean loss"] = clean["loss"].round(3)
-    change["ablated loss"] = ablated["loss"].round(3)
-    change["change"] = (ablated["loss"] - clean["loss"]).round(3)
+    common.show(viz.token_loss_figure({"clean": clean, "ablated": ablated}), key="ablate_loss")
     st.caption("The prediction at each position, clean and ablated (rows where the prediction changed first).")
-    changed = change["clean prediction"] != change["ablated prediction"]
-    common.table(pd.concat([change[changed], change[~changed]]), height=260)
+    change = token_loss_change(clean, ablated).drop(columns=["batch", "prediction_changed"])
+    common.table(change.round(3), height=260)
 
     st.subheader("Logit lens, clean and ablated")
-    lens_clean = common.analysis("logit_lens", ckpt.key, ids, k=3)
-    lens_ablated = common.analysis("logit_lens", ckpt.key, ids, ablation=ablation, reference=reference, k=3)
+    lens_clean = common.analysis(logit_lens, ckpt.key, ids, k=3)
+    lens_ablated = common.analysis(logit_lens, ckpt.key, ids, ablation=ablation, reference=reference, k=3)
     fig = viz.side_by_side(viz.logit_lens_figure(lens_clean), viz.logit_lens_figure(lens_ablated),
                            titles=("clean", "ablated"))
     fig.update_layout(height=max(320, 50 * (ckpt.cfg.n_layers + 1) + 200))
     common.show(fig, key="ablate_lens")
 
     st.subheader("Attention where it changes")
-    pat_clean = common.analysis("attention_patterns", ckpt.key, ids)
-    pat_ablated = common.analysis("attention_patterns", ckpt.key, ids, ablation=ablation, reference=reference)
-    diff = pat_clean[["layer", "head"]].copy()
-    diff["change"] = (pat_ablated["attention"].to_numpy() - pat_clean["attention"].to_numpy())
-    per_head = diff.assign(change=diff["change"].abs()).groupby(["layer", "head"], as_index=False)["change"].max()
-    per_head = per_head.rename(columns={"change": "max |Δ attention|"}).sort_values("max |Δ attention|", ascending=False)
-    if per_head["max |Δ attention|"].iloc[0] < 1e-6:
+    pat_clean = common.analysis(attention_patterns, ckpt.key, ids)
+    pat_ablated = common.analysis(attention_patterns, ckpt.key, ids, ablation=ablation, reference=reference)
+    per_head = attention_change(pat_clean, pat_ablated)
+    if per_head.empty:
         st.info("No attention pattern changes: the ablated units are in the last layers, or write nothing "
                 "that later heads read.")
         return
-    options = [f"L{r.layer}H{r.head}" for r in per_head.itertuples()]
+    options = [unit_label(r.layer, r.head) for r in per_head.itertuples()]
     left, right = st.columns([1, 3])
     with left:
         common.table(per_head.round(4).head(12))
     with right:
         chosen = st.selectbox("Head (most changed first)", options, key="ablate_attn_head")
-        layer, head = (int(x) for x in re.findall(r"\d+", chosen))
+        layer, head, _ = parse_unit(chosen)
         fig = viz.side_by_side(viz.attention_figure(pat_clean, layer, head), viz.attention_figure(pat_ablated, layer, head),
                                titles=(f"{chosen} clean", f"{chosen} ablated"))
         common.show(fig, key="ablate_attention")
@@ -157,7 +157,7 @@ def _head_sweep(ckpt: common.Checkpoint, ids, kind: str, reference) -> None:
     state_key = ("sweep", ckpt.key, ids, kind)
     if st.button("Run the head sweep", key="ablate_sweep"):
         bar = st.progress(0.0, text="ablating heads…")
-        sweep = common.analysis("ablation_sweep", ckpt.key, ids, reference=reference, unit="head", methods=(kind,),
+        sweep = common.analysis(ablation_sweep, ckpt.key, ids, reference=reference, unit="head", methods=(kind,),
                                 _progress=lambda done, total: bar.progress(done / total,
                                                                            text=f"ablated {done} of {total} heads"))
         bar.empty()
@@ -176,4 +176,5 @@ def _ablate_clicked_head() -> None:
     """A click on the sweep heatmap (cell 'L1' x 'H2') ablates that head alone."""
     points = st.session_state.get("sweep_heatmap", {}).get("selection", {}).get("points", [])
     if points:
-        st.session_state["ablate_units"] = [f"{points[0]['y']}{points[0]['x']}"]
+        layer, _, _ = parse_unit(points[0]["y"])
+        st.session_state["ablate_units"] = [unit_label(layer, parse_head(points[0]["x"]))]

@@ -1,4 +1,5 @@
-"""What every page shares: where checkpoints live, cached loading, the pickers, prompt checks.
+"""What every page shares: where checkpoints live, cached loading, uploads, the pickers, prompt
+input, and the cached call into the library that every analysis goes through.
 
 Models are cached with ``st.cache_resource`` keyed by the checkpoint directory and the
 modification time of its weights, so re-saving a checkpoint reloads it and nothing else
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import io
 import os
 import sys
 import tempfile
 import threading
+import types
 import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,7 +30,11 @@ import streamlit as st
 import torch
 
 import workbench as wb
+from workbench.analysis import AblationSpec, ablation_hooks
+from workbench.analysis.reference import reference_batch as library_reference_batch
 from workbench.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_meta
+from workbench.tokenizer import IdTokenizer, unknown_pieces
+from workbench.training import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 ENV_VAR = "WORKBENCH_CHECKPOINTS"
@@ -77,29 +84,6 @@ def default_checkpoint(options: list[str]) -> Optional[str]:
     if DEFAULT_CHECKPOINT in options:
         return DEFAULT_CHECKPOINT
     return options[0] if options else None
-
-
-class IdTokenizer:
-    """For checkpoints without a tokenizer: a prompt is token ids separated by spaces or commas."""
-
-    kind = "ids"
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.replace(",", " ").split()]
-
-    def decode(self, ids) -> str:
-        return " ".join(str(int(i)) for i in ids)
-
-    def token_str(self, token_id: int) -> str:
-        return str(int(token_id))
-
-    def unknown_pieces(self, text: str) -> list[str]:
-        """What is not a token id below ``vocab_size`` (the workbench tokenizers' method of the same name)."""
-        pieces = text.replace(",", " ").split()
-        return list(dict.fromkeys(p for p in pieces if not (p.isdigit() and int(p) < self.vocab_size)))
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -328,21 +312,11 @@ def prompt_box(ckpt: Optional[Checkpoint], key: str = "prompt", label: str = "Pr
     return where.text_area(label, key=key, height=80)
 
 
-def unencodable(tokenizer, text: str) -> list[str]:
-    """The pieces of ``text`` the tokenizer cannot represent (they would become ``unk``).
-
-    Every workbench tokenizer (and ``IdTokenizer``) answers with ``unknown_pieces``; byte-level
-    ones (byte, BPE, Hugging Face) encode every string, so one without the method has none.
-    """
-    unknown_pieces = getattr(tokenizer, "unknown_pieces", None)
-    return unknown_pieces(text) if unknown_pieces is not None else []
-
-
 def encode_prompt(ckpt: Checkpoint, text: str, min_tokens: int = 2) -> list[int]:
     """Token ids of ``text`` for this checkpoint, or ValueError with a message for the page."""
     if not text or not text.strip():
         raise ValueError("The prompt is empty: type some text.")
-    bad = unencodable(ckpt.tokenizer, text)
+    bad = unknown_pieces(ckpt.tokenizer, text)
     if bad:
         shown = ", ".join(repr(b) for b in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
         raise ValueError(
@@ -370,37 +344,17 @@ def prompt_ids(ckpt: Checkpoint, text: str, where=st) -> Optional[tuple[int, ...
         return None
 
 
-# ---- analyses, cached --------------------------------------------------------------------------
-def _analyses() -> dict:
-    from workbench.analysis import ablation, attribution, heads, lens, tokens
-
-    return {
-        "token_losses": tokens.token_losses,
-        "logit_lens": lens.logit_lens,
-        "attention_patterns": heads.attention_patterns,
-        "head_scores": heads.head_scores,
-        "direct_logit_attribution": attribution.direct_logit_attribution,
-        "residual_norms": tokens.residual_norms,
-        "ablation_sweep": ablation.ablation_sweep,
-    }
+# ---- analyses, cached ----------------------------------------------------------------------------
+Ablation = tuple[AblationSpec, ...]  # frozen dataclasses: hashable, so they key the cache as they are
 
 
-Ablation = tuple[tuple, ...]  # hashable AblationSpecs: (target, layer, head, neurons, positions, method)
+def _qualified_name(fn: Callable) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
 
 
-def _ablation_hooks(model, tokens, ablation: Ablation, reference):
-    from workbench.analysis import AblationSpec, ablation_hooks
-
-    hooks = []
-    for target, layer, head, neurons, positions, method in ablation:
-        spec = AblationSpec(target, layer, head=head, neurons=neurons, positions=positions, method=method)
-        hooks += ablation_hooks(model, tokens, spec, reference)
-    return hooks
-
-
-@st.cache_data(max_entries=256, show_spinner=False)
+@st.cache_data(max_entries=256, show_spinner=False, hash_funcs={types.FunctionType: _qualified_name})
 def analysis(
-    name: str,
+    fn: Callable,
     key: tuple[str, int],
     ids: Optional[tuple[int, ...]],
     ablation: Ablation = (),
@@ -408,74 +362,40 @@ def analysis(
     _progress: Optional[Callable[[int, int], Any]] = None,
     **kwargs,
 ) -> Any:
-    """``workbench.analysis`` function ``name`` on the cached model ``key`` and prompt ``ids``.
+    """``fn(model, tokens, **kwargs)`` (a ``workbench.analysis`` function) on the cached model
+    ``key`` and prompt ``ids``; ``fn(model, **kwargs)`` when ``ids`` is None.
 
-    Cached by value (checkpoint identity, token ids, arguments), so a rerun with the same
-    widgets costs nothing and a widget that changes only the drawing recomputes nothing.
-    With ``ablation``, the analysis runs on the model with those units ablated (the hooks of
-    ``workbench.analysis.ablation_hooks`` stay attached while it runs); ``reference`` is the
-    batch that mean and resample ablations draw from. ``_progress(done, total)`` is handed
-    to ``ablation_sweep`` (the leading underscore keeps it out of the cache key).
+    Cached by value (the function's qualified name, checkpoint identity, token ids,
+    arguments), so a rerun with the same widgets costs nothing and a widget that changes
+    only the drawing recomputes nothing. With ``ablation``, ``fn`` runs on the model with
+    those units ablated (the hooks of ``workbench.analysis.ablation_hooks`` stay attached
+    while it runs). ``reference`` is the batch that mean and resample ablations draw from:
+    the ablation's, and ``fn``'s own when it takes a ``reference`` (as ``ablation_sweep``
+    does). ``_progress(done, total)`` is handed to a ``fn`` that reports progress (the
+    leading underscore keeps it out of the cache key).
     """
     model, lock = model_for(key)
-    fn = _analyses()[name]
+    params = inspect.signature(fn).parameters
     with lock, torch.no_grad():
         if ids is None:
             return fn(model, **kwargs)
         tokens = torch.tensor([ids], device=model.device)
         ref = torch.tensor(reference, device=model.device) if reference is not None else None
-        if name == "ablation_sweep":
-            return fn(model, tokens, reference=ref, progress=_progress or False, **kwargs)
-        hooks = _ablation_hooks(model, tokens, ablation, ref) if ablation else []
+        if "reference" in params:
+            kwargs["reference"] = ref
+        if _progress is not None and "progress" in params:
+            kwargs["progress"] = _progress
+        hooks = [hook for spec in ablation for hook in ablation_hooks(model, tokens, spec, ref)]
         with model.hooks(fwd_hooks=hooks):
             return fn(model, tokens, **kwargs)
 
 
-# Task options that name files or folders. A checkpoint's meta.json may have been uploaded by
-# anyone: the server must never read the paths it names (e.g. the text task's path="/").
-PATH_OPTIONS = ("path", "file", "dir", "folder", "root", "corpus")
-
-
-def reference_task(meta: dict):
-    """The task meta.json names, built only when that reads no files; ValueError otherwise.
-
-    The text task always reads a corpus by path, and even the checkpoint's own corpus may have
-    changed since training (a rebuilt vocabulary would silently mismatch the model), so it is
-    never rebuilt here.
-    """
-    from workbench.data import get_task
-
-    meta = meta if isinstance(meta, dict) else {}
-    name, options = meta.get("task"), meta.get("task_options", {})
-    if not isinstance(name, str) or not isinstance(options, dict):
-        raise ValueError("meta.json names no task")
-    names_a_file = any(word in str(k).lower() for k in options for word in PATH_OPTIONS) or any(
-        isinstance(v, str) and ("/" in v or "\\" in v or v.startswith(("~", "."))) for v in options.values())
-    if name == "text" or names_a_file:
-        raise ValueError(f"task {name!r} would read files named in meta.json; they are not followed")
-    return get_task(name, **options)
-
-
 @st.cache_data(max_entries=32, show_spinner=False)
-def reference_batch(key: tuple[str, int], n_pos: int, ids: tuple[int, ...], rows: int = 16) -> tuple[tuple[int, ...], ...]:
-    """Sequences that mean and resample ablations draw from, ``n_pos`` tokens each.
-
-    The validation split of the task the checkpoint was trained on (meta.json names it; never
-    a task that reads files, see :func:`reference_task`), else shuffles of the prompt itself.
-    """
+def reference_batch(key: tuple[str, int], ids: tuple[int, ...], rows: int = 16) -> tuple[tuple[int, ...], ...]:
+    """``workbench.analysis.reference_batch`` for checkpoint ``key`` (its meta.json names the
+    task), as tuples so it can key ``analysis``."""
     model, _, meta, _ = _load(*key)
-    try:
-        task = reference_task(meta)
-        if task.fixed_seq_len and task.default_seq_len != n_pos:
-            raise ValueError("the task's sequences have another length")
-        batch = task.batch(rows, n_pos, step=0, split="val")
-        if tuple(batch.shape) != (rows, n_pos) or batch.min() < 0 or batch.max() >= model.cfg.d_vocab:
-            raise ValueError("the task's tokens do not fit this model")
-        return tuple(tuple(int(t) for t in row) for row in batch.tolist())
-    except (KeyError, TypeError, ValueError, OSError):  # OSError: a task's own files missing or unreadable
-        gen = torch.Generator().manual_seed(0)
-        base = torch.tensor(ids)
-        return tuple(tuple(base[torch.randperm(n_pos, generator=gen)].tolist()) for _ in range(rows))
+    return tuple(tuple(row) for row in library_reference_batch(model, meta, ids, rows=rows).tolist())
 
 
 # ---- drawing --------------------------------------------------------------------------------------
@@ -496,15 +416,15 @@ def table(df, **kwargs) -> None:
 
 
 # ---- the model card ---------------------------------------------------------------------------------
-def read_metrics(ckpt: Checkpoint) -> Optional[pd.DataFrame]:
-    """metrics.csv of a checkpoint (step, train_loss, val_loss, lr, grad_norm, tokens_per_s), if any."""
-    path = Path(ckpt.path, "metrics.csv")
-    if not path.is_file():
-        return None
+def training_curve(path, where=st) -> Optional[pd.DataFrame]:
+    """metrics.csv under ``path`` (``workbench.training.read_metrics``); None, with a message
+    in ``where`` when it is unreadable, when there is none or it is empty."""
     try:
-        return pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError):
+        metrics = read_metrics(path)
+    except ValueError as e:
+        where.warning(f"Cannot draw the training curve: {e}")
         return None
+    return None if metrics.empty or "step" not in metrics else metrics
 
 
 def config_table(cfg: wb.ModelConfig) -> pd.DataFrame:
@@ -525,8 +445,8 @@ def model_card(ckpt: Checkpoint) -> None:
     with left:
         table(config_table(ckpt.cfg), height=300)
     with right:
-        metrics = read_metrics(ckpt)
-        if metrics is not None and "step" in metrics:
+        metrics = training_curve(ckpt.path)
+        if metrics is not None:
             show(viz.loss_curves(metrics, title=f"Training curve of {ckpt.name}"), key=f"curve_{ckpt.path}")
         else:
             st.info("This checkpoint has no metrics.csv, so there is no training curve.")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from ui import common, figures
+from ui import common
 from workbench import viz
+from workbench.analysis import attention_patterns, head_scores, logit_lens, token_losses
 
 # Fields that pick a component (the rest are sizes and numbers).
 COMPONENTS = ("norm", "norm_placement", "positional", "ffn", "attn_only", "parallel_residual", "tie_embeddings",
@@ -37,7 +38,7 @@ def render() -> None:
                f"({int((diff['component'] & diff['differs']).sum())}), other differences in a lighter shade.")
     st.dataframe(_styled(diff), hide_index=True, height=min(600, 36 * (len(diff) + 1)))
 
-    metrics = {c.name: m for c in (a, b) if (m := common.read_metrics(c)) is not None}
+    metrics = {c.name: m for c in (a, b) if (m := common.training_curve(c.path)) is not None}
     if metrics:
         st.subheader("Training curves")
         runs = pd.concat([m.assign(run=name) for name, m in metrics.items()], ignore_index=True)
@@ -49,19 +50,19 @@ def render() -> None:
     ids_b = common.prompt_ids(b, text) if ids_a is not None else None
     if ids_a is None or ids_b is None:
         return
-    loss_a = common.analysis("token_losses", a.key, ids_a)
-    loss_b = common.analysis("token_losses", b.key, ids_b)
+    loss_a = common.analysis(token_losses, a.key, ids_a)
+    loss_b = common.analysis(token_losses, b.key, ids_b)
     c1, c2 = st.columns(2)
     c1.metric(f"Mean loss, {a.name}", f"{loss_a['loss'].mean():.3f}")
     c2.metric(f"Mean loss, {b.name}", f"{loss_b['loss'].mean():.3f}",
               delta=f"{loss_b['loss'].mean() - loss_a['loss'].mean():+.3f}", delta_color="inverse")
     st.subheader("Per-token loss")
     if ids_a == ids_b:
-        common.show(figures.token_losses_compare({a.name: loss_a, b.name: loss_b}), key="compare_loss")
+        common.show(viz.token_loss_figure({a.name: loss_a, b.name: loss_b}), key="compare_loss")
     else:
         st.caption("The two tokenizers split the prompt differently, so each model gets its own plot.")
         for c, losses in ((a, loss_a), (b, loss_b)):
-            common.show(figures.token_losses(losses, title=f"Per-token loss, {c.name}"), key=f"compare_loss_{c.name}")
+            common.show(viz.token_loss_figure(losses, title=f"Per-token loss, {c.name}"), key=f"compare_loss_{c.name}")
 
     tabs = st.tabs(["Head scores", "Attention grids", "Logit lens"], key="compare_tab", on_change="rerun")
     if tabs[0].open:
@@ -70,18 +71,16 @@ def render() -> None:
             for col, c in zip(st.columns(2), (a, b)):
                 with col:
                     st.markdown(f"**{c.name}**")
-                    scores = common.analysis("head_scores", c.key, None)
-                    common.table(scores.pivot_table(index=["layer", "head"], columns="kind", values="score")
-                                 .reset_index().round(3))
+                    common.table(common.analysis(head_scores, c.key, None, wide=True).round(3))
     if tabs[1].open:
         with tabs[1]:
             for c, ids in ((a, ids_a), (b, ids_b)):
-                fig = viz.attention_grid(common.analysis("attention_patterns", c.key, ids))
+                fig = viz.attention_grid(common.analysis(attention_patterns, c.key, ids))
                 fig.update_layout(title=f"Every head of {c.name}")
                 common.show(fig, key=f"compare_grid_{c.name}")
     if tabs[2].open:
         with tabs[2]:
-            figs = [viz.logit_lens_figure(common.analysis("logit_lens", c.key, ids, k=3)) for c, ids in ((a, ids_a), (b, ids_b))]
+            figs = [viz.logit_lens_figure(common.analysis(logit_lens, c.key, ids, k=3)) for c, ids in ((a, ids_a), (b, ids_b))]
             fig = viz.side_by_side(*figs, titles=(a.name, b.name))
             fig.update_layout(height=max(320, 50 * (max(a.cfg.n_layers, b.cfg.n_layers) + 1) + 200))
             common.show(fig, key="compare_lens")

@@ -9,8 +9,16 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ui import common, figures
+from ui import common
 from workbench import viz
+from workbench.analysis import (
+    attention_patterns,
+    direct_logit_attribution,
+    head_scores,
+    logit_lens,
+    residual_norms,
+    token_losses,
+)
 
 LENS_VALUES = {
     "probability of the next token": "target_prob",
@@ -43,20 +51,20 @@ def render() -> None:
 
 
 def _tokens_and_loss(ckpt: common.Checkpoint, ids) -> None:
-    losses = common.analysis("token_losses", ckpt.key, ids)
+    losses = common.analysis(token_losses, ckpt.key, ids)
     st.subheader("Tokens and per-token loss")
     c1, c2, c3 = st.columns(3)
     c1.metric("Prompt length", f"{len(ids)} tokens")
     c2.metric("Mean loss", f"{losses['loss'].mean():.3f} nats")
     c3.metric("Top-1 accuracy", f"{losses['correct'].mean():.0%}")
-    common.show(figures.token_losses(losses), key="inspect_loss")
+    common.show(viz.token_loss_figure(losses), key="inspect_loss")
 
 
 def _attention(ckpt: common.Checkpoint, ids) -> None:
     st.subheader("Attention")
     # Lazy tabs: the grid of every head (one heatmap per head) is drawn only when opened.
     one, every, scores = st.tabs(["One head", "Every head", "Head scores"], key="attn_tab", on_change="rerun")
-    patterns = common.analysis("attention_patterns", ckpt.key, ids)
+    patterns = common.analysis(attention_patterns, ckpt.key, ids)
     if one.open:
         with one:
             a, b = st.columns(2)
@@ -74,14 +82,13 @@ def _attention(ckpt: common.Checkpoint, ids) -> None:
 def _lens(ckpt: common.Checkpoint, ids) -> None:
     st.subheader("Logit lens")
     shown = st.selectbox("Colour", list(LENS_VALUES), key="lens_value", width=320)
-    lens = common.analysis("logit_lens", ckpt.key, ids, k=3)
+    lens = common.analysis(logit_lens, ckpt.key, ids, k=3)
     common.show(viz.logit_lens_figure(lens, color=LENS_VALUES[shown]), key="inspect_lens")
 
 
 def _head_scores(ckpt: common.Checkpoint, ids) -> None:
-    scores = common.analysis("head_scores", ckpt.key, ids)
-    wide = scores.pivot_table(index=["layer", "head"], columns="kind", values="score").reset_index()
-    st.caption(layout_caption(scores.attrs["layout"]))
+    wide = common.analysis(head_scores, ckpt.key, ids, wide=True)
+    st.caption(layout_caption(wide.attrs["layout"]))
     common.table(wide.round(3))
 
 
@@ -105,7 +112,7 @@ def _attribution(ckpt: common.Checkpoint, ids) -> None:
     if ckpt.cfg.norm_placement == "post":
         st.info("Direct logit attribution needs a pre-norm model; this one is post-norm.")
         return
-    lens = common.analysis("logit_lens", ckpt.key, ids, k=3)
+    lens = common.analysis(logit_lens, ckpt.key, ids, k=3)
     tokens = [ckpt.tokenizer.token_str(i) for i in ids]
     a, b, c, d = st.columns([2, 2, 2, 1])
     pos = a.selectbox("At position", range(len(ids)), index=len(ids) - 1,
@@ -117,33 +124,19 @@ def _attribution(ckpt: common.Checkpoint, ids) -> None:
                               help="Attribute the logit difference target − this token.")
     granularity = d.radio("Split", ["head", "layer"], key="dla_granularity")
     try:
-        answer = _single_token(ckpt, answer_text)
-        wrong = _single_token(ckpt, wrong_text) if wrong_text.strip() else None
+        answer = ckpt.model.to_single_token(answer_text)
+        wrong = ckpt.model.to_single_token(wrong_text) if wrong_text.strip() else None
     except ValueError as e:
         st.warning(str(e))
         return
-    df = common.analysis("direct_logit_attribution", ckpt.key, ids, answer=answer, wrong=wrong, pos=pos)
+    df = common.analysis(direct_logit_attribution, ckpt.key, ids, answer=answer, wrong=wrong, pos=pos)
     fig = viz.dla_figure(df, granularity=granularity)
     what = f"logit[{answer_text!r}]" + (f" − logit[{wrong_text!r}]" if wrong is not None else "")
     fig.update_layout(title=f"{what} at position {pos} = {df['total'].iloc[0]:.3f}: direct attribution")
     common.show(fig, key="inspect_dla")
 
 
-def _single_token(ckpt: common.Checkpoint, text: str) -> int:
-    """The id of a token typed by the user, as the tokenizer spells it (leading space and all)."""
-    if not text:
-        raise ValueError("Type a target token.")
-    tok = ckpt.tokenizer
-    if common.unencodable(tok, text):
-        raise ValueError(f"{text!r} is not in this checkpoint's vocabulary.")
-    ids = tok.encode(text)
-    if len(ids) != 1:
-        pieces = [tok.token_str(i) for i in ids]
-        raise ValueError(f"{text!r} is {len(ids)} tokens ({pieces}), not one: type a single token.")
-    return ids[0]
-
-
 def _residual_norms(ckpt: common.Checkpoint, ids) -> None:
     st.subheader("Residual-stream norm per layer")
-    norms = common.analysis("residual_norms", ckpt.key, ids)
-    common.show(figures.residual_norms(norms), key="inspect_norms")
+    norms = common.analysis(residual_norms, ckpt.key, ids)
+    common.show(viz.residual_norms_figure(norms), key="inspect_norms")

@@ -133,10 +133,9 @@ def _curves(chosen: list[str], runs: dict[str, Path]) -> None:
     for name in chosen:
         for path in sorted(runs[name].rglob("metrics.csv")):
             label = name if path.parent == runs[name] else f"{name}/{path.parent.relative_to(runs[name])}"
-            try:
-                frames.append(pd.read_csv(path).assign(run=label))
-            except (pd.errors.ParserError, pd.errors.EmptyDataError):
-                continue
+            metrics = common.training_curve(path)
+            if metrics is not None:
+                frames.append(metrics.assign(run=label))
     if frames:
         st.subheader("Loss curves")
         common.show(viz.loss_curves(pd.concat(frames, ignore_index=True)), key="sweeps_curves")

@@ -204,13 +204,27 @@ def _print_metrics(metrics: dict, as_json: bool) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run one command; the library's errors and the system's become one line on stderr.
+
+    Exit status 2 for bad input (ValueError, which CheckpointError and UnsupportedHFConfig
+    are), 1 for a file that cannot be read or written (OSError) or a run that diverged.
+    KeyboardInterrupt is not caught (``train`` handles Ctrl-C itself and exits 130).
+    """
+    from workbench.training import TrainingDiverged
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:  # bad input: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:
+        return _error(e, 2)
+    except (OSError, TrainingDiverged) as e:
+        return _error(e, 1)
+
+
+def _error(e: Exception, status: int) -> int:
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, no traceback
+    return status
 
 
 if __name__ == "__main__":

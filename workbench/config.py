@@ -218,10 +218,6 @@ class ModelConfig:
     def device(self) -> Optional[str]:
         return None
 
-    @property
-    def is_gqa(self) -> bool:
-        return 1 < self.n_kv_heads < self.n_heads
-
     # ---- construction and serialisation ---------------------------------------
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed; derived sizes are re-derived unless given."""

@@ -310,9 +310,19 @@ class HookedDecoder(HookedRootModule):
         return [tok.token_str(i) for i in ids]
 
     def to_single_token(self, text: str) -> int:
-        ids = self._need_tokenizer().encode(text)
+        """The id of ``text`` when the tokenizer spells it as exactly one known token (a leading
+        space and all); ValueError saying what it is instead otherwise."""
+        from workbench.tokenizer import unknown_pieces
+
+        tok = self._need_tokenizer()
+        if not text:
+            raise ValueError("the text is empty: type a single token")
+        if unknown_pieces(tok, text):
+            raise ValueError(f"{text!r} is not in the tokenizer's vocabulary")
+        ids = tok.encode(text)
         if len(ids) != 1:
-            raise ValueError(f"{text!r} is {len(ids)} tokens, not one")
+            pieces = [tok.token_str(i) for i in ids]
+            raise ValueError(f"{text!r} is {len(ids)} tokens ({pieces}), not one: type a single token")
         return ids[0]
 
     # ---- weights under TransformerLens' names ---------------------------------------

@@ -1,9 +1,10 @@
-"""Tokenizers saved with checkpoints: character-level, byte-level, and BPE.
+"""Tokenizers saved with checkpoints: character-level, byte-level, BPE, words, and raw ids.
 
-Four kinds: ``CharTokenizer`` (one id per character), ``ByteTokenizer`` (UTF-8 bytes),
-``BPETokenizer`` (byte-level BPE) and ``WordTokenizer`` (one id per word or punctuation
+Five kinds: ``CharTokenizer`` (one id per character), ``ByteTokenizer`` (UTF-8 bytes),
+``BPETokenizer`` (byte-level BPE), ``WordTokenizer`` (one id per word or punctuation
 mark of a closed vocabulary, used by the synthetic ``stories`` grammar so that every name
-is a single token).
+is a single token) and ``IdTokenizer`` (text is the token ids themselves, ``3 17 5``: for
+models of abstract-id tasks such as induction, which have no words).
 
 Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``,
 ``token_str(id) -> str`` (a readable label for plots), ``unknown_pieces(text) -> list[str]``
@@ -185,7 +186,50 @@ class WordTokenizer:
     save = CharTokenizer.save
 
 
-Tokenizer = Union[CharTokenizer, ByteTokenizer, BPETokenizer, WordTokenizer]
+class IdTokenizer:
+    """Token ids written as text: ``"3 17, 5"`` encodes to [3, 17, 5] (spaces or commas between)."""
+
+    kind = "ids"
+
+    def __init__(self, vocab_size: int):
+        if int(vocab_size) < 1:
+            raise ValueError(f"vocab_size={vocab_size} must be at least 1")
+        self.vocab_size = int(vocab_size)
+
+    def encode(self, text: str) -> list[int]:
+        bad = self.unknown_pieces(text)
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a token id: ids are 0..{self.vocab_size - 1}")
+        return [int(t) for t in text.replace(",", " ").split()]
+
+    def unknown_pieces(self, text: str) -> list[str]:
+        """What is not a token id below ``vocab_size`` (each once, in order)."""
+        pieces = text.replace(",", " ").split()
+        return list(dict.fromkeys(p for p in pieces if not (p.isdigit() and int(p) < self.vocab_size)))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def token_str(self, token_id: int) -> str:
+        return str(int(token_id))
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self.vocab_size}
+
+    save = CharTokenizer.save
+
+
+Tokenizer = Union[CharTokenizer, ByteTokenizer, BPETokenizer, WordTokenizer, IdTokenizer]
+
+
+def unknown_pieces(tokenizer, text: str) -> list[str]:
+    """The pieces of ``text`` the tokenizer cannot represent (they would become ``unk``).
+
+    Every tokenizer here (and the Hugging Face one of ``workbench.interop``) answers with its
+    ``unknown_pieces``; a byte-level tokenizer without the method encodes every string.
+    """
+    method = getattr(tokenizer, "unknown_pieces", None)
+    return method(text) if method is not None else []
 
 
 def tokenizer_from_dict(data: dict) -> Tokenizer:
@@ -196,6 +240,8 @@ def tokenizer_from_dict(data: dict) -> Tokenizer:
         return CharTokenizer(data["chars"], unk=data.get("unk", "\ufffd"))
     if kind == "byte":
         return ByteTokenizer()
+    if kind == "ids":
+        return IdTokenizer(data["vocab_size"])
     if kind == "bpe":
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -204,7 +250,7 @@ def tokenizer_from_dict(data: dict) -> Tokenizer:
         from workbench.interop.hf_tokenizer import HFTokenizer as ImportedTokenizer
 
         return ImportedTokenizer.from_dict(data)
-    raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds are ['bpe', 'byte', 'char', 'hf', 'word']")
+    raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds are ['bpe', 'byte', 'char', 'hf', 'ids', 'word']")
 
 
 def load_tokenizer(directory: Union[str, Path]) -> Optional[Tokenizer]:

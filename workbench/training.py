@@ -404,20 +404,24 @@ def _history_csv(history: list[dict]) -> str:
 
 
 def _read_history(out_dir: Path, up_to_step: int) -> list[dict]:
-    path = out_dir / METRICS_FILE
-    if not path.exists():
-        return []
-    frame = pd.read_csv(path)
+    frame = read_metrics(out_dir / METRICS_FILE)
     frame = frame[frame["step"] <= up_to_step].astype(object).where(frame.notna(), None)
     return frame.to_dict("records")
 
 
 def read_metrics(path: Union[str, Path]) -> pd.DataFrame:
-    """The metrics.csv of a checkpoint directory as a DataFrame (empty when there is none)."""
+    """The metrics.csv of a checkpoint directory (or the file itself) as a DataFrame.
+
+    Empty (with the usual columns) when there is none; ValueError naming the file when it
+    is not a readable CSV. Every reader of metrics.csv (resume, the figures, the app) uses this.
+    """
     file = Path(path) / METRICS_FILE if Path(path).is_dir() else Path(path)
     if not file.exists():
         return pd.DataFrame(columns=METRIC_COLUMNS)
-    return pd.read_csv(file)
+    try:
+        return pd.read_csv(file)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not a readable metrics CSV: {e}") from None
 
 
 def _jsonable(value: Any) -> Any:

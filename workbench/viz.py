@@ -2,10 +2,13 @@
 
 Each function takes the table an analysis call returned and gives a ``plotly`` Figure:
 attention patterns (one head, or every head in one mosaic heatmap), the logit-lens heatmap, direct
-logit attribution bars, a layer x head heatmap for sweeps, loss curves from a
+logit attribution bars, a layer x head heatmap for sweeps, per-token loss bars (one run or
+several side by side), residual-stream norms across layers, loss curves from a
 checkpoint's ``metrics.csv``, and ``side_by_side`` for any two of them. ``theme`` is
 ``"light"`` or ``"dark"``; colour scales are perceptually uniform so both read well, and
-text on heatmaps takes plotly's automatic contrasting colour.
+text on heatmaps takes plotly's automatic contrasting colour. Tokens on axes are
+position-prefixed (``"3: the"``) so repeated tokens stay distinct; units are named by
+``unit_label`` (``L1H4``), as everywhere else.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.analysis.common import check_choice, unique_labels
+from workbench.analysis.common import check_choice, head_label, unique_labels, unit_label
 
 THEMES = {"light": "plotly_white", "dark": "plotly_dark"}
 SEQUENTIAL = "Viridis"
 DIVERGING = "RdBu"
 POSITIVE, NEGATIVE = "#2f6db5", "#d1495b"  # a blue and a red that read on white and on black
+CORRECT, WRONG = "#2ca02c", "#d62728"
 
 
 def _template(theme: str) -> str:
@@ -63,7 +67,7 @@ def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optio
     ))
     fig.update_yaxes(autorange="reversed", title="query")
     fig.update_xaxes(title="key", tickangle=-45)
-    fig.update_layout(title=f"Attention L{layer}H{head}", template=_template(theme))
+    fig.update_layout(title=f"Attention {unit_label(layer, head)}", template=_template(theme))
     return fig
 
 
@@ -94,15 +98,15 @@ def attention_grid(patterns: pd.DataFrame, batch: Optional[int] = 0, theme: str 
             out += [f"{unit} · {role} {label}" for label in labels] + ([f"gap {i}"] if i < len(units) - 1 else [])
         return out
 
-    ys, xs = axis([f"L{l}" for l in layers], "query"), axis([f"H{h}" for h in heads], "key")
+    ys, xs = axis([unit_label(l) for l in layers], "query"), axis([head_label(h) for h in heads], "key")
     fig = go.Figure(go.Heatmap(
         z=z, x=xs, y=ys, coloraxis="coloraxis", hoverongaps=False,
         hovertemplate="%{y}<br>%{x}<br>attention %{z:.3f}<extra></extra>",
     ))
     centre = (n - 1) // 2
-    fig.update_xaxes(type="category", tickvals=xs[centre::step], ticktext=[f"H{h}" for h in heads],
+    fig.update_xaxes(type="category", tickvals=xs[centre::step], ticktext=[head_label(h) for h in heads],
                      showgrid=False, side="top", title="key →")
-    fig.update_yaxes(type="category", tickvals=ys[centre::step], ticktext=[f"L{l}" for l in layers],
+    fig.update_yaxes(type="category", tickvals=ys[centre::step], ticktext=[unit_label(l) for l in layers],
                      showgrid=False, autorange="reversed", title="query ↓")
     fig.update_layout(coloraxis=dict(colorscale=SEQUENTIAL, cmin=0, cmax=1, colorbar=dict(title="attention")),
                       title="Attention patterns", template=_template(theme),
@@ -170,7 +174,8 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     for column in ("layer", "head", value) + ((facet,) if facet else ()):
         if column not in frame:
             raise ValueError(f"the table has no column {column!r}; it has {list(frame.columns)}")
-    frame = frame[frame["head"] >= 0]
+    # Stacked with tables that have no heads, the columns turn float (NaN there): back to whole numbers.
+    frame = frame[frame["head"] >= 0].astype({"layer": int, "head": int})
     panels = sorted(frame[facet].unique()) if facet else [None]
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[str(p) for p in panels] if facet else None,
                         horizontal_spacing=0.06)
@@ -180,7 +185,7 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
         part = frame if panel is None else frame[frame[facet] == panel]
         grid = part.pivot_table(index="layer", columns="head", values=value, aggfunc="mean")
         fig.add_trace(go.Heatmap(
-            z=grid.to_numpy(), x=[f"H{h}" for h in grid.columns], y=[f"L{l}" for l in grid.index],
+            z=grid.to_numpy(), x=[head_label(h) for h in grid.columns], y=[unit_label(l) for l in grid.index],
             coloraxis="coloraxis", hovertemplate="%{y} %{x}<br>" + value + " %{z:.4f}<extra></extra>",
         ), row=1, col=c)
     axis = dict(colorscale=DIVERGING, cmid=0, cmin=-limit, cmax=limit) if diverging else dict(colorscale=SEQUENTIAL)
@@ -196,8 +201,9 @@ def loss_curves(metrics: Union[str, Path, pd.DataFrame], title: str = "Loss", lo
     directory, or its DataFrame: step, train_loss, val_loss, ...). A ``run`` column gives
     one pair of curves per run."""
     if not isinstance(metrics, pd.DataFrame):
-        path = Path(metrics)
-        metrics = pd.read_csv(path / "metrics.csv" if path.is_dir() else path)
+        from workbench.training import read_metrics  # the one reader of metrics.csv, beside its writer
+
+        metrics = read_metrics(metrics)
     if "step" not in metrics:
         raise ValueError(f"metrics need a 'step' column; got {list(metrics.columns)}")
     runs = metrics.groupby("run", sort=False) if "run" in metrics else [("", metrics)]
@@ -211,6 +217,58 @@ def loss_curves(metrics: Union[str, Path, pd.DataFrame], title: str = "Loss", lo
                                          line=dict(dash=dash)))
     fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss", template=_template(theme),
                       xaxis_type="log" if log_x else None)
+    return fig
+
+
+def token_loss_figure(losses: Union[pd.DataFrame, dict[str, pd.DataFrame]], title: str = "Per-token loss",
+                      batch: Optional[int] = 0, theme: str = "light") -> go.Figure:
+    """Bars of the loss of predicting each token, placed at the token predicted (``"4: cat"``).
+
+    ``losses``: a ``token_losses`` table (bars green where the top prediction was right, red
+    where not; hover names the token before and the prediction), or a dict name -> table of
+    the same tokens (grouped bars, one colour per name: e.g. clean and ablated, or two models).
+    """
+    single = isinstance(losses, pd.DataFrame)
+    fig = go.Figure()
+    for name, frame in ({"": losses} if single else losses).items():
+        frame = _one_batch(frame, batch)
+        x = unique_labels(frame["next_token"].tolist(), positions=(frame["pos"] + 1).tolist())
+        if not single:
+            fig.add_bar(x=x, y=frame["loss"], name=name)
+            continue
+        fig.add_bar(x=x, y=frame["loss"], marker_color=np.where(frame["correct"], CORRECT, WRONG),
+                    customdata=np.stack([frame["predicted"], frame["token"]], axis=-1),
+                    hovertemplate="%{x}<br>loss %{y:.3f}<br>after %{customdata[1]!r}, "
+                                  "top prediction %{customdata[0]!r}<extra></extra>")
+    fig.update_layout(title=title, barmode="group", yaxis_title="loss (nats)", template=_template(theme),
+                      xaxis_title="token predicted" + (" (green: top-1 correct)" if single else ""),
+                      height=340, margin=dict(t=40, b=10))
+    fig.update_xaxes(type="category", tickangle=-60)
+    return fig
+
+
+def residual_norms_figure(norms: pd.DataFrame, title: str = "Residual-stream norm", batch: Optional[int] = 0,
+                          theme: str = "light") -> go.Figure:
+    """A ``residual_norms`` table: the norm at every position across layers (thin lines, hover
+    names the token), and their mean (thick).
+
+    All positions share one trace (None breaks the line between them): one trace per
+    position made this figure slow to build for long prompts.
+    """
+    frame = _one_batch(norms, batch).sort_values(["pos", "layer"])
+    order = frame.drop_duplicates("layer")["layer_label"].tolist()
+    x, y, text = [], [], []
+    for pos, part in frame.groupby("pos", sort=True):
+        x += part["layer_label"].tolist() + [None]
+        y += part["norm"].tolist() + [None]
+        text += unique_labels([part["token"].iloc[0]], positions=[pos]) * (len(order) + 1)
+    fig = go.Figure()
+    fig.add_scatter(x=x, y=y, text=text, mode="lines", line=dict(width=1), opacity=0.35, name="each position",
+                    hovertemplate="%{text}<br>%{x}: %{y:.2f}<extra></extra>")
+    mean = frame.groupby("layer", as_index=False).agg(norm=("norm", "mean"), layer_label=("layer_label", "first"))
+    fig.add_scatter(x=mean["layer_label"], y=mean["norm"], mode="lines+markers", line=dict(width=3), name="mean")
+    fig.update_layout(title=title, yaxis_title="L2 norm", template=_template(theme), height=340, margin=dict(t=40))
+    fig.update_xaxes(type="category", categoryorder="array", categoryarray=order)
     return fig
 
 

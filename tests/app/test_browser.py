@@ -24,7 +24,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-quic"]
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Chromium is missing: apt-get install chromium")
+# slow: a real Streamlit server and browser; deselect with -m "not slow".
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not CHROMIUM.exists(), reason="Chromium is missing: apt-get install chromium")]
 
 
 def _free_port() -> int:

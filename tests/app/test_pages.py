@@ -128,17 +128,7 @@ def test_inspect_direct_logit_attribution_target_and_difference(app):
     title = next(t for t in titles(at) if "direct attribution" in t)
     assert "logit['Mary'] − logit['John']" in title
     at.text_input(key=f"dla_answer_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("zebra").run()
-    assert "not in this checkpoint's vocabulary" in messages(at)
-
-
-def test_unencodable_asks_each_tokenizer():
-    from workbench.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer, WordTokenizer
-
-    assert common.unencodable(CharTokenizer("ab "), "a☃b c☃") == ["☃", "c"]
-    assert common.unencodable(WordTokenizer(["Mary", "met", "."]), "Mary met a zebra, Mary.") == ["a", "zebra", ","]
-    assert common.unencodable(ByteTokenizer(), "☃ anything") == []
-    assert common.unencodable(BPETokenizer.train(["abc abc"], vocab_size=260), "☃ zz") == []
-    assert common.unencodable(common.IdTokenizer(10), "1 2, 12 x 12") == ["12", "x"]
+    assert "not in the tokenizer's vocabulary" in messages(at)
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -230,42 +220,15 @@ def test_uploads_go_to_a_private_random_folder_and_never_through_a_symlink(tmp_p
     assert not any(elsewhere.iterdir())
 
 
-def _is_shuffle_of(rows, ids) -> bool:
-    return all(sorted(row) == sorted(ids) for row in rows)
+def test_reference_batch_is_the_checkpoints_own_task(checkpoints_dir):
+    # the library's reference_batch (tests/test_analysis_reference.py), as tuples, for the checkpoint's meta.json
+    from workbench.analysis import reference_batch
 
-
-def test_reference_batch_never_follows_paths_from_meta(checkpoints_dir, tmp_path, monkeypatch):
-    import workbench.data.text
-
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(checkpoints_dir / DEFAULT, ckpt)
-    meta = json.loads((ckpt / "meta.json").read_text())
-    stamp = common.weights_stamp(str(ckpt))
+    ckpt = common.load(str(checkpoints_dir / DEFAULT))
     ids = tuple(range(3, 13))
-
-    def no_reading(*args, **kwargs):
-        raise AssertionError("the server read a path named in meta.json")
-
-    monkeypatch.setattr(workbench.data.text, "read_corpus", no_reading)
-    monkeypatch.setattr(workbench.data.text.Path, "rglob", no_reading)
-    for i, options in enumerate([{"task": "text", "task_options": {"path": "/"}},
-                                 {"task": "stories", "task_options": {"corpus_dir": str(tmp_path)}},
-                                 {"task": "stories", "task_options": {"heldout_fraction": "../x"}},
-                                 {"task": "stories", "task_options": ["not", "a", "dict"]}]):
-        (ckpt / "meta.json").write_text(json.dumps({**meta, **options}))
-        common._load.clear()  # meta.json is read with the model
-        rows = common.reference_batch((str(ckpt), stamp), len(ids), ids, rows=4 + i)
-        assert len(rows) == 4 + i and _is_shuffle_of(rows, ids), options
-
-    # A task that fails on its own files (OSError) also falls back to shuffles of the prompt.
-    (ckpt / "meta.json").write_text(json.dumps(meta))
-    common._load.clear()
-    rows = common.reference_batch((str(ckpt), stamp), len(ids), ids, rows=3)
-    assert not _is_shuffle_of(rows, ids)  # the stories checkpoint's own task, rebuilt without files
-    monkeypatch.setattr("workbench.data.get_task", lambda *a, **k: (_ for _ in ()).throw(PermissionError("denied")))
-    rows = common.reference_batch((str(ckpt), stamp), len(ids), ids, rows=2)
-    assert len(rows) == 2 and _is_shuffle_of(rows, ids)
-    common._load.clear()
+    rows = common.reference_batch(ckpt.key, ids, rows=3)
+    assert rows == tuple(map(tuple, reference_batch(ckpt.model, ckpt.meta, ids, rows=3).tolist()))
+    assert len(rows) == 3 and all(sorted(row) != sorted(ids) for row in rows)  # task text, not shuffles
 
 
 def test_ablate_changes_the_loss_and_the_sweep_draws_the_heatmap(app):

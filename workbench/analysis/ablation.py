@@ -31,6 +31,7 @@ from workbench.analysis.common import (
     check_layer,
     check_positions,
     loss_metric,
+    unit_label,
 )
 from workbench.analysis.resume import hook_name, needed_hooks, run_from_site
 from workbench.utils import check_index, check_int, eval_mode
@@ -48,9 +49,9 @@ _HOOKS = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class AblationSpec:
-    """What to ablate and how.
+    """What to ablate and how: frozen and hashable, so it can key a cache or a set.
 
     target: ``head`` (needs ``head``), ``attn``, ``mlp``, ``neurons`` (needs ``neurons``,
     indices into ``mlp.hook_post``), ``resid`` (the stream entering ``layer``) or
@@ -59,22 +60,37 @@ class AblationSpec:
     method: ``zero``, ``mean`` (over the reference batch, per position) or ``resample``
     (each sequence takes the activation of another: the next one in the batch when no
     reference is given, else a random reference row drawn with ``seed``).
+    Sequences are stored as tuples (``direction`` as a tuple of floats), so two specs that
+    say the same thing are equal and hash the same.
     """
 
     target: Literal["head", "attn", "mlp", "neurons", "resid", "direction"]
     layer: Union[int, np.integer]  # numpy ints too: specs are often built from DataFrame rows
     head: Optional[Union[int, np.integer]] = None
     neurons: Optional[Sequence[int]] = None
-    direction: Optional[Tensor] = None
+    direction: Optional[Union[Tensor, Sequence[float]]] = None
     positions: Optional[Sequence[int]] = None
     method: Literal["zero", "mean", "resample"] = "zero"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        # int() would turn layer=1.5 into 1 silently: only integers (numpy ones too) are accepted.
-        self.layer = check_int("layer", self.layer)
-        self.head = None if self.head is None else check_int("head", self.head)
-        self.seed = check_int("seed", self.seed)
+        # Frozen and hashable: every field normalised once, here. int() would turn layer=1.5 into 1
+        # silently, so only integers (numpy ones too) are accepted.
+        def ints(name, values):
+            return None if values is None else tuple(check_int(name, v) for v in values)
+
+        direction = self.direction
+        if isinstance(direction, Tensor):
+            if direction.ndim != 1:
+                raise ValueError(f"direction must be a [d_model] vector, got shape {tuple(direction.shape)}")
+            direction = direction.detach().double().cpu().tolist()
+        fields = {"layer": check_int("layer", self.layer),
+                  "head": None if self.head is None else check_int("head", self.head),
+                  "seed": check_int("seed", self.seed),
+                  "neurons": ints("neurons", self.neurons), "positions": ints("positions", self.positions),
+                  "direction": None if direction is None else tuple(float(x) for x in direction)}
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     def validate(self, model, n_pos: Optional[int] = None) -> "AblationSpec":
         """This spec checked against ``model`` (and ``positions`` against an input of ``n_pos``
@@ -97,7 +113,7 @@ class AblationSpec:
                 check_index("neurons", neuron, model.cfg.d_mlp, of=f"d_mlp={model.cfg.d_mlp}")
         check_positions("positions", self.positions, model.cfg.n_ctx if n_pos is None else n_pos)
         if self.target == "direction":
-            if self.direction is None or self.direction.shape != (model.cfg.d_model,):
+            if self.direction is None or len(self.direction) != model.cfg.d_model:
                 raise ValueError(f"target='direction' needs direction=a [d_model={model.cfg.d_model}] tensor")
         # The hook name is built from the layer: blocks.-1.* names no hook (and the caller's spec stays as given).
         return self if layer == self.layer else replace(self, layer=layer)
@@ -108,7 +124,7 @@ class AblationSpec:
 
     @property
     def label(self) -> str:
-        where = f"L{self.layer}H{self.head}" if self.target == "head" else f"L{self.layer} {self.target}"
+        where = unit_label(self.layer, head=self.head) if self.target == "head" else unit_label(self.layer, part=self.target)
         return f"{where} ({self.method})"
 
 
@@ -136,7 +152,8 @@ def replacement(spec: AblationSpec, act: Tensor, ref_act: Optional[Tensor]) -> T
         pos = pos if spec.positions is None else pos[:, None]
         out[:, pos, ..., idx] = source[:, pos, ..., idx]
     elif spec.target == "direction":
-        unit = (spec.direction / spec.direction.norm()).to(act)
+        direction = torch.tensor(spec.direction, dtype=torch.float64)
+        unit = (direction / direction.norm()).to(act)
         along = (act[:, pos] @ unit)[..., None] * unit
         out[:, pos] = act[:, pos] - along + (source[:, pos] @ unit)[..., None] * unit
     else:
@@ -180,7 +197,7 @@ def _reference_acts(model, tokens: Tensor, reference: Optional[Tensor], names: s
 
 def _effective(spec: AblationSpec, reference: Optional[Tensor]) -> AblationSpec:
     if spec.method == "resample" and reference is None:
-        return AblationSpec(**{**spec.__dict__, "seed": -1})
+        return replace(spec, seed=-1)
     return spec
 
 

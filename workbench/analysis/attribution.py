@@ -16,10 +16,11 @@ from typing import Optional, Union
 import numpy as np
 import pandas as pd
 import torch
+from einops import einsum
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from workbench.analysis.common import as_tokens
+from workbench.analysis.common import as_tokens, unit_label
 from workbench.utils import check_index, check_token_ids
 
 
@@ -91,15 +92,15 @@ def direct_logit_attribution(
     for layer in range(model.cfg.n_layers):
         attn = model.blocks[layer].attn
         z = cache[f"blocks.{layer}.attn.hook_z"][:, pos]  # [batch, head, d_head]
-        heads = torch.einsum("bhe,hed->hbd", z, attn.W_O)
+        heads = einsum(z, attn.W_O, "batch head d_head, head d_head d_model -> head batch d_model")
         for head in range(model.cfg.n_heads):
-            add(heads[head], "head", f"L{layer}H{head}", "head", layer, head)
-        add(attn.b_O.expand(batch, -1), "head", f"L{layer} attn bias", "attn_bias", layer)
-        add(heads.sum(0) + attn.b_O, "layer", f"L{layer} attn", "attn", layer)
+            add(heads[head], "head", unit_label(layer, head=head), "head", layer, head)
+        add(attn.b_O.expand(batch, -1), "head", unit_label(layer, part="attn bias"), "attn_bias", layer)
+        add(heads.sum(0) + attn.b_O, "layer", unit_label(layer, part="attn"), "attn", layer)
         if not model.cfg.attn_only:
             mlp_out = cache[f"blocks.{layer}.hook_mlp_out"][:, pos]
             for granularity in ("head", "layer"):
-                add(mlp_out, granularity, f"L{layer} mlp", "mlp", layer)
+                add(mlp_out, granularity, unit_label(layer, part="mlp"), "mlp", layer)
 
     stack = _final_norm_linear(model, cache, torch.stack(parts), pos)
     attribution = (stack * direction).sum(-1)  # [component, batch]

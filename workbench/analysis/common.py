@@ -1,12 +1,16 @@
-"""Small helpers shared by the analysis modules: token labels, metrics, input checks.
+"""Small helpers shared by the analysis modules: token and unit labels, metrics, input checks.
 
 Every analysis function takes token ids ``[batch, pos]`` (or a string when the model
 has a tokenizer) and labels tokens the same way, so the tables and figures built from
-them agree on what a token is called.
+them agree on what a token is called. Units are named the same way everywhere too:
+``L1H4`` is head 4 of layer 1, ``L1 mlp`` a part of layer 1 (``unit_label`` writes them,
+``parse_unit`` reads them back; the figures, the tables and the app all use these two).
 """
 
 from __future__ import annotations
 
+import numbers
+import re
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -33,9 +37,47 @@ def str_tokens(model, ids: Union[Tensor, Sequence[int]]) -> list[str]:
     return [s.replace("\n", "\\n") for s in model.to_str_tokens(ids)]
 
 
-def unique_labels(labels: Sequence[str]) -> list[str]:
-    """Position-prefixed labels (``"3: the"``) so repeated tokens stay distinct on a plotly axis."""
-    return [f"{i}: {label}" for i, label in enumerate(labels)]
+def unique_labels(labels: Sequence[str], positions: Optional[Sequence[numbers.Integral]] = None) -> list[str]:
+    """Position-prefixed labels (``"3: the"``) so repeated tokens stay distinct on a plotly axis.
+
+    ``positions``: the position of each label (default 0, 1, 2, ...).
+    """
+    positions = range(len(labels)) if positions is None else positions
+    return [f"{int(p)}: {label}" for p, label in zip(positions, labels)]
+
+
+def unit_label(layer: numbers.Integral, head: Optional[numbers.Integral] = None, part: Optional[str] = None) -> str:
+    """``L1H4`` (a head), ``L1 mlp`` (a part of a layer) or ``L1`` (the layer)."""
+    if head is not None and part is not None:
+        raise ValueError("a unit is a head or a part of a layer, not both")
+    if head is not None:
+        return f"L{int(layer)}H{int(head)}"
+    return f"L{int(layer)}" + (f" {part}" if part else "")
+
+
+def head_label(head: numbers.Integral) -> str:
+    """``H4``: a head on an axis whose other axis names the layer."""
+    return f"H{int(head)}"
+
+
+_UNIT = re.compile(r"L(\d+)(?:H(\d+)|\s+(\S.*))?")
+
+
+def parse_unit(label: str) -> tuple[int, Optional[int], Optional[str]]:
+    """(layer, head, part) of a ``unit_label``: ``L1H4`` -> (1, 4, None), ``L1 mlp`` -> (1, None, "mlp")."""
+    match = _UNIT.fullmatch(label.strip())
+    if match is None:
+        raise ValueError(f"{label!r} is not a unit: write L<layer>H<head> (e.g. L1H4) or L<layer> <part> (e.g. L1 mlp)")
+    layer, head, part = match.groups()
+    return int(layer), None if head is None else int(head), part
+
+
+def parse_head(label: str) -> int:
+    """The head of a ``head_label`` (``H4`` -> 4)."""
+    match = re.fullmatch(r"H(\d+)", label.strip())
+    if match is None:
+        raise ValueError(f"{label!r} is not a head label: write H<head> (e.g. H4)")
+    return int(match.group(1))
 
 
 def loss_metric(tokens: Tensor) -> Metric:

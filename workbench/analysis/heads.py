@@ -118,6 +118,7 @@ def head_scores(
     seq_len: Optional[int] = None,
     batch: int = 8,
     seed: int = 0,
+    wide: bool = False,
 ) -> pd.DataFrame:
     """Every head's score for each kind: columns layer, head, kind, score (0..1).
 
@@ -127,7 +128,8 @@ def head_scores(
     measured on (on fresh layouts the best induction head of a model can change), so the
     returned frame's ``attrs["layout"]`` says which: ``source`` ("repeated_random_tokens" or
     "tokens"), ``batch``, ``n_pos`` and ``repeats`` (positions holding a token seen earlier in
-    their row), plus ``seq_len`` and ``seed`` for the repeated random tokens.
+    their row), plus ``seq_len`` and ``seed`` for the repeated random tokens. ``wide=True``: one row per head
+    (layer, head) and a column per kind instead (same ``attrs``).
     """
     for kind in kinds:
         check_choice("kind", kind, SCORE_KINDS)
@@ -152,5 +154,26 @@ def head_scores(
                 rows.append((layer, head, kind, float(score[layer, head])))
     frame = pd.DataFrame(rows, columns=["layer", "head", "kind", "score"])
     repeats = int(detection_mask("duplicate_token", tokens).any(-1).sum())
-    frame.attrs["layout"] = {**layout, "batch": int(tokens.shape[0]), "n_pos": int(tokens.shape[1]), "repeats": repeats}
+    layout = {**layout, "batch": int(tokens.shape[0]), "n_pos": int(tokens.shape[1]), "repeats": repeats}
+    if wide:
+        frame = frame.pivot(index=["layer", "head"], columns="kind", values="score")[list(kinds)]
+        frame = frame.reset_index().rename_axis(columns=None)
+    frame.attrs["layout"] = layout
     return frame
+
+
+def attention_change(clean: pd.DataFrame, changed: pd.DataFrame, tol: float = 1e-6) -> pd.DataFrame:
+    """Which heads' patterns differ between two ``attention_patterns`` tables of the same tokens
+    (e.g. a model clean and ablated): the largest absolute change of any weight, per head.
+
+    Columns: layer, head, max_change; only heads whose change exceeds ``tol``, largest first
+    (empty when nothing changed).
+    """
+    keys = ["batch", "layer", "head", "query_pos", "key_pos"]
+    if len(clean) != len(changed) or not clean[keys].reset_index(drop=True).equals(changed[keys].reset_index(drop=True)):
+        raise ValueError("the two attention tables must cover the same batch, layers, heads and positions")
+    frame = clean[["layer", "head"]].reset_index(drop=True)
+    frame["max_change"] = np.abs(changed["attention"].to_numpy() - clean["attention"].to_numpy())
+    per_head = frame.groupby(["layer", "head"], as_index=False)["max_change"].max()
+    per_head = per_head[per_head["max_change"] > tol]
+    return per_head.sort_values("max_change", ascending=False, kind="stable").reset_index(drop=True)

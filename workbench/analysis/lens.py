@@ -22,11 +22,13 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from workbench.analysis.common import as_tokens, str_tokens
+from workbench.checkpoint import CheckpointError
 from workbench.utils import check_float, check_int, check_seed, check_token_ids, eval_mode
 
 TUNED_LENS_WEIGHTS = "tuned_lens.safetensors"
@@ -164,7 +166,7 @@ class TunedLens(nn.Module):
         the two files join meta.json's list of written files, so re-saving the checkpoint (new
         weights) removes the lens that was trained for the old ones.
         """
-        from workbench.checkpoint import CheckpointError, locked, record_files
+        from workbench.checkpoint import locked, record_files
 
         directory = Path(checkpoint_dir)
         if not directory.is_dir():
@@ -194,14 +196,22 @@ class TunedLens(nn.Module):
 
     @classmethod
     def load(cls, checkpoint_dir: Union[str, Path], model=None) -> "TunedLens":
+        """The lens saved in ``checkpoint_dir`` (checked against ``model`` when given).
+
+        CheckpointError, as for the checkpoint itself, when there is none or it is incomplete or corrupt.
+        """
         directory = Path(checkpoint_dir)
         path = directory / TUNED_LENS_WEIGHTS
         if not path.exists():
-            raise FileNotFoundError(f"no tuned lens at {path}: train one with train_tuned_lens(...).save(dir)")
-        meta = json.loads((directory / TUNED_LENS_META).read_text())
-        weights = load_file(str(path))
-        lens = cls(meta["n_layers"], meta["d_model"])
-        lens.load_state_dict(weights)
+            raise CheckpointError(f"no tuned lens at {path}: train one with train_tuned_lens(...).save(dir)")
+        try:
+            meta = json.loads((directory / TUNED_LENS_META).read_text())
+            weights = load_file(str(path))
+            lens = cls(meta["n_layers"], meta["d_model"])
+            lens.load_state_dict(weights)
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"the tuned lens in {directory} is incomplete or corrupt ({type(e).__name__}: {e}); "
+                                  "train and save it again") from None
         lens.info = {k: v for k, v in meta.items() if k not in ("format", "version", "n_layers", "d_model")}
         if model is not None:
             lens.check_fits(model)

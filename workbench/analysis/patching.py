@@ -76,10 +76,10 @@ def activation_patching(
     sites = [sites] if isinstance(sites, str) else list(sites)
     for site in sites:
         check_choice("site", site, PATCH_SITES)
-        if site == "resid_mid" and (model.cfg.attn_only or model.cfg.parallel_residual):
-            raise ValueError("site='resid_mid' does not exist in attention-only or parallel-residual models")
-        if site == "mlp_out" and model.cfg.attn_only:
-            raise ValueError("site='mlp_out' does not exist in an attention-only model")
+        block = model.blocks[0]
+        if site in ("resid_mid", "mlp_out") and site not in block.sites:
+            raise ValueError(f"site={site!r} does not exist in the {block.layout} block layout "
+                             f"(its sites: {list(block.sites)})")
     clean_tokens, corrupted_tokens = _token_pair(model, clean_tokens, corrupted_tokens)
     stack = (16 if model.device.type == "cuda" else 1) if stack is None else check_int("stack", stack, 1)
     names = needed_hooks(model)

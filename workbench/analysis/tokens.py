@@ -1,5 +1,5 @@
-"""Per-position views of a prompt: the loss of each next-token prediction, and the size of
-the residual stream at every layer.
+"""Per-position views of a prompt: the loss of each next-token prediction (and how it
+changes between two runs), and the size of the residual stream at every layer.
 
 These are the first tables to look at for any prompt (where is the model surprised? does
 the stream grow layer by layer?), so they live here rather than in each page that shows
@@ -47,6 +47,27 @@ def token_losses(model, tokens: Union[str, Sequence[str], Int[Tensor, "batch pos
         "predicted": str_tokens(model, top),
         "correct": (top == targets).cpu().numpy().ravel(),
     })
+
+
+def token_loss_change(clean: pd.DataFrame, changed: pd.DataFrame) -> pd.DataFrame:
+    """Two ``token_losses`` tables of the same tokens side by side (e.g. clean and ablated).
+
+    One row per predicted token: batch, pos (of the token predicted, as the loss figures
+    place it), after (the token before it), next_token, predicted_clean, predicted_changed,
+    loss_clean, loss_changed, change (= loss_changed - loss_clean), prediction_changed.
+    Rows whose top prediction changed come first, in position order within each group.
+    """
+    keys = ["batch", "pos", "next_token"]
+    if len(clean) != len(changed) or not clean[keys].reset_index(drop=True).equals(changed[keys].reset_index(drop=True)):
+        raise ValueError("the two token_losses tables must be of the same tokens")
+    clean, changed = clean.reset_index(drop=True), changed.reset_index(drop=True)
+    frame = pd.DataFrame({
+        "batch": clean["batch"], "pos": clean["pos"] + 1, "after": clean["token"], "next_token": clean["next_token"],
+        "predicted_clean": clean["predicted"], "predicted_changed": changed["predicted"],
+        "loss_clean": clean["loss"], "loss_changed": changed["loss"], "change": changed["loss"] - clean["loss"],
+    })
+    frame["prediction_changed"] = frame["predicted_clean"] != frame["predicted_changed"]
+    return frame.sort_values("prediction_changed", ascending=False, kind="stable").reset_index(drop=True)
 
 
 @torch.no_grad()

@@ -6,7 +6,9 @@ copies, so a model can lower its loss only by copying "what came after this toke
 time". Evaluation uses a layout the model never saw: plain repeated random tokens
 ``[r_1..r_n, r_1..r_n]`` with ``n`` longer than any training segment. A head that attends
 from a repeated token to the token after its earlier occurrence scores high there only if it
-is a real induction head and not a positional shortcut (see FIELD-NOTES.md).
+is a real induction head and not a positional shortcut: trained with the repeat always at
+the same offset (second half = first half), a 2-layer model with learned positions copies
+perfectly through a positional head in layer 0, and at another offset copies nothing.
 """
 
 from __future__ import annotations
