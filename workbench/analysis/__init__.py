@@ -7,6 +7,8 @@
     patching.py     activation patching and attribution patching
     tokens.py       per-position tables of a prompt: next-token losses, residual-stream norms
     resume.py       the engine both use: replace one activation, run only what follows
+    directions.py   Direction (a vector at a hook), steering_vector, steering hooks, project
+    probes.py       train_probe: a linear probe per layer, accuracy and AUC with intervals
 """
 
 from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep, sweep_specs
@@ -22,6 +24,17 @@ from workbench.analysis.heads import (
 from workbench.analysis.lens import TunedLens, compare_lenses, logit_lens, train_tuned_lens, tuned_lens
 from workbench.analysis.patching import PATCH_SITES, activation_patching, attribution_patching
 from workbench.analysis.tokens import residual_norms, token_losses
+from workbench.analysis.directions import (
+    Direction,
+    model_fingerprint,
+    project,
+    read_activations,
+    steered_generate,
+    steering_hooks,
+    steering_sweep,
+    steering_vector,
+)
+from workbench.analysis.probes import Probe, auc, fit_probe, train_probe
 
 __all__ = [
     "AblationSpec", "ablate", "ablation_hooks", "ablation_sweep", "sweep_specs",
@@ -31,4 +44,7 @@ __all__ = [
     "TunedLens", "compare_lenses", "logit_lens", "train_tuned_lens", "tuned_lens",
     "PATCH_SITES", "activation_patching", "attribution_patching",
     "residual_norms", "token_losses",
+    "Direction", "model_fingerprint", "project", "read_activations", "steered_generate", "steering_hooks",
+    "steering_sweep", "steering_vector",
+    "Probe", "auc", "fit_probe", "train_probe",
 ]
