@@ -47,18 +47,18 @@ def _reference_generate(model, tokens, vector, scale, mode, positions, n_new):
 
 @pytest.mark.parametrize("positional", ["rope", "learned"])
 @pytest.mark.parametrize("mode,scale", [("add", 3.0), ("ablate", 1.0), ("clamp", -2.0)])
-@pytest.mark.parametrize("positions", ["all", [1, 6, 9]])  # 6 and 9 are generated tokens: decode steps
+@pytest.mark.parametrize("positions", ["all", [3, 5, 7]])  # 3 is in the prompt; 5 and 7 are decode steps
 def test_steered_kv_cache_generation_equals_the_steered_recompute(positional, mode, scale, positions):
     model = _model(positional)
-    prompt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(1))
     direction = _salient_direction(model, prompt)
     with model.steer(direction, scale, mode, positions):
-        cached = model.generate(prompt, max_new_tokens=10, use_kv_cache=True)
-        recomputed = model.generate(prompt, max_new_tokens=10, use_kv_cache=False)
-    reference = _reference_generate(model, prompt, direction.vector, scale, mode, positions, 10)
+        cached = model.generate(prompt, max_new_tokens=6, use_kv_cache=True)
+        recomputed = model.generate(prompt, max_new_tokens=6, use_kv_cache=False)
+    reference = _reference_generate(model, prompt, direction.vector, scale, mode, positions, 6)
     assert torch.equal(cached, recomputed)
     assert torch.equal(cached, reference)
-    assert not torch.equal(cached, model.generate(prompt, max_new_tokens=10))  # the steering did something
+    assert not torch.equal(cached, model.generate(prompt, max_new_tokens=6))  # the steering did something
     assert model.pos_offset == 0 and not any(h.fwd_hooks for h in model.hook_dict.values())  # all cleaned up
 
 
