@@ -62,6 +62,22 @@ def test_steered_kv_cache_generation_equals_the_steered_recompute(positional, mo
     assert model.pos_offset == 0 and not any(h.fwd_hooks for h in model.hook_dict.values())  # all cleaned up
 
 
+@pytest.mark.parametrize("positional", ["rope", "learned"])
+@pytest.mark.parametrize("mode", ["add", "ablate", "clamp"])
+def test_every_decode_step_is_steered_at_its_absolute_position(positional, mode):
+    """Logits, not tokens: a prefill then one-token steps through a KV cache equal one steered forward."""
+    model = _model(positional)
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(2))
+    direction = an.Direction(torch.randn(32, generator=torch.Generator().manual_seed(4)), HOOK)
+    with model.steer(direction, 2.0, mode, positions=[2, 5, 7]):
+        full = model(tokens)
+        cache = model.make_kv_cache(2)
+        steps = [model(tokens[:, :4], kv_cache=cache)] + [model(tokens[:, i:i + 1], kv_cache=cache) for i in range(4, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    changed = (full - model(tokens)).abs().amax(-1).amin(0) > 1e-4
+    assert changed.tolist() == [p >= 2 for p in range(9)]  # untouched before the first steered position
+
+
 def test_steered_logits_equal_a_direct_edit_and_the_hook_list():
     model = _model()
     direction = an.Direction(torch.randn(32), HOOK)

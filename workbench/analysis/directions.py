@@ -297,20 +297,21 @@ def _steering_hook(direction: Direction, scales: Tensor, mode: str, positions: O
             raise ValueError(f"{len(s)} scales need a scale-major batch (the input repeated once per scale), "
                              f"but the batch has {rows} rows")
         s = s.repeat_interleave(rows // len(s))[:, None, None]
-        offset = model.pos_offset if model is not None else 0
-        where = torch.arange(offset, offset + n, device=act.device)
-        keep = torch.ones(n, dtype=torch.bool, device=act.device) if pos_set is None else torch.isin(where, pos_set)
-        if direction.per_position:
-            keep &= where < n_rows
-            v, u = v[where.clamp(max=n_rows - 1)], u[where.clamp(max=n_rows - 1)]
-        along = (act * u).sum(-1, keepdim=True)
+        keep = None  # every position: no mask to build in each decode step
+        if pos_set is not None or direction.per_position:
+            offset = model.pos_offset if model is not None else 0
+            where = torch.arange(offset, offset + n, device=act.device)
+            keep = torch.ones(n, dtype=torch.bool, device=act.device) if pos_set is None else torch.isin(where, pos_set)
+            if direction.per_position:
+                keep &= where < n_rows
+                v, u = v[where.clamp(max=n_rows - 1)], u[where.clamp(max=n_rows - 1)]
         if mode == "add":
             steered = act + s * v
         elif mode == "ablate":
-            steered = act - s * along * u
+            steered = act - s * (act * u).sum(-1, keepdim=True) * u
         else:
-            steered = act - along * u + s * v
-        return torch.where(keep[None, :, None], steered, act)
+            steered = act - (act * u).sum(-1, keepdim=True) * u + s * v
+        return steered if keep is None else torch.where(keep[None, :, None], steered, act)
 
     return hook
 
