@@ -50,7 +50,8 @@ def main(argv=None) -> pd.DataFrame:
     if args.quick:
         args.scales, args.n_direction, args.n_eval, args.n_text, args.seeds, args.n_boot = "0,4", 16, 16, 4, 1, 100
     if not (args.checkpoint / "config.json").exists():
-        raise SystemExit(f"no checkpoint at {args.checkpoint}; build it (scripts/make_checkpoints.py) or pass --checkpoint")
+        raise SystemExit(f"no checkpoint at {args.checkpoint}; build it (scripts/make_checkpoints.py) "
+                         "or pass --checkpoint")
     if args.positions not in ("all", "end"):
         raise SystemExit(f"--positions must be 'all' or 'end', got {args.positions!r}")
     model, _ = wb.load_checkpoint(args.checkpoint)
@@ -112,7 +113,8 @@ def main(argv=None) -> pd.DataFrame:
     shown = results[["layer", "scale", "logit_diff", "logit_diff_lo", "logit_diff_hi", "flip_rate", "loss",
                      "loss_lo", "loss_hi"]]
     _common.write_run(args.out, {"experiment": NAME, **vars(args), "checkpoint": str(args.checkpoint)}, results,
-                      figures, shown, title=f"steering scale x layer ({args.checkpoint.name}, positions={args.positions})",
+                      figures, shown,
+                      title=f"steering scale x layer ({args.checkpoint.name}, positions={args.positions})",
                       tables={"per_prompt": rows})
     return results
 

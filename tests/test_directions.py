@@ -72,7 +72,8 @@ def test_every_decode_step_is_steered_at_its_absolute_position(positional, mode)
     with model.steer(direction, 2.0, mode, positions=[2, 5, 7]):
         full = model(tokens)
         cache = model.make_kv_cache(2)
-        steps = [model(tokens[:, :4], kv_cache=cache)] + [model(tokens[:, i:i + 1], kv_cache=cache) for i in range(4, 9)]
+        steps = [model(tokens[:, :4], kv_cache=cache)]
+        steps += [model(tokens[:, i:i + 1], kv_cache=cache) for i in range(4, 9)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
     changed = (full - model(tokens)).abs().amax(-1).amin(0) > 1e-4
     assert changed.tolist() == [p >= 2 for p in range(9)]  # untouched before the first steered position
@@ -175,7 +176,7 @@ def test_save_and_load_round_trip_exactly(tmp_path):
     model = _model()
     d = an.steering_vector(model, torch.randint(0, 50, (3, 5)), torch.randint(0, 50, (3, 5)), HOOK)
     stem = d.save(tmp_path / "directions" / "names")
-    assert (tmp_path / "directions" / "names.safetensors").exists() and (tmp_path / "directions" / "names.json").exists()
+    assert {p.name for p in (tmp_path / "directions").iterdir()} == {"names.safetensors", "names.json"}
     back = an.Direction.load(stem)
     assert torch.equal(back.vector, d.vector) and back.hook == d.hook and back.provenance == d.provenance
     back.check(model)  # the stamped model still matches

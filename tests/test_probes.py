@@ -37,7 +37,8 @@ def test_planted_direction_is_recovered_and_the_control_is_at_chance(planted):
     model, direction, tokens = planted
     probe = an.train_probe(model, tokens, is_even, hooks="every resid_pre", n_boot=100)
     table = probe.results
-    assert table.layer.tolist() == [0, 1] and table.hook.tolist() == ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre"]
+    assert table.layer.tolist() == [0, 1]
+    assert table.hook.tolist() == ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre"]
     assert (table.n_test % 10 == 0).all() and (table.n_train + table.n_test == 480).all()  # split by prompt
     assert (table.acc > 0.95).all() and (table.auc > 0.98).all()
     assert (table.acc_lo <= table.acc).all() and (table.acc <= table.acc_hi).all()
@@ -96,7 +97,8 @@ def test_fits_meet_their_optimality_conditions():
     scale2 = (xd - xd.mean(0)).pow(2).mean()
     wt = w.double().clone().requires_grad_(True)
     bt = torch.tensor(b, dtype=torch.float64, requires_grad=True)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(xd @ wt + bt, y.double()) + 0.5 * l2 * scale2 * (wt @ wt)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(xd @ wt + bt, y.double())
+    loss = loss + 0.5 * l2 * scale2 * (wt @ wt)
     loss.backward()
     assert wt.grad.abs().max() < 1e-5 and abs(float(bt.grad)) < 1e-5
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import math
 import numbers
 import os
 import re
@@ -103,7 +102,8 @@ class Direction:
         if not self.vector.dtype.is_floating_point:
             self.vector = self.vector.float()
         if self.vector.ndim not in (1, 2) or self.vector.numel() == 0:
-            raise ValueError(f"a direction's vector must be [width] or [pos, width], got shape {tuple(self.vector.shape)}")
+            raise ValueError("a direction's vector must be [width] or [pos, width], "
+                             f"got shape {tuple(self.vector.shape)}")
         if not bool(torch.isfinite(self.vector).all()):
             raise ValueError(f"the direction at {self.hook} has NaN or infinite entries; it cannot steer or project")
         if not bool((self.vector != 0).any()):
@@ -176,7 +176,8 @@ class Direction:
             raise ValueError(f"plus is {len(a)} tokens and minus is {len(b)}; a prompt difference needs equal lengths")
         acts = _read_positions(model, [a, b], [hook])[hook]
         diff = acts[0] - acts[1]
-        return cls(diff, hook, {"kind": "prompt_diff", "plus": a.tolist(), "minus": b.tolist(), "model": model_stamp(model)})
+        return cls(diff, hook, {"kind": "prompt_diff", "plus": a.tolist(), "minus": b.tolist(),
+                                "model": model_stamp(model)})
 
     @classmethod
     def from_weight(cls, model, param: str, index: int, hook: str) -> "Direction":
@@ -190,7 +191,8 @@ class Direction:
         if not 0 <= index < weight.shape[1 - axis]:
             raise ValueError(f"index={index} out of range: {param} has {weight.shape[1 - axis]} rows along that axis")
         vector = weight[index] if axis == 1 else weight[:, index]
-        return cls(vector, hook, {"kind": "weight_row", "param": param, "index": int(index), "model": model_stamp(model)})
+        return cls(vector, hook, {"kind": "weight_row", "param": param, "index": int(index),
+                                  "model": model_stamp(model)})
 
     # ---- files --------------------------------------------------------------------
     def save(self, path: Union[str, Path]) -> Path:
@@ -220,7 +222,8 @@ class Direction:
             raise FileNotFoundError(f"no saved direction at {stem}: missing {missing}")
         meta = json.loads(files[0].read_text())
         if meta.get("format_version", 0) > FORMAT_VERSION:
-            raise ValueError(f"{files[0]} has format_version {meta['format_version']}; this library reads {FORMAT_VERSION}")
+            raise ValueError(f"{files[0]} has format_version {meta['format_version']}; "
+                             f"this library reads {FORMAT_VERSION}")
         tensors = load_file(str(files[1]))
         if set(tensors) != {"vector"} or list(tensors["vector"].shape) != meta["shape"]:
             raise ValueError(f"{files[1]} does not hold the vector its JSON describes (shape {meta['shape']})")
@@ -268,7 +271,8 @@ def _positions(positions: Any, direction: Direction) -> Optional[Tensor]:
         positions = [positions]
     values = torch.as_tensor(list(positions), dtype=torch.long).flatten()
     if values.numel() == 0 or int(values.min()) < 0:
-        raise ValueError(f"positions must be 'all' or absolute positions >= 0 (counted from the first token), got {positions!r}")
+        raise ValueError("positions must be 'all' or absolute positions >= 0 (counted from the first token), "
+                         f"got {positions!r}")
     if direction.per_position and int(values.max()) >= direction.vector.shape[0]:
         raise ValueError(f"positions reach {int(values.max())} but the per-position direction has only "
                          f"{direction.vector.shape[0]} rows")
@@ -415,7 +419,8 @@ def prompt_sequences(model, prompts: Prompts, mask: Optional[Tensor] = None) -> 
             return list(tokens)
         mask = torch.as_tensor(mask, dtype=torch.bool).cpu()
         if mask.shape != tokens.shape:
-            raise ValueError(f"mask must be [batch, pos] like the tokens {tuple(tokens.shape)}, got {tuple(mask.shape)}")
+            raise ValueError(f"mask must be [batch, pos] like the tokens {tuple(tokens.shape)}, "
+                             f"got {tuple(mask.shape)}")
         if not bool(mask.any(-1).all()):
             raise ValueError("mask has a row with no real token")
         return [row[m] for row, m in zip(tokens, mask)]
@@ -447,7 +452,8 @@ def _length_groups(seqs: Sequence[Tensor], batch_size: int):
 
 
 @torch.no_grad()
-def _read_positions(model, seqs: Sequence[Tensor], hooks: Sequence[str], batch_size: int = 32) -> dict[str, list[Tensor]]:
+def _read_positions(model, seqs: Sequence[Tensor], hooks: Sequence[str],
+                    batch_size: int = 32) -> dict[str, list[Tensor]]:
     """Every position's activation at each hook, per sequence: {hook: [[len_i, width] ...]} on the CPU."""
     out = {h: [None] * len(seqs) for h in hooks}
     names, stop = set(hooks), stop_layer(model, hooks)
