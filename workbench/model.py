@@ -9,6 +9,7 @@ methods (``accumulated_resid``, ``decompose_resid``, ``stack_head_results``, ...
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -93,6 +94,9 @@ class HookedDecoder(HookedRootModule):
         self.blocks = nn.ModuleList([Block(cfg, layer) for layer in range(cfg.n_layers)])
         self.ln_final = pick(NORMS, cfg.norm, "norm")(cfg)
         self.unembed = Unembed(cfg, self.embed)
+        # The absolute position of the current input's first token (a KV cache's length, else 0):
+        # a hook that acts on chosen positions sees [batch, 1, ...] in a decode step and reads it.
+        self.pos_offset = 0
         self.init_weights()
         self.setup()
 
@@ -142,6 +146,7 @@ class HookedDecoder(HookedRootModule):
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
         offset = kv_cache.length if kv_cache is not None else 0
+        self.pos_offset = offset
         if start_at_layer is None:
             tokens = self._check_tokens(self.to_tokens(input) if not isinstance(input, Tensor) else input, offset)
             resid = self.hook_embed(self.embed(tokens))
@@ -283,7 +288,20 @@ class HookedDecoder(HookedRootModule):
                     break
                 step_input = next_token[:, None] if use_kv_cache else tokens
                 logits = self(step_input, kv_cache=cache)[:, -1]
+        self.pos_offset = 0
         return self.to_string(tokens[0]) if as_string else tokens
+
+    @contextlib.contextmanager
+    def steer(self, direction: Any, scale: Any = 1.0, mode: str = "add", positions: Any = "all"):
+        """Every forward and ``generate`` inside the block is steered along ``direction`` (a
+        ``workbench.analysis.Direction``): ``add`` scale x vector, ``ablate`` (project out) or
+        ``clamp``, at absolute ``positions`` (the same with or without the KV cache). A list of
+        scales steers row blocks of a scale-major batch. See ``workbench.analysis.directions``."""
+        # Duck-typed (anything with Direction's ``hooks``): the model layer never imports analysis.
+        if not callable(getattr(direction, "hooks", None)):
+            raise ValueError(f"direction must be a workbench.analysis.Direction, got {type(direction).__name__}")
+        with self.hooks(fwd_hooks=direction.hooks(scale, mode, positions, model=self)):
+            yield self
 
     # ---- tokenizer helpers --------------------------------------------------------
     def _need_tokenizer(self) -> Any:

@@ -10,6 +10,8 @@
     tokens.py       per-position tables of a prompt: next-token losses (and their change), residual norms
     resume.py       the engine both use: replace one activation, run only what follows (Block.resume)
     common.py       token and unit labels (L1H4), metrics, argument checks
+    directions.py   Direction (a vector at a hook), steering_vector, steering hooks, project
+    probes.py       train_probe: a linear probe per layer, accuracy and AUC with intervals
 """
 
 from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep, sweep_specs
@@ -36,6 +38,17 @@ from workbench.analysis.lens import TunedLens, compare_lenses, logit_lens, train
 from workbench.analysis.patching import PATCH_SITES, activation_patching, attribution_patching
 from workbench.analysis.reference import reference_batch, task_from_meta
 from workbench.analysis.tokens import residual_norms, token_loss_change, token_losses
+from workbench.analysis.directions import (
+    Direction,
+    model_fingerprint,
+    project,
+    read_activations,
+    steered_generate,
+    steering_hooks,
+    steering_sweep,
+    steering_vector,
+)
+from workbench.analysis.probes import Probe, auc, fit_probe, train_probe
 
 __all__ = [
     "AblationSpec", "ablate", "ablation_hooks", "ablation_sweep", "sweep_specs",
@@ -47,4 +60,7 @@ __all__ = [
     "PATCH_SITES", "activation_patching", "attribution_patching",
     "reference_batch", "task_from_meta",
     "residual_norms", "token_loss_change", "token_losses",
+    "Direction", "model_fingerprint", "project", "read_activations", "steered_generate", "steering_hooks",
+    "steering_sweep", "steering_vector",
+    "Probe", "auc", "fit_probe", "train_probe",
 ]
