@@ -6,6 +6,8 @@
 
 The layout is picked once in ``__init__``; every residual-stream write has its
 TransformerLens hook (``hook_resid_pre/mid/post``, ``hook_attn_out``, ``hook_mlp_out``).
+A padded batch's ``Padding`` (``workbench.padding``) goes to the attention and, as the mask
+of real tokens, to the FFN (MoE routes only real tokens).
 """
 
 from typing import Optional
@@ -19,6 +21,7 @@ from workbench.components.mlp import FFNS
 from workbench.components.norm import NORMS
 from workbench.components.registry import pick
 from workbench.config import ModelConfig
+from workbench.padding import Padding
 
 
 class Block(nn.Module):
@@ -48,24 +51,31 @@ class Block(nn.Module):
             self._layout = self._post if cfg.norm_placement == "post" else self._pre
 
     def forward(
-        self, resid_pre: Float[Tensor, "batch pos d_model"], kv_cache: Optional[KVCacheEntry] = None
+        self,
+        resid_pre: Float[Tensor, "batch pos d_model"],
+        kv_cache: Optional[KVCacheEntry] = None,
+        padding: Optional[Padding] = None,
     ) -> Float[Tensor, "batch pos d_model"]:
-        return self.hook_resid_post(self._layout(self.hook_resid_pre(resid_pre), kv_cache))
+        return self.hook_resid_post(self._layout(self.hook_resid_pre(resid_pre), kv_cache, padding))
 
-    def _pre(self, x: Tensor, kv_cache: Optional[KVCacheEntry]) -> Tensor:
-        mid = self.hook_resid_mid(x + self.hook_attn_out(self.attn(self.ln1(x), kv_cache)))
-        return mid + self.hook_mlp_out(self.mlp(self.ln2(mid)))
+    def _pre(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding]) -> Tensor:
+        mid = self.hook_resid_mid(x + self.hook_attn_out(self.attn(self.ln1(x), kv_cache, pad)))
+        return mid + self.hook_mlp_out(self.mlp(self.ln2(mid), _real(pad)))
 
-    def _post(self, x: Tensor, kv_cache: Optional[KVCacheEntry]) -> Tensor:
-        mid = self.hook_resid_mid(self.ln1(x + self.hook_attn_out(self.attn(x, kv_cache))))
-        return self.ln2(mid + self.hook_mlp_out(self.mlp(mid)))
+    def _post(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding]) -> Tensor:
+        mid = self.hook_resid_mid(self.ln1(x + self.hook_attn_out(self.attn(x, kv_cache, pad))))
+        return self.ln2(mid + self.hook_mlp_out(self.mlp(mid, _real(pad))))
 
-    def _parallel(self, x: Tensor, kv_cache: Optional[KVCacheEntry]) -> Tensor:
-        attn_out = self.hook_attn_out(self.attn(self.ln1(x), kv_cache))
-        return x + attn_out + self.hook_mlp_out(self.mlp(self.ln2(x)))
+    def _parallel(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding]) -> Tensor:
+        attn_out = self.hook_attn_out(self.attn(self.ln1(x), kv_cache, pad))
+        return x + attn_out + self.hook_mlp_out(self.mlp(self.ln2(x), _real(pad)))
 
-    def _attn_only_pre(self, x: Tensor, kv_cache: Optional[KVCacheEntry]) -> Tensor:
-        return x + self.hook_attn_out(self.attn(self.ln1(x), kv_cache))
+    def _attn_only_pre(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding]) -> Tensor:
+        return x + self.hook_attn_out(self.attn(self.ln1(x), kv_cache, pad))
 
-    def _attn_only_post(self, x: Tensor, kv_cache: Optional[KVCacheEntry]) -> Tensor:
-        return self.ln1(x + self.hook_attn_out(self.attn(x, kv_cache)))
+    def _attn_only_post(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding]) -> Tensor:
+        return self.ln1(x + self.hook_attn_out(self.attn(x, kv_cache, pad)))
+
+
+def _real(padding: Optional[Padding]) -> Optional[Tensor]:
+    return padding.query_mask if padding is not None else None
