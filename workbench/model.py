@@ -30,7 +30,9 @@ from workbench.components.norm import NORMS
 from workbench.components.positional import POS_EMBEDDINGS
 from workbench.components.registry import pick
 from workbench.config import ModelConfig
-from workbench.padding import PAD_STR, Padding, TokenBatch, check_attention_mask, unpack
+from workbench.padding import (
+    PAD_STR, Padding, TokenBatch, check_attention_mask, cut_after_stop, forward_padding, left_padded_mask, unpack,
+)
 
 
 
@@ -188,23 +190,13 @@ class HookedDecoder(HookedRootModule):
     def _padding(
         self, attention_mask: Optional[Tensor], shape: Sequence[int], kv_cache: Optional[KVCache]
     ) -> tuple[Optional[Padding], Optional[Tensor]]:
-        """This forward's ``Padding`` (None when nothing is padded: the unpadded path, unchanged)
-        and its own bool mask (None when none was given), remembered by ``kv_cache``."""
+        """This forward's ``Padding`` (None: nothing padded) and its own mask; ``kv_cache`` keeps the whole mask."""
         past = kv_cache.attention_mask if kv_cache is not None else None
-        if attention_mask is None and past is None:
-            return None, None
-        if attention_mask is None:
-            mask = torch.ones(tuple(shape), dtype=torch.bool, device=self.device)
-        else:
-            mask = check_attention_mask(attention_mask, shape, require_real=False).to(self.device)
         offset = kv_cache.length if kv_cache is not None else 0
-        if past is None:
-            past = torch.ones((mask.shape[0], offset), dtype=torch.bool, device=self.device)
-        full = check_attention_mask(torch.cat([past, mask], dim=1), (mask.shape[0], offset + mask.shape[1]))
-        padded = not bool(full.all())
+        padding, mask, full = forward_padding(attention_mask, shape, past, offset, self.device)
         if kv_cache is not None:
-            kv_cache.attention_mask = full if padded else None
-        return (Padding(full, offset) if padded else None), (mask if attention_mask is not None else None)
+            kv_cache.attention_mask = full
+        return padding, mask
 
     @staticmethod
     def loss_fn(
@@ -310,7 +302,7 @@ class HookedDecoder(HookedRootModule):
             input = self.to_tokens(list(input), padding_side="left")
         input, attention_mask = unpack(input, attention_mask)
         tokens = self._check_tokens(self.to_tokens(input) if as_string else input)
-        mask = self._generation_mask(attention_mask, tokens)
+        mask = left_padded_mask(attention_mask, tokens.shape, self.device)
         if tokens.shape[1] + max_new_tokens > self.cfg.n_ctx:
             raise ValueError(
                 f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds n_ctx={self.cfg.n_ctx}"
@@ -343,25 +335,10 @@ class HookedDecoder(HookedRootModule):
             return self.to_string(tokens[0])
         full_mask = mask if mask is not None else torch.ones_like(tokens, dtype=torch.bool)
         if as_strings:
-            return [self.to_string(_cut_after_stop(row, m, width, stops)) for row, m in zip(tokens, full_mask)]
+            return [self.to_string(cut_after_stop(row, m, width, stops)) for row, m in zip(tokens, full_mask)]
         if as_batch:
             return TokenBatch(tokens, full_mask.long(), "left")
         return tokens
-
-    def _generation_mask(self, attention_mask: Optional[Tensor], tokens: Tensor) -> Optional[Tensor]:
-        """The prompt's mask as bool (None when absent or all ones); right padding is refused."""
-        if attention_mask is None:
-            return None
-        mask = check_attention_mask(attention_mask, tokens.shape).to(self.device)
-        ends_in_pad = (~mask[:, -1]).nonzero().flatten()
-        if len(ends_in_pad):
-            row = int(ends_in_pad[0])
-            raise ValueError(
-                f"generate needs left padding: row {row} of attention_mask ends in padding "
-                f"(attention_mask[{row}, -1] == 0), so its next token would follow a pad; build the "
-                "batch with to_tokens(texts, padding_side='left')"
-            )
-        return None if bool(mask.all()) else mask
 
     # ---- tokenizer helpers --------------------------------------------------------
     def _need_tokenizer(self) -> Any:
@@ -483,21 +460,12 @@ def _generators(
     """One generator for the batch (an int seed), one per row (a sequence of seeds), or None."""
     if seed is None:
         return None
-    if isinstance(seed, int):
-        return torch.Generator(device=device).manual_seed(seed)
+    if not isinstance(seed, (list, tuple, Tensor)):
+        return torch.Generator(device=device).manual_seed(int(seed))
     seeds = list(seed)
     if len(seeds) != batch:
         raise ValueError(f"seed: one int, or one per row ({batch} rows), got {len(seeds)} seeds")
     return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-
-
-def _cut_after_stop(row: Tensor, mask: Tensor, width: int, stops: Tensor) -> Tensor:
-    """A generated row's real tokens, its continuation cut after the first stop token."""
-    new = row[width:]
-    hits = torch.isin(new, stops).nonzero().flatten()
-    if len(hits):
-        new = new[: int(hits[0]) + 1]
-    return torch.cat([row[:width][mask[:width]], new])
 
 
 def _sample(

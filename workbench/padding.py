@@ -147,6 +147,57 @@ def check_attention_mask(mask: object, tokens_shape: Sequence[int], require_real
     return mask
 
 
+def forward_padding(
+    attention_mask: Optional[Tensor],
+    shape: Sequence[int],
+    past: Optional[Tensor],
+    offset: int,
+    device: torch.device,
+) -> tuple[Optional["Padding"], Optional[Tensor], Optional[Tensor]]:
+    """What a forward over ``shape`` [batch, pos] tokens needs, after ``offset`` cached positions
+    whose mask is ``past`` (None: all real): its ``Padding`` (None when nothing is padded, so the
+    unpadded path runs unchanged), its own mask as bool (None when none was given), and the
+    whole mask for the KV cache to keep (None when all real)."""
+    if attention_mask is None and past is None:
+        return None, None, None
+    if attention_mask is None:
+        mask = torch.ones(tuple(shape), dtype=torch.bool, device=device)
+    else:
+        mask = check_attention_mask(attention_mask, shape, require_real=False).to(device)
+    if past is None:
+        past = torch.ones((mask.shape[0], offset), dtype=torch.bool, device=device)
+    full = check_attention_mask(torch.cat([past, mask], dim=1), (mask.shape[0], offset + mask.shape[1]))
+    given = mask if attention_mask is not None else None
+    if bool(full.all()):
+        return None, given, None
+    return Padding(full, offset), given, full
+
+
+def left_padded_mask(attention_mask: Optional[Tensor], shape: Sequence[int], device: torch.device) -> Optional[Tensor]:
+    """A prompt mask for ``generate`` as bool (None when absent or all ones); right padding is refused."""
+    if attention_mask is None:
+        return None
+    mask = check_attention_mask(attention_mask, shape).to(device)
+    ends_in_pad = (~mask[:, -1]).nonzero().flatten()
+    if len(ends_in_pad):
+        row = int(ends_in_pad[0])
+        raise ValueError(
+            f"generate needs left padding: row {row} of attention_mask ends in padding "
+            f"(attention_mask[{row}, -1] == 0), so its next token would follow a pad; build the "
+            "batch with to_tokens(texts, padding_side='left')"
+        )
+    return None if bool(mask.all()) else mask
+
+
+def cut_after_stop(row: Tensor, mask: Tensor, width: int, stops: Tensor) -> Tensor:
+    """A generated row's real tokens (prompt ``width`` columns wide), cut after its first new stop token."""
+    new = row[width:]
+    hits = torch.isin(new, stops).nonzero().flatten()
+    if len(hits):
+        new = new[: int(hits[0]) + 1]
+    return torch.cat([row[:width][mask[:width]], new])
+
+
 def positions_from_mask(mask: Bool[Tensor, "batch pos"]) -> Int[Tensor, "batch pos"]:
     """Position ids: real tokens before each one (0, 1, 2, ... along each row's real tokens); pads 0."""
     return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
