@@ -21,7 +21,7 @@ position seen so far (the KV cache's included), and the visibility mask, built o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence, Union
 
 import torch
@@ -57,8 +57,9 @@ class TokenBatch:
         pad_id: int = 0,
         padding_side: str = "right",
         device: Optional[Union[str, torch.device]] = None,
+        width: Optional[int] = None,
     ) -> "TokenBatch":
-        """Pad lists of token ids to the longest, on ``padding_side``, with ``pad_id``."""
+        """Pad lists of token ids to the longest (or to ``width``), on ``padding_side``, with ``pad_id``."""
         if padding_side not in PADDING_SIDES:
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         rows = [list(map(int, r)) for r in ids]
@@ -67,7 +68,11 @@ class TokenBatch:
         for i, r in enumerate(rows):
             if not r:
                 raise ValueError(f"prompt {i} has no tokens (an empty text?): every row needs at least one token")
-        width = max(map(len, rows))
+        longest = max(map(len, rows))
+        if width is None:
+            width = longest
+        elif width < longest:
+            raise ValueError(f"width={width} is shorter than the longest row ({longest} tokens)")
         tokens = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
@@ -103,7 +108,9 @@ class TokenBatch:
         return self.tokens[i][self.attention_mask[i].bool()]
 
     def to(self, device: Union[str, torch.device]) -> "TokenBatch":
-        return TokenBatch(self.tokens.to(device), self.attention_mask.to(device), self.padding_side)
+        """The same batch (and every tensor field of a subclass) on ``device``."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return type(self)(**{k: v.to(device) if isinstance(v, (Tensor, TokenBatch)) else v for k, v in moved.items()})
 
 
 def unpack(input: object, attention_mask: object) -> tuple[object, object]:
