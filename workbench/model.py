@@ -163,10 +163,13 @@ class HookedDecoder(HookedRootModule):
                 input, attention_mask = unpack(self.to_tokens(input), attention_mask)
             tokens = self._check_tokens(input, offset)
             padding, real = self._padding(attention_mask, tokens.shape, kv_cache)
-            resid = self.hook_embed(self.embed(tokens))
+            if padding is not None and kv_cache is None and stop_at_layer is None and not self._hooks_attached():
+                padding.packed = True  # nobody looks: pads are dropped from every per-token step
+            ids = padding.pack(tokens) if padding is not None and padding.packed else tokens
+            resid = self.hook_embed(self.embed(ids))
             if self.pos_embed.adds_to_residual:
                 positions = padding.positions if padding is not None else None
-                resid = resid + self.hook_pos_embed(self.pos_embed(tokens, offset, positions))
+                resid = resid + self.hook_pos_embed(self.pos_embed(ids, offset, positions))
             start_at_layer = 0
         else:
             resid = input.to(self.device)
@@ -178,6 +181,8 @@ class HookedDecoder(HookedRootModule):
         if stop_at_layer is not None:
             return resid
         logits = self.unembed(self.ln_final(resid))  # computed even for None, so final hooks fire
+        if padding is not None and padding.packed:
+            logits = padding.unpack(logits)
         if return_type in ("logits", None):
             return logits if return_type else None
         if tokens is None:
@@ -197,6 +202,9 @@ class HookedDecoder(HookedRootModule):
         if kv_cache is not None:
             kv_cache.attention_mask = full
         return padding, mask
+
+    def _hooks_attached(self) -> bool:
+        return any(hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks for hp in self.hook_dict.values())
 
     @staticmethod
     def loss_fn(

@@ -17,6 +17,13 @@ What a row of a padded batch computes equals what its prompt computes alone, bec
 
 ``Padding`` is what one forward hands to every layer: the key mask and key positions of every
 position seen so far (the KV cache's included), and the visibility mask, built once per forward.
+
+Packing: pads cost compute like real tokens. When nothing listens (no hook attached anywhere,
+no KV cache, the whole model run), the forward drops them: every per-token step (embedding,
+norms, projections, MLPs, the unembedding) runs on the real tokens only, packed as
+[1, n_real, ...], and only the attention product itself goes back to the padded [batch, pos]
+layout. Logits come back padded, 0 at pads. With hooks attached nothing is packed, so every
+hook sees [batch, pos, ...] as always.
 """
 
 from __future__ import annotations
@@ -220,6 +227,7 @@ class Padding:
 
     key_mask: Bool[Tensor, "batch key_pos"]
     offset: int = 0
+    packed: bool = False  # per-token tensors hold only the real tokens, [1, n_real, ...]
     key_positions: Int[Tensor, "batch key_pos"] = field(init=False)
     _visible: Optional[Tensor] = field(default=None, init=False, repr=False)
 
@@ -228,8 +236,19 @@ class Padding:
 
     @property
     def positions(self) -> Int[Tensor, "batch pos"]:
-        """Position ids of this forward's tokens."""
-        return self.key_positions[:, self.offset :]
+        """Position ids of this forward's tokens ([1, n_real] when packed)."""
+        positions = self.key_positions[:, self.offset :]
+        return self.pack(positions) if self.packed else positions
+
+    def pack(self, x: Tensor) -> Tensor:
+        """[batch, pos, ...] -> [1, n_real, ...]: the real tokens of every row, row after row."""
+        return x[self.query_mask][None]
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """[1, n_real, ...] -> [batch, pos, ...], zeros at the pads."""
+        out = x.new_zeros(tuple(self.query_mask.shape) + tuple(x.shape[2:]))
+        out[self.query_mask] = x[0]
+        return out
 
     @property
     def query_mask(self) -> Bool[Tensor, "batch pos"]:

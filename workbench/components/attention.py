@@ -110,6 +110,9 @@ class Attention(nn.Module):
             positions = padding.positions if padding is not None else None
             q = self.hook_rot_q(self.position.rotate(q, offset, positions))
             k = self.hook_rot_k(self.position.rotate(k, offset, positions))
+        packed = padding is not None and padding.packed
+        if packed:  # the attention product needs the padded [batch, pos] layout back
+            q, k, v = padding.unpack(q), padding.unpack(k), padding.unpack(v)
         # (batch, head, pos, d_head) for the attention product
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
@@ -121,7 +124,8 @@ class Attention(nn.Module):
             z = self._explicit(q, k, v, bias, offset, visible)
         else:
             z = self._fused(q, k, v, bias, offset, visible)
-        z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head_index, d_head]
+        z = z.transpose(1, 2)
+        z = self.hook_z(padding.pack(z) if packed else z)  # [batch, pos, head_index, d_head]
         if self.hook_result.has_hooks():
             result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
             return result.sum(dim=2) + self.b_O

@@ -78,4 +78,5 @@ class Block(nn.Module):
 
 
 def _real(padding: Optional[Padding]) -> Optional[Tensor]:
-    return padding.query_mask if padding is not None else None
+    """The FFN's token mask: None when nothing is padded, or when only real tokens are left (packed)."""
+    return padding.query_mask if padding is not None and not padding.packed else None

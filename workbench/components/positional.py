@@ -247,7 +247,8 @@ class ALiBi(nn.Module):
             k_pos = torch.arange(n_key, device=self.slopes.device)
             distance = (k_pos[None, :] - q_pos[:, None]).clamp(max=0).to(self.slopes.dtype)
             return self.slopes[:, None, None] * distance
-        k_pos, q_pos = padding.key_positions, padding.positions
+        k_pos = padding.key_positions
+        q_pos = k_pos[:, padding.offset :]
         distance = (k_pos[:, None, :] - q_pos[:, :, None]).clamp(max=0).to(self.slopes.dtype)
         return self.slopes[None, :, None, None] * distance[:, None]
 
