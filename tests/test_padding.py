@@ -353,6 +353,8 @@ def test_bad_masks_and_padding_raise_clear_errors():
         model.generate(right.tokens, attention_mask=right.attention_mask, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"one per row \(4 rows\), got 2"):
         model.generate(batch, max_new_tokens=2, temperature=1.0, seed=[1, 2])
+    as_bool = TokenBatch(batch.tokens, batch.attention_mask.bool(), "left")  # bool masks work as well as 0/1
+    assert as_bool.last_index.tolist() == [10] * 4 and _batch("right").last_index.tolist() == [n - 1 for n in LENGTHS]
     with pytest.raises(ValueError, match="prompt 1 has no tokens"):
         TokenBatch.from_ids([[1, 2], []])
     with pytest.raises(ValueError, match="padding_side must be 'left' or 'right'"):

@@ -108,7 +108,7 @@ class TokenBatch:
     def last_index(self) -> Int[Tensor, "batch"]:
         """Column of each row's last real token: where ``logits[rows, last_index]`` predicts the next one."""
         width = self.tokens.shape[1]
-        return width - 1 - self.attention_mask.flip(1).argmax(dim=1)
+        return width - 1 - self.attention_mask.flip(1).long().argmax(dim=1)
 
     def row(self, i: int) -> Int[Tensor, "pos"]:
         """The real tokens of row ``i``, pads dropped: the prompt as it would run alone."""
