@@ -230,6 +230,8 @@ class Padding:
     packed: bool = False  # per-token tensors hold only the real tokens, [1, n_real, ...]
     key_positions: Int[Tensor, "batch key_pos"] = field(init=False)
     _visible: Optional[Tensor] = field(default=None, init=False, repr=False)
+    _real_index: Optional[Tensor] = field(default=None, init=False, repr=False)
+    _packed_positions: Optional[Tensor] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.key_positions = positions_from_mask(self.key_mask)
@@ -238,17 +240,28 @@ class Padding:
     def positions(self) -> Int[Tensor, "batch pos"]:
         """Position ids of this forward's tokens ([1, n_real] when packed)."""
         positions = self.key_positions[:, self.offset :]
-        return self.pack(positions) if self.packed else positions
+        if not self.packed:
+            return positions
+        if self._packed_positions is None:
+            self._packed_positions = self.pack(positions)
+        return self._packed_positions
+
+    @property
+    def real_index(self) -> Tensor:
+        """Flat indices (into batch * pos) of this forward's real tokens, computed once."""
+        if self._real_index is None:
+            self._real_index = self.query_mask.flatten().nonzero().flatten()
+        return self._real_index
 
     def pack(self, x: Tensor) -> Tensor:
         """[batch, pos, ...] -> [1, n_real, ...]: the real tokens of every row, row after row."""
-        return x[self.query_mask][None]
+        return x.flatten(0, 1).index_select(0, self.real_index)[None]
 
     def unpack(self, x: Tensor) -> Tensor:
         """[1, n_real, ...] -> [batch, pos, ...], zeros at the pads."""
-        out = x.new_zeros(tuple(self.query_mask.shape) + tuple(x.shape[2:]))
-        out[self.query_mask] = x[0]
-        return out
+        batch, pos = self.query_mask.shape
+        out = x.new_zeros((batch * pos,) + tuple(x.shape[2:]))
+        return out.index_copy(0, self.real_index, x[0]).view((batch, pos) + tuple(x.shape[2:]))
 
     @property
     def query_mask(self) -> Bool[Tensor, "batch pos"]:
