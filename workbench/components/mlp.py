@@ -11,10 +11,10 @@ only real tokens to its experts (pads get a zero output), so an expert's hooks s
 real tokens, in the order the prompts would give alone, one after another.
 """
 
-import torch
-import torch.nn.functional as F
 from typing import Optional
 
+import torch
+import torch.nn.functional as F
 from jaxtyping import Bool, Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
