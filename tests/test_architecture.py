@@ -10,7 +10,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "workbench"
 # Layers, bottom first: a module may import its own layer and those below it, never one above.
 LAYERS = [
-    {"utils"},
+    {"utils", "padding"},
     {"config"},
     {"components"},
     {"tokenizer", "model", "cache", "processing", "checkpoint", "accounting", "data", "training", "distributed", "interop"},

@@ -10,6 +10,8 @@ from workbench.accounting import (
 from workbench.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from workbench.config import ModelConfig
 from workbench.model import HookedDecoder, KVCache
+from workbench.padding import TokenBatch
+from workbench.data.prompts import PromptSet
 from workbench.interop import from_hf, to_hf
 from workbench import analysis, viz  # noqa: E402  (the analysis library and its figures)
 
@@ -19,6 +21,8 @@ __all__ = [
     "ModelConfig",
     "HookedDecoder",
     "KVCache",
+    "TokenBatch",
+    "PromptSet",
     "count_params",
     "seed_param_formula",
     "forward_flops_per_token",

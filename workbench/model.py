@@ -5,6 +5,10 @@
 Every residual-stream write, attention pattern and norm scale is a HookPoint under
 TransformerLens' name, so ``run_with_cache`` returns a real ``ActivationCache`` whose
 methods (``accumulated_resid``, ``decompose_resid``, ``stack_head_results``, ...) work.
+
+Prompts of different lengths: ``forward``, ``run_with_cache``, ``run_with_hooks`` and
+``generate`` take a ``TokenBatch`` or ``attention_mask=`` [batch, pos] (1 = real, 0 = pad);
+each row then computes what its prompt computes alone (``workbench.padding`` says how).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from workbench.components.positional import POS_EMBEDDINGS
 from workbench.components.registry import add_bias, pick
 from workbench.config import ModelConfig
 from workbench.utils import check_float, check_int, check_seed, check_token_ids, eval_mode
+from workbench.padding import (
+    PAD_STR, Padding, TokenBatch, check_attention_mask, cut_after_stop, forward_padding, left_padded_mask, unpack,
+)
 
 
 
@@ -63,13 +70,18 @@ class Unembed(nn.Module):
 
 
 class KVCache:
-    """Per-layer keys and values for incremental decoding; ``length`` positions so far."""
+    """Per-layer keys and values for incremental decoding; ``length`` positions so far.
+
+    ``attention_mask`` [batch, length] (bool) is kept once a padded batch was fed, so later
+    steps continue each row's positions and keep its pads out of sight; None: nothing padded.
+    """
 
     def __init__(
         self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, max_len: Optional[int] = None
     ):
         max_len = cfg.n_ctx if max_len is None else min(max_len, cfg.n_ctx)
         self.entries = [KVCacheEntry(cfg, batch, device, dtype, max_len) for _ in range(cfg.n_layers)]
+        self.attention_mask: Optional[Tensor] = None
 
     @property
     def length(self) -> int:
@@ -127,14 +139,15 @@ class HookedDecoder(HookedRootModule):
     # ---- forward ----------------------------------------------------------------
     def forward(
         self,
-        input: Union[str, Sequence[str], Tensor],
+        input: Union[str, Sequence[str], Tensor, TokenBatch],
         return_type: Optional[str] = "logits",
         loss_per_token: bool = False,
         *,
-        tokens: Optional[Tensor] = None,
+        tokens: Optional[Union[Tensor, TokenBatch]] = None,
         start_at_layer: Optional[int] = None,
         stop_at_layer: Optional[int] = None,
         kv_cache: Optional[KVCache] = None,
+        attention_mask: Optional[Tensor] = None,
     ):
         """Run the model.
 
@@ -142,46 +155,93 @@ class HookedDecoder(HookedRootModule):
         ``start_at_layer``, the residual stream [batch, pos, d_model] entering that block;
         ``tokens`` then supplies the targets for the loss. With ``stop_at_layer`` the residual
         stream entering that block is returned instead of logits.
+
+        A padded batch: a ``TokenBatch`` as ``input``, or ``attention_mask`` [batch, pos] (1 real,
+        0 pad). Real positions then equal each prompt run alone; pad positions hold finite values
+        that mean nothing; the loss counts only real targets predicted from real tokens.
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
         offset = kv_cache.length if kv_cache is not None else 0
         self.pos_offset = offset
+        input, attention_mask = unpack(input, attention_mask)
+        tokens, attention_mask = unpack(tokens, attention_mask) if tokens is not None else (tokens, attention_mask)
         if start_at_layer is None:
-            tokens = self._check_tokens(self.to_tokens(input) if not isinstance(input, Tensor) else input, offset)
-            resid = self.hook_embed(self.embed(tokens))
+            if not isinstance(input, Tensor):  # text; several of different lengths come back padded
+                input, attention_mask = unpack(self.to_tokens(input), attention_mask)
+            tokens = self._check_tokens(input, offset)
+            padding, real = self._padding(attention_mask, tokens.shape, kv_cache)
+            if padding is not None and kv_cache is None and stop_at_layer is None and not self._hooks_attached():
+                padding.packed = True  # nobody looks: pads are dropped from every per-token step
+            ids = padding.pack(tokens) if padding is not None and padding.packed else tokens
+            resid = self.hook_embed(self.embed(ids))
             if self.pos_embed.adds_to_residual:
-                resid = resid + self.hook_pos_embed(self.pos_embed(tokens, offset))
+                positions = padding.positions if padding is not None else None
+                resid = resid + self.hook_pos_embed(self.pos_embed(ids, offset, positions))
             start_at_layer = 0
         else:
             resid = input.to(self.device)
+            padding, real = self._padding(attention_mask, resid.shape[:2], kv_cache)
             if tokens is not None:
                 tokens = self._check_tokens(tokens, offset)
         for block in self.blocks[start_at_layer:stop_at_layer]:
-            resid = block(resid, kv_cache[block.layer] if kv_cache is not None else None)
+            resid = block(resid, kv_cache[block.layer] if kv_cache is not None else None, padding)
         if stop_at_layer is not None:
             return resid
         logits = self.unembed(self.ln_final(resid))  # computed even for None, so final hooks fire
+        if padding is not None and padding.packed:
+            logits = padding.unpack(logits)
         if return_type in ("logits", None):
             return logits if return_type else None
         if tokens is None:
             raise ValueError("the loss needs tokens: pass tokens=... when starting from a residual stream")
-        loss = self.loss_fn(logits, tokens, per_token=loss_per_token)
+        loss = self.loss_fn(logits, tokens, per_token=loss_per_token, attention_mask=real)
         if return_type == "loss":
             return loss
         return logits, loss
 
+    def _padding(
+        self, attention_mask: Optional[Tensor], shape: Sequence[int], kv_cache: Optional[KVCache]
+    ) -> tuple[Optional[Padding], Optional[Tensor]]:
+        """This forward's ``Padding`` (None: nothing padded) and its own mask; ``kv_cache`` keeps the whole mask."""
+        past = kv_cache.attention_mask if kv_cache is not None else None
+        offset = kv_cache.length if kv_cache is not None else 0
+        padding, mask, full = forward_padding(attention_mask, shape, past, offset, self.device)
+        if kv_cache is not None:
+            kv_cache.attention_mask = full
+        return padding, mask
+
+    def _hooks_attached(self) -> bool:
+        return any(hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks for hp in self.hook_dict.values())
+
     @staticmethod
     def loss_fn(
-        logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"], per_token: bool = False
+        logits: Float[Tensor, "batch pos d_vocab"],
+        tokens: Int[Tensor, "batch pos"],
+        per_token: bool = False,
+        attention_mask: Optional[Tensor] = None,
     ) -> Tensor:
-        """Next-token cross-entropy, every position supervised at once; [batch, pos-1] if per_token."""
+        """Next-token cross-entropy, every position supervised at once; [batch, pos-1] if per_token.
+
+        With ``attention_mask`` a target counts only when it and the token before it are real
+        (a row's first real token has nothing real to be predicted from, as when run alone): the
+        mean is over those targets, and the per-token losses are 0 everywhere else.
+        """
         if tokens.shape[1] < 2:
             raise ValueError("the next-token loss needs at least 2 tokens per sequence")
         losses = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1), reduction="none"
         ).view(tokens.shape[0], -1)
-        return losses if per_token else losses.mean()
+        if attention_mask is None:
+            return losses if per_token else losses.mean()
+        mask = check_attention_mask(attention_mask, tokens.shape, require_real=False).to(losses.device)
+        counted = mask[:, 1:] & mask[:, :-1]
+        losses = losses.masked_fill(~counted, 0.0)
+        if per_token:
+            return losses
+        if not bool(counted.any()):
+            raise ValueError("the next-token loss needs a row with at least 2 real tokens")
+        return losses.sum() / counted.sum()
 
     def _check_tokens(self, tokens: Tensor, offset: int = 0) -> Int[Tensor, "batch pos"]:
         """``tokens`` as long ids [batch, pos] on the model's device, or ValueError saying what is wrong.
@@ -217,7 +277,20 @@ class HookedDecoder(HookedRootModule):
         ``WorkbenchCache``, whose ``apply_ln_to_stack`` (and so ``logit_attrs``, ``decompose_resid``,
         ... with ``apply_ln=True``) includes the norms' weights when they are not folded."""
         out, cache_dict = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
-        return out, WorkbenchCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+        cache = WorkbenchCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+        cache.attention_mask = self._mask_of(args, kwargs)  # bool [batch, pos], True = real; None: unpadded
+        return out, cache
+
+    def _mask_of(self, args: tuple, kwargs: dict) -> Optional[Tensor]:
+        """The attention mask a forward with these arguments used (None when there was none)."""
+        input = args[0] if args else kwargs.get("input")
+        mask = kwargs.get("attention_mask")
+        if isinstance(input, TokenBatch):
+            mask = input.attention_mask
+        elif mask is None and isinstance(input, (list, tuple)) and self.tokenizer is not None:
+            tokens = self.to_tokens(input)  # texts of different lengths came back padded
+            mask = tokens.attention_mask if isinstance(tokens, TokenBatch) else None
+        return None if mask is None else torch.as_tensor(mask, device=self.device).bool()
 
     def process_weights(
         self,
@@ -243,25 +316,40 @@ class HookedDecoder(HookedRootModule):
     @torch.no_grad()
     def generate(
         self,
-        input: Union[str, Tensor],
+        input: Union[str, Sequence[str], Tensor, TokenBatch],
         max_new_tokens: int = 32,
         use_kv_cache: bool = True,
         temperature: float = 0.0,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
-        seed: Optional[int] = None,
+        seed: Optional[Union[int, Sequence[int]]] = None,
         stop_tokens: Optional[Iterable[int]] = None,
         verbose: bool = False,
-    ) -> Union[Tensor, str]:
+        attention_mask: Optional[Tensor] = None,
+    ) -> Union[Tensor, str, list[str], TokenBatch]:
         """Continue ``input`` by up to ``max_new_tokens`` tokens (greedy when temperature=0).
 
         A row that emits one of ``stop_tokens`` is finished: it is padded with that stop token
         while other rows go on; generation ends when every row has finished. A string input
         returns a string (the prompt and its continuation); tokens return [batch, pos + new].
+
+        Prompts of different lengths: a list of strings (returns a list of strings, each cut
+        after its first stop token), a left-padded ``TokenBatch`` (returns one, its mask
+        extended), or tokens with ``attention_mask``. Every row continues as its prompt alone
+        would: exactly so when greedy. ``seed`` as one int per row gives each row its own
+        generator, so a sampled row equals its prompt sampled alone with that seed; one int
+        seeds one generator for the whole batch (reproducible, but a row's draws then depend
+        on the rows before it).
         """
         as_string = isinstance(input, str)
+        as_strings = isinstance(input, (list, tuple)) and bool(input) and all(isinstance(t, str) for t in input)
+        as_batch = isinstance(input, TokenBatch)
+        if as_strings:
+            input = self.to_tokens(list(input), padding_side="left")
+        input, attention_mask = unpack(input, attention_mask)
         tokens = self._check_tokens(self.to_tokens(input) if as_string else input)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
+        mask = left_padded_mask(attention_mask, tokens.shape, self.device)
         if tokens.shape[1] + max_new_tokens > self.cfg.n_ctx:
             raise ValueError(
                 f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds n_ctx={self.cfg.n_ctx}"
@@ -269,27 +357,36 @@ class HookedDecoder(HookedRootModule):
         temperature = check_float("temperature", temperature, 0)
         top_k = None if top_k is None else check_int("top_k", top_k, 1)
         top_p = None if top_p is None else check_float("top_p", top_p, 0, 1, lo_open=True)
-        seed = check_seed("seed", seed, optional=True)
         stop_ids = sorted({int(check_token_ids("stop_tokens", t, self.cfg.d_vocab)) for t in (stop_tokens or [])})
         with eval_mode(self):
-            gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+            gen = _generators(seed, tokens.shape[0], self.device)
             stops = torch.tensor(stop_ids, device=self.device, dtype=torch.long)
             finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=self.device)
             pad = torch.full_like(finished, stop_ids[0] if stop_ids else 0, dtype=torch.long)
             # Sized to this call, not n_ctx: an imported 128k-context model must not allocate 128k positions.
             cache = self.make_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens) if use_kv_cache else None
-            logits = self(tokens, kv_cache=cache)[:, -1]
+            logits = self(tokens, kv_cache=cache, attention_mask=mask)[:, -1]
+            width = tokens.shape[1]
             for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generating"):
                 next_token = _sample(logits, temperature, top_k, top_p, gen)
                 next_token = torch.where(finished, pad, next_token)
                 tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+                mask = F.pad(mask, (0, 1), value=True) if mask is not None else None
                 finished |= torch.isin(next_token, stops)
                 if bool(finished.all()) or tokens.shape[1] == self.cfg.n_ctx:
                     break
                 step_input = next_token[:, None] if use_kv_cache else tokens
-                logits = self(step_input, kv_cache=cache)[:, -1]
+                # The KV cache remembers the prompt's mask; a recompute passes the whole mask again.
+                logits = self(step_input, kv_cache=cache, attention_mask=None if use_kv_cache else mask)[:, -1]
         self.pos_offset = 0
-        return self.to_string(tokens[0]) if as_string else tokens
+        if as_string:
+            return self.to_string(tokens[0])
+        full_mask = mask if mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+        if as_strings:
+            return [self.to_string(cut_after_stop(row, m, width, stops)) for row, m in zip(tokens, full_mask)]
+        if as_batch:
+            return TokenBatch(tokens, full_mask.long(), "left")
+        return tokens
 
     @contextlib.contextmanager
     def steer(self, direction: Any, scale: Any = 1.0, mode: str = "add", positions: Any = "all"):
@@ -309,23 +406,41 @@ class HookedDecoder(HookedRootModule):
             raise ValueError("this model has no tokenizer attached: pass token ids, or set model.tokenizer")
         return self.tokenizer
 
-    def to_tokens(self, text: Union[str, Sequence[str]]) -> Int[Tensor, "batch pos"]:
+    def to_tokens(
+        self, text: Union[str, Sequence[str]], padding_side: Optional[str] = None
+    ) -> Union[Int[Tensor, "batch pos"], TokenBatch]:
+        """Token ids [batch, pos] of one text, or of several that tokenize to one length.
+
+        Texts of different lengths, or any ``padding_side`` ("right" by default, "left" for
+        ``generate``), give a ``TokenBatch``: ids padded with the tokenizer's ``pad_id`` plus
+        the attention mask, which every forward and ``generate`` accept as they are.
+        """
         tok = self._need_tokenizer()
         texts = [text] if isinstance(text, str) else list(text)
         ids = [tok.encode(t) for t in texts]
-        if len({len(i) for i in ids}) != 1:
-            raise ValueError("texts tokenize to different lengths; pass them one at a time or as padded ids")
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
+        if padding_side is None and len({len(i) for i in ids}) == 1:
+            return torch.tensor(ids, dtype=torch.long, device=self.device)
+        return TokenBatch.from_ids(ids, getattr(tok, "pad_id", 0), padding_side or "right", self.device)
 
     def to_string(self, tokens: Union[Tensor, Sequence[int]]) -> str:
         ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
         return self._need_tokenizer().decode(ids)
 
-    def to_str_tokens(self, input: Union[str, Tensor, Sequence[int]]) -> list[str]:
+    def to_str_tokens(
+        self, input: Union[str, Tensor, Sequence[int], TokenBatch], attention_mask: Optional[Tensor] = None
+    ) -> Union[list[str], list[list[str]]]:
+        """Readable tokens. With a mask (or a ``TokenBatch``) pads show as "<pad>", and a batch
+        of several rows gives one list per row."""
         tok = self._need_tokenizer()
+        input, attention_mask = unpack(input, attention_mask)
         ids = tok.encode(input) if isinstance(input, str) else input
-        ids = ids.flatten().tolist() if isinstance(ids, Tensor) else list(ids)
-        return [tok.token_str(i) for i in ids]
+        if attention_mask is None:
+            ids = ids.flatten().tolist() if isinstance(ids, Tensor) else list(ids)
+            return [tok.token_str(i) for i in ids]
+        ids = torch.as_tensor(ids).reshape(-1, torch.as_tensor(ids).shape[-1])
+        mask = check_attention_mask(attention_mask, ids.shape, require_real=False)
+        rows = [[tok.token_str(i) if m else PAD_STR for i, m in zip(r.tolist(), mr.tolist())] for r, mr in zip(ids, mask)]
+        return rows[0] if len(rows) == 1 else rows
 
     def to_single_token(self, text: str) -> int:
         """The id of ``text`` when the tokenizer spells it as exactly one known token (a leading
@@ -409,12 +524,26 @@ class HookedDecoder(HookedRootModule):
         return total
 
 
+def _generators(
+    seed: Optional[Union[int, Sequence[int]]], batch: int, device: torch.device
+) -> Union[None, torch.Generator, list[torch.Generator]]:
+    """One generator for the batch (an int seed), one per row (a sequence of seeds), or None."""
+    if seed is None:
+        return None
+    if not isinstance(seed, (list, tuple, Tensor)):
+        return torch.Generator(device=device).manual_seed(check_seed("seed", seed))
+    seeds = [check_seed("seed", s) for s in (seed.tolist() if isinstance(seed, Tensor) else seed)]
+    if len(seeds) != batch:
+        raise ValueError(f"seed: one int, or one per row ({batch} rows), got {len(seeds)} seeds")
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+
 def _sample(
     logits: Float[Tensor, "batch d_vocab"],
     temperature: float,
     top_k: Optional[int],
     top_p: Optional[float],
-    gen: Optional[torch.Generator],
+    gen: Union[None, torch.Generator, list[torch.Generator]],
 ) -> Int[Tensor, "batch"]:
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -427,4 +556,7 @@ def _sample(
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
+    probs = logits.softmax(-1)
+    if isinstance(gen, list):  # one generator per row: a row's draws do not depend on the others
+        return torch.cat([torch.multinomial(probs[i : i + 1], 1, generator=g)[:, 0] for i, g in enumerate(gen)])
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]

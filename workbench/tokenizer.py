@@ -8,8 +8,13 @@ models of abstract-id tasks such as induction, which have no words).
 
 Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``,
 ``token_str(id) -> str`` (a readable label for plots), ``unknown_pieces(text) -> list[str]``
-(what ``encode`` would turn into ``unk``), ``vocab_size``, and ``save(dir)``,
+(what ``encode`` would turn into ``unk``), ``vocab_size``, ``pad_id`` and ``save(dir)``,
 which writes ``tokenizer.json``; ``load_tokenizer(dir)`` restores whichever kind was saved.
+
+``pad_id`` is the id ``model.to_tokens(texts, padding_side=...)`` fills short rows with. None
+of our own tokenizers has a pad token, and adding one would grow the vocabulary past what
+shipped checkpoints were trained with; so they reuse an existing id (``unk``, byte 0, BPE id 0)
+and rely on the attention mask, which is what tells a pad from a real token everywhere.
 BPE is trained locally with the ``tokenizers`` library; nothing is downloaded.
 """
 
@@ -55,6 +60,11 @@ class CharTokenizer:
     def token_str(self, token_id: int) -> str:
         return self.itos[int(token_id)]
 
+    @property
+    def pad_id(self) -> int:
+        """The ``unk`` id: padding reuses it, and the attention mask marks pads (see the module docstring)."""
+        return 0
+
     def to_dict(self) -> dict:
         return {"kind": self.kind, "chars": self.itos[1:], "unk": self.unk}
 
@@ -67,6 +77,7 @@ class ByteTokenizer:
 
     kind = "byte"
     vocab_size = 256
+    pad_id = 0  # the NUL byte; the attention mask marks pads
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -129,6 +140,12 @@ class BPETokenizer:
     def token_str(self, token_id: int) -> str:
         return self.decode([token_id])
 
+    @property
+    def pad_id(self) -> int:
+        """The backend's padding id when it has one, else id 0; the attention mask marks pads."""
+        padding = self.hf.padding
+        return int(padding["pad_id"]) if padding else 0
+
     def to_dict(self) -> dict:
         return {"kind": self.kind, "tokenizer": json.loads(self.hf.to_str())}
 
@@ -179,6 +196,8 @@ class WordTokenizer:
 
     def token_str(self, token_id: int) -> str:
         return self.itos[int(token_id)]
+
+    pad_id = CharTokenizer.pad_id
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "words": self.itos[1:], "unk": self.unk}

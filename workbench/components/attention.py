@@ -7,6 +7,11 @@ d_model]``); keys and values are stored once per KV head (``_W_K``, ``_W_V``) an
 Two paths give the same output: when nothing listens to ``hook_attn_scores`` or
 ``hook_pattern``, attention runs through ``F.scaled_dot_product_attention`` and the
 [batch, head, query, key] tensors are never materialised; otherwise the explicit path runs.
+
+A padded batch comes with a ``Padding`` (``workbench.padding``): per-row positions for RoPE
+and ALiBi, and a [batch, 1, query, key] visibility mask that keeps pads out of every real
+token's attention. Without one (no mask, or an all-ones mask) both paths are exactly what
+they were before padding existed: SDPA with ``is_causal``.
 """
 
 import math
@@ -21,6 +26,7 @@ from transformer_lens.hook_points import HookPoint
 from workbench.components.positional import ATTN_POSITIONS
 from workbench.components.registry import add_bias, pick
 from workbench.config import ModelConfig
+from workbench.padding import Padding
 
 
 class KVCacheEntry:
@@ -95,24 +101,31 @@ class Attention(nn.Module):
         self,
         x: Float[Tensor, "batch pos d_model"],
         kv_cache: Optional[KVCacheEntry] = None,
+        padding: Optional[Padding] = None,
     ) -> Float[Tensor, "batch pos d_model"]:
         offset = kv_cache.length if kv_cache is not None else 0
         q, k, v = self._project_qkv(x, kv_cache)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if self.position.rotates:
-            q = self.hook_rot_q(self.position.rotate(q, offset))
-            k = self.hook_rot_k(self.position.rotate(k, offset))
+            positions = padding.positions if padding is not None else None
+            q = self.hook_rot_q(self.position.rotate(q, offset, positions))
+            k = self.hook_rot_k(self.position.rotate(k, offset, positions))
+        packed = padding is not None and padding.packed
+        if packed:  # the attention product needs the padded [batch, pos] layout back
+            q, k, v = padding.unpack(q), padding.unpack(k), padding.unpack(v)
         # (batch, head, pos, d_head) for the attention product
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
         n_query, n_key = q.shape[2], k.shape[2]
-        bias = self.position.score_bias(n_query, n_key, offset)
+        bias = self.position.score_bias(n_query, n_key, offset, padding)
+        visible = padding.visible if padding is not None else None
         if self._explicit_needed():
-            z = self._explicit(q, k, v, bias, offset)
+            z = self._explicit(q, k, v, bias, offset, visible)
         else:
-            z = self._fused(q, k, v, bias, offset)
-        z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head_index, d_head]
+            z = self._fused(q, k, v, bias, offset, visible)
+        z = z.transpose(1, 2)
+        z = self.hook_z(padding.pack(z) if packed else z)  # [batch, pos, head_index, d_head]
         if self.hook_result.has_hooks():
             result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
             return result.sum(dim=2) + self.b_O
@@ -149,18 +162,25 @@ class Attention(nn.Module):
         q_pos = torch.arange(offset, offset + n_query, device=device)
         return torch.arange(n_key, device=device)[None, :] <= q_pos[:, None]  # [query, key], True = visible
 
-    def _fused(self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int) -> Tensor:
+    def _fused(
+        self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int, visible: Optional[Tensor] = None
+    ) -> Tensor:
         # CPU SDPA returns 0, not NaN, for a query row that is NaN or whose visible scores are all
         # NaN, where the explicit softmax (and the math) gives NaN: a broken weight would hide
         # behind finite logits. Non-finite queries or keys (one summed reduction each, far
         # cheaper than the attention) take the explicit path, so both paths always agree.
         if not bool(torch.isfinite(q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32))):
-            return self._explicit(q, k, v, bias, offset)
-        return self._sdpa(q, k, v, bias, offset)
+            return self._explicit(q, k, v, bias, offset, visible)
+        return self._sdpa(q, k, v, bias, offset, visible)
 
-    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int) -> Tensor:
+    def _sdpa(
+        self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int, visible: Optional[Tensor] = None
+    ) -> Tensor:
         n_query, n_key = q.shape[2], k.shape[2]
         gqa = self.group > 1
+        if visible is not None:  # a padded batch: [batch, 1, query, key], pads never visible
+            mask = visible if bias is None else bias.to(q.dtype).masked_fill(~visible, float("-inf"))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         if bias is None and offset == 0 and n_query == n_key:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if bias is None and n_query == 1:  # one decode step sees every cached key
@@ -170,13 +190,15 @@ class Attention(nn.Module):
             mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
-    def _explicit(self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int) -> Tensor:
+    def _explicit(
+        self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int, visible: Optional[Tensor] = None
+    ) -> Tensor:
         if self.group > 1:
             k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
         scores = q @ k.transpose(-1, -2) / self.attn_scale  # [batch, head, query, key]
         if bias is not None:
             scores = scores + bias
-        mask = self._causal_mask(q.shape[2], k.shape[2], offset, q.device)
+        mask = self._causal_mask(q.shape[2], k.shape[2], offset, q.device) if visible is None else visible
         scores = self.hook_attn_scores(scores.masked_fill(~mask, float("-inf")))
         pattern = self.hook_pattern(torch.softmax(scores, dim=-1).to(v.dtype))
         return pattern @ v

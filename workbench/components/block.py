@@ -15,6 +15,9 @@ activation (one replaced by an ablation or a patch), taking the activations it i
 as they are and computing the rest. ``LAYOUTS`` names every layout with the config that
 picks it, so the tests run every invariant on every layout; a new layout is a method
 plus an entry there.
+
+A padded batch's ``Padding`` (``workbench.padding``) goes to the attention and, as the mask
+of real tokens, to the FFN (MoE routes only real tokens).
 """
 
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from workbench.components.mlp import FFNS
 from workbench.components.norm import NORMS
 from workbench.components.registry import pick
 from workbench.config import ModelConfig
+from workbench.padding import Padding
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,12 @@ class Block(nn.Module):
         self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
 
     def forward(
-        self, resid_pre: Float[Tensor, "batch pos d_model"], kv_cache: Optional[KVCacheEntry] = None
+        self,
+        resid_pre: Float[Tensor, "batch pos d_model"],
+        kv_cache: Optional[KVCacheEntry] = None,
+        padding: Optional[Padding] = None,
     ) -> Float[Tensor, "batch pos d_model"]:
-        return self.hook_resid_post(self._layout(self.hook_resid_pre(resid_pre), kv_cache))
+        return self.hook_resid_post(self._layout(self.hook_resid_pre(resid_pre), kv_cache, padding))
 
     def resume(
         self,
@@ -116,7 +123,7 @@ class Block(nn.Module):
         extra = [site for site, value in given.items() if value is not None and site not in self.sites]
         if extra:
             raise ValueError(f"the {self.layout} layout has no {extra[0]}; its sites are {list(self.sites)}")
-        return self.hook_resid_post(self._layout(resid_pre, None, **given))
+        return self.hook_resid_post(self._layout(resid_pre, None, None, **given))
 
     def unaffected_by(self, site: str) -> tuple[str, ...]:
         """The other mid-block sites whose values do not change when ``site`` is replaced."""
@@ -125,35 +132,41 @@ class Block(nn.Module):
         return tuple(s for s in self.sites if s != site and site not in self._reads.get(s, ()))
 
     # ---- the layouts: x is the block's input; a site passed in is not computed again --------
-    def _pre(self, x: Tensor, kv_cache: Optional[KVCacheEntry], attn_out=None, resid_mid=None, mlp_out=None) -> Tensor:
+    def _pre(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], attn_out=None, resid_mid=None, mlp_out=None) -> Tensor:
         if resid_mid is None:
-            resid_mid = self.hook_resid_mid(x + self._attn_out(x, kv_cache, attn_out, self.ln1))
-        return resid_mid + self._mlp_out(resid_mid, mlp_out, self.ln2)
+            resid_mid = self.hook_resid_mid(x + self._attn_out(x, kv_cache, pad, attn_out, self.ln1))
+        return resid_mid + self._mlp_out(resid_mid, pad, mlp_out, self.ln2)
 
-    def _post(self, x: Tensor, kv_cache: Optional[KVCacheEntry], attn_out=None, resid_mid=None, mlp_out=None) -> Tensor:
+    def _post(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], attn_out=None, resid_mid=None, mlp_out=None) -> Tensor:
         if resid_mid is None:
-            resid_mid = self.hook_resid_mid(self.ln1(x + self._attn_out(x, kv_cache, attn_out)))
-        return self.ln2(resid_mid + self._mlp_out(resid_mid, mlp_out))
+            resid_mid = self.hook_resid_mid(self.ln1(x + self._attn_out(x, kv_cache, pad, attn_out)))
+        return self.ln2(resid_mid + self._mlp_out(resid_mid, pad, mlp_out))
 
-    def _parallel(self, x: Tensor, kv_cache: Optional[KVCacheEntry], attn_out=None, resid_mid=None,
+    def _parallel(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], attn_out=None, resid_mid=None,
                   mlp_out=None) -> Tensor:
-        return x + self._attn_out(x, kv_cache, attn_out, self.ln1) + self._mlp_out(x, mlp_out, self.ln2)
+        return x + self._attn_out(x, kv_cache, pad, attn_out, self.ln1) + self._mlp_out(x, pad, mlp_out, self.ln2)
 
-    def _attn_only_pre(self, x: Tensor, kv_cache: Optional[KVCacheEntry], attn_out=None, resid_mid=None,
+    def _attn_only_pre(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], attn_out=None, resid_mid=None,
                        mlp_out=None) -> Tensor:
-        return x + self._attn_out(x, kv_cache, attn_out, self.ln1)
+        return x + self._attn_out(x, kv_cache, pad, attn_out, self.ln1)
 
-    def _attn_only_post(self, x: Tensor, kv_cache: Optional[KVCacheEntry], attn_out=None, resid_mid=None,
+    def _attn_only_post(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], attn_out=None, resid_mid=None,
                         mlp_out=None) -> Tensor:
-        return self.ln1(x + self._attn_out(x, kv_cache, attn_out))
+        return self.ln1(x + self._attn_out(x, kv_cache, pad, attn_out))
 
     # ---- the two sublayers, each skipped when its output is given ------------------------------
-    def _attn_out(self, x: Tensor, kv_cache: Optional[KVCacheEntry], given: Optional[Tensor], norm=None) -> Tensor:
+    def _attn_out(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], given: Optional[Tensor],
+                  norm=None) -> Tensor:
         if given is not None:
             return given
-        return self.hook_attn_out(self.attn(x if norm is None else norm(x), kv_cache))
+        return self.hook_attn_out(self.attn(x if norm is None else norm(x), kv_cache, pad))
 
-    def _mlp_out(self, x: Tensor, given: Optional[Tensor], norm=None) -> Tensor:
+    def _mlp_out(self, x: Tensor, pad: Optional[Padding], given: Optional[Tensor], norm=None) -> Tensor:
         if given is not None:
             return given
-        return self.hook_mlp_out(self.mlp(x if norm is None else norm(x)))
+        return self.hook_mlp_out(self.mlp(x if norm is None else norm(x), _real(pad)))
+
+
+def _real(padding: Optional[Padding]) -> Optional[Tensor]:
+    """The FFN's token mask: None when nothing is padded, or when only real tokens are left (packed)."""
+    return padding.query_mask if padding is not None and not padding.packed else None

@@ -4,11 +4,18 @@ Hook names follow TransformerLens: ``hook_pre`` is the pre-activation (the gate 
 gated MLPs, with the linear branch at ``hook_pre_linear``) and ``hook_post`` the hidden
 activation fed to ``W_out``. The MoE router exposes its logits, the chosen experts and
 their weights; each expert is itself a hooked MLP under ``mlp.experts.{e}``.
+
+Every FFN takes an optional ``token_mask`` [batch, pos] (True = real token, from a padded
+batch). A dense MLP acts on each position alone, so it has nothing to do with it; MoE routes
+only real tokens to its experts (pads get a zero output), so an expert's hooks see exactly the
+real tokens, in the order the prompts would give alone, one after another.
 """
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
@@ -34,7 +41,9 @@ class MLP(nn.Module):
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
-    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+    def forward(
+        self, x: Float[Tensor, "batch pos d_model"], token_mask: Optional[Bool[Tensor, "batch pos"]] = None
+    ) -> Float[Tensor, "batch pos d_model"]:
         pre = self.hook_pre(F.linear(x, self.W_in.T, self.b_in))
         return F.linear(self.hook_post(self.act(pre)), self.W_out.T, self.b_out)
 
@@ -55,7 +64,9 @@ class GatedMLP(nn.Module):
         self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
-    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+    def forward(
+        self, x: Float[Tensor, "batch pos d_model"], token_mask: Optional[Bool[Tensor, "batch pos"]] = None
+    ) -> Float[Tensor, "batch pos d_model"]:
         gate = self.hook_pre(F.linear(x, self.W_gate.T, self.b_gate))
         linear = self.hook_pre_linear(F.linear(x, self.W_in.T, self.b_in))
         return F.linear(self.hook_post(self.act(gate) * linear), self.W_out.T, self.b_out)
@@ -68,7 +79,11 @@ def _dense(kind: str):
 
 
 class MoE(nn.Module):
-    """Top-k routing as in Mixtral: softmax over all experts, keep the top k, renormalise."""
+    """Top-k routing as in Mixtral: softmax over all experts, keep the top k, renormalise.
+
+    Tokens never compete: there is no expert capacity and no load-balancing term in the
+    forward, so one token's routing cannot change another's (a pad cannot move a real token).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -81,7 +96,9 @@ class MoE(nn.Module):
         self.hook_expert_weights = HookPoint()  # [batch, pos, k]
         self.hook_expert_indices = HookPoint()  # [batch, pos, k]
 
-    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+    def forward(
+        self, x: Float[Tensor, "batch pos d_model"], token_mask: Optional[Bool[Tensor, "batch pos"]] = None
+    ) -> Float[Tensor, "batch pos d_model"]:
         logits = self.hook_router_logits(x @ self.W_gate)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, indices = torch.topk(probs, self.k, dim=-1)
@@ -89,6 +106,8 @@ class MoE(nn.Module):
         indices = self.hook_expert_indices(indices)
         flat_x = x.reshape(-1, x.shape[-1])
         flat_idx, flat_w = indices.reshape(-1, self.k), weights.reshape(-1, self.k)
+        if token_mask is not None:  # pads go to no expert
+            flat_idx = flat_idx.masked_fill(~token_mask.reshape(-1, 1), -1)
         out = torch.zeros_like(flat_x)
         for e, expert in enumerate(self.experts):
             # An expert with no tokens still runs (on zero rows) so every parameter gets a grad.

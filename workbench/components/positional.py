@@ -3,7 +3,10 @@ inside attention (RoPE rotates queries and keys, ALiBi biases the scores).
 
 Two registries, because the two kinds act in different places of the skeleton:
 ``POS_EMBEDDINGS`` is used once by the model, ``ATTN_POSITIONS`` once per attention layer.
-Every variant takes ``offset``, the number of positions already in the KV cache.
+Every variant takes ``offset``, the number of positions already in the KV cache, and, for a
+padded batch, per-row ``positions`` [batch, pos] (from the attention mask, see
+``workbench.padding``), which replace ``offset + arange(pos)`` so that a padded row sees the
+positions its prompt has alone.
 """
 
 import math
@@ -14,6 +17,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from workbench.config import ModelConfig
+from workbench.padding import Padding
 
 
 # ---- added to the embedding ---------------------------------------------------------
@@ -24,7 +28,11 @@ class LearnedPositions(nn.Module):
         super().__init__()
         self.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, cfg.d_model))
 
-    def forward(self, tokens: Int[Tensor, "batch pos"], offset: int = 0) -> Float[Tensor, "batch pos d_model"]:
+    def forward(
+        self, tokens: Int[Tensor, "batch pos"], offset: int = 0, positions: Optional[Int[Tensor, "batch pos"]] = None
+    ) -> Float[Tensor, "batch pos d_model"]:
+        if positions is not None:
+            return self.W_pos[positions]
         pos = self.W_pos[offset : offset + tokens.shape[1]]
         return pos.unsqueeze(0).expand(tokens.shape[0], -1, -1)
 
@@ -54,7 +62,9 @@ class NoPositionEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
 
-    def forward(self, tokens: Int[Tensor, "batch pos"], offset: int = 0) -> None:
+    def forward(
+        self, tokens: Int[Tensor, "batch pos"], offset: int = 0, positions: Optional[Int[Tensor, "batch pos"]] = None
+    ) -> None:
         return None
 
 
@@ -74,7 +84,7 @@ class NoAttnPosition(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
 
-    def score_bias(self, n_query: int, n_key: int, offset: int) -> Optional[Tensor]:
+    def score_bias(self, n_query: int, n_key: int, offset: int, padding: Optional[Padding] = None) -> Optional[Tensor]:
         return None
 
 
@@ -133,8 +143,9 @@ class Rotary(nn.Module):
         inv_freq, self.scaling = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rotate_pairs = self._rotate_interleaved if cfg.rotary_interleaved else self._rotate_half
+        self._dynamic = cfg.rope_scaling == "dynamic"
 
-    def score_bias(self, n_query: int, n_key: int, offset: int) -> Optional[Tensor]:
+    def score_bias(self, n_query: int, n_key: int, offset: int, padding: Optional[Padding] = None) -> Optional[Tensor]:
         return None
 
     def _apply(self, fn, recurse: bool = True):
@@ -156,15 +167,29 @@ class Rotary(nn.Module):
         ) ** (dim / (dim - 2))
         return _plain_inv_freq(base, dim).to(self.inv_freq.device)
 
-    def cos_sin(self, n_positions: int, offset: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        positions = torch.arange(offset, offset + n_positions, device=self.inv_freq.device, dtype=torch.float32)
-        angles = torch.outer(positions, self._inv_freq_for(offset + n_positions))  # [pos, rotary_dim/2]
+    def cos_sin(
+        self, n_positions: int, offset: int, dtype: torch.dtype, positions: Optional[Tensor] = None
+    ) -> tuple[Tensor, Tensor]:
+        """cos and sin [pos, 1, rotary_dim] at ``offset + arange(n_positions)``, or
+        [batch, pos, 1, rotary_dim] at per-row ``positions`` [batch, pos] (a padded batch)."""
+        if positions is None:
+            pos = torch.arange(offset, offset + n_positions, device=self.inv_freq.device, dtype=torch.float32)
+            angles = torch.outer(pos, self._inv_freq_for(offset + n_positions))  # [pos, rotary_dim/2]
+        else:
+            # Dynamic scaling picks its frequencies from the length so far: per row, the length
+            # that row has alone (its last position + 1), never the padded width.
+            inv_freq = self.inv_freq[None]
+            if self._dynamic:
+                lengths = (positions.max(dim=1).values + 1).tolist()
+                inv_freq = torch.stack([self._inv_freq_for(n) for n in lengths])
+            angles = positions.to(torch.float32)[..., None] * inv_freq[:, None, :]  # [batch, pos, rotary_dim/2]
         if self.cfg.rotary_interleaved:
             angles = angles.repeat_interleave(2, dim=-1)
         else:
             angles = torch.cat([angles, angles], dim=-1)
-        # [pos, 1, rotary_dim], broadcast over heads
-        return (angles.cos() * self.scaling).to(dtype)[:, None], (angles.sin() * self.scaling).to(dtype)[:, None]
+        # [..., pos, 1, rotary_dim], broadcast over heads
+        cos, sin = (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
+        return cos.unsqueeze(-2), sin.unsqueeze(-2)
 
     @staticmethod
     def _rotate_half(x: Tensor) -> Tensor:
@@ -177,10 +202,13 @@ class Rotary(nn.Module):
         return torch.stack([-x2, x1], dim=-1).flatten(-2)
 
     def rotate(
-        self, x: Float[Tensor, "batch pos head_index d_head"], offset: int
+        self,
+        x: Float[Tensor, "batch pos head_index d_head"],
+        offset: int,
+        positions: Optional[Int[Tensor, "batch pos"]] = None,
     ) -> Float[Tensor, "batch pos head_index d_head"]:
         r = self.cfg.rotary_dim
-        cos, sin = self.cos_sin(x.shape[1], offset, x.dtype)
+        cos, sin = self.cos_sin(x.shape[1], offset, x.dtype, positions)
         x_rot, x_pass = x[..., :r], x[..., r:]
         x_rot = x_rot * cos + self.rotate_pairs(x_rot) * sin
         return torch.cat([x_rot, x_pass], dim=-1) if x_pass.shape[-1] else x_rot
@@ -209,11 +237,20 @@ class ALiBi(nn.Module):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
 
-    def score_bias(self, n_query: int, n_key: int, offset: int) -> Float[Tensor, "head_index query_pos key_pos"]:
-        q_pos = torch.arange(offset, offset + n_query, device=self.slopes.device)
-        k_pos = torch.arange(n_key, device=self.slopes.device)
-        distance = (k_pos[None, :] - q_pos[:, None]).clamp(max=0).to(self.slopes.dtype)
-        return self.slopes[:, None, None] * distance
+    def score_bias(
+        self, n_query: int, n_key: int, offset: int, padding: Optional[Padding] = None
+    ) -> Float[Tensor, "*batch head_index query_pos key_pos"]:
+        """[head, query, key]; for a padded batch [batch, head, query, key], the distances
+        counted in each row's real tokens (pads in between do not add to the distance)."""
+        if padding is None:
+            q_pos = torch.arange(offset, offset + n_query, device=self.slopes.device)
+            k_pos = torch.arange(n_key, device=self.slopes.device)
+            distance = (k_pos[None, :] - q_pos[:, None]).clamp(max=0).to(self.slopes.dtype)
+            return self.slopes[:, None, None] * distance
+        k_pos = padding.key_positions
+        q_pos = k_pos[:, padding.offset :]
+        distance = (k_pos[:, None, :] - q_pos[:, :, None]).clamp(max=0).to(self.slopes.dtype)
+        return self.slopes[None, :, None, None] * distance[:, None]
 
 
 ATTN_POSITIONS = {

@@ -12,6 +12,9 @@ Task-specific helpers for analysis:
     get_task("stories").ioi_prompts(n)                # PromptBatch: tokens, corrupted, correct, wrong, positions
     get_task("stories").possession_prompts(n)
     workbench.data.stories.answer_metrics(model, batch)        # accuracy, logit_diff, top1
+
+Prompt datasets (prompts of any length, known answers, metadata), batched with padding:
+    PromptSet.from_csv(path) / from_jsonl / from_records / from_dataframe / from_task(task)
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from workbench.data.base import Task, make_generator
 from workbench.data.induction import InductionTask, induction_scores
 from workbench.data.modular import ModularTask
+from workbench.data.prompts import PromptSet, PromptSetBatch
 from workbench.data.stories import PromptBatch, StoriesTask, answer_metrics
 from workbench.data.text import TextTask
 
@@ -46,5 +50,5 @@ def describe_tasks() -> dict[str, str]:
 
 __all__ = [
     "TASKS", "get_task", "describe_tasks", "Task", "make_generator", "InductionTask", "StoriesTask",
-    "ModularTask", "TextTask", "PromptBatch", "answer_metrics", "induction_scores",
+    "ModularTask", "TextTask", "PromptBatch", "answer_metrics", "induction_scores", "PromptSet", "PromptSetBatch",
 ]

@@ -55,8 +55,25 @@ class HFTokenizer(BPETokenizer):
         token = self.special_tokens.get(name)
         return None if token is None else self.hf.token_to_id(token)
 
+    @property
+    def pad_id(self) -> int:
+        """The model's pad token; without one (GPT-2, Llama) its EOS, else BOS, else id 0.
+
+        Reusing an id keeps the vocabulary (and the checkpoint) as it is: the attention mask,
+        not the id, tells a pad from a real token.
+        """
+        for name in ("pad_token", "eos_token", "bos_token"):
+            token_id = self.token_id(name)
+            if token_id is not None:
+                return token_id
+        return super().pad_id
+
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=self.add_special_tokens).ids
+
+    def encode_piece(self, text: str) -> list[int]:
+        """``text``'s ids without the special tokens ``encode`` adds (Llama's BOS): for answer tokens."""
+        return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
