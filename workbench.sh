@@ -3,6 +3,7 @@
 # requirements.txt the first time (and again whenever requirements.txt changes).
 #   ./workbench.sh app [streamlit args]   run the app on the shipped default checkpoint
 #   ./workbench.sh test [pytest args]     run the test suite
+#   ./workbench.sh lint                   ruff over the whole tree (CI runs it before the tests)
 #   ./workbench.sh [python -m workbench args]   the command line (train, eval, ...)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -21,5 +22,6 @@ cmd="${1:-help}"
 case "$cmd" in
   app)  exec "$VENV/bin/python" -m streamlit run app.py --browser.gatherUsageStats false "$@" ;;
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  lint) exec "$VENV/bin/ruff" check "$@" . ;;
   *)    exec "$VENV/bin/python" -m workbench "$cmd" "$@" ;;
 esac

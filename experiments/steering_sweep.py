@@ -73,7 +73,7 @@ def main(argv=None) -> pd.DataFrame:
         def logit_diff(logits):
             last = logits[:, -1]
             rows = torch.arange(len(last), device=last.device)
-            return last[rows, io.to(last.device)] - last[rows, subject.to(last.device)]
+            return last[rows, io.to(last.device)] - last[rows, subject.to(last.device)]  # noqa: B023 (called within this iteration)
 
         for layer in range(model.cfg.n_layers):
             hook = f"blocks.{layer}.hook_resid_post"

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 import workbench as wb
 from factories import tiny
-from workbench.components.attention import Attention
 from workbench.components.block import Block
 from workbench.components.norm import LayerNorm, RMSNorm
 from workbench.components.positional import SinusoidalPositions, alibi_slopes
@@ -36,7 +35,7 @@ def test_rmsnorm_matches_torch():
 
 def reference_attention(attn, x, n_kv_heads):
     """Attention written from the equation with PyTorch's scaled_dot_product_attention."""
-    h, e = attn.cfg.n_heads, attn.cfg.d_head
+    h = attn.cfg.n_heads
     q = torch.einsum("bpd,hde->bhpe", x, attn.W_Q) + attn.b_Q[None, :, None]
     k = torch.einsum("bpd,hde->bhpe", x, attn._W_K) + attn._b_K[None, :, None]
     v = torch.einsum("bpd,hde->bhpe", x, attn._W_V) + attn._b_V[None, :, None]

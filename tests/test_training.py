@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file

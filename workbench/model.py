@@ -474,7 +474,7 @@ class HookedDecoder(HookedRootModule):
         return self.unembed.W_U
 
     @property
-    def b_U(self) -> Float[Tensor, "d_vocab"]:
+    def b_U(self) -> Float[Tensor, " d_vocab"]:
         return self.unembed.b_U
 
     def _stack(self, get) -> Tensor:
@@ -544,7 +544,7 @@ def _sample(
     top_k: Optional[int],
     top_p: Optional[float],
     gen: Union[None, torch.Generator, list[torch.Generator]],
-) -> Int[Tensor, "batch"]:
+) -> Int[Tensor, " batch"]:
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature

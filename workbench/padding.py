@@ -100,17 +100,17 @@ class TokenBatch:
         return self.tokens.device
 
     @property
-    def lengths(self) -> Int[Tensor, "batch"]:
+    def lengths(self) -> Int[Tensor, " batch"]:
         """Real tokens per row."""
         return self.attention_mask.sum(dim=1)
 
     @property
-    def last_index(self) -> Int[Tensor, "batch"]:
+    def last_index(self) -> Int[Tensor, " batch"]:
         """Column of each row's last real token: where ``logits[rows, last_index]`` predicts the next one."""
         width = self.tokens.shape[1]
         return width - 1 - self.attention_mask.flip(1).long().argmax(dim=1)
 
-    def row(self, i: int) -> Int[Tensor, "pos"]:
+    def row(self, i: int) -> Int[Tensor, " pos"]:
         """The real tokens of row ``i``, pads dropped: the prompt as it would run alone."""
         return self.tokens[i][self.attention_mask[i].bool()]
 

@@ -11,7 +11,7 @@ renormalises the stream) are refused.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import numpy as np
 import pandas as pd
@@ -24,7 +24,7 @@ from workbench.analysis.common import as_tokens, unit_label
 from workbench.utils import check_index, check_token_ids
 
 
-def _token_ids(model, name: str, value: Union[int, str, Tensor], batch: int) -> Int[Tensor, "batch"]:
+def _token_ids(model, name: str, value: Union[int, str, Tensor], batch: int) -> Int[Tensor, " batch"]:
     if isinstance(value, str):
         value = model.to_single_token(value)
     # No Python-style negatives: answer=-1 would silently pick the last vocabulary entry.
@@ -51,8 +51,8 @@ def _final_norm_linear(model, cache, components: Float[Tensor, "n batch d_model"
 def direct_logit_attribution(
     model,
     tokens: Union[str, Int[Tensor, "batch pos"]],
-    answer: Union[int, str, Int[Tensor, "batch"]],
-    wrong: Union[int, str, Int[Tensor, "batch"], None] = None,
+    answer: Union[int, str, Int[Tensor, " batch"]],
+    wrong: Union[int, str, Int[Tensor, " batch"], None] = None,
     pos: int = -1,
 ) -> pd.DataFrame:
     """DLA of logit[answer] - logit[wrong] (or logit[answer] alone) at position ``pos``

@@ -460,7 +460,7 @@ def _read_positions(model, seqs: Sequence[Tensor], hooks: Sequence[str],
     for chunk in _length_groups(seqs, batch_size):
         batch = torch.stack([seqs[i] for i in chunk]).to(model.device)
         cache: dict = {}
-        fwd = [(h, lambda act, hook: cache.__setitem__(hook.name, act.detach().float().cpu())) for h in names]
+        fwd = [(h, lambda act, hook: cache.__setitem__(hook.name, act.detach().float().cpu())) for h in names]  # noqa: B023 (called within this iteration)
         model.run_with_hooks(batch, fwd_hooks=fwd, stop_at_layer=stop, return_type=None)
         for h in hooks:
             if cache[h].ndim != 3:

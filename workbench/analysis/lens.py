@@ -20,7 +20,6 @@ from typing import Optional, Union
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -253,7 +252,7 @@ def train_tuned_lens(
             # The model is frozen, so its residual streams are computed once, not once per step.
             with torch.no_grad():
                 streams = torch.cat([residual_stack(model, chunk)[0] for chunk in data.split(64)], dim=1)
-            for step in tqdm(range(steps), disable=not progress, desc="tuned lens"):
+            for _ in tqdm(range(steps), disable=not progress, desc="tuned lens"):
                 rows = torch.randint(0, data.shape[0], (min(batch_size, data.shape[0]),), generator=gen)
                 resid = streams[:, rows.to(streams.device)]
                 with torch.no_grad():

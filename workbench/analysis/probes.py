@@ -83,7 +83,7 @@ class Probe:
             "bias": self.biases[hook], "acc": float(row.acc), "auc": float(row.auc), "model": self.model})
 
     def score(self, acts: Float[Tensor, "n width"], layer: Optional[int] = None,
-              hook: Optional[str] = None) -> Float[Tensor, "n"]:
+              hook: Optional[str] = None) -> Float[Tensor, " n"]:
         """Scores (log-odds for the logistic kind) of activations read at the probe's hook."""
         hook = self.hook_for(layer, hook)
         return acts.float().cpu() @ self.weights[hook] + self.biases[hook]

@@ -44,9 +44,9 @@ class PromptSetBatch(TokenBatch):
     (``rows``, indices into the set), their answer and wrong-answer ids (None when the set
     has none), and the corrupted prompts padded to the same width on the same side."""
 
-    rows: Optional[Int[Tensor, "batch"]] = None
-    answer: Optional[Int[Tensor, "batch"]] = None
-    wrong: Optional[Int[Tensor, "batch"]] = None
+    rows: Optional[Int[Tensor, " batch"]] = None
+    answer: Optional[Int[Tensor, " batch"]] = None
+    wrong: Optional[Int[Tensor, " batch"]] = None
     corrupted: Optional[TokenBatch] = None
 
 
@@ -161,7 +161,7 @@ class PromptSet:
         return pd.concat([pd.DataFrame({k: v for k, v in values.items() if v is not None}), self.meta], axis=1)
 
     # ---- tokens -------------------------------------------------------------------------
-    def answer_ids(self, tokenizer: Any, field: str = "answer", answer_space: bool = False) -> Int[Tensor, "n"]:
+    def answer_ids(self, tokenizer: Any, field: str = "answer", answer_space: bool = False) -> Int[Tensor, " n"]:
         """The id of every row's ``field`` ("answer" or "wrong"), each checked to be one known token."""
         if field not in ("answer", "wrong"):
             raise ValueError(f"field must be 'answer' or 'wrong', got {field!r}")

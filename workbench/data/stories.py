@@ -91,9 +91,9 @@ class PromptBatch:
     prompts: list[str]
     tokens: Int[Tensor, "batch pos"]
     corrupted: Int[Tensor, "batch pos"]
-    correct: Int[Tensor, "batch"]
-    wrong: Int[Tensor, "batch"]
-    positions: dict[str, Int[Tensor, "batch"]]
+    correct: Int[Tensor, " batch"]
+    wrong: Int[Tensor, " batch"]
+    positions: dict[str, Int[Tensor, " batch"]]
     templates: list[str]
 
 
