@@ -345,6 +345,19 @@ class HookedDecoder(HookedRootModule):
             total = total + self.blocks[layer].attn.b_O
         return total
 
+    # ---- sparse dictionaries (workbench/analysis/splice.py) ---------------------------------
+    def add_sae(self, sae: nn.Module, error_term: bool = False, hook: Optional[str] = None):
+        """Splice a dictionary in at its hook; its features appear as ``{hook}.hook_sae_acts_post``."""
+        from workbench.analysis.splice import add_sae
+
+        return add_sae(self, sae, error_term=error_term, hook=hook)
+
+    def remove_sae(self, which: Union[str, nn.Module, None] = None) -> None:
+        """Take a spliced dictionary out (by hook name or object; all of them when None)."""
+        from workbench.analysis.splice import remove_sae
+
+        remove_sae(self, which)
+
 
 def _sample(
     logits: Float[Tensor, "batch d_vocab"],
