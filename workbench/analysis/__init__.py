@@ -7,6 +7,10 @@
     patching.py     activation patching and attribution patching
     tokens.py       per-position tables of a prompt: next-token losses, residual-stream norms
     resume.py       the engine both use: replace one activation, run only what follows
+    store.py        ActivationStore: activations at hooks as sharded safetensors, resumable, streamed
+    dictionaries/   sparse dictionaries (SAEs, transcoders): architectures, trainer, SAELens format
+    splice.py       a dictionary spliced in at its hook; its features become hooks
+    features.py     per-feature tables: contexts, histograms, logit effects, DLA
 """
 
 from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep, sweep_specs
@@ -22,6 +26,15 @@ from workbench.analysis.heads import (
 from workbench.analysis.lens import TunedLens, compare_lenses, logit_lens, train_tuned_lens, tuned_lens
 from workbench.analysis.patching import PATCH_SITES, activation_patching, attribution_patching
 from workbench.analysis.tokens import residual_norms, token_losses
+from workbench.analysis.store import ActivationStore, LiveActivations, StoreError, TensorActivations
+from workbench.analysis.dictionaries import (
+    DICTIONARIES, Dictionary, DictionaryConfig, DictionaryError, SAETrainConfig, load_dictionary, save_dictionary,
+    train_sae,
+)
+from workbench.analysis.splice import add_sae, remove_sae, spliced, spliced_saes
+from workbench.analysis.features import (
+    feature_activations, feature_dla, feature_histogram, feature_logit_effects, feature_table, max_activating_contexts,
+)
 
 __all__ = [
     "AblationSpec", "ablate", "ablation_hooks", "ablation_sweep", "sweep_specs",
@@ -31,4 +44,10 @@ __all__ = [
     "TunedLens", "compare_lenses", "logit_lens", "train_tuned_lens", "tuned_lens",
     "PATCH_SITES", "activation_patching", "attribution_patching",
     "residual_norms", "token_losses",
+    "ActivationStore", "LiveActivations", "StoreError", "TensorActivations",
+    "DICTIONARIES", "Dictionary", "DictionaryConfig", "DictionaryError", "SAETrainConfig", "load_dictionary",
+    "save_dictionary", "train_sae",
+    "add_sae", "remove_sae", "spliced", "spliced_saes",
+    "feature_activations", "feature_dla", "feature_histogram", "feature_logit_effects", "feature_table",
+    "max_activating_contexts",
 ]

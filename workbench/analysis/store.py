@@ -617,7 +617,82 @@ class LiveActivations:
 
     def check_model(self, model) -> None:
         if model_fingerprint(model) != self.manifest["model"]["fingerprint"]:
-            raise StoreError("these live activations come from another model")
+            raise StoreError("these live activations come from another model than the one passed")
+
+    def heldout(self) -> "LiveActivations":
+        """The same activations over the task's validation split (the same source when it is not a task)."""
+        if self.src.task is None:
+            return self
+        rule = self.rule
+        return LiveActivations(self.model, self.src.task, self.hooks, batch_size=self.src.batch_size,
+                               seq_len=self.src.seq_len, exclude_first=rule.exclude_first,
+                               exclude_token_ids=rule.exclude_token_ids, split="val")
+
+
+class TensorActivations:
+    """Activations already in memory (``{hook: [rows, d]}``), cut into shards: a store without files.
+
+    Synthetic data, a benchmark's fixed batch, or activations from elsewhere train like a store.
+    """
+
+    def __init__(self, tensors: dict[str, Tensor], rows_per_shard: int = 65536, shards: Optional[Sequence[int]] = None):
+        lengths = {len(t) for t in tensors.values()}
+        if not tensors or len(lengths) != 1 or any(t.ndim != 2 for t in tensors.values()):
+            raise ValueError("tensors must be a non-empty {hook: [rows, d]} dict with the same rows for every hook")
+        if rows_per_shard < 1:
+            raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
+        self.tensors, self.rows_per_shard = tensors, int(rows_per_shard)
+        total = lengths.pop()
+        all_shards = list(range(math.ceil(total / self.rows_per_shard)))
+        self.shard_ids = all_shards if shards is None else [all_shards[int(i)] for i in shards]
+        self.total = total
+        self.hooks = list(tensors)
+        self.manifest = {"model": {"name": "", "fingerprint": ""}, "source": {"kind": "tensors", "rows": total},
+                         "hooks": {h: {"shape": [t.shape[1]]} for h, t in tensors.items()}}
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.shard_ids)
+
+    @property
+    def model_info(self) -> dict:
+        return dict(self.manifest["model"])
+
+    def d(self, hook: str) -> int:
+        return self.hook_shape(hook)[0]
+
+    def hook_shape(self, hook: str) -> tuple[int, ...]:
+        if hook not in self.tensors:
+            raise ValueError(f"no hook {hook!r}; these activations hold {self.hooks}")
+        return (int(self.tensors[hook].shape[1]),)
+
+    def shard_rows(self, i: int) -> int:
+        start = self.shard_ids[i] * self.rows_per_shard
+        return min(self.rows_per_shard, self.total - start)
+
+    known_rows = shard_rows
+
+    def load_shard(self, i: int, hooks: Optional[Sequence[str]] = None, with_tokens: bool = False) -> dict[str, Tensor]:
+        if with_tokens:
+            raise ValueError("in-memory activations carry no token ids")
+        start = self.shard_ids[i] * self.rows_per_shard
+        return {h: self.tensors[h][start : start + self.rows_per_shard] for h in (hooks or self.hooks)}
+
+    def subset(self, shards: Sequence[int]) -> "TensorActivations":
+        return TensorActivations(self.tensors, self.rows_per_shard, [self.shard_ids[int(i)] for i in shards])
+
+    def batches(self, batch_size: int, hooks=None, seed: int = 0, buffer_shards: int = 4, start_batch: int = 0,
+                device="cpu") -> Iterator:
+        hooks, single = _as_hooks(hooks, self)
+        return stream_batches(self, hooks, batch_size, seed, buffer_shards, start_batch, device, single)
+
+    def _single_hook(self) -> str:
+        if len(self.hooks) != 1:
+            raise ValueError(f"several hooks {self.hooks}; say which")
+        return self.hooks[0]
+
+    def check_model(self, model) -> None:
+        raise StoreError("in-memory activations record no model to check against")
 
 
 # ---- manifest files -----------------------------------------------------------------------------
