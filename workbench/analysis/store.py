@@ -433,6 +433,8 @@ class ActivationStore:
         elif out.exists() and any(out.iterdir()):
             raise StoreError(f"{out} is a non-empty folder without {MANIFEST}; choose a new or empty folder")
         out.mkdir(parents=True, exist_ok=True)
+        if manifest["tokens"] >= tokens:
+            return cls(out)  # already collected: read it, write nothing
         for stray in out.glob(".*.tmp"):
             stray.unlink()  # a shard or manifest half-written when the last run was killed
         _write_manifest(out, manifest)
@@ -746,12 +748,23 @@ def _read_manifest(path: Path) -> dict:
 
 
 def _resume_manifest(out: Path, fresh: dict) -> dict:
-    """The manifest of the interrupted (or shorter) collection in ``out``, checked against this call."""
+    """The manifest of the interrupted (or shorter) collection in ``out``, checked against this call.
+
+    Reading a finished store needs only the same model, hooks, dtype, rule and token source; adding
+    shards to it also needs the same batch size and shard size, so the next shard starts where it should.
+    """
     old = _read_manifest(out)
+    more = old["tokens"] < fresh["target_tokens"]
+    ignore = set() if more else {"batch_size"}
     for key, what in (("model", "model"), ("hooks", "hooks"), ("dtype", "dtype"), ("source", "token source"),
                       ("rule", "position rule"), ("batches_per_shard", "shard size")):
         if key == "model":
             same = old["model"].get("fingerprint") == fresh["model"]["fingerprint"]
+        elif key == "source":
+            same = ({k: v for k, v in old.get(key, {}).items() if k not in ignore}
+                    == {k: v for k, v in fresh[key].items() if k not in ignore})
+        elif key == "batches_per_shard":
+            same = not more or old.get(key) == fresh[key]
         else:
             same = old.get(key) == fresh[key]
         if not same:

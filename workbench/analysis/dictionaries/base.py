@@ -16,7 +16,7 @@ size along a unit direction and an L1 penalty on activations is the decoder-norm
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 from jaxtyping import Float
@@ -31,7 +31,7 @@ class DictionaryConfig:
     d_in: int
     d_sae: int
     d_out: int = 0  # 0: same as d_in (an SAE); a transcoder's output width otherwise
-    k: float = 0  # TopK: features per token; BatchTopK: mean features per token over a batch
+    k: Union[int, float] = 0  # TopK: features per token; BatchTopK: mean features per token over a batch
     hook_name: str = ""
     hook_name_out: str = ""  # transcoders: the hook whose value they predict
     hook_shape: tuple = ()  # the hook's trailing shape, flattened to d_in (e.g. [n_heads, d_head] for hook_z)

@@ -52,7 +52,7 @@ from workbench.analysis.dictionaries.evaluate import ce_loss_recovered, reconstr
 from workbench.analysis.dictionaries.registry import DICTIONARIES, make_dictionary
 from workbench.analysis.dictionaries.saelens import CFG_FILE, save_dictionary
 from workbench.analysis.dictionaries.topk import aux_k_loss
-from workbench.analysis.store import ActivationStore, LiveActivations
+from workbench.analysis.store import ActivationStore, LiveActivations, TensorActivations
 from workbench.training import TrainingDiverged, _restore_train_state, _train_state
 
 METRICS_FILE = "metrics.csv"
@@ -76,7 +76,7 @@ class SAETrainConfig:
 
     kind: str = _opt("topk", f"dictionary kind, one of {list(DICTIONARIES)}")
     d_sae: int = _opt(4096, "number of features")
-    k: float = _opt(32, "TopK: features per token; BatchTopK: mean features per token")
+    k: float = _opt(32.0, "TopK: features per token; BatchTopK: mean features per token")
     hook: str = _opt("", "the store hook to read (default: the store's only hook); a transcoder's input")
     hook_out: str = _opt("", "a transcoder's output hook (e.g. blocks.1.hook_mlp_out)")
     steps: int = _opt(2000, "optimizer steps in total (a resumed run continues up to this)")
@@ -111,7 +111,7 @@ class SAETrainConfig:
         if not 0 <= self.decay_fraction <= 1:
             raise ValueError(f"SAETrainConfig.decay_fraction must lie in [0, 1], got {self.decay_fraction}")
         if self.kind in ("topk", "batchtopk") and not 0 < self.k <= self.d_sae:
-            raise ValueError(f"k={self.k} must lie in (0, d_sae={self.d_sae}] for kind={self.kind!r}")
+            raise ValueError(f"k={self.k:g} must lie in (0, d_sae={self.d_sae}] for kind={self.kind!r}")
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -121,6 +121,9 @@ class SAETrainConfig:
         unknown = sorted(set(changes) - known)
         if unknown:
             raise ValueError(f"unknown SAETrainConfig field(s) {unknown}; valid fields are {sorted(known)}")
+        floats = {f.name for f in dataclasses.fields(self) if f.type in (float, "float")}
+        changes = {k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v
+                   for k, v in changes.items()}
         return dataclasses.replace(self, **changes)
 
     @property
@@ -144,10 +147,10 @@ class SAETrainConfig:
 
 
 def train_sae(
-    source: Union[ActivationStore, LiveActivations, str, Path],
+    source: Union[ActivationStore, LiveActivations, TensorActivations, str, Path],
     kind: Optional[str] = None,
     d_sae: Optional[int] = None,
-    k: Optional[float] = None,
+    k: Union[int, float, None] = None,
     steps: Optional[int] = None,
     out: Union[str, Path, None] = None,
     *,
@@ -173,13 +176,22 @@ def train_sae(
     if model is not None:
         source.check_model(model)
     hooks = _hooks(config, source)
+    out = _check_out(out, resume)
     dist_info, device = distributed.setup(config.device)
+    threads = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)
+    try:
+        return _train(source, config, hooks, dist_info, device, out, model, resume, progress, callback)
+    finally:
+        torch.set_num_threads(threads)  # the setting lasts for this call only
+
+
+def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, out, model, resume: bool,
+           progress: bool, callback) -> Dictionary:
     micro = config.batch_size // dist_info.world_size
     if micro * dist_info.world_size != config.batch_size:
         raise ValueError(f"batch_size={config.batch_size} must be divisible by the {dist_info.world_size} processes")
-    out = _check_out(out, resume)
     train_src, eval_src, held_out = _split(source)
 
     d_in, d_out = source.d(hooks[0]), source.d(hooks[-1])
