@@ -488,6 +488,9 @@ def _collect_shard(model, src: TokenSource, hooks, rule, dtype, out: Path, k: in
     name = _SHARD.format(k)
     tmp = out / f".{name}.tmp"
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "shard": str(k)})
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o666 & ~umask)  # safetensors writes 0600; a store is ordinary shared data
     os.replace(tmp, out / name)
     return {"file": name, "rows": n_rows, "sequences": n_seq, "first_batch": first,
             "bytes": (out / name).stat().st_size, "sha256": _sha256(out / name)}

@@ -177,6 +177,9 @@ def _load_state(sae: Dictionary, state: dict, raw: dict, path: Path) -> None:
 def _atomic(target: Path, write) -> None:
     tmp = target.parent / f".{target.name}.tmp"
     write(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o666 & ~umask)  # ordinary shared data, like checkpoints (safetensors writes 0600)
     os.replace(tmp, target)
 
 
