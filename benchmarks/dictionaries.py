@@ -88,9 +88,10 @@ def plain_topk_loop(x: torch.Tensor, d_sae: int, k: int, batch: int, steps: int,
 def ours_topk(x: torch.Tensor, d_sae: int, k: int, batch: int, steps: int, lr: float) -> float:
     """``train_sae`` on the same rows; rows/s from its own log (setup and final evaluation excluded)."""
     source = an.TensorActivations({"x": x}, rows_per_shard=len(x) // 4)
-    sae = an.train_sae(source, kind="topk", d_sae=d_sae, k=k, steps=steps + 1, batch_size=batch, lr=lr,
-                       warmup_steps=0, log_every=1, eval_rows=batch, progress=False, buffer_shards=2)
-    rates = sae.history["tokens_per_s"].tolist()[1:]
+    window = max(1, steps // 3)  # logged every `window` steps, as a run would (a row costs a few reductions)
+    sae = an.train_sae(source, kind="topk", d_sae=d_sae, k=k, steps=window * 4, batch_size=batch, lr=lr,
+                       warmup_steps=0, log_every=window, eval_rows=batch, progress=False, buffer_shards=2)
+    rates = sae.history["tokens_per_s"].tolist()[1:]  # the first window includes the warm-up step
     return len(rates) / sum(1 / r for r in rates)  # rows over total time, not a mean of rates
 
 

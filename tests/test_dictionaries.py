@@ -105,6 +105,27 @@ def test_each_kind_recovers_planted_features(kind):
         assert m["l0"] == pytest.approx(2, abs=0.3)
 
 
+@pytest.mark.parametrize("kind", ["topk", "batchtopk"])
+def test_sparse_training_path_equals_the_dense_one(kind):
+    """TopK-style training decodes only the kept entries (embedding_bag); same values and gradients."""
+    x = torch.randn(16, 32)
+    results = []
+    for sparse in (False, True):
+        sae = random_dictionary(kind)
+        pre = sae.pre_acts(x)
+        if sparse:
+            acts = sae.train_encode(pre)
+            torch.testing.assert_close(acts.dense(64), sae.train_activate(pre))
+            out = sae.train_decode(acts, x)
+        else:
+            out = sae.decode(sae.train_activate(pre), x)
+        (out.pow(2).sum() + out.sum()).backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in sae.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 # ---- SAELens format ----------------------------------------------------------------------------
 # SAELens 6.x SAEConfig.to_dict(): the base fields, "metadata", "architecture", plus each architecture's own.
 SAELENS_BASE_KEYS = {"d_in", "d_sae", "dtype", "device", "apply_b_dec_to_input", "normalize_activations",

@@ -11,6 +11,8 @@ JumpReLU, ``W_skip`` [d_out, d_in] for skip-transcoders), so ``saelens.py`` writ
 Training keeps every decoder row at unit norm (the gradient's component along a row is
 removed before the step and the row renormalised after it), so a feature's activation is its
 size along a unit direction and an L1 penalty on activations is the decoder-norm-weighted one.
+TopK-style dictionaries train on their kept entries only (``SparseActs``, decoded with
+``embedding_bag``): k rows of ``W_dec`` per token instead of a dense ``[rows, d_sae] @ W_dec``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,33 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
+
+
+@dataclass
+class SparseActs:
+    """Activations kept as bags: row ``r``'s features are ``indices[offsets[r]:offsets[r + 1]]``."""
+
+    values: Tensor  # [n] activations (differentiable)
+    indices: Tensor  # [n] feature ids
+    offsets: Tensor  # [rows] where each row's bag starts
+    rows: int
+
+    def dense(self, d_sae: int) -> Tensor:
+        counts = torch.diff(self.offsets, append=self.offsets.new_tensor([len(self.values)]))
+        row_ids = torch.repeat_interleave(torch.arange(self.rows, device=self.values.device), counts)
+        out = self.values.new_zeros(self.rows, d_sae)
+        return out.index_put((row_ids, self.indices), self.values)
+
+    def fired(self, d_sae: int) -> Tensor:
+        """[d_sae] bool: which features fired in any row."""
+        return torch.bincount(self.indices[self.values > 0], minlength=d_sae) > 0
+
+    def active(self) -> Tensor:
+        """How many (row, feature) activations are positive."""
+        return (self.values > 0).sum()
 
 
 @dataclass(frozen=True)
@@ -115,6 +142,16 @@ class Dictionary(nn.Module):
         """The activation used while training (BatchTopK and JumpReLU differ from inference)."""
         return self.activate(pre)
 
+    def train_encode(self, pre: Tensor) -> Union[Tensor, SparseActs]:
+        """What training decodes: dense activations, or (TopK-style) only the kept entries."""
+        return self.train_activate(pre)
+
+    def train_decode(self, acts: Union[Tensor, SparseActs], x: Tensor) -> Tensor:
+        if isinstance(acts, SparseActs):
+            return F.embedding_bag(acts.indices, self.W_dec, acts.offsets, mode="sum",
+                                   per_sample_weights=acts.values) + self.b_dec
+        return self.decode(acts, x)
+
     def encode(self, x: Float[Tensor, "*rows d_in"]) -> Float[Tensor, "*rows d_sae"]:
         return self.activate(self.pre_acts(x))
 
@@ -126,12 +163,12 @@ class Dictionary(nn.Module):
         return self.decode(self.encode(x), x)
 
     # ---- training terms (the trainer adds the reconstruction error) -------------------------------
-    def sparsity_loss(self, acts: Tensor, pre: Tensor, coefficient: float) -> dict[str, Tensor]:
+    def sparsity_loss(self, acts: Union[Tensor, SparseActs], pre: Tensor, coefficient: float) -> dict[str, Tensor]:
         """Architecture-specific sparsity penalties (none for TopK-style dictionaries)."""
         return {}
 
     @torch.no_grad()
-    def after_batch(self, acts: Tensor) -> None:
+    def after_batch(self, acts: Union[Tensor, SparseActs]) -> None:
         """Bookkeeping after a training forward (BatchTopK's running threshold)."""
 
     # ---- decoder norms --------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
+from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig, SparseActs
 
 THRESHOLD_LR = 0.01  # SAELens' topk_threshold_lr: the running threshold's EMA rate
 
@@ -38,8 +38,18 @@ class BatchTopKSAE(Dictionary):
         values, indices = flat.topk(keep, sorted=False)
         return torch.zeros_like(flat).scatter_(-1, indices, values).view_as(acts)
 
+    def train_encode(self, pre: Tensor) -> SparseActs:
+        rows, d_sae = pre.shape
+        flat = pre.relu().flatten()
+        values, where = flat.topk(min(flat.numel(), max(1, round(self.cfg.k * rows))), sorted=False)
+        where, order = where.sort()  # grouped by row, for the bags
+        row_ids = where // d_sae
+        counts = torch.bincount(row_ids, minlength=rows)
+        return SparseActs(values[order], where % d_sae, torch.cumsum(counts, 0) - counts, rows)
+
     @torch.no_grad()
-    def after_batch(self, acts: Tensor) -> None:
+    def after_batch(self, acts) -> None:
+        acts = acts.values if isinstance(acts, SparseActs) else acts
         positive = acts[acts > 0]
         if positive.numel():
             self.threshold.mul_(1 - THRESHOLD_LR).add_(THRESHOLD_LR * positive.min())

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
+import torch.nn.functional as F
+
+from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig, SparseActs
 
 
 class TopKSAE(Dictionary):
@@ -26,6 +28,12 @@ class TopKSAE(Dictionary):
         values, indices = pre.topk(int(self.cfg.k), dim=-1, sorted=False)
         return torch.zeros_like(pre).scatter_(-1, indices, values.relu())
 
+    def train_encode(self, pre: Tensor) -> SparseActs:
+        k = int(self.cfg.k)
+        values, indices = pre.topk(k, dim=-1, sorted=False)
+        offsets = torch.arange(0, pre.shape[0] * k, k, device=pre.device)
+        return SparseActs(values.relu().flatten(), indices.flatten(), offsets, pre.shape[0])
+
 
 def aux_k_loss(sae: Dictionary, pre: Tensor, residual: Tensor, dead: Tensor) -> Tensor:
     """How well the ``k_aux = d_out // 2`` most active dead features reconstruct ``residual`` (no bias).
@@ -38,6 +46,8 @@ def aux_k_loss(sae: Dictionary, pre: Tensor, residual: Tensor, dead: Tensor) -> 
     k_aux = max(1, sae.cfg.d_out // 2)
     scale = min(n_dead / k_aux, 1.0)
     masked = torch.where(dead, pre, torch.full_like(pre, float("-inf")))
-    values, indices = masked.topk(min(k_aux, n_dead), dim=-1, sorted=False)
-    acts = torch.zeros_like(pre).scatter_(-1, indices, values.relu())
-    return scale * ((acts @ sae.W_dec) - residual.detach()).pow(2).sum(-1).mean()
+    k = min(k_aux, n_dead)
+    values, indices = masked.topk(k, dim=-1, sorted=False)
+    offsets = torch.arange(0, pre.shape[0] * k, k, device=pre.device)
+    recons = F.embedding_bag(indices.flatten(), sae.W_dec, offsets, mode="sum", per_sample_weights=values.relu().flatten())
+    return scale * (recons - residual.detach()).pow(2).sum(-1).mean()

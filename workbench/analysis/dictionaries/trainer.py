@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from workbench import distributed
-from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
+from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig, SparseActs
 from workbench.analysis.dictionaries.evaluate import ce_loss_recovered, reconstruction_metrics
 from workbench.analysis.dictionaries.registry import DICTIONARIES, make_dictionary
 from workbench.analysis.dictionaries.saelens import CFG_FILE, save_dictionary
@@ -256,50 +256,21 @@ def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, 
             lr = config.lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            pre = sae.pre_acts(x)
-            acts = sae.train_activate(pre)
-            recons = sae.decode(acts, x)
-            mse = (recons - y).pow(2).sum(-1).mean()
-            sparsity = sum(sae.sparsity_loss(acts, pre, config.sparsity_at(step)).values(), mse.new_zeros(()))
-            dead = since_fired >= dead_after
-            aux = (config.aux_k_coefficient * aux_k_loss(sae, pre, y - recons, dead)
-                   if config.kind in AUX_K_KINDS and config.aux_k_coefficient else mse.new_zeros(()))
-            loss = mse + sparsity + aux
-            loss_value = float(distributed.all_reduce_mean(loss.detach(), dist_info))
+            terms = _losses(sae, x, y, config, step, since_fired >= dead_after)
+            loss_value = float(distributed.all_reduce_mean(terms["loss"].detach(), dist_info))
             if not math.isfinite(loss_value):
                 where = f"the last saved state is in {out} (step {last_saved})" if last_saved is not None else "nothing had been saved yet"
                 raise TrainingDiverged(f"dictionary training stopped at step {step}: the loss is {loss_value} (not finite). "
                                        f"The weights were not updated and {where}. Lower the learning rate "
                                        f"(now {config.peak_lr:g}) or check the activations for inf/NaN.")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if dist_info.enabled:
-                for p in sae.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-                        p.grad /= dist_info.world_size
-            sae.remove_parallel_grads()
-            optimizer.step()
-            sae.normalize_decoder()
-            with torch.no_grad():
-                fired = (acts > 0).any(0).to(torch.float64)
-                if dist_info.enabled:
-                    dist.all_reduce(fired, op=dist.ReduceOp.MAX)
-                since_fired.add_(config.batch_size).mul_(1 - fired)
-                sae.after_batch(acts)
-                if dist_info.enabled and hasattr(sae, "threshold") and not isinstance(sae.threshold, torch.nn.Parameter):
-                    dist.all_reduce(sae.threshold)
-                    sae.threshold /= dist_info.world_size
+            _optimize(sae, optimizer, terms["loss"], dist_info)
+            _count_firing(sae, terms["acts"], since_fired, config.batch_size, dist_info)
             step += 1
             window_rows += config.batch_size
             if step % config.log_every == 0 or step == config.steps:
-                with torch.no_grad():
-                    sst = (y - y.mean(0)).pow(2).sum()
-                    row = {"step": step, "loss": loss_value, "mse": float(mse), "sparsity_loss": float(sparsity),
-                           "aux_loss": float(aux), "l0": float((acts > 0).sum(-1).float().mean()),
-                           "explained_variance": float(1 - (recons - y).pow(2).sum() / sst.clamp_min(1e-12)),
-                           "dead_fraction": float((since_fired >= dead_after).double().mean()), "lr": lr,
-                           "tokens_per_s": window_rows / max(time.perf_counter() - window_start, 1e-9)}
+                row = {"step": step, "loss": loss_value, **_batch_stats(terms, y), "lr": lr,
+                       "dead_fraction": float((since_fired >= dead_after).double().mean()),
+                       "tokens_per_s": window_rows / max(time.perf_counter() - window_start, 1e-9)}
                 history.append(row)
                 bar.set_postfix(mse=f"{row['mse']:.3f}", l0=f"{row['l0']:.1f}", ev=f"{row['explained_variance']:.3f}")
                 if callback is not None and dist_info.is_main and callback(dict(row)) is True:
@@ -331,6 +302,63 @@ def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, 
     distributed.barrier(dist_info)
     final.history = pd.DataFrame(history, columns=METRIC_COLUMNS)
     return final
+
+
+# ---- one step, in named parts -------------------------------------------------------------------
+def _losses(sae: Dictionary, x: torch.Tensor, y: torch.Tensor, config: SAETrainConfig, step: int,
+            dead: torch.Tensor) -> dict:
+    """Reconstruction, sparsity and AuxK terms of one batch (``x`` and ``y`` already scaled)."""
+    pre = sae.pre_acts(x)
+    acts = sae.train_encode(pre)
+    recons = sae.train_decode(acts, x)
+    mse = (recons - y).pow(2).sum(-1).mean()
+    sparsity = sum(sae.sparsity_loss(acts, pre, config.sparsity_at(step)).values(), mse.new_zeros(()))
+    aux = mse.new_zeros(())
+    if config.kind in AUX_K_KINDS and config.aux_k_coefficient:
+        aux = config.aux_k_coefficient * aux_k_loss(sae, pre, y - recons, dead)
+    return {"loss": mse + sparsity + aux, "mse": mse, "sparsity_loss": sparsity, "aux_loss": aux, "acts": acts,
+            "recons": recons, "rows": len(x)}
+
+
+def _optimize(sae: Dictionary, optimizer, loss: torch.Tensor, dist_info) -> None:
+    """Backward, average gradients over processes, keep decoder rows unit norm around the Adam step."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if dist_info.enabled:
+        for p in sae.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist_info.world_size
+    sae.remove_parallel_grads()
+    optimizer.step()
+    sae.normalize_decoder()
+
+
+@torch.no_grad()
+def _count_firing(sae: Dictionary, acts, since_fired: torch.Tensor, batch_size: int, dist_info) -> None:
+    """Tokens since each feature last fired (any process), and BatchTopK's running threshold."""
+    if isinstance(acts, SparseActs):
+        fired = acts.fired(sae.cfg.d_sae).to(torch.float64)
+    else:
+        fired = (acts > 0).any(0).to(torch.float64)
+    if dist_info.enabled:
+        dist.all_reduce(fired, op=dist.ReduceOp.MAX)
+    since_fired.add_(batch_size).mul_(1 - fired)
+    sae.after_batch(acts)
+    if dist_info.enabled and isinstance(getattr(sae, "threshold", None), torch.Tensor) \
+            and not isinstance(sae.threshold, torch.nn.Parameter):
+        dist.all_reduce(sae.threshold)
+        sae.threshold /= dist_info.world_size
+
+
+@torch.no_grad()
+def _batch_stats(terms: dict, y: torch.Tensor) -> dict:
+    acts, recons = terms["acts"], terms["recons"]
+    active = acts.active() if isinstance(acts, SparseActs) else (acts > 0).sum()
+    sst = (y - y.mean(0)).pow(2).sum().clamp_min(1e-12)
+    return {"mse": float(terms["mse"]), "sparsity_loss": float(terms["sparsity_loss"]),
+            "aux_loss": float(terms["aux_loss"]), "l0": float(active) / terms["rows"],
+            "explained_variance": float(1 - (recons - y).pow(2).sum() / sst)}
 
 
 # ---- pieces ----------------------------------------------------------------------------------
