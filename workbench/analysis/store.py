@@ -523,7 +523,7 @@ def stream_batches(source, hooks: list[str], batch_size: int, seed: int, buffer_
             skip -= sum(known) // batch_size  # skipped without reading a byte
             continue
         parts = [source.load_shard(i, hooks) for i in group]
-        data = [torch.cat([p[h] for p in parts]) for h in hooks]
+        data = [parts[0][h] if len(parts) == 1 else torch.cat([p[h] for p in parts]) for h in hooks]
         rows = len(data[0])
         n_batches = rows // batch_size
         if skip >= n_batches:
@@ -533,7 +533,8 @@ def stream_batches(source, hooks: list[str], batch_size: int, seed: int, buffer_
         order = torch.randperm(rows, generator=gen)
         for b in range(skip, n_batches):
             idx = order[b * batch_size : (b + 1) * batch_size]
-            out = tuple(d[idx].to(device=device, dtype=torch.float32, non_blocking=True) for d in data)
+            # index_select gathers rows about 2-5x faster than d[idx] on CPU
+            out = tuple(d.index_select(0, idx).to(device=device, dtype=torch.float32, non_blocking=True) for d in data)
             yield out[0] if single else out
         skip = 0
 
