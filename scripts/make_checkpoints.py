@@ -11,7 +11,8 @@ The shipped directories keep the weights, config, tokenizer, meta.json (final me
 and metrics.csv, but not the optimizer state, which would triple their size.
 After training, each recipe's acceptance check is printed and must pass. The story models
 then get their tuned lens (experiments/lens_comparison.py, 300 steps), which a rebuild would
-otherwise delete along with the old directory.
+otherwise delete along with the old directory; stories-2026 also gets its sparse dictionary
+again (scripts/make_dictionaries.py, in saes/).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ RECIPES = {
         check=lambda m: m["ioi_accuracy"] >= 0.8 and m["ioi_logit_diff"] >= 1.0,
         shows="the 2026 block on the stories grammar",
         tuned_lens=True,
+        dictionaries=True,  # scripts/make_dictionaries.py: its shipped sparse dictionary, in saes/
     ),
 }
 
@@ -82,6 +84,9 @@ def build(name: str, out_root: Path) -> dict:
         lens_script = Path(__file__).resolve().parents[1] / "experiments" / "lens_comparison.py"
         subprocess.run([sys.executable, str(lens_script), "--checkpoints", str((out_root / name).resolve()),
                         "--steps", "300"], check=True)
+    if recipe.get("dictionaries"):
+        dict_script = Path(__file__).resolve().parent / "make_dictionaries.py"
+        subprocess.run([sys.executable, str(dict_script), "--checkpoints", str(out_root.resolve())], check=True)
     return {"name": name, "ok": ok, "minutes": minutes, "size_mb": size_mb, **result.metrics}
 
 

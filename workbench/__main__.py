@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls = subparsers.add_parser("tasks", help="list the tasks and what each measures")
     ls.set_defaults(func=cmd_tasks)
 
+    from workbench.analysis.dictionaries import cli as dictionaries_cli
+
+    dictionaries_cli.register(subparsers)
     try:
         from workbench.interop import cli as interop_cli
 

@@ -523,6 +523,23 @@ class HookedDecoder(HookedRootModule):
             total = total + self.blocks[layer].attn.b_O
         return total
 
+    # ---- sparse dictionaries (workbench/analysis/splice.py) ---------------------------------
+    # The dictionary does the splicing (``Dictionary.splice``): the model layer never imports analysis.
+    def add_sae(self, sae: nn.Module, error_term: bool = False, hook: Optional[str] = None):
+        """Splice a dictionary in at its hook; its features appear as ``{hook}.hook_sae_acts_post``."""
+        if not callable(getattr(sae, "splice", None)):
+            raise ValueError(f"add_sae needs a workbench dictionary (workbench.analysis.Dictionary), "
+                             f"got {type(sae).__name__}")
+        return sae.splice(self, error_term=error_term, hook=hook)
+
+    def remove_sae(self, which: Union[str, nn.Module, None] = None) -> None:
+        """Take a spliced dictionary out (by hook name or object; all of them when None)."""
+        entries = list(getattr(self, "_sae_splices", {}).values())
+        if entries:
+            entries[0]["point"].sae.unsplice(self, which)
+        elif which is not None:
+            raise ValueError(f"no dictionary is spliced in at {which!r}; spliced: none")
+
 
 def _generators(
     seed: Optional[Union[int, Sequence[int]]], batch: int, device: torch.device

@@ -296,3 +296,79 @@ def side_by_side(left: go.Figure, right: go.Figure, titles: Optional[tuple[str, 
     named = any(trace.name for trace in fig.data)
     fig.update_layout(template=_template(theme), showlegend=named)
     return fig
+
+
+# ---- sparse dictionary features (tables from workbench.analysis.features) -----------------------
+def feature_contexts_figure(contexts: pd.DataFrame, theme: str = "light") -> go.Figure:
+    """Max-activating contexts, one row each: every token coloured by the feature's activation there.
+
+    Takes ``max_activating_contexts``' table; the activating token is in ``[[ ]]``.
+    """
+    for column in ("context_tokens", "context_acts", "context_max", "activation"):
+        if column not in contexts:
+            raise ValueError(f"the table has no column {column!r}; pass max_activating_contexts' table")
+    if contexts.empty:
+        raise ValueError("no contexts: the feature never fired on these tokens")
+    width = max(len(t) for t in contexts["context_tokens"])
+    z = np.full((len(contexts), width), np.nan)
+    text = np.full((len(contexts), width), "", dtype=object)
+    for r, (tokens, acts, at) in enumerate(zip(contexts["context_tokens"], contexts["context_acts"], contexts["context_max"])):
+        z[r, : len(acts)] = acts
+        text[r, : len(tokens)] = [f"[[{t.strip()}]]" if i == at else t.strip() for i, t in enumerate(tokens)]
+    labels = [f"#{rank} {act:.2f}" for rank, act in zip(contexts["rank"], contexts["activation"])]
+    fig = go.Figure(go.Heatmap(
+        z=z, text=text, texttemplate="%{text}", x=list(range(width)), y=labels, colorscale="Oranges", zmin=0,
+        hovertemplate="%{text}<br>activation %{z:.3f}<extra></extra>", colorbar=dict(title="activation"),
+    ))
+    feature = contexts["feature"].iloc[0] if "feature" in contexts else ""
+    fig.update_layout(title=f"Feature {feature}: max-activating contexts", template=_template(theme),
+                      height=max(250, 32 * len(contexts) + 120))
+    fig.update_xaxes(showticklabels=False)
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def feature_histogram_figure(histogram: pd.DataFrame, theme: str = "light") -> go.Figure:
+    """The activation histogram of one feature (``feature_histogram``'s table), its density in the title."""
+    for column in ("bin_left", "bin_right", "count", "density"):
+        if column not in histogram:
+            raise ValueError(f"the table has no column {column!r}; pass feature_histogram's table")
+    centers = (histogram["bin_left"] + histogram["bin_right"]) / 2
+    fig = go.Figure(go.Bar(x=centers, y=histogram["count"], width=histogram["bin_right"] - histogram["bin_left"],
+                           marker_color=POSITIVE, hovertemplate="activation %{x:.3f}<br>count %{y}<extra></extra>"))
+    feature = histogram["feature"].iloc[0] if "feature" in histogram else ""
+    fig.update_layout(title=f"Feature {feature}: activations when firing (density {histogram['density'].iloc[0]:.2%})",
+                      xaxis_title="activation", yaxis_title="positions", template=_template(theme), bargap=0.02)
+    return fig
+
+
+def feature_logits_figure(effects: pd.DataFrame, theme: str = "light") -> go.Figure:
+    """Top and bottom logit effects of one feature (``feature_logit_effects``' table) as horizontal bars."""
+    for column in ("direction", "token", "effect"):
+        if column not in effects:
+            raise ValueError(f"the table has no column {column!r}; pass feature_logit_effects' table")
+    top = effects[effects["direction"] == "top"].sort_values("effect")
+    bottom = effects[effects["direction"] == "bottom"].sort_values("effect", ascending=False)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("suppressed", "promoted"), horizontal_spacing=0.2)
+    fig.add_trace(go.Bar(x=bottom["effect"], y=unique_labels(bottom["token"].tolist()), orientation="h",
+                         marker_color=NEGATIVE, hovertemplate="%{y}: %{x:.3f}<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Bar(x=top["effect"], y=unique_labels(top["token"].tolist()), orientation="h",
+                         marker_color=POSITIVE, hovertemplate="%{y}: %{x:.3f}<extra></extra>"), row=1, col=2)
+    feature = effects["feature"].iloc[0] if "feature" in effects and len(effects) else ""
+    fig.update_layout(title=f"Feature {feature}: logit effects (decoder direction through W_U)", showlegend=False,
+                      template=_template(theme))
+    return fig
+
+
+def feature_density_figure(table: pd.DataFrame, theme: str = "light") -> go.Figure:
+    """How often the features fire: a histogram of log10 density over ``feature_table``'s rows (dead ones counted apart)."""
+    if "density" not in table:
+        raise ValueError(f"the table has no column 'density'; it has {list(table.columns)}")
+    density = table["density"].to_numpy(dtype=float)
+    alive = density[density > 0]
+    fig = go.Figure(go.Histogram(x=np.log10(alive), nbinsx=40, marker_color=POSITIVE,
+                                 hovertemplate="log10 density %{x}<br>features %{y}<extra></extra>"))
+    fig.update_layout(title=f"Feature density ({len(density) - len(alive)} of {len(density)} never fired)",
+                      xaxis_title="log10(fraction of tokens where the feature fires)", yaxis_title="features",
+                      template=_template(theme))
+    return fig

@@ -12,6 +12,10 @@
     common.py       token and unit labels (L1H4), metrics, argument checks
     directions.py   Direction (a vector at a hook), steering_vector, steering hooks, project
     probes.py       train_probe: a linear probe per layer, accuracy and AUC with intervals
+    store.py        ActivationStore: activations at hooks as sharded safetensors, resumable, streamed
+    dictionaries/   sparse dictionaries (SAEs, transcoders): architectures, trainer, SAELens format
+    splice.py       a dictionary spliced in at its hook; its features become hooks
+    features.py     per-feature tables: contexts, histograms, logit effects, DLA
 """
 
 from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep, sweep_specs
@@ -49,6 +53,15 @@ from workbench.analysis.directions import (
     steering_vector,
 )
 from workbench.analysis.probes import Probe, auc, fit_probe, train_probe
+from workbench.analysis.store import ActivationStore, LiveActivations, StoreError, TensorActivations
+from workbench.analysis.dictionaries import (
+    DICTIONARIES, Dictionary, DictionaryConfig, DictionaryError, SAETrainConfig, load_dictionary, save_dictionary,
+    train_sae,
+)
+from workbench.analysis.splice import add_sae, remove_sae, spliced, spliced_saes
+from workbench.analysis.features import (
+    feature_activations, feature_dla, feature_histogram, feature_logit_effects, feature_table, max_activating_contexts,
+)
 
 __all__ = [
     "AblationSpec", "ablate", "ablation_hooks", "ablation_sweep", "sweep_specs",
@@ -63,4 +76,10 @@ __all__ = [
     "Direction", "model_fingerprint", "project", "read_activations", "steered_generate", "steering_hooks",
     "steering_sweep", "steering_vector",
     "Probe", "auc", "fit_probe", "train_probe",
+    "ActivationStore", "LiveActivations", "StoreError", "TensorActivations",
+    "DICTIONARIES", "Dictionary", "DictionaryConfig", "DictionaryError", "SAETrainConfig", "load_dictionary",
+    "save_dictionary", "train_sae",
+    "add_sae", "remove_sae", "spliced", "spliced_saes",
+    "feature_activations", "feature_dla", "feature_histogram", "feature_logit_effects", "feature_table",
+    "max_activating_contexts",
 ]

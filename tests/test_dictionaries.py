@@ -1,0 +1,528 @@
+"""Sparse dictionaries: every kind recovers planted features; SAELens' on-disk schema both ways;
+splicing with the error term changes nothing; the trainer's run folder, resume and NaN stop;
+feature tables against brute force; the train-sae command; every bad input."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from factories import tiny
+from safetensors.torch import load_file, save_file
+
+import workbench as wb
+from workbench import analysis as an
+from workbench import viz
+from workbench.analysis.dictionaries import (
+    DICTIONARIES,
+    DictionaryConfig,
+    DictionaryError,
+    load_dictionary,
+    make_dictionary,
+    save_dictionary,
+    train_sae,
+)
+from workbench.analysis.store import ActivationStore, StoreError, TensorActivations
+from workbench.data import get_task
+from workbench.training import TrainingDiverged
+
+ROOT = Path(__file__).resolve().parents[1]
+TRANSCODERS = ("transcoder", "skip_transcoder")
+SAE_HOOK = "blocks.0.hook_resid_post"
+TC_IN, TC_OUT = "blocks.1.ln2.hook_normalized", "blocks.1.hook_mlp_out"
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return wb.HookedDecoder(tiny(d_vocab=40)).eval()
+
+
+def random_dictionary(kind, d_in=32, d_sae=64, hook=SAE_HOOK, seed=0, **cfg):
+    tc = kind in TRANSCODERS
+    config = DictionaryConfig(kind=kind, d_in=d_in, d_sae=d_sae, k=4, hook_name=TC_IN if tc else hook,
+                              hook_name_out=TC_OUT if tc else "", **cfg)
+    sae = make_dictionary(config)
+    sae.init_weights(torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        sae.b_enc.copy_(torch.randn(d_sae, generator=g) * 0.1)
+        sae.b_dec.copy_(torch.randn(sae.cfg.d_out, generator=g) * 0.1)
+        if hasattr(sae, "threshold"):
+            sae.threshold.copy_(torch.rand(d_sae, generator=g) * 0.3)
+        if hasattr(sae, "W_skip"):
+            sae.W_skip.copy_(torch.randn(sae.W_skip.shape, generator=g) * 0.1)
+    return sae
+
+
+# ---- planted features ------------------------------------------------------------------------
+def planted(kind, n=8192):
+    """Sparse data made of known directions. SAEs: 24 features in 16 dimensions (superposition).
+    Transcoders: signed features in, |magnitude| out along other directions (no linear map fits it),
+    plus a dense linear part for the skip path."""
+    g = torch.Generator().manual_seed(0)
+    tc = kind in TRANSCODERS
+    n_feat, d = (16, 16) if tc else (24, 16)
+    F = torch.randn(n_feat, d, generator=g)
+    F = torch.linalg.qr(F.T).Q.T if tc else F / F.norm(dim=1, keepdim=True)
+    mags = (0.5 + torch.rand(n, n_feat, generator=g)) * (torch.rand(n, n_feat, generator=g) < 2 / n_feat)
+    if tc:
+        mags = mags * (torch.randint(0, 2, mags.shape, generator=g) * 2 - 1)
+    data = {"x": mags @ F + 0.2}
+    G = None
+    if tc:
+        G = torch.randn(n_feat, 12, generator=g)
+        G = G / G.norm(dim=1, keepdim=True)
+        data["y"] = mags.abs() @ G + (data["x"] @ (torch.randn(d, 12, generator=g) / 4) if kind == "skip_transcoder" else 0)
+    return data, F, G
+
+
+def best_cosine(W, F):
+    return (F @ (W / W.norm(dim=1, keepdim=True)).T).max(1).values
+
+
+@pytest.mark.parametrize("kind", list(DICTIONARIES))
+def test_each_kind_recovers_planted_features(kind):
+    data, F, G = planted(kind)
+    tc = kind in TRANSCODERS
+    sae = train_sae(TensorActivations(data, rows_per_shard=4096), kind=kind, d_sae=48, k=2,
+                    steps=600 if tc else 400, batch_size=256, lr=1e-2, warmup_steps=10, progress=False, threads=1,
+                    **(dict(hook="x", hook_out="y") if tc else {}))
+    decoder = best_cosine(sae.W_dec.detach(), G if tc else F)
+    assert (decoder > 0.9).float().mean() >= 0.8, decoder
+    if tc:
+        encoder = best_cosine(sae.W_enc.detach().T, F)
+        assert (encoder > 0.9).float().mean() >= 0.5, encoder
+    m = sae.metrics
+    assert m["explained_variance"] > 0.8 and 0 < m["l0"] < 12
+    if kind in ("topk", "batchtopk"):
+        assert m["l0"] == pytest.approx(2, abs=0.3)
+
+
+@pytest.mark.parametrize("kind", ["topk", "batchtopk"])
+def test_sparse_training_path_equals_the_dense_one(kind):
+    """TopK-style training decodes only the kept entries (embedding_bag); same values and gradients."""
+    x = torch.randn(16, 32)
+    results = []
+    for sparse in (False, True):
+        sae = random_dictionary(kind)
+        pre = sae.pre_acts(x)
+        if sparse:
+            acts = sae.train_encode(pre)
+            torch.testing.assert_close(acts.dense(64), sae.train_activate(pre))
+            out = sae.train_decode(acts, x)
+        else:
+            out = sae.decode(sae.train_activate(pre), x)
+        (out.pow(2).sum() + out.sum()).backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in sae.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---- SAELens format ----------------------------------------------------------------------------
+# SAELens 6.x SAEConfig.to_dict(): the base fields, "metadata", "architecture", plus each architecture's own.
+SAELENS_BASE_KEYS = {"d_in", "d_sae", "dtype", "device", "apply_b_dec_to_input", "normalize_activations",
+                     "reshape_activations", "metadata", "architecture"}
+SAELENS_EXTRA_KEYS = {"standard": set(), "jumprelu": set(), "topk": {"k", "rescale_acts_by_decoder_norm"},
+                      "transcoder": {"d_out"}, "skip_transcoder": {"d_out"}}
+SAELENS_WEIGHTS = {"standard": {"W_enc", "b_enc", "W_dec", "b_dec"}, "topk": {"W_enc", "b_enc", "W_dec", "b_dec"},
+                   "jumprelu": {"W_enc", "b_enc", "W_dec", "b_dec", "threshold"},
+                   "transcoder": {"W_enc", "b_enc", "W_dec", "b_dec"},
+                   "skip_transcoder": {"W_enc", "b_enc", "W_dec", "b_dec", "W_skip"}}
+
+
+def saelens_reference(folder: Path, x: torch.Tensor) -> torch.Tensor:
+    """SAELens' inference forward, written from its source, reading only cfg.json and the weights."""
+    cfg = json.loads((folder / "cfg.json").read_text())
+    w = load_file(str(folder / "sae_weights.safetensors"))
+    arch = cfg["architecture"]
+    W_enc, b_enc, W_dec, b_dec = w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"]
+    sae_in = x - b_dec * cfg.get("apply_b_dec_to_input", True) if arch not in ("transcoder", "skip_transcoder") else x
+    pre = sae_in @ W_enc + b_enc
+    if arch == "topk":
+        if cfg.get("rescale_acts_by_decoder_norm"):
+            pre = pre * W_dec.norm(dim=-1)
+        k = cfg["k"] if "k" in cfg else cfg["activation_fn_kwargs"]["k"]  # pre-6.0 files keep k there
+        values, indices = pre.topk(k, dim=-1)
+        acts = torch.zeros_like(pre).scatter(-1, indices, values.relu())
+        if cfg.get("rescale_acts_by_decoder_norm"):
+            acts = acts / W_dec.norm(dim=-1)
+    elif arch == "jumprelu":
+        acts = pre.relu() * (pre > w["threshold"].relu())
+    else:
+        acts = pre.relu()
+    out = acts @ W_dec + b_dec
+    if arch == "skip_transcoder":
+        out = out + x @ w["W_skip"].T
+    return out
+
+
+@pytest.mark.parametrize("kind", list(DICTIONARIES))
+def test_saelens_schema_and_round_trip(kind, tmp_path):
+    sae = random_dictionary(kind, model_name="tiny")
+    sae.metrics = {"l0": 3.5}
+    save_dictionary(sae, tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "cfg.json").read_text())
+    arch = sae.architecture
+    assert set(cfg) == SAELENS_BASE_KEYS | SAELENS_EXTRA_KEYS[arch]
+    assert cfg["metadata"]["hook_name"] == sae.cfg.hook_name and cfg["metadata"]["model_name"] == "tiny"
+    assert cfg["metadata"]["sae_lens_version"].startswith("6.")  # SAELens reads the 6.x layout
+    assert cfg["apply_b_dec_to_input"] == (kind not in TRANSCODERS)
+    weights = load_file(str(tmp_path / "d" / "sae_weights.safetensors"))
+    assert set(weights) == SAELENS_WEIGHTS[arch]
+    assert weights["W_enc"].shape == (32, 64) and weights["W_dec"].shape == (64, sae.cfg.d_out)
+    x = torch.randn(20, 32)
+    torch.testing.assert_close(sae(x), saelens_reference(tmp_path / "d", x), rtol=1e-5, atol=1e-5)
+    back = load_dictionary(tmp_path / "d")
+    assert type(back) is type(sae) and back.cfg.hook_name == sae.cfg.hook_name and back.metrics == {"l0": 3.5}
+    torch.testing.assert_close(back(x), sae(x), rtol=0, atol=0)
+
+
+def test_files_saelens_wrote_load_here(tmp_path):
+    """A pre-6.0 flat config (hook_point, activation_fn_kwargs) and a 6.x topk trained with
+    rescale_acts_by_decoder_norm, as SAELens writes them; a BatchTopK without our sidecar is a JumpReLU."""
+    g = torch.Generator().manual_seed(0)
+    w = {"W_enc": torch.randn(16, 40, generator=g), "b_enc": torch.randn(40, generator=g) * 0.1,
+         "W_dec": torch.randn(40, 16, generator=g), "b_dec": torch.randn(16, generator=g)}
+    old = tmp_path / "old"
+    old.mkdir()
+    save_file(w, str(old / "sae_weights.safetensors"))
+    (old / "cfg.json").write_text(json.dumps({"architecture": "topk", "d_in": 16, "d_sae": 40, "dtype": "float32",
+                                              "hook_point": "blocks.0.hook_resid_pre", "activation_fn_str": "topk",
+                                              "activation_fn_kwargs": {"k": 5}, "model_name": "gpt2"}))
+    sae = load_dictionary(old)
+    assert sae.kind == "topk" and sae.cfg.k == 5 and sae.cfg.hook_name == "blocks.0.hook_resid_pre"
+    x = torch.randn(8, 16, generator=g)
+    torch.testing.assert_close(sae(x), saelens_reference(old, x), rtol=1e-5, atol=1e-5)
+
+    new = tmp_path / "new"
+    new.mkdir()
+    save_file(w, str(new / "sae_weights.safetensors"))
+    (new / "cfg.json").write_text(json.dumps({
+        "d_in": 16, "d_sae": 40, "dtype": "float32", "device": "cpu", "apply_b_dec_to_input": True,
+        "normalize_activations": "none", "reshape_activations": "none", "architecture": "topk", "k": 5,
+        "rescale_acts_by_decoder_norm": True,
+        "metadata": {"sae_lens_version": "6.12.0", "hook_name": "blocks.0.hook_resid_pre", "model_name": "gpt2"}}))
+    sae = load_dictionary(new)
+    torch.testing.assert_close(sae(x), saelens_reference(new, x), rtol=1e-4, atol=1e-4)
+
+    btk = random_dictionary("batchtopk")
+    save_dictionary(btk, tmp_path / "btk")
+    assert load_dictionary(tmp_path / "btk").kind == "batchtopk"
+    (tmp_path / "btk" / "sae_meta.json").unlink()
+    as_jumprelu = load_dictionary(tmp_path / "btk")
+    assert as_jumprelu.kind == "jumprelu"
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(as_jumprelu(x), btk(x))
+
+
+def test_unsupported_and_corrupt_dictionary_files(tmp_path):
+    sae = random_dictionary("relu")
+    save_dictionary(sae, tmp_path / "d")
+    cfg_path = tmp_path / "d" / "cfg.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "architecture": "gated"}))
+    with pytest.raises(DictionaryError, match="'gated' is not supported"):
+        load_dictionary(tmp_path / "d")
+    cfg_path.write_text(json.dumps({**cfg, "normalize_activations": "expected_average_only_in"}))
+    with pytest.raises(DictionaryError, match="normalize_activations"):
+        load_dictionary(tmp_path / "d")
+    cfg_path.write_text(json.dumps({**cfg, "d_sae": 65}))
+    with pytest.raises(DictionaryError, match="W_enc has shape"):
+        load_dictionary(tmp_path / "d")
+    cfg_path.write_text(json.dumps(cfg))
+    (tmp_path / "d" / "sae_weights.safetensors").write_bytes(b"garbage")
+    with pytest.raises(DictionaryError, match="corrupt"):
+        load_dictionary(tmp_path / "d")
+    with pytest.raises(DictionaryError, match="not a dictionary folder"):
+        load_dictionary(tmp_path)
+    with pytest.raises(ValueError, match="unknown dictionary kind"):
+        make_dictionary(DictionaryConfig(kind="gated", d_in=4, d_sae=8))
+    with pytest.raises(ValueError, match="integer k"):
+        make_dictionary(DictionaryConfig(kind="topk", d_in=4, d_sae=8, k=2.5))
+
+
+# ---- splicing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,hook", [(k, SAE_HOOK) for k in DICTIONARIES] + [("topk", "blocks.1.attn.hook_z")])
+def test_splice_with_error_term_changes_nothing(model, kind, hook):
+    tokens = torch.randint(0, 40, (3, 12))
+    clean = model(tokens)
+    sae = random_dictionary(kind, hook=hook)
+    model.add_sae(sae, error_term=True)
+    try:
+        logits, cache = model.run_with_cache(tokens)
+        assert (logits - clean).abs().max() <= 1e-5
+        at = sae.cfg.hook_name_out or sae.cfg.hook_name
+        for name in ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error"):
+            assert f"{at}.{name}" in cache
+        acts = cache[f"{at}.hook_sae_acts_post"]
+        assert acts.shape == (3, 12, 64)
+        raw = cache[f"{at}.hook_sae_input"]
+        torch.testing.assert_close(acts, sae.encode(raw))
+        # The spliced value is recons + error, and the hook itself still caches under its own name.
+        torch.testing.assert_close(cache[at].flatten(2), cache[f"{at}.hook_sae_recons"] + cache[f"{at}.hook_sae_error"])
+        without = model.remove_sae() or None
+        assert without is None
+        model.add_sae(sae, error_term=False)
+        assert (model(tokens) - clean).abs().max() > 1e-3  # the reconstruction alone is not the model
+    finally:
+        model.remove_sae()
+    assert not any("hook_sae" in name for name in model.hook_dict)
+    torch.testing.assert_close(model(tokens), clean, rtol=0, atol=0)
+
+
+def test_spliced_gradients_and_feature_edits(model):
+    tokens = torch.randint(0, 40, (2, 10))
+    sae = random_dictionary("topk")
+
+    def param_grads():
+        model.zero_grad()
+        model(tokens, return_type="loss").backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    clean = param_grads()
+    keys_before = set(model.state_dict())
+    with an.spliced(model, sae, error_term=True):
+        spliced = param_grads()
+        assert set(model.state_dict()) == keys_before  # the dictionary is not part of the model
+        # Zeroing feature f at every position moves the hook's value by exactly -act_f * W_dec[f].
+        _, cache = model.run_with_cache(tokens)
+        acts = cache[f"{SAE_HOOK}.hook_sae_acts_post"]
+        f = int(acts.flatten(0, 1).sum(0).argmax())
+
+        def ablate(value, hook):
+            value = value.clone()
+            value[..., f] = 0
+            return value
+
+        edited = {}
+
+        def grab(value, hook):
+            edited["value"] = value
+
+        model.run_with_hooks(tokens, fwd_hooks=[(f"{SAE_HOOK}.hook_sae_acts_post", ablate), (SAE_HOOK, grab)])
+        expected = cache[SAE_HOOK] - acts[..., f, None] * sae.W_dec[f]
+        torch.testing.assert_close(edited["value"], expected, rtol=1e-5, atol=1e-5)
+    for name, grad in clean.items():
+        torch.testing.assert_close(spliced[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    model.zero_grad()
+    assert not model._sae_splices
+
+
+def test_spliced_generation_with_kv_cache_matches_recompute(model):
+    sae = random_dictionary("batchtopk")
+    with an.spliced(model, sae, error_term=False):
+        prompt = torch.randint(0, 40, (2, 5))
+        fast = model.generate(prompt, max_new_tokens=6, use_kv_cache=True)
+        slow = model.generate(prompt, max_new_tokens=6, use_kv_cache=False)
+    torch.testing.assert_close(fast, slow)
+
+
+def test_splice_bad_input(model):
+    with pytest.raises(ValueError, match="d_in=16 does not match blocks.0.hook_resid_post"):
+        model.add_sae(random_dictionary("topk", d_in=16))
+    with pytest.raises(ValueError, match="did you mean 'blocks.0.hook_resid_post'"):
+        model.add_sae(random_dictionary("topk", hook="blocks.0.hook_resid_postt"))
+    sae = random_dictionary("relu")
+    model.add_sae(sae)
+    try:
+        with pytest.raises(ValueError, match="already spliced"):
+            model.add_sae(random_dictionary("relu"))
+    finally:
+        model.remove_sae()
+    with pytest.raises(ValueError, match="no dictionary is spliced"):
+        model.remove_sae(SAE_HOOK)
+    with pytest.raises(RuntimeError):
+        with an.spliced(model, sae):
+            raise RuntimeError("boom")
+    assert not an.spliced_saes(model)
+
+
+# ---- the trainer ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def store(model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("acts") / "s"
+    return ActivationStore.collect(model, get_task("induction", vocab=32), [SAE_HOOK, TC_IN, TC_OUT], 3000, out,
+                                   batch_size=8, tokens_per_shard=1000, progress=False)
+
+
+def test_run_folder_resume_and_metrics(model, store, tmp_path):
+    kw = dict(kind="topk", d_sae=64, k=4, hook=SAE_HOOK, batch_size=128, log_every=5, progress=False, lr=3e-3,
+              warmup_steps=2, eval_sequences=8)
+    full = train_sae(store, steps=20, out=tmp_path / "full", model=model, **kw)
+    assert {p.name for p in (tmp_path / "full").iterdir()} == {
+        "cfg.json", "sae_weights.safetensors", "sae_meta.json", "metrics.csv", "train_state.safetensors",
+        "train_state.json"}
+    history = pd.read_csv(tmp_path / "full" / "metrics.csv")
+    assert list(history.columns) == ["step", "loss", "mse", "sparsity_loss", "aux_loss", "l0", "explained_variance",
+                                     "dead_fraction", "lr", "tokens_per_s"]
+    assert history["step"].tolist() == [5, 10, 15, 20] and (history["l0"] == 4).all()
+    m = full.metrics
+    for key in ("l0", "explained_variance", "dead_fraction", "dense_fraction", "ce_loss_clean", "ce_loss_spliced",
+                "ce_loss_zero_ablated", "ce_loss_recovered"):
+        assert key in m and math.isfinite(m[key]), key
+    assert m["held_out"] == "last shard"
+    assert len(json.loads((tmp_path / "full" / "sae_meta.json").read_text())["feature_density"]) == 64
+
+    def stop_at_10(row):
+        return row["step"] == 10
+
+    train_sae(store, steps=20, out=tmp_path / "half", callback=stop_at_10, **kw)
+    resumed = train_sae(store, steps=20, out=tmp_path / "half", resume=True, **kw)
+    for name, p in full.named_parameters():
+        torch.testing.assert_close(dict(resumed.named_parameters())[name], p, rtol=1e-5, atol=1e-6, msg=name)
+    assert pd.read_csv(tmp_path / "half" / "metrics.csv")["step"].tolist() == [5, 10, 15, 20]
+    # The saved dictionary takes raw activations: its metrics on the store match the returned one's.
+    loaded = load_dictionary(tmp_path / "full")
+    again, _ = an.dictionaries.reconstruction_metrics(loaded, store.subset([store.n_shards - 1]))
+    assert again["explained_variance"] == pytest.approx(m["explained_variance"], rel=1e-5)
+
+
+def test_transcoder_trains_on_a_store_and_splices(model, store):
+    tc = train_sae(store, kind="skip_transcoder", d_sae=32, hook=TC_IN, hook_out=TC_OUT, steps=10, batch_size=128,
+                   progress=False, model=model, eval_sequences=8)
+    assert tc.cfg.d_out == 32 and math.isfinite(tc.metrics["ce_loss_recovered"])
+    tokens = torch.randint(0, 40, (2, 8))
+    clean = model(tokens)
+    with an.spliced(model, tc, error_term=True):
+        assert (model(tokens) - clean).abs().max() <= 1e-5
+
+
+def test_trainer_bad_input(model, store, tmp_path):
+    other = wb.HookedDecoder(tiny(d_vocab=40, seed=3))
+    with pytest.raises(StoreError, match="not from this model"):
+        train_sae(store, hook=SAE_HOOK, steps=2, model=other, progress=False)
+    with pytest.raises(ValueError, match="say which"):
+        train_sae(store, steps=2, progress=False)
+    with pytest.raises(ValueError, match="no hook 'blocks.0.hook_resid_pots'"):
+        train_sae(store, hook="blocks.0.hook_resid_pots", steps=2, progress=False)
+    with pytest.raises(ValueError, match="needs hook= .* and hook_out="):
+        train_sae(store, kind="transcoder", hook=TC_IN, steps=2, progress=False)
+    with pytest.raises(ValueError, match="k=100 must lie in"):
+        train_sae(store, hook=SAE_HOOK, d_sae=64, k=100, steps=2, progress=False)
+    with pytest.raises(ValueError, match="unknown SAETrainConfig"):
+        train_sae(store, hook=SAE_HOOK, stepz=2)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="not a dictionary run"):
+        train_sae(store, hook=SAE_HOOK, steps=2, out=tmp_path / "mine", progress=False)
+    with pytest.raises(ValueError, match="nothing to resume"):
+        train_sae(store, hook=SAE_HOOK, steps=2, out=tmp_path / "new", resume=True, progress=False)
+
+
+def test_divergence_stops_before_the_step_and_keeps_the_last_save(tmp_path):
+    data = {"x": torch.randn(1024, 8)}
+    with pytest.raises(TrainingDiverged, match="not finite.*last saved state"):
+        train_sae(TensorActivations(data, rows_per_shard=512), d_sae=16, k=2, steps=50, batch_size=64, lr=1e12,
+                  warmup_steps=0, out=tmp_path / "run", save_every=1, progress=False)
+    saved = load_dictionary(tmp_path / "run")
+    assert all(torch.isfinite(p).all() for p in saved.parameters())
+    state = json.loads((tmp_path / "run" / "train_state.json").read_text())
+    assert state["step"] >= 1
+
+
+# ---- features ---------------------------------------------------------------------------------------
+def test_feature_tables_match_brute_force(model):
+    sae = random_dictionary("relu", d_sae=24)
+    tokens = torch.randint(0, 40, (6, 12))
+    with an.spliced(model, sae, error_term=True):
+        _, cache = model.run_with_cache(tokens)
+    acts = cache[f"{SAE_HOOK}.hook_sae_acts_post"]
+    torch.testing.assert_close(an.feature_activations(model, sae, tokens), acts)
+    kept = acts.clone()
+    kept[:, 0] = 0
+    f = int(kept.flatten(0, 1).max(0).values.argmax())
+    contexts = an.max_activating_contexts(model, sae, tokens, f, k=3)
+    values, index = kept[..., f].flatten().topk(3)
+    assert contexts["activation"].tolist() == pytest.approx(values.tolist())
+    assert [divmod(int(i), 12) for i in index] == list(zip(contexts["sequence"], contexts["position"]))
+    table = an.feature_table(model, sae, tokens)
+    assert len(table) == 24 and table.loc[f, "max_activation"] == pytest.approx(float(values[0]))
+    assert table["density"].tolist() == pytest.approx((kept[:, 1:] > 0).float().mean((0, 1)).tolist())
+    hist = an.feature_histogram(model, sae, tokens, f, bins=5)
+    assert hist["count"].sum() == int((kept[:, 1:, f] > 0).sum())
+    effects = an.feature_logit_effects(model, sae, f, k=3)
+    assert model.cfg.norm == "layernorm"  # the final norm centres, then scales by its weight
+    direction = (sae.W_dec[f] - sae.W_dec[f].mean()) * model.ln_final.w
+    manual = direction @ model.W_U
+    assert effects[effects.direction == "top"]["effect"].tolist() == pytest.approx(manual.topk(3).values.tolist(), abs=1e-5)
+    for fig in (viz.feature_contexts_figure(contexts), viz.feature_histogram_figure(hist),
+                viz.feature_logits_figure(effects), viz.feature_density_figure(table)):
+        assert fig.data
+    with pytest.raises(ValueError, match="feature=99 out of range"):
+        an.feature_logit_effects(model, sae, 99)
+
+
+def test_feature_dla_parts_sum_to_the_logit_difference():
+    """With no final norm and the dictionary on the last residual stream, features + b_dec + error
+    make the whole logit difference."""
+    model = wb.HookedDecoder(tiny(d_vocab=40, norm="none")).eval()
+    hook = "blocks.1.hook_resid_post"
+    sae = random_dictionary("topk", hook=hook)
+    tokens = torch.randint(0, 40, (4, 9))
+    answer, wrong = torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8])
+    dla = an.feature_dla(model, sae, tokens, answer, wrong)
+    logits = model(tokens)[:, -1]
+    total = logits[torch.arange(4), answer] - logits[torch.arange(4), wrong]
+    delta = (model.W_U[:, answer] - model.W_U[:, wrong]).T
+    with an.spliced(model, sae, error_term=True):
+        _, cache = model.run_with_cache(tokens)
+    rest = ((cache[f"{hook}.hook_sae_error"][:, -1] + sae.b_dec) * delta).sum(-1) + model.b_U[answer] - model.b_U[wrong]
+    by_batch = dla.groupby("batch")["dla"].sum().reindex(range(4), fill_value=0.0)
+    torch.testing.assert_close(torch.tensor(by_batch.to_numpy(), dtype=torch.float32) + rest, total, rtol=1e-4, atol=1e-4)
+
+
+# ---- the command line ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    task = get_task("induction", vocab=32)
+    wb.save_checkpoint(model, path, meta={"task": "induction", "task_options": task.options()})
+    return path
+
+
+def test_train_sae_command(checkpoint, tmp_path, capsys):
+    from workbench.__main__ import main
+
+    args = [str(checkpoint), "--hook", SAE_HOOK, "--d-sae", "32", "--k", "4", "--steps", "6", "--batch-size", "64",
+            "--tokens", "600", "--store", str(tmp_path / "acts"), "--out", str(tmp_path / "sae"), "--no-progress",
+            "--eval-sequences", "4", "--collect-batch-size", "8"]
+    assert main(["train-sae", *args]) == 0
+    out = capsys.readouterr().out
+    assert "ce_loss_recovered" in out and (tmp_path / "sae" / "cfg.json").exists()
+    assert load_dictionary(tmp_path / "sae").cfg.hook_name == SAE_HOOK
+    assert main(["train-sae", str(checkpoint), "--hook", "blocks.0.hook_resid_pots", "--tokens", "10",
+                 "--store", str(tmp_path / "b"), "--no-progress"]) == 2
+    assert "did you mean 'blocks.0.hook_resid_post'" in capsys.readouterr().err
+
+
+def test_ddp_two_processes_match_one_process(checkpoint, model, tmp_path):
+    store = ActivationStore.collect(model, get_task("induction", vocab=32), SAE_HOOK, 1200, tmp_path / "acts",
+                                    batch_size=8, tokens_per_shard=600, progress=False)
+    args = ["train-sae", str(checkpoint), "--hook", SAE_HOOK, "--d-sae", "32", "--k", "4", "--steps", "4",
+            "--batch-size", "64", "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "1", "--threads", "1",
+            "--store", str(tmp_path / "acts"), "--tokens", "1200", "--eval-sequences", "0", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "workbench",
+           *args, "--out", str(tmp_path / "ddp")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("torchrun with 2 processes did not finish in 300 s")
+    assert proc.returncode == 0, stderr[-3000:]
+    single = train_sae(store, hook=SAE_HOOK, d_sae=32, k=4, steps=4, batch_size=64, lr=3e-3, warmup_steps=1,
+                       log_every=1, progress=False)
+    ddp = load_dictionary(tmp_path / "ddp")
+    for name, p in single.named_parameters():
+        torch.testing.assert_close(dict(ddp.named_parameters())[name], p, rtol=1e-4, atol=1e-5, msg=name)

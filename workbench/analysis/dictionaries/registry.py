@@ -1,0 +1,32 @@
+"""The dictionary kinds by name (one class per file), and how each is written for SAELens.
+
+    DICTIONARIES["topk"](DictionaryConfig(kind="topk", d_in=128, d_sae=512, k=16))
+"""
+
+from __future__ import annotations
+
+from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
+from workbench.analysis.dictionaries.batchtopk import BatchTopKSAE
+from workbench.analysis.dictionaries.jumprelu import JumpReLUSAE
+from workbench.analysis.dictionaries.relu import ReLUSAE
+from workbench.analysis.dictionaries.topk import TopKSAE
+from workbench.analysis.dictionaries.transcoder import SkipTranscoder, Transcoder
+
+DICTIONARIES: dict[str, type[Dictionary]] = {
+    "relu": ReLUSAE,
+    "topk": TopKSAE,
+    "batchtopk": BatchTopKSAE,
+    "jumprelu": JumpReLUSAE,
+    "transcoder": Transcoder,
+    "skip_transcoder": SkipTranscoder,
+}
+# SAELens architecture name -> our kind, for reading its files (BatchTopK is saved as jumprelu).
+FROM_SAELENS = {"standard": "relu", "topk": "topk", "jumprelu": "jumprelu", "transcoder": "transcoder",
+                "skip_transcoder": "skip_transcoder"}
+
+
+def make_dictionary(cfg: DictionaryConfig) -> Dictionary:
+    """A new dictionary of ``cfg.kind`` (unit-norm random decoder rows)."""
+    if cfg.kind not in DICTIONARIES:
+        raise ValueError(f"unknown dictionary kind {cfg.kind!r}; valid kinds are {list(DICTIONARIES)}")
+    return DICTIONARIES[cfg.kind](cfg)

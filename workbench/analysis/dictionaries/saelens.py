@@ -1,0 +1,193 @@
+"""Dictionaries on disk in SAELens' format, so they move both ways between SAELens and the workbench.
+
+    saes/NAME/cfg.json                  SAELens 6.x config (architecture, d_in, d_sae, metadata.hook_name, ...)
+    saes/NAME/sae_weights.safetensors   W_enc [d_in, d_sae], b_enc, W_dec [d_sae, d_out], b_dec (+ threshold, W_skip)
+    saes/NAME/sae_meta.json             ours: the kind, metrics, training settings (SAELens ignores it)
+
+SAELens (6.x) cannot be installed beside TransformerLens 4 (it pins transformer-lens < 4), so
+the schema is matched by hand: ``SAEConfig.to_dict`` writes ``d_in d_sae dtype device
+apply_b_dec_to_input normalize_activations reshape_activations metadata architecture`` plus
+``k`` (and ``rescale_acts_by_decoder_norm``) for ``topk`` and ``d_out`` for transcoders, and its
+loader reads ``metadata.sae_lens_version`` to decide between the 6.x layout and the older flat one
+(``hook_point``/``hook_name`` at the top level, ``activation_fn_kwargs.k``). We write 6.x and read
+both. BatchTopK is written as SAELens writes it, a ``jumprelu`` with its threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
+from workbench.analysis.dictionaries.registry import DICTIONARIES, FROM_SAELENS
+
+CFG_FILE = "cfg.json"
+WEIGHTS_FILE = "sae_weights.safetensors"
+META_FILE = "sae_meta.json"
+# The schema version SAELens' loader keys on: from 6.0 the hook and model live under "metadata".
+SAELENS_SCHEMA_VERSION = "6.0.0"
+_DTYPES = {"float32": torch.float32, "torch.float32": torch.float32, "bfloat16": torch.bfloat16,
+           "torch.bfloat16": torch.bfloat16, "float16": torch.float16, "torch.float16": torch.float16}
+
+
+class DictionaryError(ValueError):
+    """A dictionary folder is missing, corrupt, or in a form the workbench cannot reproduce exactly."""
+
+
+def saelens_config(sae: Dictionary, context_size: Optional[int] = None) -> dict[str, Any]:
+    """The ``cfg.json`` SAELens 6.x writes for this dictionary."""
+    c = sae.cfg
+    metadata = {
+        "sae_lens_version": SAELENS_SCHEMA_VERSION,
+        "sae_lens_training_version": SAELENS_SCHEMA_VERSION,
+        "model_name": c.model_name or None,
+        "hook_name": c.hook_name or None,
+        "hook_head_index": None,
+        "prepend_bos": True,
+        "context_size": context_size,
+    }
+    if sae.is_transcoder:
+        metadata["hook_name_out"] = c.hook_name_out or None
+    cfg = {
+        "d_in": c.d_in,
+        "d_sae": c.d_sae,
+        "dtype": c.dtype,
+        "device": "cpu",
+        "apply_b_dec_to_input": bool(c.apply_b_dec_to_input),
+        "normalize_activations": "none",
+        "reshape_activations": "hook_z" if c.hook_name.endswith("hook_z") else "none",
+        "metadata": metadata,
+        "architecture": sae.architecture,
+    }
+    if sae.architecture == "topk":
+        cfg.update(k=int(c.k), rescale_acts_by_decoder_norm=False)
+    if sae.is_transcoder:
+        cfg["d_out"] = c.d_out
+    return cfg
+
+
+def save_dictionary(sae: Dictionary, path: Union[str, Path], extra_meta: Optional[dict] = None,
+                    context_size: Optional[int] = None) -> Path:
+    """Write ``cfg.json``, ``sae_weights.safetensors`` and ``sae_meta.json`` into ``path`` (each by rename)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = _DTYPES[sae.cfg.dtype]
+    tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in sae.named_parameters()}
+    if "threshold" in dict(sae.named_buffers()):
+        tensors["threshold"] = sae.threshold.detach().to("cpu", dtype).contiguous()
+    meta = {"format": "workbench-dictionary", "version": 1, "config": sae.cfg.to_dict(), "metrics": sae.metrics,
+            **(extra_meta or {})}
+    _atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp)))
+    _atomic(path / CFG_FILE, lambda tmp: tmp.write_text(json.dumps(saelens_config(sae, context_size), indent=1)))
+    _atomic(path / META_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=_json_default)))
+    return path
+
+
+def load_dictionary(path: Union[str, Path], device: Union[str, torch.device] = "cpu") -> Dictionary:
+    """A dictionary from a folder in SAELens' format (ours, or one SAELens wrote)."""
+    path = Path(path)
+    if not (path / CFG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise DictionaryError(f"{path} is not a dictionary folder: it needs {CFG_FILE} and {WEIGHTS_FILE}")
+    try:
+        raw = json.loads((path / CFG_FILE).read_text())
+        meta = json.loads((path / META_FILE).read_text()) if (path / META_FILE).is_file() else {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise DictionaryError(f"{path}: {CFG_FILE} or {META_FILE} is not valid JSON ({e})") from None
+    cfg = config_from_saelens(raw, meta)
+    try:
+        state = load_file(str(path / WEIGHTS_FILE))
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise DictionaryError(f"{path / WEIGHTS_FILE} is corrupt ({e})") from None
+    sae = DICTIONARIES[cfg.kind](cfg)
+    _load_state(sae, state, raw, path)
+    sae.metrics = dict(meta.get("metrics", {}))
+    sae.meta = meta
+    return sae.to(device)
+
+
+def config_from_saelens(raw: dict, meta: Optional[dict] = None) -> DictionaryConfig:
+    """Our DictionaryConfig from a SAELens ``cfg.json`` (6.x or the older flat layout)."""
+    if not isinstance(raw, dict):
+        raise DictionaryError("cfg.json must hold a JSON object")
+    metadata = raw.get("metadata") or raw.get("meta") or {}
+    if not isinstance(metadata, dict):
+        raise DictionaryError("cfg.json's metadata must be a JSON object")
+    flat = {**raw, **{k: v for k, v in metadata.items() if v is not None}}
+    architecture = raw.get("architecture", "standard")
+    if architecture not in FROM_SAELENS:
+        raise DictionaryError(f"SAELens architecture {architecture!r} is not supported here; "
+                              f"supported: {sorted(FROM_SAELENS)}")
+    kind = FROM_SAELENS[architecture]
+    ours = (meta or {}).get("config", {})
+    if architecture == "jumprelu" and ours.get("kind") == "batchtopk":
+        kind = "batchtopk"
+    norm = raw.get("normalize_activations") or "none"
+    if norm not in ("none", False):
+        raise DictionaryError(f"normalize_activations={norm!r} needs a dataset norm the file does not hold; "
+                              "fold it into the weights first (SAELens: fold_activation_norm_scaling_factor)")
+    activation = flat.get("activation_fn", flat.get("activation_fn_str", "relu"))
+    if architecture in ("standard", "transcoder", "skip_transcoder") and activation not in ("relu", None):
+        raise DictionaryError(f"activation_fn={activation!r} is not supported (ReLU only for {architecture})")
+    k = raw.get("k", (flat.get("activation_fn_kwargs") or {}).get("k", ours.get("k", 0)))
+    for key in ("d_in", "d_sae"):
+        if not isinstance(raw.get(key), int) or raw[key] < 1:
+            raise DictionaryError(f"cfg.json needs a positive integer {key!r}, got {raw.get(key)!r}")
+    hook = flat.get("hook_name") or flat.get("hook_point") or ""
+    return DictionaryConfig(
+        kind=kind, d_in=raw["d_in"], d_sae=raw["d_sae"], d_out=int(raw.get("d_out") or 0), k=k or 0,
+        hook_name=hook, hook_name_out=flat.get("hook_name_out") or ours.get("hook_name_out", ""),
+        hook_shape=tuple(ours.get("hook_shape") or ()), model_name=flat.get("model_name") or "",
+        model_fingerprint=ours.get("model_fingerprint", ""),
+        apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", architecture not in ("transcoder", "skip_transcoder"))),
+        dtype=str(raw.get("dtype", "float32")).replace("torch.", ""), extra=dict(ours.get("extra", {})),
+    )
+
+
+def _load_state(sae: Dictionary, state: dict, raw: dict, path: Path) -> None:
+    state = {k: v.float() for k, v in state.items()}
+    if "log_threshold" in state:  # SAELens' older JumpReLU checkpoints
+        state["threshold"] = state.pop("log_threshold").exp()
+    ones = state.pop("scaling_factor", None)
+    if ones is not None and not torch.allclose(ones, torch.ones_like(ones)):
+        raise DictionaryError(f"{path} has a finetuning scaling_factor; fold it into W_dec first")
+    expected = {name: tuple(t.shape) for name, t in list(sae.named_parameters()) + list(sae.named_buffers())}
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise DictionaryError(f"{path / WEIGHTS_FILE} lacks {missing} (a {sae.architecture} needs {sorted(expected)})")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise DictionaryError(f"{path / WEIGHTS_FILE}: {name} has shape {tuple(state[name].shape)}, "
+                                  f"but cfg.json (d_in={sae.cfg.d_in}, d_sae={sae.cfg.d_sae}) needs {shape}")
+    with torch.no_grad():
+        if raw.get("rescale_acts_by_decoder_norm"):  # SAELens' topk: fold the decoder norms in (its own rule)
+            norms = state["W_dec"].norm(dim=-1).clamp_min(1e-8)
+            state["b_enc"] = state["b_enc"] * norms
+            state["W_enc"] = state["W_enc"] * norms
+            state["W_dec"] = state["W_dec"] / norms[:, None]
+        for name in expected:
+            dict(list(sae.named_parameters()) + list(sae.named_buffers()))[name].copy_(state[name])
+
+
+def _atomic(target: Path, write) -> None:
+    tmp = target.parent / f".{target.name}.tmp"
+    write(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o666 & ~umask)  # ordinary shared data, like checkpoints (safetensors writes 0600)
+    os.replace(tmp, target)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)

@@ -1,0 +1,53 @@
+"""TopK (Gao et al. 2024): keep each token's k largest pre-activations (then ReLU); SAELens' ``topk``.
+
+Sparsity is set by k, not by a penalty, so nothing trades reconstruction for sparsity. Features
+that stop firing get a second chance through the auxiliary loss (``aux_k_loss``): the top
+``k_aux`` dead features alone try to reconstruct what the live ones missed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import torch.nn.functional as F
+
+from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig, SparseActs
+
+
+class TopKSAE(Dictionary):
+    kind = "topk"
+    architecture = "topk"
+
+    def __init__(self, cfg: DictionaryConfig):
+        if not float(cfg.k).is_integer() or not 1 <= cfg.k <= cfg.d_sae:
+            raise ValueError(f"a TopK dictionary needs an integer k in [1, d_sae={cfg.d_sae}], got k={cfg.k}")
+        super().__init__(cfg.replace(k=int(cfg.k)))
+
+    def activate(self, pre: Tensor) -> Tensor:
+        values, indices = pre.topk(int(self.cfg.k), dim=-1, sorted=False)
+        return torch.zeros_like(pre).scatter_(-1, indices, values.relu())
+
+    def train_encode(self, pre: Tensor) -> SparseActs:
+        k = int(self.cfg.k)
+        values, indices = pre.topk(k, dim=-1, sorted=False)
+        offsets = torch.arange(0, pre.shape[0] * k, k, device=pre.device)
+        return SparseActs(values.relu().flatten(), indices.flatten(), offsets, pre.shape[0])
+
+
+def aux_k_loss(sae: Dictionary, pre: Tensor, residual: Tensor, dead: Tensor) -> Tensor:
+    """How well the ``k_aux = d_out // 2`` most active dead features reconstruct ``residual`` (no bias).
+
+    Scaled down when fewer than ``k_aux`` features are dead (SAELens, sparsify); 0 when none are.
+    """
+    n_dead = int(dead.sum())
+    if n_dead == 0:
+        return pre.new_zeros(())
+    k_aux = max(1, sae.cfg.d_out // 2)
+    scale = min(n_dead / k_aux, 1.0)
+    masked = torch.where(dead, pre, torch.full_like(pre, float("-inf")))
+    k = min(k_aux, n_dead)
+    values, indices = masked.topk(k, dim=-1, sorted=False)
+    offsets = torch.arange(0, pre.shape[0] * k, k, device=pre.device)
+    recons = F.embedding_bag(indices.flatten(), sae.W_dec, offsets, mode="sum", per_sample_weights=values.relu().flatten())
+    return scale * (recons - residual.detach()).pow(2).sum(-1).mean()

@@ -1,0 +1,489 @@
+"""Training a dictionary on stored (or live) activations: a run folder like ``train``'s.
+
+    sae = train_sae(store, kind="batchtopk", d_sae=4096, k=32, steps=3000, out="saes/s26-l1")
+    sae.metrics        # L0, explained variance, dead / dense fractions (+ CE loss recovered with model=)
+
+The run folder holds the dictionary in SAELens' format (``cfg.json``, ``sae_weights.safetensors``,
+``sae_meta.json``), ``metrics.csv`` (step, loss, mse, sparsity_loss, aux_loss, l0,
+explained_variance, dead_fraction, lr, tokens_per_s) and, for ``resume=True``,
+``train_state.safetensors`` + ``train_state.json`` (the unfolded weights, Adam's moments, the
+dead-feature counters, RNG; no pickles). A non-finite loss stops the run before the step, with
+the last saved state untouched.
+
+How it trains (the choices of SAELens and EleutherAI's sparsify, unless noted):
+- Inputs (and a transcoder's targets) are scaled so their mean norm is ``sqrt(d)``; the scale is
+  folded into the saved weights, which therefore take raw activations.
+- ``b_dec`` starts at the mean of the targets; decoder rows stay unit norm (``base.py``).
+- Adam; the learning rate warms up linearly for ``warmup_steps``, stays flat, and decays linearly
+  to 0 over the last ``decay_fraction`` of the steps; the default rate is sparsify's
+  ``2e-4 / sqrt(d_sae / 2**14)``. The sparsity coefficient (L1, or JumpReLU's L0) ramps up over
+  ``sparsity_warmup_steps``.
+- A feature that has not fired for ``dead_after_tokens`` tokens is dead; TopK-style dictionaries
+  then train the dead ones on the live ones' residual (AuxK, coefficient 1/32, Gao et al.).
+- The last shard of a store with several is held out for the final metrics.
+- Under torchrun every process reads the same global batch and takes its slice; gradients,
+  firing counts and the BatchTopK threshold are averaged over processes; rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import io
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save
+from tqdm.auto import tqdm
+
+from workbench import distributed
+from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig, SparseActs
+from workbench.analysis.dictionaries.evaluate import ce_loss_recovered, reconstruction_metrics
+from workbench.analysis.dictionaries.registry import DICTIONARIES, make_dictionary
+from workbench.analysis.dictionaries.saelens import CFG_FILE, save_dictionary
+from workbench.analysis.dictionaries.topk import aux_k_loss
+from workbench.analysis.store import ActivationStore, LiveActivations, TensorActivations
+from workbench.training import TrainingDiverged, _restore_train_state, _train_state
+
+METRICS_FILE = "metrics.csv"
+STATE_TENSORS_FILE = "train_state.safetensors"
+STATE_JSON_FILE = "train_state.json"
+METRIC_COLUMNS = ["step", "loss", "mse", "sparsity_loss", "aux_loss", "l0", "explained_variance", "dead_fraction",
+                  "lr", "tokens_per_s"]
+# Sparsity coefficients that gave L0 of a few per cent of d_sae on the shipped stories model and
+# on planted-feature data (inputs scaled to mean norm sqrt(d)); TopK-style kinds need none.
+DEFAULT_SPARSITY = {"relu": 1.0, "jumprelu": 0.3, "transcoder": 0.3, "skip_transcoder": 0.3}
+AUX_K_KINDS = ("topk", "batchtopk")
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class SAETrainConfig:
+    """How to train a dictionary; every field is a primitive and a ``--flag`` of ``train-sae``."""
+
+    kind: str = _opt("topk", f"dictionary kind, one of {list(DICTIONARIES)}")
+    d_sae: int = _opt(4096, "number of features")
+    k: float = _opt(32.0, "TopK: features per token; BatchTopK: mean features per token")
+    hook: str = _opt("", "the store hook to read (default: the store's only hook); a transcoder's input")
+    hook_out: str = _opt("", "a transcoder's output hook (e.g. blocks.1.hook_mlp_out)")
+    steps: int = _opt(2000, "optimizer steps in total (a resumed run continues up to this)")
+    batch_size: int = _opt(4096, "activation rows per step, summed over processes")
+    lr: float = _opt(0.0, "peak learning rate (0: 2e-4 / sqrt(d_sae / 16384))")
+    warmup_steps: int = _opt(100, "linear learning-rate warmup steps")
+    decay_fraction: float = _opt(0.2, "linear decay to 0 over this last fraction of the steps")
+    sparsity_coefficient: float = _opt(0.0, f"L1 (relu, transcoders) or L0 (jumprelu) coefficient (0: {DEFAULT_SPARSITY})")
+    sparsity_warmup_steps: int = _opt(-1, "steps over which the sparsity coefficient ramps up (-1: 5% of steps)")
+    aux_k_coefficient: float = _opt(1 / 32, "weight of the AuxK dead-feature loss (topk, batchtopk)")
+    dead_after_tokens: int = _opt(0, "a feature silent this many tokens is dead (0: min(10M, a tenth of training))")
+    buffer_shards: int = _opt(4, "shards shuffled together (memory: this many shards)")
+    eval_rows: int = _opt(65536, "held-out rows for the final metrics")
+    eval_sequences: int = _opt(64, "held-out sequences for CE loss recovered (needs the model)")
+    log_every: int = _opt(50, "a metrics.csv row every N steps")
+    save_every: int = _opt(0, "save the run every N steps (0: only at the end)")
+    save_train_state: bool = _opt(True, "keep optimizer state so the run can be resumed")
+    seed: int = _opt(0, "seed of the initial weights and the shuffle")
+    device: str = _opt("auto", "cpu, cuda, ... (auto: cuda when available)")
+    threads: int = _opt(0, "torch CPU threads (0: torch's default)")
+
+    def __post_init__(self) -> None:
+        if self.kind not in DICTIONARIES:
+            raise ValueError(f"kind={self.kind!r} is not a dictionary kind; valid kinds are {list(DICTIONARIES)}")
+        for name in ("d_sae", "steps", "batch_size", "log_every", "buffer_shards", "eval_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SAETrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "save_every", "threads", "dead_after_tokens", "lr", "sparsity_coefficient",
+                     "aux_k_coefficient", "eval_sequences"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SAETrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.decay_fraction <= 1:
+            raise ValueError(f"SAETrainConfig.decay_fraction must lie in [0, 1], got {self.decay_fraction}")
+        if self.kind in ("topk", "batchtopk") and not 0 < self.k <= self.d_sae:
+            raise ValueError(f"k={self.k:g} must lie in (0, d_sae={self.d_sae}] for kind={self.kind!r}")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes: Any) -> "SAETrainConfig":
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"unknown SAETrainConfig field(s) {unknown}; valid fields are {sorted(known)}")
+        floats = {f.name for f in dataclasses.fields(self) if f.type in (float, "float")}
+        changes = {k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v
+                   for k, v in changes.items()}
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def peak_lr(self) -> float:
+        return self.lr or 2e-4 / math.sqrt(self.d_sae / 2**14)
+
+    @property
+    def sparsity(self) -> float:
+        return self.sparsity_coefficient or DEFAULT_SPARSITY.get(self.kind, 0.0)
+
+    def lr_at(self, step: int) -> float:
+        decay_start = self.steps * (1 - self.decay_fraction)
+        ramp = min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        if step >= decay_start and self.decay_fraction > 0:
+            ramp = min(ramp, (self.steps - step) / (self.steps - decay_start))
+        return self.peak_lr * ramp
+
+    def sparsity_at(self, step: int) -> float:
+        warm = self.sparsity_warmup_steps if self.sparsity_warmup_steps >= 0 else self.steps // 20
+        return self.sparsity * (min(1.0, (step + 1) / warm) if warm else 1.0)
+
+
+def train_sae(
+    source: Union[ActivationStore, LiveActivations, TensorActivations, str, Path],
+    kind: Optional[str] = None,
+    d_sae: Optional[int] = None,
+    k: Union[int, float, None] = None,
+    steps: Optional[int] = None,
+    out: Union[str, Path, None] = None,
+    *,
+    config: Optional[SAETrainConfig] = None,
+    model=None,
+    resume: bool = False,
+    progress: bool = True,
+    callback: Optional[Callable[[dict], Optional[bool]]] = None,
+    **overrides: Any,
+) -> Dictionary:
+    """Train a dictionary on ``source`` (a store, its path, or ``LiveActivations``) and return it.
+
+    The settings are ``config`` with ``kind``/``d_sae``/``k``/``steps`` and any other
+    SAETrainConfig field given as keywords on top. With ``model`` (the one the store came from,
+    checked by fingerprint) the metrics include CE loss recovered. ``callback(row)`` sees each
+    logged row; returning True stops early (evaluated and saved like a finished run).
+    The returned dictionary takes raw activations; ``sae.history`` is the logged DataFrame.
+    """
+    given = {k_: v for k_, v in dict(kind=kind, d_sae=d_sae, k=k, steps=steps).items() if v is not None}
+    config = (config or SAETrainConfig()).replace(**given, **overrides)
+    if isinstance(source, (str, Path)):
+        source = ActivationStore(source)
+    if model is not None:
+        source.check_model(model)
+    hooks = _hooks(config, source)
+    out = _check_out(out, resume)
+    dist_info, device = distributed.setup(config.device)
+    threads = torch.get_num_threads()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        return _train(source, config, hooks, dist_info, device, out, model, resume, progress, callback)
+    finally:
+        torch.set_num_threads(threads)  # the setting lasts for this call only
+
+
+def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, out, model, resume: bool,
+           progress: bool, callback) -> Dictionary:
+    micro = config.batch_size // dist_info.world_size
+    if micro * dist_info.world_size != config.batch_size:
+        raise ValueError(f"batch_size={config.batch_size} must be divisible by the {dist_info.world_size} processes")
+    train_src, eval_src, held_out = _split(source)
+
+    d_in, d_out = source.d(hooks[0]), source.d(hooks[-1])
+    cfg = DictionaryConfig(kind=config.kind, d_in=d_in, d_sae=config.d_sae, d_out=d_out if len(hooks) > 1 else 0,
+                           k=config.k if config.kind in AUX_K_KINDS else 0, hook_name=hooks[0],
+                           hook_name_out=hooks[1] if len(hooks) > 1 else "",
+                           hook_shape=tuple(source.hook_shape(hooks[0])),
+                           model_name=source.model_info.get("name", ""),
+                           model_fingerprint=source.model_info.get("fingerprint", ""))
+    if config.kind in ("transcoder", "skip_transcoder") and len(hooks) < 2:
+        raise ValueError("a transcoder needs hook= (the MLP input) and hook_out= (the MLP output)")
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    sae = make_dictionary(cfg)
+    sae.init_weights(torch.Generator().manual_seed(config.seed))
+    sae.to(device).train()
+    optimizer = torch.optim.Adam(sae.parameters(), lr=config.peak_lr, betas=(0.9, 0.999))
+    since_fired = torch.zeros(cfg.d_sae, dtype=torch.float64, device=device)
+    dead_after = config.dead_after_tokens or max(config.batch_size, min(10_000_000, config.steps * config.batch_size // 10))
+    step, history = 0, []
+    state = _load_state(out) if resume else None
+    if state is not None:
+        step, scales = state["json"]["step"], state["json"]["scales"]
+        _restore(sae, optimizer, since_fired, train_src, state)
+        history = _read_history(out, step)
+    else:
+        scales = _scales_and_bias(sae, train_src, hooks)
+    s_in, s_out = scales
+
+    def save_run(metrics: Optional[dict], density: Optional[torch.Tensor] = None) -> None:
+        if out is None or not dist_info.is_main:
+            return
+        final = _folded(sae, scales)
+        final.metrics = metrics or {}
+        extra = {"training": config.to_dict(), "source": _source_info(source), "held_out": held_out,
+                 "normalization": {"scale_in": s_in, "scale_out": s_out}}
+        if density is not None:
+            extra["feature_density"] = [round(float(v), 7) for v in density]
+        save_dictionary(final, out, extra_meta=extra,
+                        context_size=source.manifest.get("seq_len") or source.manifest.get("source", {}).get("seq_len"))
+        (out / METRICS_FILE).write_text(_history_csv(history))
+        if config.save_train_state:
+            tensors, info = _train_state(optimizer, step)
+            tensors.update({f"param.{n}": p.detach().cpu().contiguous() for n, p in sae.named_parameters()})
+            tensors.update({f"buffer.{n}": b.detach().cpu().contiguous() for n, b in sae.named_buffers()})
+            tensors["since_fired"] = since_fired.cpu()
+            info.update(scales=list(scales), config=config.to_dict(),
+                        live_rows={str(i): r for i, r in getattr(train_src, "rows", {}).items()})
+            _atomic_bytes(out / STATE_TENSORS_FILE, save(tensors))
+            _atomic_bytes(out / STATE_JSON_FILE, json.dumps(info, indent=1).encode())
+
+    stream = train_src.batches(config.batch_size, hooks, seed=config.seed, buffer_shards=config.buffer_shards,
+                               start_batch=step, device=device)
+    bar = tqdm(total=config.steps, initial=step, desc=f"train-sae {config.kind}", disable=not (progress and dist_info.is_main))
+    window_rows, window_start, last_saved, stopped = 0, time.perf_counter(), step if state else None, False
+    try:
+        while step < config.steps:
+            batch = next(stream)
+            x, y = (batch[0], batch[-1]) if isinstance(batch, tuple) else (batch, batch)
+            lo = dist_info.rank * micro
+            x, y = x[lo : lo + micro] * s_in, y[lo : lo + micro] * s_out
+            lr = config.lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            terms = _losses(sae, x, y, config, step, since_fired >= dead_after)
+            loss_value = float(distributed.all_reduce_mean(terms["loss"].detach(), dist_info))
+            if not math.isfinite(loss_value):
+                where = f"the last saved state is in {out} (step {last_saved})" if last_saved is not None else "nothing had been saved yet"
+                raise TrainingDiverged(f"dictionary training stopped at step {step}: the loss is {loss_value} (not finite). "
+                                       f"The weights were not updated and {where}. Lower the learning rate "
+                                       f"(now {config.peak_lr:g}) or check the activations for inf/NaN.")
+            _optimize(sae, optimizer, terms["loss"], dist_info)
+            _count_firing(sae, terms["acts"], since_fired, config.batch_size, dist_info)
+            step += 1
+            window_rows += config.batch_size
+            if step % config.log_every == 0 or step == config.steps:
+                row = {"step": step, "loss": loss_value, **_batch_stats(terms, y), "lr": lr,
+                       "dead_fraction": float((since_fired >= dead_after).double().mean()),
+                       "tokens_per_s": window_rows / max(time.perf_counter() - window_start, 1e-9)}
+                history.append(row)
+                bar.set_postfix(mse=f"{row['mse']:.3f}", l0=f"{row['l0']:.1f}", ev=f"{row['explained_variance']:.3f}")
+                if callback is not None and dist_info.is_main and callback(dict(row)) is True:
+                    stopped = step < config.steps
+                window_rows, window_start = 0, time.perf_counter()
+            bar.update(1)
+            if stopped:
+                break
+            if config.save_every and step % config.save_every == 0 and step < config.steps:
+                save_run(None)
+                last_saved = step
+    except KeyboardInterrupt:
+        save_run(None)
+        if dist_info.is_main:
+            print(f"\ninterrupted: saved at step {step} in {out} (resume with resume=True)" if out else "\ninterrupted")
+        raise
+    finally:
+        bar.close()
+
+    final = _folded(sae, scales)
+    metrics, density = reconstruction_metrics(final, eval_src, max_rows=config.eval_rows)
+    metrics.update(held_out=held_out, steps=step, training_tokens=step * config.batch_size,
+                   dead_fraction_training=float((since_fired >= dead_after).double().mean()))
+    if model is not None and config.eval_sequences:
+        metrics.update(ce_loss_recovered(model, final, _eval_tokens(eval_src, config.eval_sequences)))
+    final.metrics = metrics
+    final.feature_density = density
+    save_run(metrics, density)
+    distributed.barrier(dist_info)
+    final.history = pd.DataFrame(history, columns=METRIC_COLUMNS)
+    return final
+
+
+# ---- one step, in named parts -------------------------------------------------------------------
+def _losses(sae: Dictionary, x: torch.Tensor, y: torch.Tensor, config: SAETrainConfig, step: int,
+            dead: torch.Tensor) -> dict:
+    """Reconstruction, sparsity and AuxK terms of one batch (``x`` and ``y`` already scaled)."""
+    pre = sae.pre_acts(x)
+    acts = sae.train_encode(pre)
+    recons = sae.train_decode(acts, x)
+    mse = (recons - y).pow(2).sum(-1).mean()
+    sparsity = sum(sae.sparsity_loss(acts, pre, config.sparsity_at(step)).values(), mse.new_zeros(()))
+    aux = mse.new_zeros(())
+    if config.kind in AUX_K_KINDS and config.aux_k_coefficient:
+        aux = config.aux_k_coefficient * aux_k_loss(sae, pre, y - recons, dead)
+    return {"loss": mse + sparsity + aux, "mse": mse, "sparsity_loss": sparsity, "aux_loss": aux, "acts": acts,
+            "recons": recons, "rows": len(x)}
+
+
+def _optimize(sae: Dictionary, optimizer, loss: torch.Tensor, dist_info) -> None:
+    """Backward, average gradients over processes, keep decoder rows unit norm around the Adam step."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if dist_info.enabled:
+        for p in sae.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist_info.world_size
+    sae.remove_parallel_grads()
+    optimizer.step()
+    sae.normalize_decoder()
+
+
+@torch.no_grad()
+def _count_firing(sae: Dictionary, acts, since_fired: torch.Tensor, batch_size: int, dist_info) -> None:
+    """Tokens since each feature last fired (any process), and BatchTopK's running threshold."""
+    if isinstance(acts, SparseActs):
+        fired = acts.fired(sae.cfg.d_sae).to(torch.float64)
+    else:
+        fired = (acts > 0).any(0).to(torch.float64)
+    if dist_info.enabled:
+        dist.all_reduce(fired, op=dist.ReduceOp.MAX)
+    since_fired.add_(batch_size).mul_(1 - fired)
+    sae.after_batch(acts)
+    if dist_info.enabled and isinstance(getattr(sae, "threshold", None), torch.Tensor) \
+            and not isinstance(sae.threshold, torch.nn.Parameter):
+        dist.all_reduce(sae.threshold)
+        sae.threshold /= dist_info.world_size
+
+
+@torch.no_grad()
+def _batch_stats(terms: dict, y: torch.Tensor) -> dict:
+    acts, recons = terms["acts"], terms["recons"]
+    active = acts.active() if isinstance(acts, SparseActs) else (acts > 0).sum()
+    sst = (y - y.mean(0)).pow(2).sum().clamp_min(1e-12)
+    return {"mse": float(terms["mse"]), "sparsity_loss": float(terms["sparsity_loss"]),
+            "aux_loss": float(terms["aux_loss"]), "l0": float(active) / terms["rows"],
+            "explained_variance": float(1 - (recons - y).pow(2).sum() / sst)}
+
+
+# ---- pieces ----------------------------------------------------------------------------------
+def _hooks(config: SAETrainConfig, source) -> list[str]:
+    transcoder = config.kind in ("transcoder", "skip_transcoder")
+    hook = config.hook or (source._single_hook() if not transcoder else "")
+    if transcoder and not (config.hook and config.hook_out):
+        raise ValueError(f"a {config.kind} needs hook= (the MLP input) and hook_out= (the MLP output); "
+                         f"the source holds {list(source.manifest['hooks'])}")
+    hooks = [hook, config.hook_out] if transcoder else [hook]
+    for h in hooks:
+        if h not in source.manifest["hooks"]:
+            raise ValueError(f"the source has no hook {h!r}; it holds {list(source.manifest['hooks'])}")
+    return hooks
+
+
+def _check_out(out, resume: bool) -> Optional[Path]:
+    if out is None:
+        if resume:
+            raise ValueError("resume=True needs out=, the run folder to continue")
+        return None
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder; choose another out=")
+    if out.is_dir() and any(out.iterdir()) and not (out / CFG_FILE).exists():
+        raise ValueError(f"{out} is a non-empty folder that is not a dictionary run; choose a new or empty folder")
+    if resume and not (out / STATE_JSON_FILE).exists():
+        raise ValueError(f"nothing to resume in {out}: it holds no {STATE_JSON_FILE}")
+    return out
+
+
+def _split(source) -> tuple[Any, Any, str]:
+    """Training and evaluation parts: a store's last shard is held out when it has several."""
+    if source.n_shards is not None:
+        if source.n_shards >= 2:
+            return source.subset(range(source.n_shards - 1)), source.subset([source.n_shards - 1]), "last shard"
+        return source, source, "none (a single shard: metrics on training rows)"
+    return source, source.heldout(), "validation split" if source.src.task is not None else "none"
+
+
+@torch.no_grad()
+def _scales_and_bias(sae: Dictionary, source, hooks: list[str], rows: int = 32768) -> tuple[float, float]:
+    """Scales that give mean norm sqrt(d) to inputs and targets, and b_dec at the scaled targets' mean."""
+    parts_x, parts_y, n, shard = [], [], 0, 0
+    while n < rows and (source.n_shards is None or shard < source.n_shards):
+        data = source.load_shard(shard, hooks)
+        parts_x.append(data[hooks[0]].float())
+        parts_y.append(data[hooks[-1]].float())
+        n += len(parts_x[-1])
+        shard += 1
+    x, y = torch.cat(parts_x)[:rows], torch.cat(parts_y)[:rows]
+    s_in = math.sqrt(x.shape[1]) / float(x.norm(dim=1).mean().clamp_min(1e-12))
+    s_out = math.sqrt(y.shape[1]) / float(y.norm(dim=1).mean().clamp_min(1e-12))
+    sae.b_dec.copy_((y * s_out).mean(0).to(sae.b_dec.device))
+    return s_in, s_out
+
+
+def _folded(sae: Dictionary, scales) -> Dictionary:
+    final = copy.deepcopy(sae)
+    final.fold_scaling(*scales)
+    final.eval()
+    for p in final.parameters():
+        p.requires_grad_(False)
+    return final
+
+
+def _eval_tokens(source, n: int) -> torch.Tensor:
+    """Up to ``n`` held-out sequences from the source's shards (their token ids)."""
+    parts, have, shard = [], 0, 0
+    while have < n and (source.n_shards is None or shard < source.n_shards):
+        ids = source.load_shard(shard, [], with_tokens=True)["token_ids"]
+        parts.append(ids.long())
+        have += len(ids)
+        shard += 1
+    return torch.cat(parts)[:n]
+
+
+def _source_info(source) -> dict:
+    manifest = source.manifest
+    return {"path": str(getattr(source, "path", "")) or None, "model": manifest.get("model"),
+            "source": manifest.get("source"), "rule": manifest.get("rule"), "tokens": manifest.get("tokens")}
+
+
+def _load_state(out: Path) -> dict:
+    try:
+        info = json.loads((out / STATE_JSON_FILE).read_text())
+        tensors = load_file(str(out / STATE_TENSORS_FILE))
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise ValueError(f"{out}: the training state is missing or corrupt ({e}); start a fresh run") from None
+    return {"json": info, "tensors": tensors}
+
+
+def _restore(sae: Dictionary, optimizer, since_fired, source, state: dict) -> None:
+    tensors, info = state["tensors"], state["json"]
+    with torch.no_grad():
+        for name, p in list(sae.named_parameters()) + list(sae.named_buffers()):
+            key = f"param.{name}" if f"param.{name}" in tensors else f"buffer.{name}"
+            if key not in tensors or tensors[key].shape != p.shape:
+                raise ValueError(f"the saved training state does not fit this dictionary ({name}); "
+                                 "resume with the settings the run started with")
+            p.copy_(tensors[key])
+        since_fired.copy_(tensors["since_fired"])
+    _restore_train_state(optimizer, state)
+    if isinstance(source, LiveActivations):
+        source.rows.update({int(i): r for i, r in info.get("live_rows", {}).items()})
+
+
+def _history_csv(history: list[dict]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=METRIC_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for row in history:
+        writer.writerow({k: (f"{row[k]:.6g}" if isinstance(row.get(k), float) else row.get(k, "")) for k in METRIC_COLUMNS})
+    return buffer.getvalue()
+
+
+def _read_history(out: Path, up_to: int) -> list[dict]:
+    path = out / METRICS_FILE
+    if not path.exists():
+        return []
+    frame = pd.read_csv(path)
+    return frame[frame["step"] <= up_to].to_dict("records")
+
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

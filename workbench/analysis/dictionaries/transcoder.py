@@ -1,0 +1,48 @@
+"""Transcoders (Dunefsky et al. 2024): sparse features that read an MLP's input and write its output.
+
+    acts = relu(x W_enc + b_enc)        x: the MLP's input (``blocks.{l}.ln2.hook_normalized``)
+    y    = acts W_dec + b_dec           y: the MLP's output (``blocks.{l}.hook_mlp_out``)
+
+A skip-transcoder (Paulo et al. 2025) adds a dense linear path ``x W_skip^T`` (zero at the start)
+so the features only carry what a linear map cannot. Both train with ReLU + L1 and match
+SAELens' ``transcoder`` / ``skip_transcoder`` (no ``b_dec`` subtracted from the input, whose
+width may differ from the output's).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
+
+
+class Transcoder(Dictionary):
+    kind = "transcoder"
+    architecture = "transcoder"
+    is_transcoder = True
+
+    def __init__(self, cfg: DictionaryConfig):
+        super().__init__(cfg.replace(apply_b_dec_to_input=False))
+
+    def activate(self, pre: Tensor) -> Tensor:
+        return pre.relu()
+
+    def sparsity_loss(self, acts: Tensor, pre: Tensor, coefficient: float) -> dict[str, Tensor]:
+        return {"l1": coefficient * acts.abs().sum(-1).mean()}
+
+
+class SkipTranscoder(Transcoder):
+    kind = "skip_transcoder"
+    architecture = "skip_transcoder"
+
+    def __init__(self, cfg: DictionaryConfig):
+        super().__init__(cfg)
+        self.W_skip = nn.Parameter(torch.zeros(cfg.d_out, cfg.d_in))
+
+    def decode(self, acts: Tensor, x: Optional[Tensor] = None) -> Tensor:
+        if x is None:
+            raise ValueError("a skip-transcoder's output depends on its input: call decode(acts, x)")
+        return acts @ self.W_dec + self.b_dec + x.to(self.W_skip.dtype) @ self.W_skip.T

@@ -1,0 +1,265 @@
+"""Looking at a dictionary's features: where they fire, how often, and what they write.
+
+    an.feature_table(model, sae, tokens)                    one row per feature: density, max, top logits, top context
+    an.max_activating_contexts(model, sae, tokens, 17)      the contexts where feature 17 fires hardest
+    an.feature_histogram(model, sae, tokens, 17)            its activation histogram (firing positions only)
+    an.feature_logit_effects(model, sae, 17)                the tokens its decoder direction promotes / suppresses
+    an.feature_dla(model, sae, tokens, answer, wrong)       each feature's direct share of logit[answer] - logit[wrong]
+
+``tokens`` is a ``[batch, pos]`` id tensor, a Task (``n_sequences`` of its validation batches), or
+an ActivationStore (the token ids it kept). Activations come from running the model to the
+dictionary's hook and encoding there, so they equal ``cache[f"{hook}.hook_sae_acts_post"]`` of a
+spliced run. Position 0 (the BOS-like first token) is left out, as in the store.
+
+A decoder direction's effect on the logits goes through the final norm's linear part (centring
+for LayerNorm, the weight ``ln_final.w``) and ``W_U``; for a feature at ``mlp.hook_post`` it first
+goes through ``W_out``, at ``attn.hook_z`` through ``W_O``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from workbench.analysis.common import str_tokens
+from workbench.analysis.store import check_hook, hook_layer, stop_layer
+
+Dataset = Union[Tensor, object]
+
+
+def dataset_tokens(model, dataset: Dataset, n_sequences: int = 256) -> Int[Tensor, "batch pos"]:
+    """Token ids ``[n, pos]`` from a tensor, a Task (validation batches) or an ActivationStore."""
+    from workbench.analysis.store import ActivationStore
+    from workbench.data.base import Task
+
+    if isinstance(dataset, Tensor):
+        tokens = dataset if dataset.ndim == 2 else dataset[None]
+    elif isinstance(dataset, Task):
+        seq_len = dataset.default_seq_len if dataset.fixed_seq_len else min(model.cfg.n_ctx, dataset.default_seq_len)
+        tokens = dataset.batch(n_sequences, seq_len, step=0, split="val")
+    elif isinstance(dataset, ActivationStore):
+        parts, have = [], 0
+        for i in range(dataset.n_shards):
+            ids = dataset.load_shard(i, [], with_tokens=True)["token_ids"].long()
+            parts.append(ids)
+            have += len(ids)
+            if have >= n_sequences:
+                break
+        tokens = torch.cat(parts)[:n_sequences]
+    else:
+        raise ValueError(f"dataset must be token ids, a Task or an ActivationStore, got {type(dataset).__name__}")
+    return model._check_tokens(tokens.long())
+
+
+@torch.no_grad()
+def feature_activations(model, sae, tokens: Int[Tensor, "batch pos"], batch_size: int = 64) -> Float[Tensor, "batch pos d_sae"]:
+    """Every feature's activation at every position: the hook's activation, encoded."""
+    hook = check_hook(model, sae.cfg.hook_name)
+    out = []
+    for start in range(0, len(tokens), batch_size):
+        rows = tokens[start : start + batch_size].to(model.device)
+        seen = {}
+
+        def grab(act: Tensor, hook) -> None:
+            seen["act"] = act  # noqa: B023 (called within this iteration)
+
+        model.run_with_hooks(rows, return_type=None, stop_at_layer=stop_layer(model, [hook]), fwd_hooks=[(hook, grab)])
+        act = seen["act"]
+        act = act.flatten(2) if act.ndim > 3 else act
+        if act.shape[-1] != sae.cfg.d_in:
+            raise ValueError(f"the dictionary's d_in={sae.cfg.d_in} does not match {hook} ({act.shape[-1]} features)")
+        out.append(sae.encode(act.to(sae.device)).float().cpu())
+    return torch.cat(out)
+
+
+def _kept(acts: Tensor, exclude_first: bool) -> Tensor:
+    if exclude_first:
+        acts = acts.clone()
+        acts[:, 0] = 0
+    return acts
+
+
+def _check_feature(sae, feature: int) -> int:
+    if not isinstance(feature, (int, np.integer)) or not 0 <= feature < sae.cfg.d_sae:
+        raise ValueError(f"feature={feature!r} out of range: valid features are 0..{sae.cfg.d_sae - 1}")
+    return int(feature)
+
+
+def _context(labels: list[str], pos: int, window: int) -> tuple[str, str, str]:
+    left = "".join(_spaced(labels[max(0, pos - window) : pos]))
+    right = "".join(_spaced(labels[pos + 1 : pos + 1 + max(1, window // 4)]))
+    return left, labels[pos], right
+
+
+def _spaced(labels: Sequence[str]) -> list[str]:
+    return [label if label.startswith(" ") else f" {label}" for label in labels]
+
+
+@torch.no_grad()
+def max_activating_contexts(model, sae, dataset: Dataset, feature: int, k: int = 10, window: int = 12,
+                            n_sequences: int = 256, exclude_first: bool = True) -> pd.DataFrame:
+    """The ``k`` positions where ``feature`` is largest, with the tokens before (and a few after) each.
+
+    Columns: rank, sequence, position, activation, token, left, right, context (the token in
+    ``[[ ]]``), and per-position ``context_tokens`` / ``context_acts`` lists for highlighting.
+    """
+    feature = _check_feature(sae, feature)
+    tokens = dataset_tokens(model, dataset, n_sequences)
+    acts = _kept(feature_activations(model, sae, tokens)[..., feature], exclude_first)
+    values, flat = acts.flatten().topk(min(k, acts.numel()))
+    rows = []
+    for rank, (value, index) in enumerate(zip(values.tolist(), flat.tolist())):
+        if value <= 0:
+            break
+        seq, pos = divmod(index, tokens.shape[1])
+        labels = str_tokens(model, tokens[seq])
+        left, token, right = _context(labels, pos, window)
+        lo, hi = max(0, pos - window), min(len(labels), pos + 1 + max(1, window // 4))
+        rows.append({"feature": feature, "rank": rank, "sequence": seq, "position": pos, "activation": value,
+                     "token": token, "left": left, "right": right, "context": f"{left} [[{token.strip()}]]{right}",
+                     "context_tokens": labels[lo:hi], "context_acts": acts[seq, lo:hi].tolist(),
+                     "context_max": pos - lo})
+    return pd.DataFrame(rows, columns=["feature", "rank", "sequence", "position", "activation", "token", "left",
+                                       "right", "context", "context_tokens", "context_acts", "context_max"])
+
+
+@torch.no_grad()
+def feature_histogram(model, sae, dataset: Dataset, feature: int, bins: int = 30, n_sequences: int = 256,
+                      exclude_first: bool = True) -> pd.DataFrame:
+    """Histogram of ``feature``'s non-zero activations: bin_left, bin_right, count, and its density."""
+    feature = _check_feature(sae, feature)
+    tokens = dataset_tokens(model, dataset, n_sequences)
+    acts = feature_activations(model, sae, tokens)[..., feature]
+    acts = acts[:, 1:] if exclude_first else acts
+    firing = acts[acts > 0].numpy()
+    counts, edges = np.histogram(firing, bins=bins) if len(firing) else (np.zeros(bins, dtype=int), np.linspace(0, 1, bins + 1))
+    return pd.DataFrame({"feature": feature, "bin_left": edges[:-1], "bin_right": edges[1:], "count": counts,
+                         "density": len(firing) / max(1, acts.numel())})
+
+
+def decoder_directions(model, sae) -> Float[Tensor, "d_sae d_model"]:
+    """Each feature's decoder row as a residual-stream direction (through W_out / W_O for MLP / head hooks)."""
+    name = sae.cfg.hook_name_out if sae.is_transcoder else sae.cfg.hook_name
+    W = sae.W_dec.detach()
+    layer = hook_layer(name)
+    residual = name.endswith(("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out",
+                              "hook_mlp_out")) or name in ("hook_embed", "hook_pos_embed")
+    if residual and W.shape[1] == model.cfg.d_model:
+        return W.to(model.device)
+    if layer is not None and name.endswith("mlp.hook_post"):
+        return W.to(model.device) @ model.blocks[layer].mlp.W_out
+    if layer is not None and name.endswith("attn.hook_z"):
+        W_O = model.blocks[layer].attn.W_O  # [n_heads, d_head, d_model]
+        return torch.einsum("fhd,hdm->fm", W.to(model.device).view(W.shape[0], *W_O.shape[:2]), W_O)
+    raise ValueError(f"cannot map features at {name} to the residual stream (supported: residual-stream hooks, "
+                     "hook_attn_out, hook_mlp_out, mlp.hook_post, attn.hook_z)")
+
+
+def _through_final_norm(model, directions: Tensor) -> Tensor:
+    if model.cfg.norm_placement == "post":
+        raise ValueError("logit effects of a direction assume a pre-norm residual stream; this model is post-norm")
+    if model.cfg.norm == "layernorm":
+        directions = directions - directions.mean(-1, keepdim=True)
+    if model.cfg.norm != "none":
+        directions = directions * model.ln_final.w
+    return directions
+
+
+@torch.no_grad()
+def logit_effects(model, sae) -> Float[Tensor, "d_sae d_vocab"]:
+    """Each feature's decoder direction through the final norm's linear part and W_U."""
+    return _through_final_norm(model, decoder_directions(model, sae)) @ model.W_U
+
+
+@torch.no_grad()
+def feature_logit_effects(model, sae, feature: int, k: int = 10) -> pd.DataFrame:
+    """The ``k`` tokens ``feature`` promotes most (``top``) and suppresses most (``bottom``)."""
+    feature = _check_feature(sae, feature)
+    effects = logit_effects(model, sae)[feature].float().cpu()
+    k = min(k, len(effects))
+    rows = []
+    for direction, (values, ids) in (("top", effects.topk(k)), ("bottom", (-effects).topk(k))):
+        labels = str_tokens(model, ids)
+        for rank, (value, token_id, label) in enumerate(zip(values.tolist(), ids.tolist(), labels)):
+            rows.append({"feature": feature, "direction": direction, "rank": rank, "token_id": token_id,
+                         "token": label, "effect": value if direction == "top" else -value})
+    return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def feature_table(model, sae, dataset: Dataset, n_logits: int = 5, n_sequences: int = 256, window: int = 8,
+                  exclude_first: bool = True, density: Optional[Tensor] = None) -> pd.DataFrame:
+    """One row per feature: density, mean activation when firing, max, its top context, top / bottom logits.
+
+    ``density`` (e.g. the training run's, in ``sae.feature_density``) replaces the one measured here.
+    """
+    tokens = dataset_tokens(model, dataset, n_sequences)
+    acts = feature_activations(model, sae, tokens)
+    acts = acts[:, 1:] if exclude_first else acts
+    offset = 1 if exclude_first else 0
+    flat = acts.reshape(-1, acts.shape[-1])
+    firing = flat > 0
+    counts = firing.sum(0)
+    measured = counts.float() / max(1, flat.shape[0])
+    max_act, where = flat.max(0)
+    mean_act = flat.sum(0) / counts.clamp_min(1)
+    effects = logit_effects(model, sae).float().cpu()
+    top = effects.topk(min(n_logits, effects.shape[1]), dim=1).indices
+    bottom = (-effects).topk(min(n_logits, effects.shape[1]), dim=1).indices
+    rows = []
+    for f in range(sae.cfg.d_sae):
+        context = ""
+        if counts[f] > 0:
+            seq, pos = divmod(int(where[f]), acts.shape[1])
+            labels = str_tokens(model, tokens[seq])
+            left, token, right = _context(labels, pos + offset, window)
+            context = f"{left} [[{token.strip()}]]{right}"
+        rows.append({
+            "feature": f,
+            "density": float(density[f]) if density is not None else float(measured[f]),
+            "measured_density": float(measured[f]),
+            "mean_activation": float(mean_act[f]),
+            "max_activation": float(max_act[f]),
+            "top_context": context,
+            "top_logits": str_tokens(model, top[f]),
+            "bottom_logits": str_tokens(model, bottom[f]),
+        })
+    return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def feature_dla(model, sae, tokens: Union[str, Int[Tensor, "batch pos"]], answer, wrong=None, pos: int = -1) -> pd.DataFrame:
+    """Each firing feature's direct share of ``logit[answer] - logit[wrong]`` (or ``logit[answer]``) at ``pos``.
+
+    ``activation * direction . (W_U[:, answer] - W_U[:, wrong])`` with the final norm's scale of this run
+    frozen, as in ``direct_logit_attribution``: the part the feature writes straight to the logits
+    (not through later layers). One row per (batch, feature) where the feature fires, sorted by |dla|.
+    """
+    from workbench.analysis.attribution import _token_ids
+    from workbench.analysis.common import as_tokens
+
+    tokens = as_tokens(model, tokens)
+    answer_ids = _token_ids(model, "answer", answer, tokens.shape[0])
+    target = model.W_U[:, answer_ids].T  # [batch, d_model]
+    if wrong is not None:
+        target = target - model.W_U[:, _token_ids(model, "wrong", wrong, tokens.shape[0])].T
+    hook = sae.cfg.hook_name
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in (hook, "ln_final.hook_scale"))
+    act = cache[hook][:, pos]
+    act = act.flatten(1) if act.ndim > 2 else act
+    acts = sae.encode(act.to(sae.device)).float()  # [batch, d_sae]
+    directions = _through_final_norm(model, decoder_directions(model, sae)).float()  # [d_sae, d_model]
+    per_unit = target.float() @ directions.T  # [batch, d_sae]
+    if model.cfg.norm != "none":
+        per_unit = per_unit / cache["ln_final.hook_scale"][:, pos].float()
+    dla = (acts * per_unit).cpu()
+    batch_idx, feats = (acts > 0).nonzero(as_tuple=True)
+    frame = pd.DataFrame({"batch": batch_idx.cpu().numpy(), "feature": feats.cpu().numpy(),
+                          "activation": acts[batch_idx, feats].cpu().numpy(),
+                          "dla": dla[batch_idx.cpu(), feats.cpu()].numpy()})
+    return frame.reindex(frame["dla"].abs().sort_values(ascending=False).index).reset_index(drop=True)

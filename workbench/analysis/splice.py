@@ -1,0 +1,187 @@
+"""Splicing a dictionary into a model: its features become hooks, so every analysis works on them.
+
+    model.add_sae(sae, error_term=True)          # or: with spliced(model, sae, error_term=True): ...
+    logits, cache = model.run_with_cache(tokens)
+    cache["blocks.1.hook_resid_post.hook_sae_acts_post"]    # [batch, pos, d_sae] feature activations
+    model.remove_sae()                           # every dictionary out, the original hooks back
+
+The model's HookPoint at the dictionary's hook (``blocks.1.hook_resid_post``) is swapped for an
+``SAEHookPoint``: still a HookPoint under the same name (so caches and hooks there keep working
+and see the spliced value), holding child hooks that ``HookedRootModule.setup()`` registers as
+``{hook}.hook_sae_input``, ``.hook_sae_acts_pre``, ``.hook_sae_acts_post``, ``.hook_sae_recons`` and
+``.hook_sae_error``. Ablating or steering a feature is a hook on ``hook_sae_acts_post``.
+
+With ``error_term=True`` the value passed on is ``recons + (x - recons_clean)``, where
+``recons_clean`` is the reconstruction with no hook edits: unedited, the model computes what it
+did before (to float rounding), and its gradient with respect to ``x`` is the identity, while the
+gradient with respect to a feature is its decoder direction (the error is a separate node, as in
+sparse feature circuits). Without it the model runs on the reconstruction alone.
+
+A transcoder reads one hook (the MLP's input) and replaces another (the MLP's output): the input
+hook is swapped for an ``InputTap`` that hands its value to the output's ``SAEHookPoint``.
+
+The dictionary is held by reference, not as a submodule: the model's parameters, state_dict and
+checkpoints never include it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Union
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from workbench.analysis.store import check_hook, hook_shapes
+
+SAE_HOOKS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error")
+
+
+class InputTap(HookPoint):
+    """A HookPoint that also keeps its latest value for the transcoder that reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.value: Optional[Tensor] = None
+
+    def has_hooks(self, *args, **kwargs) -> bool:
+        return True  # norms and attention take their hooked path only when a hook listens
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.value = x
+        return x
+
+
+class SAEHookPoint(HookPoint):
+    """A model HookPoint whose value is a dictionary's reconstruction (plus the error term, if asked)."""
+
+    def __init__(self, sae: nn.Module, error_term: bool, tap: Optional[InputTap] = None):
+        super().__init__()
+        self._sae = [sae]  # a list: not a submodule, so its weights stay out of the model's
+        self.error_term = bool(error_term)
+        self._tap = [tap] if tap is not None else []
+        for name in SAE_HOOKS:
+            setattr(self, name, HookPoint())
+
+    @property
+    def sae(self) -> nn.Module:
+        return self._sae[0]
+
+    def has_hooks(self, *args, **kwargs) -> bool:
+        return True
+
+    def forward(self, x: Tensor) -> Tensor:
+        sae = self.sae
+        if self._tap:
+            raw, self._tap[0].value = self._tap[0].value, None
+            if raw is None:
+                raise RuntimeError(f"the transcoder at {self.name} found no input at {sae.cfg.hook_name}: "
+                                   "that hook did not run before this one")
+        else:
+            raw = x
+        raw = raw.flatten(2) if raw.ndim > 3 else raw
+        target = x.flatten(2) if x.ndim > 3 else x
+        sae_in = self.hook_sae_input(raw)
+        acts = self.hook_sae_acts_post(sae.activate(self.hook_sae_acts_pre(sae.pre_acts(sae_in))))
+        recons = self.hook_sae_recons(sae.decode(acts, sae_in))
+        if self.error_term:
+            edited = torch.is_grad_enabled() or any(
+                getattr(self, name).has_hooks() for name in SAE_HOOKS if name != "hook_sae_error")
+            clean = sae(raw) if edited else recons
+            recons = recons + self.hook_sae_error(target.to(recons.dtype) - clean)
+        return recons.to(x.dtype).view(x.shape)
+
+
+def _parent(model, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
+
+def _splices(model) -> dict:
+    if not hasattr(model, "_sae_splices"):
+        model._sae_splices = {}
+    return model._sae_splices
+
+
+def add_sae(model, sae, error_term: bool = False, hook: Optional[str] = None) -> SAEHookPoint:
+    """Put ``sae`` at its hook (``hook`` overrides ``sae.cfg.hook_name``); returns the new HookPoint.
+
+    A transcoder replaces ``sae.cfg.hook_name_out`` and reads ``sae.cfg.hook_name``.
+    """
+    cfg = sae.cfg
+    hook_in = hook or cfg.hook_name
+    if not hook_in:
+        raise ValueError("this dictionary records no hook; pass hook='blocks.L.hook_...'")
+    hook_out = (cfg.hook_name_out or "") if getattr(sae, "is_transcoder", False) else hook_in
+    if not hook_out:
+        raise ValueError("this transcoder records no output hook (cfg.hook_name_out); it cannot be spliced")
+    splices = _splices(model)
+    for name in {hook_in, hook_out}:
+        if name in splices or any(name == s["hook_in"] for s in splices.values()):
+            raise ValueError(f"a dictionary is already spliced in at {name}; remove_sae({name!r}) first")
+        if isinstance(model.hook_dict.get(name), (SAEHookPoint, InputTap)):
+            raise ValueError(f"{name} is already spliced")
+        check_hook(model, name)
+    shapes = hook_shapes(model, sorted({hook_in, hook_out}))
+    for name, width, what in ((hook_in, cfg.d_in, "d_in"), (hook_out, cfg.d_out, "d_out")):
+        have = int(np.prod(shapes[name]))
+        if have != width:
+            raise ValueError(f"the dictionary's {what}={width} does not match {name}, whose activations have "
+                             f"{have} features (shape {list(shapes[name])}); it was trained on another hook or model")
+    sae.to(model.device).eval()
+    tap = None
+    if hook_out != hook_in:
+        parent, attr = _parent(model, hook_in)
+        tap = InputTap()
+        original_in = getattr(parent, attr)
+        setattr(parent, attr, tap)
+    parent, attr = _parent(model, hook_out)
+    original = getattr(parent, attr)
+    point = SAEHookPoint(sae, error_term, tap)
+    setattr(parent, attr, point)
+    splices[hook_out] = {"point": point, "original": original, "hook_in": hook_in,
+                         "tap_original": original_in if tap is not None else None}
+    model.setup()
+    return point
+
+
+def remove_sae(model, which: Union[str, nn.Module, None] = None) -> None:
+    """Take out the dictionary at hook ``which`` (or that dictionary object; None: all of them)."""
+    splices = _splices(model)
+    if which is None:
+        names = list(splices)
+    elif isinstance(which, str):
+        names = [n for n, s in splices.items() if which in (n, s["hook_in"])]
+    else:
+        names = [n for n, s in splices.items() if s["point"].sae is which]
+    if which is not None and not names:
+        raise ValueError(f"no dictionary is spliced in at {which!r}; spliced: {list(splices) or 'none'}")
+    for name in names:
+        entry = splices.pop(name)
+        parent, attr = _parent(model, name)
+        setattr(parent, attr, entry["original"])
+        if entry["tap_original"] is not None:
+            parent, attr = _parent(model, entry["hook_in"])
+            setattr(parent, attr, entry["tap_original"])
+    model.setup()
+
+
+def spliced_saes(model) -> dict[str, nn.Module]:
+    """``{hook: dictionary}`` for every dictionary spliced into ``model``."""
+    return {name: entry["point"].sae for name, entry in _splices(model).items()}
+
+
+@contextlib.contextmanager
+def spliced(model, *saes, error_term: bool = False) -> Iterator:
+    """Splice ``saes`` in for the ``with`` block; they come out again however the block ends."""
+    added = []
+    try:
+        for sae in saes:
+            add_sae(model, sae, error_term=error_term)
+            added.append(sae)
+        yield model
+    finally:
+        for sae in added:
+            remove_sae(model, sae)
