@@ -16,7 +16,6 @@ before the grid runs, and a run never overwrites a file it did not write.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -50,18 +49,11 @@ def setup(args: argparse.Namespace) -> None:
 
 # ---- splitting a grid across torchrun ranks ------------------------------------------------
 def rank_and_world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    """This script's place in a torchrun launch (read here, at the entry point; never by the library)."""
+    from workbench.distributed import DistInfo
 
-
-@contextlib.contextmanager
-def single_process():
-    """Hide torchrun's variables, so a library call (e.g. ``train``) does not start DDP:
-    each rank runs its own grid items, which are different models."""
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
+    info = DistInfo.from_env()
+    return info.rank, info.world_size
 
 
 def run_grid(items: list, run_one: Callable[[Any], Iterable[dict]], desc: str = "grid") -> Optional[pd.DataFrame]:
@@ -72,9 +64,10 @@ def run_grid(items: list, run_one: Callable[[Any], Iterable[dict]], desc: str = 
     rank, world = rank_and_world()
     mine = list(range(rank, len(items), world))
     rows = []
+    # Each rank's items are different models, trained single-process: ``train`` is data-parallel
+    # only when handed a ``dist``, which no experiment passes.
     for index in tqdm(mine, desc=desc, disable=rank != 0):
-        with single_process():
-            rows += [{"_item": index, **row} for row in run_one(items[index])]
+        rows += [{"_item": index, **row} for row in run_one(items[index])]
     if world > 1:
         import torch.distributed as dist
 
