@@ -10,6 +10,7 @@ from workbench.accounting import (
 from workbench.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from workbench.config import ModelConfig
 from workbench.model import HookedDecoder, KVCache
+from workbench.snapshots import Series, load_series
 from workbench.interop import from_hf, to_hf
 from workbench import analysis, viz  # noqa: E402  (the analysis library and its figures)
 
@@ -27,6 +28,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "CheckpointError",
+    "Series",
+    "load_series",
     "from_hf",
     "to_hf",
     "analysis",

@@ -47,6 +47,7 @@ from workbench.config import ModelConfig
 from workbench.data import Task, get_task
 from workbench.distributed import DistInfo
 from workbench.model import HookedDecoder
+from workbench.snapshots import SnapshotWriter, snapshot_steps
 
 METRICS_FILE = "metrics.csv"
 STATE_TENSORS_FILE = "train_state.safetensors"
@@ -80,6 +81,8 @@ class TrainConfig:
     log_every: int = _opt(10, "a metrics.csv row every N steps")
     save_every: int = _opt(0, "checkpoint every N steps (0: only at the end)")
     save_train_state: bool = _opt(True, "save optimizer/RNG state with checkpoints so the run can be resumed")
+    snapshots: Union[str, list, None] = _opt(None, "weight snapshots during training: every:N, log:K, or steps '0,100,250'")
+    snapshot_fp16: bool = _opt(False, "store snapshots in fp16 (half the size; analyses run in fp32)")
     seed: int = _opt(0, "seed of the initial weights, the data and the task's held-out split")
     device: str = _opt("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
     autocast: Literal["auto", "bf16", "none"] = _opt("auto", "bf16 autocast (auto: on CUDA only)")
@@ -204,6 +207,7 @@ class _Run:
     step: int
     history: list[dict]
     last_saved: Optional[int]
+    snapshots: Optional[SnapshotWriter]  # the main process's, whenever there is an out_dir
     interrupted: bool = False
     stopped_early: bool = False
 
@@ -247,6 +251,9 @@ def _prepare_run(config: TrainConfig, model_config: Optional[ModelConfig], out_d
     seq_len = task.default_seq_len if task.fixed_seq_len else (config.seq_len or model.cfg.n_ctx)
     if seq_len > model.cfg.n_ctx:
         raise ValueError(f"seq_len={seq_len} exceeds the model's n_ctx={model.cfg.n_ctx}")
+    schedule = snapshot_steps(config.snapshots, config.steps)  # a bad schedule fails now
+    if schedule and out_dir is None:
+        raise ValueError(f"TrainConfig.snapshots={config.snapshots!r} needs an out_dir to write the snapshots into")
     micro = config.batch_size // (config.grad_accum * dist.world_size)
     if micro * config.grad_accum * dist.world_size != config.batch_size:
         raise ValueError(
@@ -264,8 +271,13 @@ def _prepare_run(config: TrainConfig, model_config: Optional[ModelConfig], out_d
     use_bf16 = config.autocast == "bf16" or (config.autocast == "auto" and device.type == "cuda")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
     meta = {"task": task.name, "task_options": _jsonable(task.options()), "train_config": config.to_dict()}
+    snapshots = None
+    if out_dir is not None and dist.is_main:  # also without a schedule: a resumed run carries its snapshots
+        snapshots = SnapshotWriter(out_dir, schedule, config.snapshot_fp16,
+                                   resume_from=start_step if state is not None else None)
     return _Run(config, model, wrapped, task, optimizer, dist, device, out_dir, seq_len, micro, autocast, meta,
-                step=start_step, history=history, last_saved=start_step if state is not None else None)
+                step=start_step, history=history, last_saved=start_step if state is not None else None,
+                snapshots=snapshots)
 
 
 def _run_steps(run: _Run, progress: bool, callback: Optional[Callable[[dict], Optional[bool]]]) -> None:
@@ -276,9 +288,12 @@ def _run_steps(run: _Run, progress: bool, callback: Optional[Callable[[dict], Op
                disable=not (progress and run.dist.is_main))
     window_tokens, window_start = 0, time.perf_counter()  # throughput since the last logged row
     try:
+        if run.step == 0:
+            _snapshot(run, {})  # the initial weights, when the schedule names step 0
         while run.step < config.steps:
             lr, train_loss, grad_norm, n_tokens = _step(run)
             window_tokens += n_tokens
+            row = {"train_loss": train_loss, "val_loss": None, "lr": lr, "grad_norm": grad_norm}
             evaluate = config.eval_every and (run.step % config.eval_every == 0) and run.step < config.steps
             if run.step % config.log_every == 0 or evaluate or run.step == config.steps:
                 row = _log(run, lr, train_loss, grad_norm, window_tokens / max(time.perf_counter() - window_start, 1e-9))
@@ -288,6 +303,7 @@ def _run_steps(run: _Run, progress: bool, callback: Optional[Callable[[dict], Op
                 if callback is not None:
                     run.stopped_early = _ask_callback(callback, row, run.dist, run.device) and run.step < config.steps
                 window_tokens, window_start = 0, time.perf_counter()
+            _snapshot(run, row)
             bar.update(1)
             if run.stopped_early:
                 break
@@ -352,12 +368,20 @@ def _evaluate(run: _Run) -> float:
     return run.task.val_loss(run.model, run.config.batch_size, run.seq_len, run.config.eval_batches)
 
 
+def _snapshot(run: _Run, row: dict) -> None:
+    """Save the weights (only) when the schedule names this step, with the step's metrics."""
+    if run.snapshots is not None and run.snapshots.due(run.step):
+        run.snapshots.write(run.model, run.step, {k: row.get(k) for k in ("train_loss", "val_loss", "lr", "grad_norm")})
+
+
 def _save_checkpoint(run: _Run, metrics: Optional[dict] = None) -> None:
     """Write the checkpoint at the current step (main process, with an ``out_dir``). A step
     already saved is not saved again, except by the final save, which adds the metrics."""
     if run.out_dir is None or not run.dist.is_main or (run.last_saved == run.step and metrics is None):
         return
-    _save(run.model, run.task, run.out_dir, run.step, run.optimizer, run.config, run.history, run.meta, metrics)
+    snapshot_files = run.snapshots.checkpoint_files() if run.snapshots is not None else {}
+    _save(run.model, run.task, run.out_dir, run.step, run.optimizer, run.config, run.history, run.meta, metrics,
+          snapshot_files)
     run.last_saved = run.step
 
 
@@ -372,6 +396,8 @@ def _finish(run: _Run) -> TrainResult:
                        **run.task.evaluate(run.model)}
             if history:
                 history[-1]["val_loss"] = metrics["val_loss"]
+            if run.snapshots is not None:
+                run.snapshots.update(run.step, val_loss=metrics["val_loss"])
             _save_checkpoint(run, metrics)
         distributed.barrier(run.dist)
     run.model.eval()
@@ -397,8 +423,8 @@ def _make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 
 # ---- checkpoint files ----------------------------------------------------------------------
-def _save(model, task, out_dir, step, optimizer, config, history, meta, metrics) -> None:
-    extra: dict[str, Union[str, bytes]] = {METRICS_FILE: _history_csv(history)}
+def _save(model, task, out_dir, step, optimizer, config, history, meta, metrics, snapshot_files=None) -> None:
+    extra: dict[str, Union[str, bytes, Path]] = {METRICS_FILE: _history_csv(history), **(snapshot_files or {})}
     if config.save_train_state:
         tensors, info = _train_state(optimizer, step)
         extra[STATE_TENSORS_FILE] = save(tensors)

@@ -7,10 +7,12 @@
     patching.py     activation patching and attribution patching
     tokens.py       per-position tables of a prompt: next-token losses, residual-stream norms
     resume.py       the engine both use: replace one activation, run only what follows
+    dynamics.py     any of these over a run's training snapshots: one table with a step column
 """
 
 from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep, sweep_specs
 from workbench.analysis.attribution import direct_logit_attribution
+from workbench.analysis.dynamics import over_training
 from workbench.analysis.common import logit_diff_metric, loss_metric, str_tokens, unique_labels
 from workbench.analysis.heads import (
     SCORE_KINDS,
@@ -31,4 +33,5 @@ __all__ = [
     "TunedLens", "compare_lenses", "logit_lens", "train_tuned_lens", "tuned_lens",
     "PATCH_SITES", "activation_patching", "attribution_patching",
     "residual_norms", "token_losses",
+    "over_training",
 ]
