@@ -46,7 +46,7 @@ class Interval:
         """True when ``value`` lies in the interval (and when there is no interval: nothing was detected)."""
         if math.isnan(self.low) or math.isnan(self.high):
             return True
-        return self.low <= value <= self.high
+        return bool(self.low <= value <= self.high)
 
     def __str__(self) -> str:
         return format_interval(self)
