@@ -103,6 +103,7 @@ def test_resume_keeps_the_snapshots_and_continues_them_bit_exactly(tmp_path):
     interrupted = train(config, model=model, out_dir=tmp_path / "resumed", progress=False)
     assert interrupted.interrupted and interrupted.step == 3
     assert wb.load_series(tmp_path / "resumed").steps == [2]
+    (tmp_path / "resumed" / "snapshots" / "snapshots.json").write_text("{broken")  # the files still name their steps
     train(config, out_dir=tmp_path / "resumed", resume=True, progress=False)
     straight, resumed = wb.load_series(tmp_path / "straight"), wb.load_series(tmp_path / "resumed")
     assert resumed.steps == straight.steps == [2, 4, 6]

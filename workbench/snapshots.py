@@ -123,9 +123,11 @@ class SnapshotWriter:
         self.entries: list[dict] = []
         if resume_from is not None:  # keep what the run had up to the step it resumes from
             try:
-                self.entries = [e for e in read_index(self.dir) if e["step"] <= resume_from]
-            except SnapshotError:
-                self.entries = []
+                entries = read_index(self.dir)
+            except SnapshotError:  # the files still say what they are; only their metrics are lost
+                entries = [{"step": step, "file": f.name} for f in sorted(self.dir.glob("step-*.safetensors"))
+                           for step in [_step_of(f)] if step is not None]
+            self.entries = [e for e in entries if e["step"] <= resume_from]
         elif not self.steps:
             return  # a fresh run without snapshots leaves an old series to the first save, which drops it
         keep = {e["file"] for e in self.entries}
@@ -218,6 +220,13 @@ class SnapshotWriter:
         tmp = self.out_dir / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, self.out_dir / MANIFEST_FILE)
+
+
+def _step_of(path: Path) -> Optional[int]:
+    try:
+        return read_header(path)[0]
+    except SnapshotError:
+        return None
 
 
 def _read_json(path: Path) -> Optional[dict]:

@@ -13,6 +13,10 @@ Nothing is lost on failure: a non-finite loss or gradient stops training before 
 optimizer step, with a clear message, leaving the last good checkpoint untouched; Ctrl-C
 saves a checkpoint at the last completed step.
 
+With ``snapshots`` (``"every:N"``, ``"log:K"`` or explicit steps) the weights alone are also
+kept at those steps in ``snapshots/`` inside the run folder (``workbench.snapshots``), for
+analyses over training; saves carry them and resuming keeps them.
+
 ``callback`` sees each logged row as it is written (a live loss curve, a progress bar);
 returning ``True`` ends the run early, evaluated and saved like one that reached ``steps``.
 
