@@ -225,25 +225,8 @@ def _prepare_run(config: TrainConfig, model_config: Optional[ModelConfig], out_d
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     out_dir = check_replaceable(out_dir) if out_dir is not None else None  # fail now, not after training
-    state = _load_train_state(out_dir) if resume else None
-    if resume and state is None:
-        raise ValueError(
-            f"nothing to resume in {out_dir}: it holds no {STATE_JSON_FILE} (a run saved with "
-            "save_train_state=False, or no run at all); start a fresh run instead"
-        )
-    history: list[dict] = []
-    start_step = 0
-    if state is not None:
-        model, tokenizer = load_checkpoint(out_dir)
-        task = task or build_task(config, tokenizer)
-        start_step = state["json"]["step"]
-        history = _read_history(out_dir, start_step)
-    else:
-        task = task or build_task(config)
-        if model is None:
-            if model_config is None:
-                raise ValueError("train() needs a model_config or a model (or resume=True with a checkpoint in out_dir)")
-            model = HookedDecoder(model_config)
+    model, task, state, history = _model_task_and_state(config, model_config, out_dir, resume, model, task)
+    start_step = state["json"]["step"] if state is not None else 0
     if model.cfg.d_vocab < task.vocab_size:
         raise ValueError(
             f"the model's d_vocab={model.cfg.d_vocab} is smaller than the {task.name} task's vocabulary "
@@ -282,6 +265,27 @@ def _prepare_run(config: TrainConfig, model_config: Optional[ModelConfig], out_d
     return _Run(config, model, wrapped, task, optimizer, dist, device, out_dir, seq_len, micro, autocast, meta,
                 step=start_step, history=history, last_saved=start_step if state is not None else None,
                 snapshots=snapshots)
+
+
+def _model_task_and_state(config: TrainConfig, model_config: Optional[ModelConfig], out_dir: Optional[Path],
+                          resume: bool, model: Optional[HookedDecoder], task: Optional[Task]):
+    """``(model, task, training state or None, history so far)``: the checkpoint's when resuming,
+    else the given model (or a new one from ``model_config``) and task."""
+    state = _load_train_state(out_dir) if resume else None
+    if resume and state is None:
+        raise ValueError(
+            f"nothing to resume in {out_dir}: it holds no {STATE_JSON_FILE} (a run saved with "
+            "save_train_state=False, or no run at all); start a fresh run instead"
+        )
+    if state is not None:
+        model, tokenizer = load_checkpoint(out_dir)
+        return model, task or build_task(config, tokenizer), state, _read_history(out_dir, state["json"]["step"])
+    task = task or build_task(config)
+    if model is None:
+        if model_config is None:
+            raise ValueError("train() needs a model_config or a model (or resume=True with a checkpoint in out_dir)")
+        model = HookedDecoder(model_config)
+    return model, task, None, []
 
 
 def _run_steps(run: _Run, progress: bool, callback: Optional[Callable[[dict], Optional[bool]]]) -> None:
