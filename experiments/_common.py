@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -196,6 +197,14 @@ def is_main_rank() -> bool:
 
 
 def split_rows(frame: pd.DataFrame, column: str = "table") -> dict[str, pd.DataFrame]:
-    """Rows of several kinds gathered together, split by ``column`` (its NaN columns dropped)."""
-    return {kind: part.drop(columns=column).dropna(axis=1, how="all").reset_index(drop=True)
-            for kind, part in frame.groupby(column, sort=False)}
+    """Rows of several kinds gathered together, split by ``column`` (its NaN columns dropped, and
+    whole-number columns that only the other kinds' gaps had made float turned back into ints)."""
+    out = {}
+    for kind, part in frame.groupby(column, sort=False):
+        part = part.drop(columns=column).dropna(axis=1, how="all").reset_index(drop=True)
+        for name in part.columns:
+            values = part[name]
+            if values.dtype.kind == "f" and values.map(math.isfinite).all() and (values == values.round()).all():
+                part[name] = values.astype("int64")
+        out[kind] = part
+    return out
