@@ -10,14 +10,24 @@ causal attention over n/2 keys on average) / time / peak.  Targets: workbench MF
 step time within 1.15x of the plain loop's.  Rounds alternate plain / workbench / plain /
 workbench ... so machine noise hits both; medians are reported.
 
-    python benchmarks/train.py [--steps 6] [--rounds 2] [--threads 2]
+The snapshot row: the wall time of a whole ``train`` run of ``--snapshot-steps`` steps with 24
+log-spaced fp32 weight snapshots (``snapshots="log:24"``) against the same run without them,
+both writing their checkpoint to a temporary folder, alternated ``--rounds`` times; target
+<= 1.05x. 24 snapshots in 100 steps is far denser than a real run's (24 in thousands), so the
+ratio is an upper bound on what snapshots cost. On a shared machine two whole runs differ by
+more than the snapshots cost, so the cost of one snapshot write is also timed on its own
+(median of 24) and reported as a fraction of the run without snapshots.
+
+    python benchmarks/train.py [--steps 6] [--rounds 2] [--threads 2] [--snapshot-steps 100] [--only-snapshots]
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,16 +74,57 @@ def workbench_step_times(cfg: wb.ModelConfig, batch: int, steps: int) -> list[fl
     return [batch * cfg.n_ctx / tps for tps in history["tokens_per_s"]]
 
 
+def snapshot_run_seconds(cfg: wb.ModelConfig, batch: int, steps: int, snapshots) -> float:
+    """Wall time of one whole ``train`` run into a temporary folder, with or without snapshots."""
+    config = TrainConfig(task="induction", task_options={"vocab": cfg.d_vocab, "seq_len": cfg.n_ctx}, steps=steps,
+                         batch_size=batch, warmup_steps=1, eval_every=0, eval_batches=1, log_every=10,
+                         autocast="none", save_train_state=False, snapshots=snapshots)
+    folder = Path(tempfile.mkdtemp(prefix="bench-snapshots-"))
+    try:
+        started = time.perf_counter()
+        train(config, cfg, out_dir=folder / "run", progress=False)
+        return time.perf_counter() - started
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def snapshot_write_seconds(cfg: wb.ModelConfig, writes: int = 24) -> float:
+    """Median seconds of one fp32 snapshot write of a model of ``cfg`` (weights, index, ownership)."""
+    from workbench.snapshots import SnapshotWriter
+
+    model = wb.HookedDecoder(cfg)
+    folder = Path(tempfile.mkdtemp(prefix="bench-snapshot-write-"))
+    try:
+        writer = SnapshotWriter(folder / "run", range(writes), fp16=False)
+        times = []
+        for step in range(writes):
+            started = time.perf_counter()
+            writer.write(model, step, {"train_loss": 1.0, "lr": 1e-3, "grad_norm": 1.0})
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of each loop")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--snapshot-steps", type=int, default=100,
+                        help="steps of each run in the snapshot comparison (>= 24; 0 skips it)")
+    parser.add_argument("--only-snapshots", action="store_true", help="skip the plain-loop comparison")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = wb.ModelConfig.from_preset("nanogpt-bench", seed=0)
+    if args.only_snapshots:
+        print(f"config: nanogpt-bench, batch {args.batch}; torch threads {torch.get_num_threads()}")
+        rows: list = []
+        snapshot_rows(cfg, args, rows)
+        _print_rows(rows)
+        return
     plain, hooked, peaks = [], [], []
     for _ in range(args.rounds):  # the peak is re-measured next to each loop: a shared machine's speed drifts
         peaks.append(matmul_peak_gflops(d=cfg.d_model))
@@ -96,6 +147,29 @@ def main() -> None:
         ("workbench MFU", mfu_hooked, ">= 0.50", mfu_hooked >= 0.50),
         ("step time, workbench / plain loop", t_hooked / t_plain, "<= 1.15", t_hooked / t_plain <= 1.15),
     ]
+    snapshot_rows(cfg, args, rows)
+    _print_rows(rows)
+
+
+def snapshot_rows(cfg: wb.ModelConfig, args: argparse.Namespace, rows: list) -> None:
+    """The snapshot rows: whole runs with and without 24 snapshots, and one write timed alone."""
+    if not args.snapshot_steps:
+        return
+    without, with_snapshots = [], []
+    for _ in range(args.rounds):
+        without.append(snapshot_run_seconds(cfg, args.batch, args.snapshot_steps, None))
+        with_snapshots.append(snapshot_run_seconds(cfg, args.batch, args.snapshot_steps, "log:24"))
+    run = statistics.median(without)
+    ratio = statistics.median(with_snapshots) / run
+    write = snapshot_write_seconds(cfg)
+    print(f"  {args.snapshot_steps}-step run: {run:.1f} s without snapshots, {statistics.median(with_snapshots):.1f} s "
+          f"with 24 log-spaced ones (runs: {', '.join(f'{t:.0f}' for t in without)} / "
+          f"{', '.join(f'{t:.0f}' for t in with_snapshots)} s); one snapshot write {write * 1e3:.0f} ms")
+    rows.append(("run time, 24 snapshots / none", ratio, "<= 1.05", ratio <= 1.05))
+    rows.append(("24 writes alone / run without", 1 + 24 * write / run, "<= 1.05", 24 * write / run <= 0.05))
+
+
+def _print_rows(rows: list) -> None:
     print()
     print(f"{'measure':36} {'value':>7} {'target':>8}  met")
     for name, value, target, ok in rows:

@@ -1,10 +1,15 @@
 """What every experiment script shares: its command line, its run directory, and grid splitting.
 
 Each experiment is a loop over library calls. It parses the common flags (``--quick``,
-``--out``, ``--seed``, ``--threads``), runs its grid (split across ``torchrun`` ranks when
-launched that way: rank r takes items r, r + W, ...; rank 0 gathers the rows over gloo), and
-writes ``runs/<name>/``: ``config.json``, ``results.csv``, one HTML file per figure, and
-prints a summary table.
+``--out``, ``--seed``, ``--seeds``, ``--threads``), runs its grid (split across ``torchrun``
+ranks when launched that way: rank r takes items r, r + W, ...; rank 0 gathers the rows over
+gloo), and writes ``runs/<name>/``: ``config.json``, ``results.csv``, one HTML file per figure,
+and prints a summary table.
+
+A single run is an anecdote: ``--seeds N`` runs every cell with seeds ``seed .. seed+N-1``
+(the grid is cells x seeds, split over ranks like any grid), and the summary reports each
+cell's mean and 95% t-interval (``workbench.stats``), with "no difference detected" wherever
+the interval of a difference covers zero.
 
 ``--out`` must be new, empty, or a run directory (``workbench.json`` lists the files the runs
 wrote; older runs are known by ``config.json``'s ``experiment``): any other folder is refused
@@ -16,8 +21,8 @@ before the grid runs, and a run never overwrites a file it did not write.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -36,32 +41,57 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a tiny version that runs in seconds (used by the tests)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / name, help=f"run directory (default: runs/{name})")
-    p.add_argument("--seed", type=int, default=0, help="seed of models and data")
+    p.add_argument("--seed", type=int, default=0, help="first seed of models and data")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per cell (seed, seed+1, ...); tables report the mean "
+                                                       "and a 95%% t-interval over them")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     return p
 
 
 def setup(args: argparse.Namespace) -> None:
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     check_run_dir(args.out)  # now, not after an hour of grid
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
 
+def seeds(args: argparse.Namespace) -> list[int]:
+    """The seeds every cell runs with: ``--seed`` and the ``--seeds - 1`` after it."""
+    return list(range(args.seed, args.seed + args.seeds))
+
+
+def with_intervals(results: pd.DataFrame, by, values, digits: int = 3) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(numbers, readable): per cell of ``by``, n and each value's mean, low, high over the seeds;
+    the readable table folds each into ``"mean [low, high]"``."""
+    from workbench.stats import interval_cells, summarize
+
+    numbers = summarize(results, by, values)
+    return numbers, interval_cells(numbers, values, digits)
+
+
+def interval_bars(numbers: pd.DataFrame, x: str, value: str, title: str = ""):
+    """A bar per cell at its mean, with its 95% interval as an error bar."""
+    import plotly.graph_objects as go
+
+    mean, low, high = numbers[f"{value}_mean"], numbers[f"{value}_low"], numbers[f"{value}_high"]
+    fig = go.Figure(go.Bar(x=numbers[x].astype(str), y=mean,
+                           error_y=dict(type="data", symmetric=False, array=(high - mean).fillna(0),
+                                        arrayminus=(mean - low).fillna(0)),
+                           customdata=numbers["n"], hovertemplate="%{x}<br>mean %{y:.4g} (n=%{customdata})<extra></extra>"))
+    fig.update_layout(title=title or f"{value}: mean and 95% interval over seeds", yaxis_title=value,
+                      template="plotly_white")
+    return fig
+
+
 # ---- splitting a grid across torchrun ranks ------------------------------------------------
 def rank_and_world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    """This script's place in a torchrun launch (read here, at the entry point; never by the library)."""
+    from workbench.distributed import DistInfo
 
-
-@contextlib.contextmanager
-def single_process():
-    """Hide torchrun's variables, so a library call (e.g. ``train``) does not start DDP:
-    each rank runs its own grid items, which are different models."""
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
+    info = DistInfo.from_env()
+    return info.rank, info.world_size
 
 
 def run_grid(items: list, run_one: Callable[[Any], Iterable[dict]], desc: str = "grid") -> Optional[pd.DataFrame]:
@@ -72,9 +102,10 @@ def run_grid(items: list, run_one: Callable[[Any], Iterable[dict]], desc: str = 
     rank, world = rank_and_world()
     mine = list(range(rank, len(items), world))
     rows = []
+    # Each rank's items are different models, trained single-process: ``train`` is data-parallel
+    # only when handed a ``dist``, which no experiment passes.
     for index in tqdm(mine, desc=desc, disable=rank != 0):
-        with single_process():
-            rows += [{"_item": index, **row} for row in run_one(items[index])]
+        rows += [{"_item": index, **row} for row in run_one(items[index])]
     if world > 1:
         import torch.distributed as dist
 
@@ -166,6 +197,14 @@ def is_main_rank() -> bool:
 
 
 def split_rows(frame: pd.DataFrame, column: str = "table") -> dict[str, pd.DataFrame]:
-    """Rows of several kinds gathered together, split by ``column`` (its NaN columns dropped)."""
-    return {kind: part.drop(columns=column).dropna(axis=1, how="all").reset_index(drop=True)
-            for kind, part in frame.groupby(column, sort=False)}
+    """Rows of several kinds gathered together, split by ``column`` (its NaN columns dropped, and
+    whole-number columns that only the other kinds' gaps had made float turned back into ints)."""
+    out = {}
+    for kind, part in frame.groupby(column, sort=False):
+        part = part.drop(columns=column).dropna(axis=1, how="all").reset_index(drop=True)
+        for name in part.columns:
+            values = part[name]
+            if values.dtype.kind == "f" and values.map(math.isfinite).all() and (values == values.round()).all():
+                part[name] = values.astype("int64")
+        out[kind] = part
+    return out

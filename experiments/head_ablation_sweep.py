@@ -6,6 +6,10 @@ Tokens: for the induction task, repeated random tokens with the loss on the repe
 (where induction heads act); for other tasks, held-out batches of the task the checkpoint
 was trained on, with the mean next-token loss. Mean and resample ablations take their
 reference activations from a second, independent batch of the same kind.
+
+With ``--seeds N`` the sweep runs on N independent token batches (seed ``s`` draws batches
+``s + 1`` and ``s + 2``); the heatmap shows the mean loss increase and the summary each top
+head's mean and 95% interval over the batches.
 """
 
 from __future__ import annotations
@@ -46,36 +50,49 @@ def main(argv=None) -> pd.DataFrame:
     if args.quick:
         args.batch = 4
     seq_len = min(args.seq_len or model.cfg.n_ctx, 16 if args.quick else model.cfg.n_ctx)
-    if task_name == "induction":
-        half = seq_len // 2
-        tokens = repeated_random_tokens(model, half, args.batch, seed=args.seed + 1)
-        reference = repeated_random_tokens(model, half, args.batch, seed=args.seed + 2)
 
-        def metric(logits):
-            return model.loss_fn(logits, tokens, per_token=True)[:, half - 1 :].mean()
-    else:
-        task = get_task(task_name, **{**task_options, "seed": args.seed})
-        tokens = task.batch(args.batch, seq_len, step=0, split="val").to(model.device)
-        reference = task.batch(args.batch, seq_len, step=1, split="val").to(model.device)
-        metric = None
+    def batches(seed: int):
+        """(tokens, reference tokens, metric) of one seed."""
+        if task_name == "induction":
+            half = seq_len // 2
+            tokens = repeated_random_tokens(model, half, args.batch, seed=seed + 1)
+            reference = repeated_random_tokens(model, half, args.batch, seed=seed + 2)
+            return tokens, reference, lambda logits: model.loss_fn(logits, tokens, per_token=True)[:, half - 1 :].mean()
+        task = get_task(task_name, **{**task_options, "seed": seed})
+        return (task.batch(args.batch, seq_len, step=0, split="val").to(model.device),
+                task.batch(args.batch, seq_len, step=1, split="val").to(model.device), None)
+
     methods = [m.strip() for m in args.methods.split(",")]
     specs = sweep_specs(model, "head", methods)
+    seeds = _common.seeds(args)
+    if _common.rank_and_world()[1] > 1:  # split (seed, head) items across torchrun ranks
+        def one(item):
+            seed, spec = item
+            tokens, reference, metric = batches(seed)
+            table = ablation_sweep(model, tokens, specs=[spec], metric=metric, reference=reference)
+            yield from ({"seed": seed, **row} for row in table.to_dict("records"))
 
-    def one(spec):
-        table = ablation_sweep(model, tokens, specs=[spec], metric=metric, reference=reference)
-        yield from table.to_dict("records")
-
-    # one forward per head either way; splitting by spec lets torchrun ranks share the grid
-    results = _common.run_grid(specs, one, desc="heads") if _common.rank_and_world()[1] > 1 else \
-        ablation_sweep(model, tokens, specs=specs, metric=metric, reference=reference, progress=True)
+        results = _common.run_grid([(seed, spec) for seed in seeds for spec in specs], one, desc="heads")
+    else:  # one process: the resumed sweep over every head at once, per seed
+        parts = []
+        for seed in seeds:
+            tokens, reference, metric = batches(seed)
+            parts.append(ablation_sweep(model, tokens, specs=specs, metric=metric, reference=reference,
+                                        progress=True).assign(seed=seed))
+        results = pd.concat(parts, ignore_index=True)
+        results = results[["seed", *[c for c in results.columns if c != "seed"]]]
     if results is None:
         return None
     fig = viz.layer_head_figure(results, "delta", facet="method",
-                                title=f"Loss increase when each head is ablated ({source}, {task_name})")
-    summary = results.sort_values("delta", ascending=False).head(10)[["label", "method", "clean", "metric", "delta"]]
+                                title=f"Loss increase when each head is ablated ({source}, {task_name}; mean of "
+                                      f"{len(seeds)} batch(es))")
+    numbers, readable = _common.with_intervals(results, ["label", "method"], ["delta", "clean"])
+    order = numbers.sort_values("delta_mean", ascending=False).index[:10]
+    summary = readable.loc[order].reset_index(drop=True)
     _common.write_run(args.out, {"experiment": NAME, **vars(args), "source": source, "task": task_name,
-                                 "tokens_shape": list(tokens.shape)}, results, {"head_ablation": fig}, summary,
-                      title=f"top heads by loss increase ({source})")
+                                 "tokens_shape": [args.batch, seq_len]}, results, {"head_ablation": fig}, summary,
+                      title=f"top heads by loss increase ({source}): mean [95% interval] over {len(seeds)} batch(es)",
+                      tables={"summary": numbers})
     return results
 
 

@@ -2,7 +2,9 @@
 
 For each n_kv_heads dividing n_heads: KV-cache bytes per token (bf16, from the config alone),
 the cache for the whole context and batch, parameter count, and greedy decode tokens/s with
-the KV cache (random weights: speed does not depend on them).
+the KV cache (random weights: speed does not depend on them). Bytes and parameters follow
+from the config; the speed is a measurement, so ``--seeds N`` repeats it N times (seed ``s``:
+its weights and prompt) and the summary gives its mean and 95% interval.
 """
 
 from __future__ import annotations
@@ -34,31 +36,41 @@ def main(argv=None) -> pd.DataFrame:
 
     kv_choices = [k for k in range(args.n_heads, 0, -1) if args.n_heads % k == 0]
 
-    def one(n_kv: int):
+    def one(item):
+        n_kv, seed = item
         cfg = wb.ModelConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=n_kv,
                              d_vocab=512, n_ctx=args.prompt + args.new_tokens, positional="rope", norm="rmsnorm",
-                             ffn="swiglu", bias=False, seed=args.seed)
+                             ffn="swiglu", bias=False, seed=seed)
         model = wb.HookedDecoder(cfg).eval()
-        prompt = torch.randint(0, cfg.d_vocab, (args.batch, args.prompt))
+        prompt = torch.randint(0, cfg.d_vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(seed))
         model.generate(prompt, max_new_tokens=2)  # warm-up
         start = time.perf_counter()
         model.generate(prompt, max_new_tokens=args.new_tokens, use_kv_cache=True)
         seconds = time.perf_counter() - start
         per_token = wb.kv_cache_bytes_per_token(cfg)
-        yield {"n_heads": cfg.n_heads, "n_kv_heads": n_kv, "kind": "MHA" if n_kv == cfg.n_heads else "MQA" if n_kv == 1 else "GQA",
+        yield {"n_heads": cfg.n_heads, "n_kv_heads": n_kv, "seed": seed, "kind": "MHA" if n_kv == cfg.n_heads else "MQA" if n_kv == 1 else "GQA",
                "kv_bytes_per_token": per_token, "kv_cache_mib": per_token * cfg.n_ctx * args.batch / 2**20,
                "params": wb.count_params(cfg)["total"], "decode_tokens_per_s": args.batch * args.new_tokens / seconds}
 
-    results = _common.run_grid(kv_choices, one, desc="n_kv_heads")
+    results = _common.run_grid([(n_kv, seed) for seed in _common.seeds(args) for n_kv in kv_choices], one,
+                               desc="n_kv_heads x seeds")
     if results is None:
         return None
+    results = results.sort_values(["n_kv_heads", "seed"], ascending=[False, True], kind="stable").reset_index(drop=True)
     results["cache_vs_mha"] = results.kv_bytes_per_token / results.kv_bytes_per_token.iloc[0]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("KV cache bytes per token", "decode tokens/s"))
-    fig.add_trace(go.Bar(x=results.n_kv_heads.astype(str), y=results.kv_bytes_per_token, name="bytes/token"), 1, 1)
-    fig.add_trace(go.Bar(x=results.n_kv_heads.astype(str), y=results.decode_tokens_per_s, name="tokens/s"), 1, 2)
+    numbers, readable = _common.with_intervals(results, ["n_kv_heads", "kind", "kv_bytes_per_token", "kv_cache_mib",
+                                                         "params", "cache_vs_mha"], ["decode_tokens_per_s"], digits=4)
+    mean = numbers.decode_tokens_per_s_mean
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("KV cache bytes per token", "decode tokens/s (mean, 95% interval)"))
+    fig.add_trace(go.Bar(x=numbers.n_kv_heads.astype(str), y=numbers.kv_bytes_per_token, name="bytes/token"), 1, 1)
+    fig.add_trace(go.Bar(x=numbers.n_kv_heads.astype(str), y=mean, name="tokens/s", error_y=dict(
+        type="data", symmetric=False, array=(numbers.decode_tokens_per_s_high - mean).fillna(0),
+        arrayminus=(mean - numbers.decode_tokens_per_s_low).fillna(0))), 1, 2)
     fig.update_xaxes(title="n_kv_heads")
     fig.update_layout(title="KV sharing: memory and decode speed", template="plotly_white", showlegend=False)
-    _common.write_run(args.out, {"experiment": NAME, **vars(args)}, results, {"kv_cache_gqa": fig})
+    _common.write_run(args.out, {"experiment": NAME, **vars(args)}, results, {"kv_cache_gqa": fig}, readable,
+                      title=f"KV sharing; decode tokens/s: mean [95% interval] over {len(_common.seeds(args))} seed(s)",
+                      tables={"summary": numbers})
     return results
 
 

@@ -5,6 +5,10 @@ trained on the model's own training data (its task's train split), saved into th
 checkpoint directory as ``tuned_lens.safetensors`` + ``tuned_lens.json``, and compared with
 the logit lens on held-out data (the task's validation split). The claim checked: the tuned
 lens has the lower KL at every layer but the last (where both are the model itself).
+
+With ``--seeds N`` the lens is trained N times (seed ``s``: its initialisation, its training
+batches and the held-out batch); the summary gives each layer's mean KL with a 95% interval
+and tuned minus logit paired by seed. Only the first seed's lens is saved.
 """
 
 from __future__ import annotations
@@ -62,33 +66,49 @@ def main(argv=None) -> pd.DataFrame:
     if not paths:
         raise SystemExit(f"none of {args.checkpoints} exists yet (python scripts/make_checkpoints.py builds the story checkpoints)")
 
-    def one(path):
+    def one(item):
+        path, seed = item
         model, _ = wb.load_checkpoint(path)
         model.eval()
         seq_len = min(args.seq_len or model.cfg.n_ctx, model.cfg.n_ctx)
-        train_data = _data(model, path, args.n_train, seq_len, "train", args.seed)
-        held_out = _data(model, path, args.n_eval, seq_len, "val", args.seed + 1)
+        train_data = _data(model, path, args.n_train, seq_len, "train", seed)
+        held_out = _data(model, path, args.n_eval, seq_len, "val", seed + 1)
         lens = train_tuned_lens(model, train_data, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                                seed=args.seed, progress=_common.is_main_rank())
-        if not args.no_save:
+                                seed=seed, progress=_common.is_main_rank())
+        if not args.no_save and seed == args.seed:
             lens.save(path)
         kl = compare_lenses(model, held_out, lens).pivot(index="layer", columns="lens", values="kl").reset_index()
         for row in kl.to_dict("records"):
-            yield {"checkpoint": path.name, "n_layers": model.cfg.n_layers, **row}
+            yield {"checkpoint": path.name, "seed": seed, "n_layers": model.cfg.n_layers, **row}
 
-    results = _common.run_grid(paths, one, desc="checkpoints")
+    results = _common.run_grid([(path, seed) for seed in _common.seeds(args) for path in paths], one,
+                               desc="checkpoints x seeds")
     if results is None:
         return None
     results = results.rename(columns={"logit": "logit_kl", "tuned": "tuned_kl"})
-    results["tuned_better"] = results.tuned_kl < results.logit_kl
-    inner = results[results.layer < results.n_layers]
+    results["tuned_minus_logit"] = results.tuned_kl - results.logit_kl
+    numbers, readable = _common.with_intervals(results, ["checkpoint", "layer"],
+                                               ["logit_kl", "tuned_kl", "tuned_minus_logit"], digits=3)
+    from workbench.stats import Interval, format_difference
+
+    readable["tuned_minus_logit"] = [format_difference(Interval(m, lo, hi, n)) for m, lo, hi, n in zip(
+        numbers.tuned_minus_logit_mean, numbers.tuned_minus_logit_low, numbers.tuned_minus_logit_high, numbers.n)]
+    n_layers = results.groupby("checkpoint").n_layers.first()
+    numbers["tuned_better"] = numbers.tuned_minus_logit_high < 0  # the whole interval below zero
+    if numbers.n.min() < 2:  # one seed: no interval, so compare the means
+        numbers["tuned_better"] = numbers.tuned_minus_logit_mean < 0
+    inner = numbers[numbers.layer < numbers.checkpoint.map(n_layers)]
     verdict = "tuned lens below logit lens at every layer but the last: " + \
-        ("yes" if inner.tuned_better.all() else f"NO (layers {inner[~inner.tuned_better].layer.tolist()})")
+        ("yes" if inner.tuned_better.all() else f"NO (layers {inner[~inner.tuned_better].layer.tolist()})") + \
+        f" ({len(_common.seeds(args))} seed(s){'' if numbers.n.min() < 2 else '; 95% interval of the difference below 0'})"
     fig = go.Figure()
-    for name, part in results.groupby("checkpoint", sort=False):
-        fig.add_trace(go.Scatter(x=part.layer, y=part.logit_kl, mode="lines+markers", name=f"{name} logit lens"))
-        fig.add_trace(go.Scatter(x=part.layer, y=part.tuned_kl, mode="lines+markers", name=f"{name} tuned lens",
-                                 line=dict(dash="dash")))
+    for name, part in numbers.groupby("checkpoint", sort=False):
+        for lens_name, dash in (("logit", None), ("tuned", "dash")):
+            mean = part[f"{lens_name}_kl_mean"]
+            fig.add_trace(go.Scatter(x=part.layer, y=mean, mode="lines+markers", name=f"{name} {lens_name} lens",
+                                     line=dict(dash=dash), error_y=dict(
+                                         type="data", symmetric=False, array=(part[f"{lens_name}_kl_high"] - mean).fillna(0),
+                                         arrayminus=(mean - part[f"{lens_name}_kl_low"]).fillna(0))))
     fig.update_layout(title="Mean KL(final || lens) per layer", xaxis_title="layer (stream entering block; last = final)",
                       yaxis_title="KL, nats", template="plotly_white")
     figures = {"kl_per_layer": fig}
@@ -102,7 +122,8 @@ def main(argv=None) -> pd.DataFrame:
         lens = TunedLens.load(first, model)
         figures["lens_heatmaps"] = viz.side_by_side(viz.logit_lens_figure(logit_lens(model, example)),
                                                     viz.logit_lens_figure(tuned_lens(model, example, lens)))
-    _common.write_run(args.out, {"experiment": NAME, **vars(args), "verdict": verdict}, results, figures, title=verdict)
+    _common.write_run(args.out, {"experiment": NAME, **vars(args), "verdict": verdict}, results, figures, readable,
+                      title=verdict, tables={"summary": numbers})
     return results
 
 

@@ -2,6 +2,9 @@
 count (the model's own parameter list, built on the meta device) for every preset,
 GPT-3 175B included. The gap is explained by what the closed form leaves out:
 positional tables, biases, d_mlp != 4 d, gated FFNs, GQA, untied heads, LayerNorm biases.
+
+The counts are exact functions of the configs: no seed changes them, so ``--seeds`` (taken,
+like every experiment's flags) runs the table once; its intervals would have zero width.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def main(argv=None) -> pd.DataFrame:
     p.add_argument("--n-direction", type=int, default=256, help="IOI prompts that build the direction")
     p.add_argument("--n-eval", type=int, default=128, help="held-out IOI prompts steered (about half are ABBA)")
     p.add_argument("--n-text", type=int, default=32, help="held-out text sequences for the loss")
-    p.add_argument("--seeds", type=int, default=3)
+    p.set_defaults(seeds=3)  # --seeds comes from _common.parser
     p.add_argument("--n-boot", type=int, default=1000)
     args = p.parse_args(argv)
     _common.setup(args)

@@ -9,6 +9,8 @@ minutes on 2 CPU cores (threads are pinned to 1, so the floating-point reduction
 hence the weights, are the same on every rebuild on the same machine and torch build).
 The shipped directories keep the weights, config, tokenizer, meta.json (final metrics)
 and metrics.csv, but not the optimizer state, which would triple their size.
+induction-attn2l also keeps 24 fp16 weight snapshots (snapshots/, 0.3 MB each) for
+watching its induction head form; they do not change the training (same final weights).
 After training, each recipe's acceptance check is printed and must pass. The story models
 then get their tuned lens (experiments/lens_comparison.py, 300 steps), which a rebuild would
 otherwise delete along with the old directory; stories-2026 also gets its sparse dictionary
@@ -36,10 +38,14 @@ RECIPES = {
     # layer-1 head attend to "the token after the earlier occurrence" (induction score about 0.85 after
     # 1,000 steps when first tried); with learned positions the same data was copied through a
     # positional layer-0 head instead, and no induction head formed.
+    # The snapshot steps are denser from 400 to 900, where the first build's loss curve bent
+    # (the induction head's phase change); 24 fp16 snapshots are 7.2 MB.
     "induction-attn2l": dict(
         model=("attn-only-2l", dict(seed=0)),
         train=dict(task="induction", steps=1500, batch_size=32, lr=1e-3, warmup_steps=100, eval_every=100,
-                   log_every=10, save_train_state=False, seed=0, threads=1),
+                   log_every=10, save_train_state=False, seed=0, threads=1,
+                   snapshots=[0, 50, 100, 200, 300, 400, 450, 500, 550, 600, 625, 650, 675, 700, 725, 750, 800,
+                              850, 900, 1000, 1100, 1200, 1350, 1500], snapshot_fp16=True),
         check=lambda m: m["induction_score_max"] >= 0.7,
         shows="a 2-layer attention-only model with an induction head (layer {best_layer}, head {best_head})",
     ),
@@ -75,7 +81,7 @@ def build(name: str, out_root: Path) -> dict:
     started = time.perf_counter()
     result = train(config, model_cfg, out_root / name, task=task)
     minutes = (time.perf_counter() - started) / 60
-    size_mb = sum(f.stat().st_size for f in (out_root / name).iterdir()) / 1e6
+    size_mb = sum(f.stat().st_size for f in (out_root / name).rglob("*") if f.is_file()) / 1e6
     ok = recipe["check"](result.metrics)
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.metrics.items()}
     print(f"{name}: {wb.count_params(model_cfg)['total']:,} params, {size_mb:.2f} MB, {minutes:.1f} min, "

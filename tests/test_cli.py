@@ -33,7 +33,8 @@ def test_help_lists_the_commands_and_every_train_option(capsys):
 def test_train_eval_and_resume_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["train", "--task", "modular", "--task-option", "p=7", "--model", "gpt2-style-tiny", *TINY,
-            "--steps", "4", "--batch-size", "8", "--warmup-steps", "1", "--log-every", "1", "--out", str(out), "--no-progress"]
+            "--steps", "4", "--batch-size", "8", "--warmup-steps", "1", "--log-every", "1", "--out", str(out), "--no-progress",
+            "--snapshots", "every:2", "--snapshot-fp16"]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "test_accuracy" in printed and str(out) in printed
@@ -51,6 +52,9 @@ def test_train_eval_and_resume_end_to_end(tmp_path, capsys):
     assert main(["train", "--out", str(out), "--resume", "--steps", "6", "--no-progress"]) == 0
     assert read_metrics(out)["step"].tolist() == [1, 2, 3, 4, 5, 6]
     assert json.loads((out / "meta.json").read_text())["step"] == 6
+    import workbench as wb
+
+    assert wb.load_series(out).steps == [2, 4, 6]  # the resumed run kept its snapshots and its schedule
 
 
 def test_config_file_with_flags_overriding_it(tmp_path, capsys):
@@ -73,6 +77,8 @@ def test_config_file_with_flags_overriding_it(tmp_path, capsys):
         (["train", "--task", "nope", "--model", "gpt2-style-tiny", "--steps", "1"], "valid tasks"),
         (["train", "--task", "modular", "--steps", "1"], "--model PRESET"),
         (["eval", "/nonexistent/checkpoint"], "does not exist"),
+        (["train", "--task", "modular", "--model", "gpt2-style-tiny", "--steps", "1", "--snapshots", "often",
+          "--out", "/tmp/never-written"], "TrainConfig.snapshots='often'"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv, message, capsys):

@@ -50,6 +50,41 @@ def test_help_describes_every_experiment(name, capsys):
     assert "--quick" in text and "--out" in text and f"experiments/{name}.py" in text
 
 
+def test_seeds_give_each_cell_a_mean_and_an_interval(tmp_path, capsys):
+    module = importlib.import_module("component_swap")
+    results = module.main(["--quick", "--out", str(tmp_path), "--threads", "1", "--seeds", "2",
+                           "--variants", "baseline,positions=learned"])
+    assert sorted(zip(results.variant, results.seed)) == [("baseline", 0), ("baseline", 1),
+                                                          ("positions=learned", 0), ("positions=learned", 1)]
+    summary = pd.read_csv(tmp_path / "summary.csv").set_index("variant")
+    assert summary.n.tolist() == [2, 2]
+    from workbench.stats import t_interval
+
+    base = results[results.variant == "baseline"].induction_score_max
+    expected = t_interval(base)
+    assert summary.loc["baseline", "induction_score_max_mean"] == pytest.approx(expected.mean)
+    assert summary.loc["baseline", "induction_score_max_low"] == pytest.approx(expected.low)
+    printed = capsys.readouterr().out
+    assert "vs baseline: " in printed and "mean [95% interval]" in printed
+    with pytest.raises(SystemExit, match="--seeds must be >= 1"):
+        module.main(["--quick", "--out", str(tmp_path / "none"), "--seeds", "0"])
+
+
+@pytest.mark.slow  # two torchrun processes; deselect with -m "not slow"
+def test_seeds_grid_of_a_training_experiment_splits_across_ranks(tmp_path):
+    # Each rank trains its own grid items with train(), which must stay single-process under
+    # torchrun (no hiding of RANK / WORLD_SIZE); rank 0 gathers one table equal to one process's.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["--quick", "--threads", "1", "--seeds", "2", "--variants", "baseline,kv=MQA"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29643",
+           str(REPO / "experiments" / "component_swap.py"), *args, "--out", str(tmp_path / "two")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    importlib.import_module("component_swap").main([*args, "--out", str(tmp_path / "one")])
+    for name in ("results.csv", "summary.csv"):
+        pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "two" / name), pd.read_csv(tmp_path / "one" / name))
+
+
 @pytest.mark.slow  # two torchrun processes; deselect with -m "not slow"
 def test_grid_split_across_two_ranks_matches_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

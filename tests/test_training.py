@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import workbench as wb
 from factories import tiny
 from workbench.data import get_task
+from workbench.distributed import DistInfo
 from workbench.training import METRIC_COLUMNS, TrainConfig, TrainingDiverged, read_metrics, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,6 +140,45 @@ def test_vocabulary_and_batch_mismatches_are_clear_errors(tmp_path):
         train(config.replace(batch_size=7, grad_accum=2), cfg, progress=False)
     with pytest.raises(ValueError, match="n_ctx"):
         train(config.replace(seq_len=64), cfg, progress=False)
+
+
+def test_torchrun_variables_in_the_environment_do_not_make_train_distributed(tmp_path, monkeypatch):
+    # A grid script under torchrun trains a different model on each rank: train() must stay
+    # single-process unless it is handed a DistInfo (it used to read RANK itself).
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    task, cfg, config = stories_setup()
+    result = train(config.replace(steps=2, eval_every=0), cfg, tmp_path / "run", progress=False)
+    assert result.step == 2 and math.isfinite(result.metrics["val_loss"])  # rank 0 of 1: it evaluated and saved
+    assert json.loads((tmp_path / "run" / "meta.json").read_text())["step"] == 2
+    assert not torch.distributed.is_initialized()
+    assert DistInfo.from_env() == DistInfo(rank=1, world_size=2, local_rank=1)  # what an entry point would pass
+    with pytest.raises(ValueError, match="rank"):
+        DistInfo(rank=2, world_size=2)
+
+
+def test_process_group_is_left_when_the_block_ends_even_on_error(monkeypatch):
+    from workbench import distributed
+
+    calls = []
+    state = {"up": False}
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: state["up"])
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend: calls.append(("init", backend)) or state.update(up=True))
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: calls.append(("destroy",)) or state.update(up=False))
+    two = DistInfo(rank=0, world_size=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        with distributed.process_group(two, torch.device("cpu")):
+            assert state["up"]
+            raise RuntimeError("boom")
+    assert calls == [("init", "gloo"), ("destroy",)] and not state["up"]
+    state["up"], calls[:] = True, []  # a group the caller made is the caller's to leave
+    with distributed.process_group(two, torch.device("cpu")):
+        pass
+    assert calls == [] and state["up"]
+    state["up"] = False
+    with distributed.process_group(DistInfo(), torch.device("cpu")):  # a world of one never joins
+        pass
+    assert calls == []
 
 
 @pytest.mark.slow  # two torchrun processes; deselect with -m "not slow"

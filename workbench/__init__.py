@@ -12,6 +12,7 @@ from workbench.config import ModelConfig
 from workbench.model import HookedDecoder, KVCache
 from workbench.padding import TokenBatch
 from workbench.data.prompts import PromptSet
+from workbench.snapshots import Series, load_series
 from workbench.interop import from_hf, to_hf
 from workbench import analysis, viz  # noqa: E402  (the analysis library and its figures)
 
@@ -31,6 +32,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "CheckpointError",
+    "Series",
+    "load_series",
     "from_hf",
     "to_hf",
     "analysis",

@@ -133,6 +133,7 @@ def _configs(args: argparse.Namespace) -> tuple[dict, dict]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from workbench.checkpoint import read_meta
+    from workbench.distributed import DistInfo
     from workbench.training import TrainingDiverged, build_task, train
 
     model_spec, train_spec = _configs(args)
@@ -153,7 +154,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         model_spec.setdefault("seed", config.seed)
         model_cfg = ModelConfig.from_preset(preset, **model_spec) if preset else ModelConfig.from_dict(model_spec)
     try:
-        result = train(config, model_cfg, args.out, resume=args.resume, task=task, progress=not args.no_progress)
+        # torchrun's RANK / WORLD_SIZE are read here, at the entry point, and handed to the library
+        result = train(config, model_cfg, args.out, resume=args.resume, task=task, progress=not args.no_progress,
+                       dist=DistInfo.from_env())
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

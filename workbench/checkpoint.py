@@ -351,12 +351,14 @@ def save_checkpoint(
     step: Optional[int] = None,
     metrics: Optional[dict] = None,
     meta: Optional[dict] = None,
-    extra_files: Optional[dict[str, Union[str, bytes]]] = None,
+    extra_files: Optional[dict[str, Union[str, bytes, Path]]] = None,
 ) -> Path:
     """Write ``model`` (and its tokenizer) to the directory ``path``, replacing it atomically.
 
     ``extra_files`` maps file names to contents written beside the weights (e.g. a metrics
-    CSV or a training state saved as safetensors by the caller).
+    CSV or a training state saved as safetensors by the caller); a ``Path`` value is an
+    existing file taken into the new version as it is (hard-linked when it can be: a run's
+    weight snapshots are not copied at every save).
 
     ``path`` must be absent, empty, or a checkpoint the workbench wrote (else CheckpointError,
     naming the files found). Replacing a checkpoint replaces the files its ``meta.json`` lists;
@@ -389,7 +391,13 @@ def save_checkpoint(
         for name, content in (extra_files or {}).items():
             target = tmp / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content if isinstance(content, bytes) else content.encode())
+            if isinstance(content, Path):
+                try:
+                    os.link(content, target)
+                except OSError:
+                    shutil.copy2(content, target)
+            else:
+                target.write_bytes(content if isinstance(content, bytes) else content.encode())
         # Last, so its list of files (what a later save may replace) is complete.
         (tmp / META_FILE).write_text(json.dumps({**info, "files": _files_in(tmp)}, indent=2, default=str) + "\n")
 

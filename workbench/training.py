@@ -13,8 +13,17 @@ Nothing is lost on failure: a non-finite loss or gradient stops training before 
 optimizer step, with a clear message, leaving the last good checkpoint untouched; Ctrl-C
 saves a checkpoint at the last completed step.
 
+With ``snapshots`` (``"every:N"``, ``"log:K"`` or explicit steps) the weights alone are also
+kept at those steps in ``snapshots/`` inside the run folder (``workbench.snapshots``), for
+analyses over training; saves carry them and resuming keeps them.
+
 ``callback`` sees each logged row as it is written (a live loss curve, a progress bar);
 returning ``True`` ends the run early, evaluated and saved like one that reached ``steps``.
+
+``train`` reads like its steps: ``_prepare_run`` (seed, model, task, optimizer), then
+``_run_steps`` (``_step``, ``_log``, ``_evaluate``, ``_save_checkpoint`` on their cadences),
+then ``_finish``. Data parallelism is an argument, ``dist=DistInfo.from_env()``, read by
+the entry point (the command line) and never by the loop from the environment.
 """
 
 from __future__ import annotations
@@ -40,8 +49,10 @@ from workbench import distributed
 from workbench.checkpoint import CheckpointError, check_replaceable, load_checkpoint, read_meta, save_checkpoint
 from workbench.config import ModelConfig
 from workbench.data import Task, get_task
+from workbench.distributed import DistInfo
 from workbench.model import HookedDecoder
 from workbench.utils import check_float, check_int, check_seed
+from workbench.snapshots import SnapshotWriter, snapshot_steps
 
 METRICS_FILE = "metrics.csv"
 STATE_TENSORS_FILE = "train_state.safetensors"
@@ -76,6 +87,8 @@ class TrainConfig:
     log_every: int = _opt(10, "a metrics.csv row every N steps")
     save_every: int = _opt(0, "checkpoint every N steps (0: only at the end)")
     save_train_state: bool = _opt(True, "save optimizer/RNG state with checkpoints so the run can be resumed")
+    snapshots: Union[str, list, None] = _opt(None, "weight snapshots during training: every:N, log:K, or steps '0,100,250'")
+    snapshot_fp16: bool = _opt(False, "store snapshots in fp16 (half the size; analyses run in fp32)")
     seed: int = _opt(0, "seed of the initial weights, the data and the task's held-out split")
     device: str = _opt("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
     autocast: Literal["auto", "bf16", "none"] = _opt("auto", "bf16 autocast (auto: on CUDA only)")
@@ -166,6 +179,7 @@ def train(
     task: Optional[Task] = None,
     progress: bool = True,
     callback: Optional[Callable[[dict], Optional[bool]]] = None,
+    dist: Optional[DistInfo] = None,
 ) -> TrainResult:
     """Train a model and return it with its final metrics and the logged history.
 
@@ -179,32 +193,55 @@ def train(
     truthy values are ignored, so a callback that returns a widget does not stop anything)
     stops training after that step; the run is then evaluated and saved as if it had
     ended there, and ``result.stopped_early`` is True.
+
+    ``dist`` places this process in a data-parallel run (``DistInfo.from_env()`` under
+    torchrun, as the command line does); None is a single process whatever the environment
+    holds. A process group this call joins is left when it returns or raises.
     """
-    dist_info, device = distributed.setup(config.device)
+    dist = dist or DistInfo()
+    device = distributed.device_for(dist, config.device)
+    with distributed.process_group(dist, device):
+        run = _prepare_run(config, model_config, out_dir, resume=resume, model=model, task=task, dist=dist,
+                           device=device)
+        _run_steps(run, progress, callback)
+        return _finish(run)
+
+
+@dataclass
+class _Run:
+    """Everything one training run carries from step to step (built by ``_prepare_run``)."""
+
+    config: TrainConfig
+    model: HookedDecoder
+    wrapped: torch.nn.Module  # the model as the loss sees it: DDP and/or compiled
+    task: Task
+    optimizer: torch.optim.Optimizer
+    dist: DistInfo
+    device: torch.device
+    out_dir: Optional[Path]
+    seq_len: int
+    micro_batch: int
+    autocast: Callable[[], Any]
+    meta: dict
+    step: int
+    history: list[dict]
+    last_saved: Optional[int]
+    snapshots: Optional[SnapshotWriter]  # the main process's, whenever there is an out_dir
+    interrupted: bool = False
+    stopped_early: bool = False
+
+
+def _prepare_run(config: TrainConfig, model_config: Optional[ModelConfig], out_dir: Union[str, Path, None], *,
+                 resume: bool, model: Optional[HookedDecoder], task: Optional[Task], dist: DistInfo,
+                 device: torch.device) -> _Run:
+    """Seed, load or build the model and task, check they fit together, and set up the optimizer."""
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     out_dir = check_replaceable(out_dir) if out_dir is not None else None  # fail now, not after training
-    state = _load_train_state(out_dir) if resume else None
-    if resume and state is None:
-        raise ValueError(
-            f"nothing to resume in {out_dir}: it holds no {STATE_JSON_FILE} (a run saved with "
-            "save_train_state=False, or no run at all); start a fresh run instead"
-        )
-    history: list[dict] = []
-    start_step = 0
-    if state is not None:
-        model, tokenizer = load_checkpoint(out_dir)
-        task = task or build_task(config, tokenizer)
-        start_step = state["json"]["step"]
-        history = _read_history(out_dir, start_step)
-    else:
-        task = task or build_task(config)
-        if model is None:
-            if model_config is None:
-                raise ValueError("train() needs a model_config or a model (or resume=True with a checkpoint in out_dir)")
-            model = HookedDecoder(model_config)
+    model, task, state, history = _model_task_and_state(config, model_config, out_dir, resume, model, task)
+    start_step = state["json"]["step"] if state is not None else 0
     if model.cfg.d_vocab < task.vocab_size:
         raise ValueError(
             f"the model's d_vocab={model.cfg.d_vocab} is smaller than the {task.name} task's vocabulary "
@@ -216,106 +253,182 @@ def train(
     seq_len = task.default_seq_len if task.fixed_seq_len else (config.seq_len or model.cfg.n_ctx)
     if seq_len > model.cfg.n_ctx:
         raise ValueError(f"seq_len={seq_len} exceeds the model's n_ctx={model.cfg.n_ctx}")
-    micro = config.batch_size // (config.grad_accum * dist_info.world_size)
-    if micro * config.grad_accum * dist_info.world_size != config.batch_size:
+    schedule = snapshot_steps(config.snapshots, config.steps)  # a bad schedule fails now
+    if schedule and out_dir is None:
+        raise ValueError(f"TrainConfig.snapshots={config.snapshots!r} needs an out_dir to write the snapshots into")
+    micro = config.batch_size // (config.grad_accum * dist.world_size)
+    if micro * config.grad_accum * dist.world_size != config.batch_size:
         raise ValueError(
             f"batch_size={config.batch_size} must be divisible by grad_accum ({config.grad_accum}) x "
-            f"processes ({dist_info.world_size})"
+            f"processes ({dist.world_size})"
         )
     optimizer = _make_optimizer(model, config)
     if state is not None:
         _restore_train_state(optimizer, state)
-    wrapped = model
-    if dist_info.enabled:
+    wrapped: torch.nn.Module = model
+    if dist.enabled:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if config.compile:
         wrapped = torch.compile(wrapped)
     use_bf16 = config.autocast == "bf16" or (config.autocast == "auto" and device.type == "cuda")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-
     meta = {"task": task.name, "task_options": _jsonable(task.options()), "train_config": config.to_dict()}
-    params = [p for p in model.parameters() if p.requires_grad]
-    step, last_saved, interrupted, stopped_early = start_step, start_step if state is not None else None, False, False
-    bar = tqdm(total=config.steps, initial=start_step, desc=f"train {task.name}", disable=not (progress and dist_info.is_main))
-    window_tokens, window_start = 0, time.perf_counter()
+    snapshots = None
+    if out_dir is not None and dist.is_main:  # also without a schedule: a resumed run carries its snapshots
+        snapshots = SnapshotWriter(out_dir, schedule, config.snapshot_fp16,
+                                   resume_from=start_step if state is not None else None)
+    return _Run(config, model, wrapped, task, optimizer, dist, device, out_dir, seq_len, micro, autocast, meta,
+                step=start_step, history=history, last_saved=start_step if state is not None else None,
+                snapshots=snapshots)
 
-    def checkpoint() -> None:
-        nonlocal last_saved
-        if out_dir is not None and dist_info.is_main and last_saved != step:
-            _save(model, task, out_dir, step, optimizer, config, history, meta, metrics=None)
-            last_saved = step
 
+def _model_task_and_state(config: TrainConfig, model_config: Optional[ModelConfig], out_dir: Optional[Path],
+                          resume: bool, model: Optional[HookedDecoder], task: Optional[Task]):
+    """``(model, task, training state or None, history so far)``: the checkpoint's when resuming,
+    else the given model (or a new one from ``model_config``) and task."""
+    state = _load_train_state(out_dir) if resume else None
+    if resume and state is None:
+        raise ValueError(
+            f"nothing to resume in {out_dir}: it holds no {STATE_JSON_FILE} (a run saved with "
+            "save_train_state=False, or no run at all); start a fresh run instead"
+        )
+    if state is not None:
+        model, tokenizer = load_checkpoint(out_dir)
+        return model, task or build_task(config, tokenizer), state, _read_history(out_dir, state["json"]["step"])
+    task = task or build_task(config)
+    if model is None:
+        if model_config is None:
+            raise ValueError("train() needs a model_config or a model (or resume=True with a checkpoint in out_dir)")
+        model = HookedDecoder(model_config)
+    return model, task, None, []
+
+
+def _run_steps(run: _Run, progress: bool, callback: Optional[Callable[[dict], Optional[bool]]]) -> None:
+    """Step until ``config.steps`` (or the callback says stop), logging, evaluating and saving
+    on their cadences; Ctrl-C saves a checkpoint at the last completed step."""
+    config = run.config
+    bar = tqdm(total=config.steps, initial=run.step, desc=f"train {run.task.name}",
+               disable=not (progress and run.dist.is_main))
+    window_tokens, window_start = 0, time.perf_counter()  # throughput since the last logged row
     try:
-        while step < config.steps:
-            lr = config.lr_at(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            tokens = task.batch(config.batch_size, seq_len, step=step)
-            loss_sum = torch.zeros((), device=device)
-            for j in range(config.grad_accum):
-                first = (j * dist_info.world_size + dist_info.rank) * micro
-                rows = tokens[first : first + micro].to(device)
-                sync = j == config.grad_accum - 1 or not dist_info.enabled
-                with (contextlib.nullcontext() if sync else wrapped.no_sync()), autocast():
-                    loss = task.loss(wrapped, rows) / config.grad_accum
-                loss.backward()
-                loss_sum += loss.detach().float()
-            train_loss = float(distributed.all_reduce_mean(loss_sum, dist_info))
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip or float("inf")))
-            if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-                where = f"the last good checkpoint is {out_dir} (step {last_saved})" if last_saved is not None else "no checkpoint had been saved yet"
-                raise TrainingDiverged(
-                    f"training stopped at step {step}: the loss is {train_loss} and the gradient norm {grad_norm} "
-                    f"(not finite). The weights were not updated and {where}. Lower the learning rate "
-                    f"(lr={config.lr}), keep grad_clip > 0, or check the data."
-                )
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            window_tokens += tokens.numel()
-            evaluate = config.eval_every and (step % config.eval_every == 0) and step < config.steps
-            if step % config.log_every == 0 or evaluate or step == config.steps:
-                elapsed = time.perf_counter() - window_start
-                row = {"step": step, "train_loss": train_loss, "val_loss": None, "lr": lr, "grad_norm": grad_norm,
-                       "tokens_per_s": window_tokens / max(elapsed, 1e-9)}
-                history.append(row)  # before evaluating, so an interrupt during evaluation keeps the row
-                if evaluate and dist_info.is_main:
-                    row["val_loss"] = task.val_loss(model, config.batch_size, seq_len, config.eval_batches)
+        if run.step == 0:
+            _snapshot(run, {})  # the initial weights, when the schedule names step 0
+        while run.step < config.steps:
+            lr, train_loss, grad_norm, n_tokens = _step(run)
+            window_tokens += n_tokens
+            row = {"train_loss": train_loss, "val_loss": None, "lr": lr, "grad_norm": grad_norm}
+            evaluate = config.eval_every and (run.step % config.eval_every == 0) and run.step < config.steps
+            if run.step % config.log_every == 0 or evaluate or run.step == config.steps:
+                row = _log(run, lr, train_loss, grad_norm, window_tokens / max(time.perf_counter() - window_start, 1e-9))
+                if evaluate and run.dist.is_main:
+                    row["val_loss"] = _evaluate(run)
                 bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
                 if callback is not None:
-                    stopped_early = _ask_callback(callback, row, dist_info, device) and step < config.steps
+                    run.stopped_early = _ask_callback(callback, row, run.dist, run.device) and run.step < config.steps
                 window_tokens, window_start = 0, time.perf_counter()
+            _snapshot(run, row)
             bar.update(1)
-            if stopped_early:
+            if run.stopped_early:
                 break
-            if config.save_every and step % config.save_every == 0 and step < config.steps:
-                checkpoint()
+            if config.save_every and run.step % config.save_every == 0 and run.step < config.steps:
+                _save_checkpoint(run)
     except KeyboardInterrupt:
-        interrupted = True
-        checkpoint()
-        if dist_info.is_main:
-            print(f"\ninterrupted: checkpoint saved at step {step} in {out_dir} (resume with --resume)" if out_dir else "\ninterrupted")
+        run.interrupted = True
+        _save_checkpoint(run)
+        if run.dist.is_main:
+            print(f"\ninterrupted: checkpoint saved at step {run.step} in {run.out_dir} (resume with --resume)"
+                  if run.out_dir else "\ninterrupted")
     finally:
         bar.close()
 
+
+def _step(run: _Run) -> tuple[float, float, float, int]:
+    """One optimizer step over ``grad_accum`` micro-batches per process; returns
+    ``(lr, train_loss, grad_norm, tokens)``. A non-finite loss or gradient raises
+    ``TrainingDiverged`` before the weights change."""
+    config, dist = run.config, run.dist
+    lr = config.lr_at(run.step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    tokens = run.task.batch(config.batch_size, run.seq_len, step=run.step)
+    loss_sum = torch.zeros((), device=run.device)
+    for j in range(config.grad_accum):
+        first = (j * dist.world_size + dist.rank) * run.micro_batch
+        rows = tokens[first : first + run.micro_batch].to(run.device)
+        sync = j == config.grad_accum - 1 or not dist.enabled
+        with (contextlib.nullcontext() if sync else run.wrapped.no_sync()), run.autocast():
+            loss = run.task.loss(run.wrapped, rows) / config.grad_accum
+        loss.backward()
+        loss_sum += loss.detach().float()
+    train_loss = float(distributed.all_reduce_mean(loss_sum, dist))
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip or float("inf")))
+    if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
+        where = (f"the last good checkpoint is {run.out_dir} (step {run.last_saved})" if run.last_saved is not None
+                 else "no checkpoint had been saved yet")
+        raise TrainingDiverged(
+            f"training stopped at step {run.step}: the loss is {train_loss} and the gradient norm {grad_norm} "
+            f"(not finite). The weights were not updated and {where}. Lower the learning rate "
+            f"(lr={config.lr}), keep grad_clip > 0, or check the data."
+        )
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return lr, train_loss, grad_norm, tokens.numel()
+
+
+def _log(run: _Run, lr: float, train_loss: float, grad_norm: float, tokens_per_s: float) -> dict:
+    """Append this step's metrics row to the history (before any evaluation, so an interrupt
+    during evaluation keeps the row) and return it."""
+    row = {"step": run.step, "train_loss": train_loss, "val_loss": None, "lr": lr, "grad_norm": grad_norm,
+           "tokens_per_s": tokens_per_s}
+    run.history.append(row)
+    return row
+
+
+def _evaluate(run: _Run) -> float:
+    """The validation loss (the main process evaluates; the caller decides who calls)."""
+    return run.task.val_loss(run.model, run.config.batch_size, run.seq_len, run.config.eval_batches)
+
+
+def _snapshot(run: _Run, row: dict) -> None:
+    """Save the weights (only) when the schedule names this step, with the step's metrics."""
+    if run.snapshots is not None and run.snapshots.due(run.step):
+        run.snapshots.write(run.model, run.step, {k: row.get(k) for k in ("train_loss", "val_loss", "lr", "grad_norm")})
+
+
+def _save_checkpoint(run: _Run, metrics: Optional[dict] = None) -> None:
+    """Write the checkpoint at the current step (main process, with an ``out_dir``). A step
+    already saved is not saved again, except by the final save, which adds the metrics."""
+    if run.out_dir is None or not run.dist.is_main or (run.last_saved == run.step and metrics is None):
+        return
+    snapshot_files = run.snapshots.checkpoint_files() if run.snapshots is not None else {}
+    _save(run.model, run.task, run.out_dir, run.step, run.optimizer, run.config, run.history, run.meta, metrics,
+          snapshot_files)
+    run.last_saved = run.step
+
+
+def _finish(run: _Run) -> TrainResult:
+    """Evaluate on the task and save the final checkpoint, unless interrupted; the model ends in eval mode."""
     metrics: dict = {}
-    if not interrupted:
-        if dist_info.is_main:
-            model.eval()
-            metrics = {"train_loss": history[-1]["train_loss"] if history else None,
-                       "val_loss": task.val_loss(model, config.batch_size, seq_len, config.eval_batches),
-                       **task.evaluate(model)}
+    if not run.interrupted:
+        if run.dist.is_main:
+            run.model.eval()
+            history = run.history
+            metrics = {"train_loss": history[-1]["train_loss"] if history else None, "val_loss": _evaluate(run),
+                       **run.task.evaluate(run.model)}
             if history:
                 history[-1]["val_loss"] = metrics["val_loss"]
-            if out_dir is not None:
-                _save(model, task, out_dir, step, optimizer, config, history, meta, metrics)
-        distributed.barrier(dist_info)
-    model.eval()
-    return TrainResult(model, task, step, metrics, pd.DataFrame(history, columns=METRIC_COLUMNS), out_dir, interrupted,
-                       stopped_early)
+            if run.snapshots is not None:
+                run.snapshots.update(run.step, val_loss=metrics["val_loss"])
+            _save_checkpoint(run, metrics)
+        distributed.barrier(run.dist)
+    run.model.eval()
+    return TrainResult(run.model, run.task, run.step, metrics, pd.DataFrame(run.history, columns=METRIC_COLUMNS),
+                       run.out_dir, run.interrupted, run.stopped_early)
 
 
-def _ask_callback(callback, row: dict, dist_info, device) -> bool:
+def _ask_callback(callback, row: dict, dist_info: DistInfo, device: torch.device) -> bool:
     """Hand ``row`` to the callback (main process only); True when it asked to stop, on every process."""
     stop = dist_info.is_main and callback({k: row[k] for k in ("step", "train_loss", "val_loss", "lr", "tokens_per_s")}) is True
     if dist_info.enabled:  # every process must leave the loop at the same step, or DDP hangs
@@ -333,8 +446,8 @@ def _make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 
 # ---- checkpoint files ----------------------------------------------------------------------
-def _save(model, task, out_dir, step, optimizer, config, history, meta, metrics) -> None:
-    extra: dict[str, Union[str, bytes]] = {METRICS_FILE: _history_csv(history)}
+def _save(model, task, out_dir, step, optimizer, config, history, meta, metrics, snapshot_files=None) -> None:
+    extra: dict[str, Union[str, bytes, Path]] = {METRICS_FILE: _history_csv(history), **(snapshot_files or {})}
     if config.save_train_state:
         tensors, info = _train_state(optimizer, step)
         extra[STATE_TENSORS_FILE] = save(tensors)

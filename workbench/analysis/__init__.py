@@ -16,10 +16,12 @@
     dictionaries/   sparse dictionaries (SAEs, transcoders): architectures, trainer, SAELens format
     splice.py       a dictionary spliced in at its hook; its features become hooks
     features.py     per-feature tables: contexts, histograms, logit effects, DLA
+    dynamics.py     any of these over a run's training snapshots: one table with a step column
 """
 
 from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep, sweep_specs
 from workbench.analysis.attribution import direct_logit_attribution
+from workbench.analysis.dynamics import over_training
 from workbench.analysis.common import (
     head_label,
     logit_diff_metric,
@@ -82,4 +84,5 @@ __all__ = [
     "add_sae", "remove_sae", "spliced", "spliced_saes",
     "feature_activations", "feature_dla", "feature_histogram", "feature_logit_effects", "feature_table",
     "max_activating_contexts",
+    "over_training",
 ]
