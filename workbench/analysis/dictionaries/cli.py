@@ -84,23 +84,25 @@ def cmd_train_sae(args: argparse.Namespace) -> int:
     out = args.out or Path("saes") / f"{ckpt}-{slug}-{config.kind}-{config.d_sae}"
     progress = not args.no_progress
     common = dict(batch_size=args.collect_batch_size, seq_len=args.seq_len, exclude_token_ids=excluded)
-    info, _ = distributed.setup(config.device)
-    if args.live:
-        source = LiveActivations(model, task, hooks, **common)
-    else:
-        store = args.store or Path("acts") / f"{ckpt}-{slug}"
-        if info.is_main:  # under torchrun one process collects, the others wait and read
-            source = ActivationStore.collect(model, task, hooks, args.tokens, store, progress=progress, **common)
-            print(f"store: {store} ({source.n_rows:,} rows, {source.n_shards} shards)")
-        distributed.barrier(info)
-        source = ActivationStore(store)
-    try:
-        sae = train_sae(source, config=config, out=out, model=model, resume=args.resume, progress=progress)
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    info = distributed.DistInfo.from_env()  # the entry point reads torchrun's variables, once
+    with distributed.process_group(info, distributed.device_for(info, config.device)):
+        if args.live:
+            source = LiveActivations(model, task, hooks, **common)
+        else:
+            store = args.store or Path("acts") / f"{ckpt}-{slug}"
+            if info.is_main:  # under torchrun one process collects, the others wait and read
+                source = ActivationStore.collect(model, task, hooks, args.tokens, store, progress=progress, **common)
+                print(f"store: {store} ({source.n_rows:,} rows, {source.n_shards} shards)")
+            distributed.barrier(info)
+            source = ActivationStore(store)
+        try:
+            sae = train_sae(source, config=config, out=out, model=model, resume=args.resume, progress=progress,
+                            dist=info)
+        except TrainingDiverged as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
     if info.is_main:
         shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in sae.metrics.items()}
         print(json.dumps(shown, indent=1))

@@ -159,6 +159,7 @@ def train_sae(
     resume: bool = False,
     progress: bool = True,
     callback: Optional[Callable[[dict], Optional[bool]]] = None,
+    dist: Optional[distributed.DistInfo] = None,
     **overrides: Any,
 ) -> Dictionary:
     """Train a dictionary on ``source`` (a store, its path, or ``LiveActivations``) and return it.
@@ -177,12 +178,16 @@ def train_sae(
         source.check_model(model)
     hooks = _hooks(config, source)
     out = _check_out(out, resume)
-    dist_info, device = distributed.setup(config.device)
+    # State goes in: a data-parallel run is handed its DistInfo by the entry point (the CLI reads
+    # torchrun's variables); without one this is a single process whatever the environment says.
+    dist_info = dist or distributed.DistInfo()
+    device = distributed.device_for(dist_info, config.device)
     threads = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        return _train(source, config, hooks, dist_info, device, out, model, resume, progress, callback)
+        with distributed.process_group(dist_info, device):
+            return _train(source, config, hooks, dist_info, device, out, model, resume, progress, callback)
     finally:
         torch.set_num_threads(threads)  # the setting lasts for this call only
 
