@@ -10,6 +10,8 @@
     tokens.py       per-position tables of a prompt: next-token losses (and their change), residual norms
     resume.py       the engine both use: replace one activation, run only what follows (Block.resume)
     common.py       token and unit labels (L1H4), metrics, argument checks
+    circuits/       edges: the computation graph, exact edge patching, EAP / EAP-IG, ACDC, path patching,
+                    circuits (save, load, faithfulness) and AUROC against known circuits
 """
 
 from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep, sweep_specs
@@ -36,6 +38,18 @@ from workbench.analysis.lens import TunedLens, compare_lenses, logit_lens, train
 from workbench.analysis.patching import PATCH_SITES, activation_patching, attribution_patching
 from workbench.analysis.reference import reference_batch, task_from_meta
 from workbench.analysis.tokens import residual_norms, token_loss_change, token_losses
+from workbench.analysis.circuits import (
+    Circuit,
+    ComputationGraph,
+    discover_circuit,
+    edge_attribution,
+    edge_auroc,
+    edge_patching,
+    evaluate_circuit,
+    faithfulness,
+    node_attribution,
+    path_patching,
+)
 
 __all__ = [
     "AblationSpec", "ablate", "ablation_hooks", "ablation_sweep", "sweep_specs",
@@ -47,4 +61,6 @@ __all__ = [
     "PATCH_SITES", "activation_patching", "attribution_patching",
     "reference_batch", "task_from_meta",
     "residual_norms", "token_loss_change", "token_losses",
+    "Circuit", "ComputationGraph", "discover_circuit", "edge_attribution", "edge_auroc", "edge_patching",
+    "evaluate_circuit", "faithfulness", "node_attribution", "path_patching",
 ]
