@@ -49,7 +49,7 @@ def acdc(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], threshold: floa
     g = runner.graph
     distance = distance_fn(runner, metric, kl)
     keep = g.full_mask()
-    current = distance(runner.metric_of(metric, keep, from_stage=g.receiver_stage.max() + 1))
+    current = distance(runner.metric_of(metric, keep, from_stage=int(g.receiver_stage.max()) + 1))
     scores = np.zeros(g.n_edges)
     adjacency = g.adjacency.numpy()
     sender_of_node = {node: i for i, node in enumerate(g.senders)}

@@ -83,6 +83,35 @@ def kl_metric(clean_logits: Float[Tensor, "batch pos d_vocab"]) -> Callable[[Ten
 
 
 # ---- one head from separate q, k and v inputs ------------------------------------------------
+def project(block, x: Float[Tensor, "batch pos head_index d_model"], kind: str,
+            heads: Sequence[int]) -> Float[Tensor, "batch pos head_index d_head"]:
+    """The ``kind`` (q, k or v) projection of ``heads`` of ``block``, each head reading its own
+    pre-norm stream (normed on its own, as the block's ``ln1`` does)."""
+    attn, heads = block.attn, list(heads)
+    weight, bias = {"q": (attn.W_Q, attn.b_Q), "k": (attn.W_K, attn.b_K), "v": (attn.W_V, attn.b_V)}[kind]
+    normed = block.ln1(x.flatten(1, 2)).view_as(x)
+    return einsum(normed, weight[heads], "b p h d, h d e -> b p h e") + bias[heads]
+
+
+def attend(block, q: Float[Tensor, "batch pos head_index d_head"], k: Float[Tensor, "batch pos head_index d_head"],
+           v: Float[Tensor, "batch pos head_index d_head"], heads: Sequence[int]
+           ) -> Float[Tensor, "batch pos head_index d_head"]:
+    """``z`` of ``heads`` from their (unrotated) queries, keys and values: the block's rotation and
+    score bias, and the causal SDPA its attention runs."""
+    attn, heads = block.attn, list(heads)
+    if attn.position.rotates:
+        q, k = attn.position.rotate(q, 0), attn.position.rotate(k, 0)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, pos, d_head]
+    n = q.shape[2]
+    bias = attn.position.score_bias(n, n, 0)
+    if bias is None:
+        z = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        z = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[heads].to(q.dtype).masked_fill(~causal, float("-inf")))
+    return z.transpose(1, 2)
+
+
 def head_z(
     block,
     x_q: Float[Tensor, "batch pos head_index d_model"],
@@ -95,24 +124,8 @@ def head_z(
     The block's own norm, weights, rotation and score bias, and the same causal SDPA the
     attention runs, so with one stream for all three it is the block's ``hook_z`` (tests check).
     """
-    attn, heads = block.attn, list(heads)
-
-    def project(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        normed = block.ln1(x.flatten(1, 2)).view_as(x)  # each (position, head) row normed on its own
-        return einsum(normed, weight[heads], "b p h d, h d e -> b p h e") + bias[heads]
-
-    q, k, v = project(x_q, attn.W_Q, attn.b_Q), project(x_k, attn.W_K, attn.b_K), project(x_v, attn.W_V, attn.b_V)
-    if attn.position.rotates:
-        q, k = attn.position.rotate(q, 0), attn.position.rotate(k, 0)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, pos, d_head]
-    n = q.shape[2]
-    bias = attn.position.score_bias(n, n, 0)
-    if bias is None:
-        z = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        z = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[heads].to(q.dtype).masked_fill(~causal, float("-inf")))
-    return z.transpose(1, 2)
+    return attend(block, project(block, x_q, "q", heads), project(block, x_k, "k", heads),
+                  project(block, x_v, "v", heads), heads)
 
 
 # ---- node outputs and the node-by-node forward -----------------------------------------------
@@ -273,9 +286,11 @@ def edge_effects(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], edges: 
                  stack: int = 1, progress: bool = False) -> np.ndarray:
     """Metric with each edge (by index) patched alone, the others clean: one value per edge.
 
-    Edges are grouped by receiver and ``stack`` patches run as one batch. The receiver's
-    recomputation is taken as a change from its own recomputed clean value, so an edge whose
-    sender is the same in both runs leaves the clean activations untouched.
+    Edges are grouped by receiver and ``stack`` patches run as one batch. A head receiver
+    recomputes only the projection its edge feeds (the other two are the clean ones, computed
+    once per receiver), and every receiver's recomputation is taken as a change from its own
+    recomputed clean value, so an edge whose sender is the same in both runs leaves the clean
+    activations untouched, bit for bit.
     """
     g, model, cache = runner.graph, runner.model, runner.clean_cache
     by_receiver: dict[int, list[int]] = defaultdict(list)
@@ -285,18 +300,21 @@ def edge_effects(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], edges: 
     last = g.n_layers - 1
     for r, members in tqdm(by_receiver.items(), disable=not progress, desc="edge patching"):
         node = g.receivers[r]
+        if node[0] == "head":  # the head's clean q, k, v and z, recomputed once for every edge into it
+            _, layer, head, kind = node
+            block = model.blocks[layer]
+            x = cache[f"blocks.{layer}.hook_resid_pre"][:, :, None]
+            clean_qkv = {k: project(block, x, k, [head]) for k in ("q", "k", "v")}
+            clean_z = attend(block, clean_qkv["q"], clean_qkv["k"], clean_qkv["v"], [head])[:, :, 0]
         for start in range(0, len(members), stack):
             chunk = members[start:start + stack]
             n = len(chunk)
             delta = torch.cat([runner.delta[g.edge_sender[e]] for e in chunk])  # [n * batch, pos, d_model]
             if node[0] == "head":
-                _, layer, head, kind = node
-                block = model.blocks[layer]
-                x = _tile(cache[f"blocks.{layer}.hook_resid_pre"], n)[:, :, None]
-                streams = [x + delta[:, :, None] if k == kind else x for k in ("q", "k", "v")]
-                base = head_z(block, x, x, x, [head])[:, :, 0]
+                qkv = {k: _tile(v, n) for k, v in clean_qkv.items()}
+                qkv[kind] = project(block, _tile(x, n) + delta[:, :, None], kind, [head])
                 z = _tile(cache[f"blocks.{layer}.attn.hook_z"], n).clone()
-                z[:, :, head] += head_z(block, *streams, [head])[:, :, 0] - base
+                z[:, :, head] += attend(block, qkv["q"], qkv["k"], qkv["v"], [head])[:, :, 0] - _tile(clean_z, n)
                 logits = run_from_site(model, layer, "z", z, cache.cache_dict)
             elif node[0] == "mlp":
                 layer = node[1]
