@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 from einops import einsum
 
-from workbench.analysis.circuits.edges import EdgeRunner, MetricLike, default_stack, edge_effects
+from workbench.analysis.circuits.edges import EdgeRunner, MetricLike, default_stack, edge_effects, prompt_pair
 from workbench.analysis.circuits.graph import ComputationGraph
 from workbench.analysis.common import check_choice
 from workbench.analysis.patching import activation_patching, attribution_patching
@@ -96,8 +96,6 @@ def node_attribution(model, ds, metric, method: str = "activation") -> pd.DataFr
     ``attribution``: its gradient estimate. Both corrupt one head in the clean run, so score =
     metric(that run) - metric(clean). Columns: node (``L0H3``), layer, head, score, abs_score.
     """
-    from workbench.analysis.circuits.edges import prompt_pair
-
     check_choice("method", method, NODE_METHODS)
     started = time.perf_counter()
     clean, corrupted = prompt_pair(model, ds)
