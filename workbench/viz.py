@@ -466,4 +466,94 @@ def layer_head_over_training(frame: pd.DataFrame, value: str = "score", title: s
                       sliders=[dict(active=0, steps=slider, currentvalue=dict(prefix="step "), pad=dict(t=40))],
                       title=f"{title or value} at step {steps[0]}" if steps else title, template=_template(theme))
     fig.update_yaxes(autorange="reversed")
+
+
+# ---- circuits --------------------------------------------------------------------------------------
+INPUT_COLOURS = {"q": "#2f6db5", "k": "#d1495b", "v": "#2ca02c", "mlp": "#9467bd", "logits": "#7f7f7f"}
+
+
+def _circuit_position(label: str, n_layers: int, n_heads: int) -> tuple[float, float]:
+    """Where a node sits: layers left to right (heads of layer l at 2l+1, its MLP half a step on),
+    heads top to bottom, the MLP below them, embed and logits at the ends."""
+    from workbench.analysis.common import parse_unit  # here, not at the top: this section is appended
+
+    if label == "embed":
+        return 0.0, (n_heads - 1) / 2
+    if label == "logits":
+        return 2.0 * n_layers + 1, (n_heads - 1) / 2
+    layer, head, part = parse_unit(label)
+    if head is not None:
+        return 2.0 * layer + 1, float(head)
+    return 2.0 * layer + 1.6, float(n_heads)
+
+
+def circuit_figure(edges: pd.DataFrame, title: str = "Circuit", theme: str = "light") -> go.Figure:
+    """A circuit as a layered graph, from ``Circuit.to_frame()`` (or any table with sender, receiver,
+    input and, optionally, score columns: line width follows |score|).
+
+    Nodes sit by layer (left to right) and head (top to bottom); an edge's colour names the input it
+    feeds (a head's q, k or v, an MLP, the logits), so K-composition reads as a red line between two
+    heads. Every head of the model is drawn faintly when the table's ``attrs`` give n_layers and n_heads.
+    """
+    missing = [c for c in ("sender", "receiver", "input") if c not in edges]
+    if missing:
+        raise ValueError(f"the table needs columns sender, receiver and input (Circuit.to_frame()); missing {missing}")
+    layers = [int(v) for v in pd.concat([edges.get("sender_layer", pd.Series(dtype=int)),
+                                         edges.get("receiver_layer", pd.Series(dtype=int))]) if v >= 0]
+    heads = [int(v) for v in pd.concat([edges.get("sender_head", pd.Series(dtype=int)),
+                                        edges.get("receiver_head", pd.Series(dtype=int))]) if v >= 0]
+    n_layers = int(edges.attrs.get("n_layers", max(layers, default=0) + 1))
+    n_heads = int(edges.attrs.get("n_heads", max(heads, default=0) + 1))
+    score = edges["score"].abs().fillna(0.0).to_numpy() if "score" in edges else np.zeros(len(edges))
+    top = score.max() if len(score) and score.max() > 0 else 1.0
+    fig = go.Figure()
+    if "n_layers" in edges.attrs:
+        xs, ys = zip(*[(2.0 * l + 1, float(h)) for l in range(n_layers) for h in range(n_heads)])
+        fig.add_scatter(x=xs, y=ys, mode="markers", marker=dict(size=9, color="rgba(128,128,128,0.25)"),
+                        hoverinfo="skip", showlegend=False)
+    for kind, colour in INPUT_COLOURS.items():
+        part = np.nonzero((edges["input"] == kind).to_numpy())[0]
+        if not len(part):
+            continue
+        for i in part:  # one line per edge: widths differ
+            (x0, y0), (x1, y1) = (_circuit_position(edges["sender"].iloc[i], n_layers, n_heads),
+                                  _circuit_position(edges["receiver"].iloc[i].split(".")[0], n_layers, n_heads))
+            fig.add_scatter(x=[x0, x1], y=[y0, y1], mode="lines", line=dict(color=colour, width=1 + 5 * score[i] / top),
+                            legendgroup=kind, name=kind, showlegend=bool(i == part[0]), hoverinfo="skip")
+        mids = [tuple((a + b) / 2 for a, b in zip(_circuit_position(edges["sender"].iloc[i], n_layers, n_heads),
+                                                  _circuit_position(edges["receiver"].iloc[i].split(".")[0], n_layers,
+                                                                    n_heads))) for i in part]
+        text = [f"{edges['sender'].iloc[i]} -> {edges['receiver'].iloc[i]}"
+                + (f"<br>score {edges['score'].iloc[i]:.4g}" if "score" in edges else "") for i in part]
+        fig.add_scatter(x=[m[0] for m in mids], y=[m[1] for m in mids], mode="markers", text=text,
+                        marker=dict(size=8, color=colour, opacity=0.01), legendgroup=kind, showlegend=False,
+                        hovertemplate="%{text}<extra></extra>")
+    nodes = list(dict.fromkeys([*edges["sender"], *(r.split(".")[0] for r in edges["receiver"])]))
+    points = [_circuit_position(label, n_layers, n_heads) for label in nodes]
+    fig.add_scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="markers+text", text=nodes,
+                    textposition="top center", marker=dict(size=14, color="#444", line=dict(width=1, color="white")),
+                    showlegend=False, hovertemplate="%{text}<extra></extra>")
+    ticks = [0.0, *(2.0 * l + 1 for l in range(n_layers)), 2.0 * n_layers + 1]
+    fig.update_xaxes(tickvals=ticks, ticktext=["embed", *(f"L{l}" for l in range(n_layers)), "logits"],
+                     showgrid=False, zeroline=False)
+    fig.update_yaxes(autorange="reversed", showticklabels=False, showgrid=False, zeroline=False)
+    fig.update_layout(title=title, template=_template(theme), height=360 + 20 * n_heads, margin=dict(t=50),
+                      legend_title_text="input")
+    return fig
+
+
+def circuit_benchmark_figure(results: pd.DataFrame, value: str = "edge_auroc", title: str = "",
+                             theme: str = "light") -> go.Figure:
+    """A method x model heatmap of one column of the circuit benchmark's table (values written in)."""
+    missing = [c for c in ("model", "method", value) if c not in results]
+    if missing:
+        raise ValueError(f"the table needs columns model, method and {value!r}; missing {missing}")
+    grid = results.pivot_table(index="method", columns="model", values=value, aggfunc="first", sort=False)
+    fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=list(grid.columns), y=list(grid.index), zmin=0, zmax=1,
+                               colorscale=SEQUENTIAL, text=np.round(grid.to_numpy(), 3), texttemplate="%{text}",
+                               hovertemplate="%{y} on %{x}: %{z:.4f}<extra></extra>", colorbar=dict(title=value)))
+    fig.update_layout(title=title or value, template=_template(theme), height=120 + 45 * len(grid),
+                      margin=dict(t=50))
+    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_xaxes(type="category")
     return fig

@@ -17,6 +17,8 @@
     splice.py       a dictionary spliced in at its hook; its features become hooks
     features.py     per-feature tables: contexts, histograms, logit effects, DLA
     dynamics.py     any of these over a run's training snapshots: one table with a step column
+    circuits/       edges: the computation graph, exact edge patching, EAP / EAP-IG, ACDC, path patching,
+                    circuits (save, load, faithfulness) and AUROC against known circuits
 """
 
 from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep, sweep_specs
@@ -64,6 +66,18 @@ from workbench.analysis.splice import add_sae, remove_sae, spliced, spliced_saes
 from workbench.analysis.features import (
     feature_activations, feature_dla, feature_histogram, feature_logit_effects, feature_table, max_activating_contexts,
 )
+from workbench.analysis.circuits import (
+    Circuit,
+    ComputationGraph,
+    discover_circuit,
+    edge_attribution,
+    edge_auroc,
+    edge_patching,
+    evaluate_circuit,
+    faithfulness,
+    node_attribution,
+    path_patching,
+)
 
 __all__ = [
     "AblationSpec", "ablate", "ablation_hooks", "ablation_sweep", "sweep_specs",
@@ -85,4 +99,6 @@ __all__ = [
     "feature_activations", "feature_dla", "feature_histogram", "feature_logit_effects", "feature_table",
     "max_activating_contexts",
     "over_training",
+    "Circuit", "ComputationGraph", "discover_circuit", "edge_attribution", "edge_auroc", "edge_patching",
+    "evaluate_circuit", "faithfulness", "node_attribution", "path_patching",
 ]
