@@ -27,7 +27,8 @@ import json
 import re
 import struct
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Optional, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -151,7 +152,7 @@ class ShardedSafetensors:
                     piece = f.get_slice(name)
                     self._file[name], self._shape[name], self._dtype[name] = path, tuple(piece.get_shape()), piece.get_dtype()
         except (SafetensorError, OSError) as e:
-            raise self.error(f"{path} is truncated or corrupt ({e}); download or export it again") from None
+            raise self.error(f"{path} is truncated or corrupt ({e}); write or download it again") from None
         if expected is not None and expected - names:
             raise self.error(f"{INDEX_FILE} says {path.name} holds {sorted(expected - names)[0]}, but that shard does "
                              "not; the index and the shards come from different saves")

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Literal, Mapping, Optional, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Literal, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
