@@ -430,7 +430,7 @@ def load_checkpoint(
 ):
     """Load ``(model, tokenizer)`` from a directory written by ``save_checkpoint``.
 
-    The weights are read one tensor at a time straight onto ``device`` (default cpu) in
+    The weights are read one tensor at a time straight onto ``device`` (default: torch's default device, cpu) in
     ``dtype`` (default float32, whatever the file holds), so the peak is the model's bytes plus
     about one tensor; a device or dtype the machine lacks raises ValueError naming it. The
     tokenizer is None when the checkpoint has none. The model is in eval mode. The four
@@ -455,7 +455,7 @@ def load_checkpoint(
     weights = path / WEIGHTS_FILE
     if not weights.exists():
         raise CheckpointError(f"{path} is not a complete checkpoint: {WEIGHTS_FILE} is missing")
-    source = ShardedSafetensors(path, error=CheckpointError)  # reads the header: a broken file fails here
+    source = ShardedSafetensors(path, error=CheckpointError, pin=device.type == "cuda")  # a broken file fails here
     model = unfilled_model(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: source.shape(k) for k in source.names()}
@@ -471,11 +471,11 @@ def load_checkpoint(
     load_dtype = torch.float32 if processing else dtype
     not_finite: list[str] = []
 
-    def tensors():  # (name, tensor) one at a time, each on the target device and dtype
+    def tensors():  # (name, tensor) one at a time, each written once onto the target device and dtype
         for name in expected:
-            tensor = source.get(name)
+            tensor = source.read(name)
             _check_finite(name, tensor, not_finite)
-            yield name, tensor.to(device=device, dtype=load_dtype)
+            yield name, torch.empty(tensor.shape, dtype=load_dtype, device=device).copy_(tensor)
 
     model = fill_model(model, tensors(), [], device, load_dtype)
     if not_finite:

@@ -88,6 +88,8 @@ def from_hf(
     if isinstance(source, (str, Path)):
         directory = resolve_hf_source(source, revision=revision, token=token)
         family, cfg = _config_of(directory, n_ctx)
+        if Path(directory) != Path(source).expanduser():  # a hub id: name the model by it, not by the snapshot path
+            cfg = cfg.replace(name=str(source))
         model = load_hf_weights(directory, family, cfg, device, load_dtype)
         if tokenizer is None:
             tokenizer = load_hf_tokenizer(directory)
@@ -130,8 +132,7 @@ def _from_state_dict(hf_state: dict, family: str, cfg: Any, device: torch.device
     ours, persistent = model_shapes(model)
     source = DictSource(hf_state)
     plan = plan_import(family, cfg, source, ours, persistent, layout=layout_of(hf_state))
-    # copy=True: the imported model must not share memory with the transformers model it came from.
-    tensors = import_tensors(plan, source, persistent, lambda t: t.to(device=device, dtype=dtype, copy=True))
+    tensors = import_tensors(plan, source, persistent, device, dtype)  # copies: nothing shared with the HF model
     return fill_model(model, tensors, plan.zero_biases, device, dtype)
 
 

@@ -249,7 +249,7 @@ class TensorSource(Protocol):
     def names(self) -> Iterable[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def dtype(self, name: str) -> torch.dtype: ...
-    def get(self, name: str) -> Tensor: ...
+    def read(self, name: str) -> Tensor: ...  # valid until the next read: callers copy what they keep
     def where(self, name: str) -> str: ...  # for error messages: "X in model-00002-of-00004.safetensors"
 
 
@@ -268,7 +268,7 @@ class DictSource:
     def dtype(self, name: str) -> torch.dtype:
         return self.state[name].dtype
 
-    def get(self, name: str) -> Tensor:
+    def read(self, name: str) -> Tensor:
         return self.state[name].detach()
 
     def where(self, name: str) -> str:
@@ -329,13 +329,14 @@ def plan_import(family: str, cfg: ModelConfig, source: TensorSource, ours: Mappi
     return ImportPlan(steps, sorted(k for k in persistent - fed))
 
 
-def import_tensors(plan: ImportPlan, source: TensorSource, persistent: Iterable[str],
-                   prepare: Callable[[Tensor], Tensor] = lambda t: t) -> Iterator[tuple[str, Tensor]]:
-    """(our name, tensor) for every weight, reading one source tensor at a time.
+def import_tensors(plan: ImportPlan, source: TensorSource, persistent: Iterable[str], device: torch.device,
+                   dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """(our name, tensor on ``device`` in ``dtype``) for every weight, reading one source tensor at a time.
 
-    ``prepare`` moves a source tensor to the target device and dtype before it is split, so the
-    split runs there; every yielded tensor owns its memory (contiguous, not a view of the source).
-    Biases we hold as fixed zeros must be zero in the checkpoint (HFImportError otherwise).
+    The rule's split runs on views of the source (on ``device``, in the source dtype); each part
+    is then written once into a fresh tensor of the target dtype (``copy_`` casts and lays out
+    in one pass), so nothing but the model and the one source tensor is ever held. Biases we
+    hold as fixed zeros must be zero in the checkpoint (HFImportError otherwise).
     """
     from workbench.interop.hub import HFImportError
 
@@ -343,25 +344,16 @@ def import_tensors(plan: ImportPlan, source: TensorSource, persistent: Iterable[
     for rule, name in plan.steps:
         if name is None:
             continue
-        tensor = prepare(source.get(name))
-        parts = rule.split(tensor)
-        for ours, part in zip(rule.ours, parts):
+        tensor = source.read(name)
+        if tensor.device != device:
+            tensor = tensor.to(device)  # whole and contiguous: the fast host-to-device copy
+        for ours, part in zip(rule.ours, rule.split(tensor)):
             if ours in persistent:
-                yield ours, _owned(part, tensor)
+                yield ours, torch.empty(part.shape, dtype=dtype, device=device).copy_(part)
             elif part.count_nonzero():
                 raise HFImportError(f"{source.where(name)} holds a nonzero bias with no place in the imported "
                                     f"config ({ours})")
-        del tensor, parts
-
-
-def _owned(part: Tensor, source: Tensor) -> Tensor:
-    """``part`` contiguous and, when it is a slice of a bigger source, a copy (the source is freed)."""
-    part = part.detach().contiguous()
-    if part.data_ptr() == source.data_ptr() and part.nbytes == source.nbytes:
-        return part  # the whole source, laid out as we want: no copy
-    if part.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
-        return part.clone()
-    return part
+        del tensor
 
 
 # ---- ours -> HF ----------------------------------------------------------------------------------
