@@ -1,4 +1,12 @@
-"""Shared test fixtures: tiny seeded configs, CPU only."""
+"""Shared test fixtures: tiny seeded configs, on the CPU unless ``--device`` says otherwise.
+
+    pytest tests/test_core_*.py tests/test_interop*.py tests/test_analysis_*.py --device cuda
+
+``--device cuda`` makes CUDA torch's default device for the run (models, tokens and HF models
+built by the tests land there; the library's ``device=None`` follows it), and the ``device``
+fixture names it for tests that place things explicitly. Without a GPU it is a usage error,
+not a silent CPU run. The default is cpu, and every test must pass there.
+"""
 
 import os
 
@@ -8,6 +16,29 @@ from factories import tiny
 
 # Two cores on CI: keep intra-op threads from oversubscribing when pytest runs alone.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="torch device for the core, interop and analysis tests: cpu (default), cuda, cuda:1")
+
+
+def pytest_configure(config):
+    name = config.getoption("--device")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise pytest.UsageError(f"--device {name!r} is not a torch device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {name} but torch.cuda.is_available() is False on this machine")
+    if device.type != "cpu":
+        torch.set_default_device(device)
+
+
+@pytest.fixture
+def device(request) -> torch.device:
+    """The device the run was asked to test (``--device``; cpu by default)."""
+    return torch.device(request.config.getoption("--device"))
 
 
 @pytest.fixture(autouse=True)

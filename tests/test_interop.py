@@ -299,7 +299,7 @@ def test_sliding_window_longer_than_the_context_imports_exactly():
 def test_bad_sources_are_refused(tmp_path):
     with pytest.raises(ValueError, match="not a Hugging Face model directory"):
         wb.from_hf(tmp_path)
-    with pytest.raises(TypeError, match="directory path or a transformers model"):
+    with pytest.raises(TypeError, match="a hub id or a transformers model"):
         wb.from_hf(42)
     base = T.AutoModel.from_config(T.LlamaConfig(**SMALL))
     with pytest.raises(ValueError, match="no language-model head"):

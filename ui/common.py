@@ -143,9 +143,19 @@ def model_for(key: tuple[str, int]):
 
 def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint]:
     """Load (cached) the checkpoint at ``path``; on failure show why in ``where`` and return None."""
+    from workbench.interop.hub import HFImportError, looks_like_hub_id, resolve_hf_source
+
     p = Path(path).expanduser()
+    hub_id = not p.is_dir() and looks_like_hub_id(path)
+    if hub_id:  # its snapshot in the Hugging Face cache (downloaded when online)
+        try:
+            p = resolve_hf_source(path)
+        except HFImportError as e:
+            where.error(f"Cannot open `{path}`: {e}")
+            return None
     if not p.is_dir():
-        where.error(f"`{path}` is not a directory. Pick a checkpoint directory (it holds {CONFIG_FILE} and {WEIGHTS_FILE}).")
+        where.error(f"`{path}` is not a directory. Pick a checkpoint directory (it holds {CONFIG_FILE} and {WEIGHTS_FILE}) "
+                    "or type a Hugging Face hub id such as gpt2.")
         return None
     try:
         model, tok, meta, lock = _load(str(p.resolve()), weights_stamp(str(p)))
@@ -155,7 +165,8 @@ def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint
     except Exception as e:  # anything else a damaged directory can raise
         where.error(f"Cannot load `{path}`: {type(e).__name__}: {e}")
         return None
-    return Checkpoint(name or p.name, str(p.resolve()), weights_stamp(str(p)), model, tok, meta, lock)
+    label = name or (path if hub_id else p.name)
+    return Checkpoint(label, str(p.resolve()), weights_stamp(str(p)), model, tok, meta, lock)
 
 
 def checkpoint_picker(label: str, key: str, where=None, default: Optional[str] = None) -> Optional[Checkpoint]:

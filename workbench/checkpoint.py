@@ -37,8 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from workbench.config import FORMAT_VERSION, ModelConfig
 
@@ -431,6 +430,7 @@ def load_checkpoint(
     path: Union[str, Path],
     device: Union[str, torch.device, None] = None,
     *,
+    dtype: Union[torch.dtype, str] = torch.float32,
     fold_ln: bool = False,
     center_writing_weights: bool = False,
     center_unembed: bool = False,
@@ -438,12 +438,17 @@ def load_checkpoint(
 ):
     """Load ``(model, tokenizer)`` from a directory written by ``save_checkpoint``.
 
-    The tokenizer is None when the checkpoint has none. The model is in eval mode. The four
-    switches (all off: the weights as saved) run ``model.process_weights`` after loading.
+    The weights are read one tensor at a time straight onto ``device`` (default: torch's default device, cpu) in
+    ``dtype`` (default float32, whatever the file holds), so the peak is the model's bytes plus
+    about one tensor; a device or dtype the machine lacks raises ValueError naming it. The
+    tokenizer is None when the checkpoint has none. The model is in eval mode. The four
+    switches (all off: the weights as saved) run ``model.process_weights`` after loading, in
+    float32 before the cast to ``dtype``.
     """
-    from workbench.model import HookedDecoder
+    from workbench.interop.streaming import ShardedSafetensors, check_placement, fill_model, unfilled_model
     from workbench.tokenizer import load_tokenizer
 
+    device, dtype = check_placement(device, dtype)
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist (or is not a directory)")
@@ -458,15 +463,10 @@ def load_checkpoint(
     weights = path / WEIGHTS_FILE
     if not weights.exists():
         raise CheckpointError(f"{path} is not a complete checkpoint: {WEIGHTS_FILE} is missing")
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{weights} is truncated or corrupt ({e}); re-save or re-train it") from None
-    _warn_if_not_finite(path, state)
-    with torch.device("meta"):
-        model = HookedDecoder(cfg)
+    source = ShardedSafetensors(path, error=CheckpointError, pin=device.type == "cuda")  # a broken file fails here
+    model = unfilled_model(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
+    got = {k: source.shape(k) for k in source.names()}
     problems = [f"missing {k}" for k in sorted(set(expected) - set(got))]
     problems += [f"unexpected {k}" for k in sorted(set(got) - set(expected))]
     problems += [
@@ -475,30 +475,41 @@ def load_checkpoint(
     if problems:
         shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems)" if len(problems) > 6 else "")
         raise CheckpointError(f"{path}: weights do not match {CONFIG_FILE}: {shown}")
-    model = HookedDecoder(cfg)
-    model.load_state_dict(state, strict=True)
+    processing = fold_ln or center_writing_weights or center_unembed or fold_value_biases
+    load_dtype = torch.float32 if processing else dtype
+    not_finite: list[str] = []
+
+    def tensors():  # (name, tensor) one at a time, each written once onto the target device and dtype
+        for name in expected:
+            tensor = source.read(name)
+            _check_finite(name, tensor, not_finite)
+            yield name, torch.empty(tensor.shape, dtype=load_dtype, device=device).copy_(tensor)
+
+    model = fill_model(model, tensors(), [], device, load_dtype)
+    if not_finite:
+        _warn_not_finite(path, not_finite)
     try:
         model.tokenizer = load_tokenizer(path)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: the tokenizer file is corrupt ({e})") from None
-    if fold_ln or center_writing_weights or center_unembed or fold_value_biases:
+    if processing:
         model.process_weights(fold_ln, center_writing_weights, center_unembed, fold_value_biases)
-    if device is not None:
-        model.to(device)
+        model.to(dtype=dtype)
     model.eval()
     return model, model.tokenizer
 
 
-def _warn_if_not_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
+def _check_finite(name: str, tensor: torch.Tensor, bad: list[str]) -> None:
+    """Append ``name`` (with its counts) to ``bad`` when ``tensor`` holds NaN or inf."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        bad.append(f"{name} ({nan} NaN, {inf} inf of {tensor.numel()})")
+
+
+def _warn_not_finite(path: Path, bad: list[str]) -> None:
     """Warn (NonFiniteWeightsWarning) naming the tensors that hold NaN or inf."""
-    bad = []
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
-            bad.append(f"{name} ({nan} NaN, {inf} inf of {tensor.numel()})")
-    if bad:
-        warnings.warn(
-            f"{path}: {len(bad)} weight tensor(s) are not finite: {_shown(bad, 8)}; the model will produce NaN "
-            "(the run that saved it probably diverged: re-train with a lower learning rate or an earlier checkpoint)",
-            NonFiniteWeightsWarning, stacklevel=3,
-        )
+    warnings.warn(
+        f"{path}: {len(bad)} weight tensor(s) are not finite: {_shown(bad, 8)}; the model will produce NaN "
+        "(the run that saved it probably diverged: re-train with a lower learning rate or an earlier checkpoint)",
+        NonFiniteWeightsWarning, stacklevel=3,
+    )

@@ -126,7 +126,8 @@ class HookedDecoder(HookedRootModule):
                 p.fill_(1.0 if name.endswith(".w") else 0.0)
             else:
                 scale = out_std if name.endswith(("W_O", "W_out")) else std
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+                # drawn on the CPU: the seed's generator lives there, and a seed gives one model on any device
+                p.copy_(torch.randn(p.shape, generator=gen, device="cpu") * scale)
 
     @property
     def device(self) -> torch.device:

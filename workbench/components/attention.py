@@ -200,5 +200,6 @@ class Attention(nn.Module):
             scores = scores + bias
         mask = self._causal_mask(q.shape[2], k.shape[2], offset, q.device) if visible is None else visible
         scores = self.hook_attn_scores(scores.masked_fill(~mask, float("-inf")))
-        pattern = self.hook_pattern(torch.softmax(scores, dim=-1).to(v.dtype))
+        # float32 softmax, rounded after (HF's eager attention does the same in bf16/fp16)
+        pattern = self.hook_pattern(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype))
         return pattern @ v

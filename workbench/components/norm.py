@@ -5,6 +5,13 @@ can reuse the exact scale of a run. The arithmetic mirrors ``torch.nn.LayerNorm`
 ``torch.nn.RMSNorm`` (tests compare against them). As in attention, unused hooks cost
 nothing: when neither hook is listened to, the fused ``F.layer_norm`` / ``F.rms_norm`` runs.
 
+In bfloat16 / float16 the statistics are computed in float32, as the references do:
+``F.layer_norm`` (what HF's GPT-2 and GPT-NeoX call) works in float32 and rounds once at the
+end; HF's Llama-family RMSNorm normalises in float32, rounds to the input dtype, then multiplies
+by the weight. Each form here rounds where its reference rounds, so a bf16 import reproduces
+the bf16 reference, not just the float32 one. ``hook_scale`` is then float32 (TransformerLens
+does the same).
+
 Once ``process_weights(fold_ln=True)`` has moved the weights into the layers that read a
 norm (``cfg.folded_ln``), the registry builds the weightless forms TransformerLens calls
 LNPre (centre, then divide by the scale) and RMSPre (divide by the scale). They keep ``w``
@@ -21,6 +28,10 @@ from transformer_lens.hook_points import HookPoint
 from workbench.config import ModelConfig
 
 
+def _wide(x: Tensor) -> bool:
+    return x.dtype in (torch.float32, torch.float64)
+
+
 class LayerNorm(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -33,9 +44,10 @@ class LayerNorm(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
             return F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)
-        x = x - x.mean(-1, keepdim=True)
-        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        return self.hook_normalized(x / scale) * self.w + self.b
+        xf = x.float()
+        xf = xf - xf.mean(-1, keepdim=True)
+        scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return (self.hook_normalized(xf / scale) * self.w + self.b).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -48,9 +60,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
-            return F.rms_norm(x, self.w.shape, self.w, self.eps)
-        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        return self.hook_normalized(x / scale) * self.w
+            if _wide(x):
+                return F.rms_norm(x, self.w.shape, self.w, self.eps)
+            return F.rms_norm(x.float(), self.w.shape, None, self.eps).to(x.dtype) * self.w
+        xf = x.float()
+        scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized((xf / scale).to(x.dtype)) * self.w
 
 
 class _Folded(nn.Module):
@@ -77,9 +92,10 @@ class LayerNormPre(_Folded):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if not self._hooked():
             return F.layer_norm(x, self.w.shape, None, None, self.eps)
-        x = x - x.mean(-1, keepdim=True)
-        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        return self.hook_normalized(x / scale)
+        xf = x.float()
+        xf = xf - xf.mean(-1, keepdim=True)
+        scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized(xf / scale).to(x.dtype)
 
 
 class RMSNormPre(_Folded):
@@ -87,9 +103,10 @@ class RMSNormPre(_Folded):
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if not self._hooked():
-            return F.rms_norm(x, self.w.shape, None, self.eps)
-        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        return self.hook_normalized(x / scale)
+            return F.rms_norm(x if _wide(x) else x.float(), self.w.shape, None, self.eps).to(x.dtype)
+        xf = x.float()
+        scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized((xf / scale).to(x.dtype))
 
 
 class NoNorm(nn.Module):

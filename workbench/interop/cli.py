@@ -1,10 +1,14 @@
 """``python -m workbench import-hf`` and ``export-hf``: the interop subcommands.
 
-    python -m workbench import-hf path/to/hf-model --out checkpoints/NAME   # HF dir -> our checkpoint
-    python -m workbench export-hf checkpoints/NAME --out path/to/hf-model   # our checkpoint -> HF dir
+    python -m workbench import-hf gpt2 --out checkpoints/gpt2                    # a hub id (cache, or download)
+    python -m workbench import-hf Qwen/Qwen2.5-0.5B --out checkpoints/qwen --dtype bfloat16
+    python -m workbench import-hf path/to/hf-model --out checkpoints/NAME        # a local HF directory
+    python -m workbench export-hf checkpoints/NAME --out path/to/hf-model --max-shard-size 2GB
 
 ``register(subparsers)`` is called by ``workbench/__main__.py``; each command returns an exit
-code, and bad input raises ``ValueError`` (printed as one line by the main program).
+code, and bad input raises ``ValueError`` (printed as one line by the main program). The
+output folder is checked before the import starts and written atomically, so a failed import
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -13,14 +17,19 @@ import argparse
 import json
 from pathlib import Path
 
+DTYPES = ("float32", "bfloat16", "float16")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     imp = subparsers.add_parser(
-        "import-hf", help="convert a local Hugging Face model directory into a workbench checkpoint",
+        "import-hf", help="convert a Hugging Face model (hub id or local directory) into a workbench checkpoint",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    imp.add_argument("source", type=Path, metavar="DIR", help="a Hugging Face model directory (config.json + weights)")
+    imp.add_argument("source", metavar="ID_OR_DIR",
+                     help="a hub id (gpt2, org/name; HF_HUB_OFFLINE=1 reads the cache only) or a local HF model directory")
     imp.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write (e.g. checkpoints/NAME)")
+    imp.add_argument("--dtype", choices=DTYPES, default="float32", help="the dtype the checkpoint stores (default float32)")
+    imp.add_argument("--revision", default=None, help="a hub revision: branch, tag or commit (hub ids only)")
     imp.add_argument("--n-ctx", type=int, default=None, help="cap the context length (needed below a sliding window)")
     imp.set_defaults(func=cmd_import_hf)
 
@@ -30,18 +39,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     exp.add_argument("checkpoint", type=Path, help="a workbench checkpoint directory")
     exp.add_argument("--out", type=Path, required=True, help="the Hugging Face directory to write")
+    exp.add_argument("--dtype", choices=DTYPES, default=None, help="the dtype of the exported weights (default: as stored)")
+    exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MiB (default 5GB)")
     exp.set_defaults(func=cmd_export_hf)
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    from workbench.checkpoint import save_checkpoint
+    from workbench.checkpoint import check_replaceable, save_checkpoint
     from workbench.interop.hf import from_hf
+    from workbench.interop.hub import resolve_hf_source
 
-    model = from_hf(args.source, n_ctx=args.n_ctx)
-    family = json.loads(Path(args.source, "config.json").read_text())["model_type"]
-    save_checkpoint(model, args.out, meta={"imported_from": str(args.source), "hf_family": family})
+    check_replaceable(args.out)  # a folder we may not replace fails now, not after a long import
+    directory = resolve_hf_source(args.source, revision=args.revision)
+    model = from_hf(directory, n_ctx=args.n_ctx, dtype=args.dtype)
+    family = json.loads(Path(directory, "config.json").read_text())["model_type"]
+    meta = {"imported_from": str(args.source), "hf_family": family, "dtype": args.dtype}
+    if str(directory) != str(args.source):
+        meta.update(hf_snapshot=str(directory), hf_revision=args.revision or "main")
+    save_checkpoint(model, args.out, meta=meta)
     tokenizer = "with its tokenizer" if model.tokenizer is not None else "without a tokenizer"
-    print(f"imported {args.source} ({sum(p.numel() for p in model.parameters()):,} parameters) {tokenizer} -> {args.out}")
+    print(f"imported {args.source} ({sum(p.numel() for p in model.parameters()):,} parameters, {args.dtype}) "
+          f"{tokenizer} -> {args.out}")
     return 0
 
 
@@ -49,8 +67,24 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from workbench.checkpoint import load_checkpoint
     from workbench.interop.families import hf_family_for
     from workbench.interop.hf import to_hf
+    from workbench.interop.streaming import parse_size
 
-    model, _ = load_checkpoint(args.checkpoint)
-    to_hf(model, args.out)
-    print(f"exported {args.checkpoint} as {hf_family_for(model.cfg)} -> {args.out}")
+    parse_size(args.max_shard_size)  # before the checkpoint is read
+    model, _ = load_checkpoint(args.checkpoint, dtype=args.dtype or _stored_dtype(args.checkpoint))
+    to_hf(model, args.out, max_shard_size=args.max_shard_size)
+    print(f"exported {args.checkpoint} as {hf_family_for(model.cfg)} ({str(model.embed.W_E.dtype)[6:]}) -> {args.out}")
     return 0
+
+
+def _stored_dtype(checkpoint: Path) -> str:
+    """The dtype the checkpoint's weights are stored in (its embedding's), so export keeps it."""
+    from safetensors import SafetensorError, safe_open
+
+    from workbench.checkpoint import WEIGHTS_FILE
+
+    try:
+        with safe_open(str(checkpoint / WEIGHTS_FILE), framework="pt") as f:
+            code = f.get_slice("embed.W_E").get_dtype()
+    except (SafetensorError, OSError, KeyError):
+        return "float32"  # load_checkpoint reports what is wrong with the file
+    return {"BF16": "bfloat16", "F16": "float16"}.get(code, "float32")

@@ -1,14 +1,16 @@
 """``from_hf`` and ``to_hf``: Hugging Face checkpoints in, workbench models out, and back.
 
-    model = wb.from_hf("path/to/hf-dir")        # or an already-built transformers model
-    logits, cache = model.run_with_cache(model.to_tokens("Hello"))
-    wb.to_hf(model, "exported/")                # AutoModelForCausalLM.from_pretrained loads it
+    model = wb.from_hf("gpt2")                                   # a hub id, through huggingface_hub's cache
+    model = wb.from_hf("meta-llama/Llama-3.1-8B", dtype=torch.bfloat16, device="cuda")
+    model = wb.from_hf("path/to/hf-dir", fold_ln=True)           # or an already-built transformers model
+    wb.to_hf(model, "exported/")                                 # AutoModelForCausalLM.from_pretrained loads it
 
-Reading a directory goes through ``transformers.AutoModelForCausalLM.from_pretrained`` (local
-files only), so every on-disk layout transformers understands (sharded safetensors, Mixtral's
-per-expert tensors, ...) arrives in one in-memory layout that ``weights.py`` maps. The config is
-checked first (``families.config_from_hf``) so an unsupported model fails before its weights
-are read.
+A directory (or a hub id, resolved to its cached snapshot by ``hub.py``) is read without
+building the transformers model: the config is checked first (``families.config_from_hf``, so
+an unsupported model fails before its weights are read), then the safetensors shards are
+streamed tensor by tensor into our layout, dtype and device (``streaming.py``). A built
+transformers model goes through the same weight table from its ``state_dict``. Export writes
+sharded safetensors the same way, one tensor at a time, plus config.json and the tokenizer.
 """
 
 from __future__ import annotations
@@ -21,9 +23,20 @@ from typing import Any, Optional, Union
 import torch
 
 from workbench.checkpoint import atomic_write_dir
-from workbench.interop.families import UnsupportedHFConfig, config_from_hf, hf_config_for, hf_family_for
+from workbench.interop.families import FAMILIES, UnsupportedHFConfig, config_from_hf, hf_config_for, hf_family_for
 from workbench.interop.hf_tokenizer import HFTokenizer, load_hf_tokenizer
-from workbench.interop.weights import state_from_hf, state_to_hf
+from workbench.interop.hub import HFImportError, resolve_hf_source
+from workbench.interop.streaming import (
+    DEFAULT_MAX_SHARD_SIZE,
+    check_placement,
+    fill_model,
+    load_hf_weights,
+    model_shapes,
+    parse_size,
+    unfilled_model,
+    write_sharded,
+)
+from workbench.interop.weights import DictSource, import_tensors, layout_of, plan_export, plan_import
 from workbench.model import HookedDecoder
 
 HF_EXPORT_FORMAT = "workbench.hf_export"  # workbench.json's marker: transformers ignores the extra file
@@ -45,59 +58,97 @@ def from_hf(
     *,
     n_ctx: Optional[int] = None,
     tokenizer: Any = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: Union[torch.dtype, str] = torch.float32,
     device: Union[str, torch.device, None] = None,
     fold_ln: bool = False,
     center_writing_weights: bool = False,
     center_unembed: bool = False,
     fold_value_biases: bool = False,
+    revision: Optional[str] = None,
+    token: Union[str, bool, None] = None,
 ) -> HookedDecoder:
     """A ``HookedDecoder`` with the weights of a Hugging Face causal LM, in eval mode.
 
-    ``source`` is a local model directory or a built ``transformers`` model. The directory's
-    tokenizer (or ``tokenizer``, a transformers tokenizer) is attached as ``model.tokenizer``.
-    ``n_ctx`` caps the context (default: the model's, extended by its RoPE scaling factor).
-    The four processing switches (all off: the weights as imported) run
-    ``model.process_weights`` in float32, before the cast to ``dtype``.
-    Raises ``UnsupportedHFConfig`` naming the first field the workbench cannot reproduce.
+    ``source`` is a local model directory, a hub id (``"gpt2"``, ``"org/name"``; downloaded
+    through huggingface_hub's cache, or read from it alone when ``HF_HUB_OFFLINE=1``; ``revision``
+    and ``token`` go to the Hub), or a built ``transformers`` model. The weights arrive on
+    ``device`` in ``dtype`` without a transformers model or a second copy of them in memory.
+    The directory's tokenizer (or ``tokenizer``, a transformers tokenizer) is attached as
+    ``model.tokenizer``. ``n_ctx`` caps the context (default: the model's, extended by its RoPE
+    scaling factor). The four processing switches (all off: the weights as imported) run
+    ``model.process_weights`` in float32 before the cast to ``dtype`` (so the float32 model is
+    held while they run). Raises ``UnsupportedHFConfig`` naming the first config field the
+    workbench cannot reproduce, ``HFImportError`` naming the id, file or argument otherwise.
     """
     import transformers
 
+    device, dtype = check_placement(device, dtype, HFImportError)
+    processing = fold_ln or center_writing_weights or center_unembed or fold_value_biases
+    load_dtype = torch.float32 if processing else dtype
     if isinstance(source, (str, Path)):
-        directory = Path(source)
-        if not looks_like_hf_dir(directory):
-            raise ValueError(f"{directory} is not a Hugging Face model directory (no config.json with a model_type)")
-        hf_config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
-        family, cfg = config_from_hf(hf_config, n_ctx)
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(directory), config=hf_config, dtype=torch.float32, local_files_only=True
-        )
+        directory = resolve_hf_source(source, revision=revision, token=token)
+        family, cfg = _config_of(directory, n_ctx)
+        if Path(directory) != Path(source).expanduser():  # a hub id: name the model by it, not by the snapshot path
+            cfg = cfg.replace(name=str(source))
+        model = load_hf_weights(directory, family, cfg, device, load_dtype)
         if tokenizer is None:
             tokenizer = load_hf_tokenizer(directory)
     elif isinstance(source, transformers.PreTrainedModel):
-        hf_model = source
-        if hf_model.get_output_embeddings() is None:
+        if source.get_output_embeddings() is None:
             raise ValueError(
-                f"{type(hf_model).__name__} has no language-model head; pass the *ForCausalLM / LMHeadModel class"
+                f"{type(source).__name__} has no language-model head; pass the *ForCausalLM / LMHeadModel class"
             )
-        family, cfg = config_from_hf(hf_model.config, n_ctx)
+        family, cfg = config_from_hf(source.config, n_ctx)
+        model = _from_state_dict(source.state_dict(), family, cfg, device, load_dtype)
     else:
-        raise TypeError(f"from_hf needs a directory path or a transformers model, got {type(source).__name__}")
-    model = HookedDecoder(cfg)
-    hf_state = {k: v.detach().to("cpu", torch.float32) for k, v in hf_model.state_dict().items()}
-    model.load_state_dict(state_from_hf(family, cfg, hf_state, model.state_dict()), strict=True)
+        raise TypeError(f"from_hf needs a directory path, a hub id or a transformers model, got {type(source).__name__}")
     if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
         tokenizer = HFTokenizer.from_transformers(tokenizer)
     model.tokenizer = tokenizer
-    if fold_ln or center_writing_weights or center_unembed or fold_value_biases:
+    if processing:
         model.process_weights(fold_ln, center_writing_weights, center_unembed, fold_value_biases)
-    model.to(device=device, dtype=dtype)
+        model.to(dtype=dtype)
     return model.eval()
 
 
-def to_hf(model: HookedDecoder, directory: Union[str, Path], *, tokenizer: Any = None) -> Path:
+def _config_of(directory: Path, n_ctx: Optional[int]) -> tuple[str, Any]:
+    """(family, ModelConfig) of an HF directory; the model_type is checked before transformers parses it."""
+    import transformers
+
+    if not looks_like_hf_dir(directory):
+        raise HFImportError(f"{directory} is not a Hugging Face model directory (no config.json with a model_type)")
+    model_type = json.loads(Path(directory, "config.json").read_text())["model_type"]
+    if model_type not in FAMILIES:
+        raise UnsupportedHFConfig(
+            f"unsupported Hugging Face config field model_type={model_type!r} in {directory / 'config.json'}: "
+            f"supported families are {list(FAMILIES)}"
+        )
+    hf_config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    return config_from_hf(hf_config, n_ctx)
+
+
+def _from_state_dict(hf_state: dict, family: str, cfg: Any, device: torch.device, dtype: torch.dtype) -> HookedDecoder:
+    model = unfilled_model(cfg)
+    ours, persistent = model_shapes(model)
+    source = DictSource(hf_state)
+    plan = plan_import(family, cfg, source, ours, persistent, layout=layout_of(hf_state))
+    tensors = import_tensors(plan, source, persistent, device, dtype)  # copies: nothing shared with the HF model
+    return fill_model(model, tensors, plan.zero_biases, device, dtype)
+
+
+def to_hf(
+    model: HookedDecoder,
+    directory: Union[str, Path],
+    *,
+    tokenizer: Any = None,
+    dtype: Union[torch.dtype, str, None] = None,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
     """Write ``model`` as a Hugging Face model directory (safetensors + config.json), atomically.
 
+    The weights are written one tensor at a time in ``dtype`` (default: the model's), in
+    shards of at most ``max_shard_size`` (bytes, or "5GB" / "500MiB") with
+    ``model.safetensors.index.json`` when there are several; no transformers model is built.
     ``directory`` must be absent, empty, or an earlier export (its ``workbench.json`` lists the
     files the export wrote, which are all it replaces); a downloaded HF model or any other
     folder is refused with a CheckpointError, so nothing the workbench did not write is lost.
@@ -116,18 +167,19 @@ def to_hf(model: HookedDecoder, directory: Union[str, Path], *, tokenizer: Any =
     if hf_tokenizer is not None:
         for role in ("bos_token_id", "eos_token_id", "pad_token_id"):
             setattr(hf_config, role, getattr(hf_tokenizer, role, None))
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    if dtype is not None:
+        dtype = check_placement("cpu", dtype)[1]
+    hf_config.dtype = str(dtype or model.embed.W_E.dtype).removeprefix("torch.")
+    with torch.device("meta"):  # only the names and shapes the family has: nothing is allocated
+        hf_module = dict(transformers.AutoModelForCausalLM.from_config(hf_config).named_parameters(remove_duplicate=False))
     ours = {**dict(model.named_buffers()), **dict(model.named_parameters())}
-    ours = {k: v.detach().to("cpu", torch.float32) for k, v in ours.items()}
-    # Parameters only: buffers (rotary tables, masks) are the HF model's own business.
-    params = {name for name, _ in hf_model.named_parameters(remove_duplicate=False)}
-    expected = {k: v for k, v in hf_model.state_dict().items() if k in params}
-    missing, unexpected = hf_model.load_state_dict(state_to_hf(family, cfg, ours, expected), strict=False)
-    if unexpected or set(missing) & params:
-        raise RuntimeError(f"export to {family} left parameters unmapped: {sorted(set(missing) & params) + unexpected}")
+    entries = plan_export(family, cfg, ours, hf_module, layout="file")
+    parse_size(max_shard_size)  # a bad size fails before anything is written
 
     def write(tmp: Path) -> None:
-        hf_model.save_pretrained(str(tmp))
+        hf_config.save_pretrained(str(tmp))
+        with torch.no_grad():
+            write_sharded(tmp, entries, dtype, max_shard_size)
         if hf_tokenizer is not None:
             hf_tokenizer.save_pretrained(str(tmp))
 
@@ -153,4 +205,4 @@ def _hf_tokenizer(tokenizer: Any) -> Any:
     return None
 
 
-__all__ = ["from_hf", "to_hf", "looks_like_hf_dir", "UnsupportedHFConfig", "HFTokenizer"]
+__all__ = ["from_hf", "to_hf", "looks_like_hf_dir", "UnsupportedHFConfig", "HFImportError", "HFTokenizer"]

@@ -6,6 +6,19 @@ stacks gate and up for every expert) with ``split`` (HF -> ours) and ``join`` (o
 The same table drives import and export, so the round trip is the identity by construction
 and the tests check each direction against HF's own forward.
 
+Two layouts of the HF side: ``"file"`` is what a safetensors checkpoint holds (what
+``save_pretrained`` writes and hub repositories store), ``"module"`` is a built transformers
+model's ``state_dict``. They differ only where transformers 5 rearranges weights on load:
+Mixtral's experts are per-expert ``block_sparse_moe.experts.{e}.w1/w2/w3`` in files and one
+fused ``mlp.experts.gate_up_proj`` / ``down_proj`` in memory, and GPT-NeoX's head is
+``embed_out`` in files and ``lm_head`` in memory. Other spellings found in the wild (a GPT-2
+saved from ``GPT2Model`` has no ``transformer.`` prefix, Llama from ``LlamaModel`` no
+``model.``) are aliases of the same rule (``hf_aliases``), and tensors that are buffers, not
+weights (GPT-2's causal mask ``attn.bias``, an old ``rotary_emb.inv_freq``), are skipped.
+
+``rules_for`` is the table; ``import_tensors`` and ``export_tensors`` walk it one HF tensor at
+a time, so the streamed reader (``streaming.py``) and the in-memory path share every check.
+
 Layouts: HF ``nn.Linear`` weights are ``[out, in]``; GPT-2's ``Conv1D`` is ``[in, out]``; ours
 are TransformerLens' (``W_Q [head, d_model, d_head]``, ``W_O [head, d_head, d_model]``,
 ``W_in [d_model, d_mlp]``).
@@ -13,8 +26,10 @@ are TransformerLens' (``W_Q [head, d_model, d_head]``, ``W_O [head, d_head, d_mo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Literal, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -69,7 +84,7 @@ def _head(cfg: ModelConfig, embed: str, lm_head: str) -> list[Rule]:
 
 
 # ---- GPT-2 ------------------------------------------------------------------------------
-def gpt2_rules(cfg: ModelConfig) -> list[Rule]:
+def gpt2_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
     h, e, d = cfg.n_heads, cfg.d_head, cfg.d_model
 
     def split_qkv_weight(t: Tensor) -> tuple[Tensor, ...]:  # Conv1D [d_model, 3 * d_model]
@@ -100,7 +115,7 @@ def gpt2_rules(cfg: ModelConfig) -> list[Rule]:
 
 
 # ---- Llama, Mistral, Qwen2, Mixtral ------------------------------------------------------
-def llama_rules(cfg: ModelConfig) -> list[Rule]:
+def llama_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
     h, kv, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
     rules = _head(cfg, "model.embed_tokens.weight", "lm_head.weight")
     for l in range(cfg.n_layers):
@@ -117,7 +132,10 @@ def llama_rules(cfg: ModelConfig) -> list[Rule]:
             _heads_out(f"{o}.attn.W_O", f"{a}.o_proj.weight", h, e),
             _same(f"{o}.attn.b_O", f"{a}.o_proj.bias"),
         ]
-        rules += _moe_rules(cfg, p, o) if cfg.ffn == "moe" else _gated_rules(f"{p}.mlp", f"{o}.mlp")
+        if cfg.ffn != "moe":
+            rules += _gated_rules(f"{p}.mlp", f"{o}.mlp")
+        else:
+            rules += _fused_moe_rules(cfg, p, o) if layout == "module" else _expert_file_rules(cfg, p, o)
     return rules + _norm("ln_final", "model.norm", False)
 
 
@@ -129,7 +147,18 @@ def _gated_rules(p: str, o: str) -> list[Rule]:
     return rules
 
 
-def _moe_rules(cfg: ModelConfig, p: str, o: str) -> list[Rule]:
+def _expert_file_rules(cfg: ModelConfig, p: str, o: str) -> list[Rule]:
+    """Mixtral on disk: one [d_mlp, d_model] w1 (gate) / w3 (up) and one [d_model, d_mlp] w2 per expert."""
+    moe = f"{p}.block_sparse_moe"
+    rules = [_transposed(f"{o}.mlp.W_gate", f"{moe}.gate.weight")]
+    for x in range(cfg.n_experts):
+        for ours, hf in (("W_gate", "w1"), ("W_in", "w3"), ("W_out", "w2")):
+            rules.append(_transposed(f"{o}.mlp.experts.{x}.{ours}", f"{moe}.experts.{x}.{hf}.weight"))
+    return rules
+
+
+def _fused_moe_rules(cfg: ModelConfig, p: str, o: str) -> list[Rule]:
+    """Mixtral as transformers 5 holds it in memory: every expert's weights in one tensor."""
     n, m = cfg.n_experts, cfg.d_mlp
     gates = tuple(f"{o}.mlp.experts.{x}.W_gate" for x in range(n))
     ups = tuple(f"{o}.mlp.experts.{x}.W_in" for x in range(n))
@@ -147,7 +176,7 @@ def _moe_rules(cfg: ModelConfig, p: str, o: str) -> list[Rule]:
 
 
 # ---- GPT-NeoX / Pythia ---------------------------------------------------------------------
-def neox_rules(cfg: ModelConfig) -> list[Rule]:
+def neox_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
     h, e = cfg.n_heads, cfg.d_head
 
     def split_qkv(t: Tensor) -> tuple[Tensor, ...]:  # [h * 3 * d_head, d_model]: per head q, k, v
@@ -157,7 +186,7 @@ def neox_rules(cfg: ModelConfig) -> list[Rule]:
     def join_qkv(*ws: Tensor) -> Tensor:
         return torch.stack([w.transpose(1, 2) for w in ws], dim=1).reshape(h * 3 * e, -1)
 
-    rules = _head(cfg, "gpt_neox.embed_in.weight", "lm_head.weight")
+    rules = _head(cfg, "gpt_neox.embed_in.weight", "lm_head.weight" if layout == "module" else "embed_out.weight")
     for l in range(cfg.n_layers):
         p, o = f"gpt_neox.layers.{l}", f"blocks.{l}"
         rules += _norm(f"{o}.ln1", f"{p}.input_layernorm", True) + _norm(f"{o}.ln2", f"{p}.post_attention_layernorm", True)
@@ -177,49 +206,194 @@ def neox_rules(cfg: ModelConfig) -> list[Rule]:
 
 RULES = {"gpt2": gpt2_rules, "llama": llama_rules, "mistral": llama_rules, "qwen2": llama_rules,
          "mixtral": llama_rules, "gpt_neox": neox_rules}
+Layout = Literal["file", "module"]
+
+# The base model's prefix: a checkpoint saved from GPT2Model / LlamaModel / GPTNeoXModel lacks it.
+_BASE_PREFIX = {"gpt2": "transformer.", "gpt_neox": "gpt_neox.", "llama": "model.", "mistral": "model.",
+                "qwen2": "model.", "mixtral": "model."}
+_HEADS = ("lm_head.weight", "embed_out.weight")
+# Buffers older checkpoints saved beside the weights: causal masks and RoPE frequencies (we build our own).
+_BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|attention\.bias|attention\.masked_bias|rotary_emb\.inv_freq)$")
+
+
+def rules_for(family: str, cfg: ModelConfig, layout: Layout = "file") -> list[Rule]:
+    """The weight table of ``family`` in ``layout`` ("file": safetensors; "module": a built model)."""
+    return RULES[family](cfg, layout)
+
+
+def layout_of(names: Iterable[str]) -> Layout:
+    """The layout of a built transformers model's state dict: fused Mixtral experts mean transformers 5."""
+    return "module" if any(n.endswith(".experts.gate_up_proj") for n in names) else "file"
+
+
+def hf_aliases(family: str, name: str) -> tuple[str, ...]:
+    """``name`` and the other spellings of the same HF tensor, most usual first."""
+    out = [name]
+    prefix = _BASE_PREFIX[family]
+    if name.startswith(prefix):
+        out.append(name[len(prefix):])
+    if family == "gpt_neox" and name in _HEADS:
+        out += [h for h in _HEADS if h != name]
+    return tuple(out)
 
 
 def _is_bias(name: str) -> bool:
     return name.rsplit(".", 1)[-1].lstrip("_").startswith("b")
 
 
-def state_from_hf(family: str, cfg: ModelConfig, hf_state: dict[str, Tensor], ours_expected: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Our state dict from an HF one. Biases HF lacks become zeros; biases we lack must be zero."""
-    out: dict[str, Tensor] = {}
-    for rule in RULES[family](cfg):
-        if rule.hf not in hf_state:
+# ---- HF -> ours ----------------------------------------------------------------------------------
+@runtime_checkable
+class TensorSource(Protocol):
+    """Named tensors one at a time: a dict in memory, or the shards of a checkpoint (``streaming.py``)."""
+
+    def names(self) -> Iterable[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> torch.dtype: ...
+    def read(self, name: str) -> Tensor: ...  # valid until the next read: callers copy what they keep
+    def where(self, name: str) -> str: ...  # for error messages: "X in model-00002-of-00004.safetensors"
+
+
+class DictSource:
+    """A state dict as a ``TensorSource``."""
+
+    def __init__(self, state: Mapping[str, Tensor], what: str = "the Hugging Face state dict"):
+        self.state, self.what = state, what
+
+    def names(self) -> Iterable[str]:
+        return self.state.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.state[name].dtype
+
+    def read(self, name: str) -> Tensor:
+        return self.state[name].detach()
+
+    def where(self, name: str) -> str:
+        return f"{name} in {self.what}"
+
+
+@dataclass
+class ImportPlan:
+    """Which source tensor feeds each rule (None: a bias the checkpoint does not have, imported as
+    zeros), checked against the config before any tensor is read."""
+
+    steps: list[tuple[Rule, Optional[str]]]
+    zero_biases: list[str]  # our learned biases no HF tensor feeds: zeros
+
+
+def plan_import(family: str, cfg: ModelConfig, source: TensorSource, ours: Mapping[str, Tensor],
+                persistent: Iterable[str], layout: Layout = "file") -> ImportPlan:
+    """Match ``source``'s names and shapes to our model's before reading anything.
+
+    ``ours`` holds every parameter and bias buffer of a model of ``cfg`` (meta tensors do: only
+    shapes are read); ``persistent`` names the ones that are weights (its state dict). Raises
+    HFImportError naming the first tensor that is missing, has the wrong shape or dtype, or has
+    no place in the config.
+    """
+    from workbench.interop.hub import HFImportError
+
+    persistent = set(persistent)
+    available = set(source.names())
+    used: set[str] = set()
+    steps: list[tuple[Rule, Optional[str]]] = []
+    for rule in rules_for(family, cfg, layout):
+        name = next((n for n in hf_aliases(family, rule.hf) if n in available), None)
+        if name is None:
             if not all(_is_bias(k) for k in rule.ours):
-                raise ValueError(f"the Hugging Face weights have no {rule.hf}")
+                raise HFImportError(f"the checkpoint has no tensor {rule.hf} (it holds {rule.ours[0]}); "
+                                    "the weight files do not match config.json")
+            steps.append((rule, None))
             continue
-        for name, tensor in zip(rule.ours, rule.split(hf_state[rule.hf])):
-            if name in ours_expected:
-                out[name] = tensor.detach()  # a view; load_state_dict copies it into the model
-            elif tensor.count_nonzero():
-                raise ValueError(f"{rule.hf} holds a nonzero bias with no place in the imported config ({name})")
-    for name, ref in ours_expected.items():
-        if name not in out:
-            if not _is_bias(name):
-                raise ValueError(f"no Hugging Face tensor maps onto {name}")
-            out[name] = torch.zeros_like(ref)
-    return out
+        used.add(name)
+        expected = tuple(rule.join(*(ours[k].to("meta") for k in rule.ours)).shape)
+        if source.shape(name) != expected:
+            raise HFImportError(f"{source.where(name)} has shape {list(source.shape(name))}, but config.json "
+                                f"implies {list(expected)}; the weight files do not match the config")
+        if not source.dtype(name).is_floating_point:
+            raise HFImportError(f"{source.where(name)} is {source.dtype(name)}; only unquantised floating-point "
+                                "checkpoints (float32, bfloat16, float16) can be imported")
+        steps.append((rule, name))
+    fed = {k for rule, name in steps if name is not None for k in rule.ours}
+    unfed = sorted(k for k in persistent - fed if not _is_bias(k))
+    if unfed:
+        raise HFImportError(f"no Hugging Face tensor maps onto {unfed[0]}")
+    leftover = sorted(n for n in available - used
+                      if not _BUFFERS.search(n) and not (cfg.tie_embeddings and n in _HEADS))
+    if leftover:
+        shown = ", ".join(source.where(n) for n in leftover[:3]) + (f" (and {len(leftover) - 3} more)" if len(leftover) > 3 else "")
+        raise HFImportError(f"the checkpoint holds {shown}, which the imported {family} config has no place for; "
+                            "it is a variant the workbench does not model")
+    return ImportPlan(steps, sorted(k for k in persistent - fed))
 
 
-def state_to_hf(family: str, cfg: ModelConfig, ours: dict[str, Tensor], hf_expected: dict[str, Tensor]) -> dict[str, Tensor]:
-    """An HF state dict from ours (parameters and zero bias buffers); the inverse of ``state_from_hf``."""
-    out: dict[str, Tensor] = {}
-    for rule in RULES[family](cfg):
+def import_tensors(plan: ImportPlan, source: TensorSource, persistent: Iterable[str], device: torch.device,
+                   dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """(our name, tensor on ``device`` in ``dtype``) for every weight, reading one source tensor at a time.
+
+    The rule's split runs on views of the source (on ``device``, in the source dtype); each part
+    is then written once into a fresh tensor of the target dtype (``copy_`` casts and lays out
+    in one pass), so nothing but the model and the one source tensor is ever held. Biases we
+    hold as fixed zeros must be zero in the checkpoint (HFImportError otherwise).
+    """
+    from workbench.interop.hub import HFImportError
+
+    persistent = set(persistent)
+    for rule, name in plan.steps:
+        if name is None:
+            continue
+        tensor = source.read(name)
+        if tensor.device != device:
+            tensor = tensor.to(device)  # whole and contiguous: the fast host-to-device copy
+        for ours, part in zip(rule.ours, rule.split(tensor)):
+            if ours in persistent:
+                yield ours, torch.empty(part.shape, dtype=dtype, device=device).copy_(part)
+            elif part.count_nonzero():
+                raise HFImportError(f"{source.where(name)} holds a nonzero bias with no place in the imported "
+                                    f"config ({ours})")
+        del tensor
+
+
+# ---- ours -> HF ----------------------------------------------------------------------------------
+@dataclass
+class ExportEntry:
+    """One HF tensor of an export: its name, shape, and how to build it from our weights."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    build: Callable[[], Tensor]
+
+
+def plan_export(family: str, cfg: ModelConfig, ours: Mapping[str, Tensor], hf_module: Mapping[str, Tensor],
+                layout: Layout = "file") -> list[ExportEntry]:
+    """The HF tensors of an export of ``ours`` (every parameter and bias buffer, ``unembed.W_U_param``
+    when untied), in ``layout``. ``hf_module`` is the state dict of the target transformers model
+    (meta tensors are enough): it says which biases the family has and is checked for coverage.
+    Nothing is computed until an entry's ``build`` is called.
+    """
+    module_rules = rules_for(family, cfg, "module")
+    made = {rule.hf for rule in module_rules if rule.hf in hf_module}
+    skip = set(_HEADS) if cfg.tie_embeddings else set()
+    missing = sorted(n for n in hf_module if n not in made and n not in skip and not n.endswith(".bias"))
+    if missing:
+        raise ValueError(f"nothing of ours maps onto the Hugging Face tensor {missing[0]}")
+    entries = []
+    for rule in rules_for(family, cfg, layout):
         tensors = [ours[k] for k in rule.ours]
-        if rule.hf not in hf_expected:
+        if _is_bias(rule.ours[0]) and rule.hf not in hf_module:
             nonzero = [k for k, t in zip(rule.ours, tensors) if t.count_nonzero()]
             if nonzero:
                 raise ValueError(f"{nonzero[0]} is nonzero but {family} has no {rule.hf} to hold it")
             continue
-        out[rule.hf] = rule.join(*tensors).detach().contiguous()
-    if cfg.tie_embeddings and "lm_head.weight" in hf_expected:
-        out["lm_head.weight"] = ours["embed.W_E"].detach()
-    for name, ref in hf_expected.items():
-        if name not in out:
-            if not name.endswith(".bias"):
-                raise ValueError(f"nothing of ours maps onto the Hugging Face tensor {name}")
-            out[name] = torch.zeros_like(ref)
-    return out
+        shape = tuple(rule.join(*(t.to("meta") for t in tensors)).shape)
+        entries.append(ExportEntry(rule.hf, shape, tensors[0].dtype,
+                                   lambda r=rule, ts=tensors: r.join(*ts).detach().contiguous()))
+    # HF biases no rule of ours feeds (a family bias our config holds as zeros): written as zeros.
+    dtype = ours["embed.W_E"].dtype
+    for name in sorted(n for n in hf_module if n.endswith(".bias") and n not in made):
+        shape = tuple(hf_module[name].shape)
+        entries.append(ExportEntry(name, shape, dtype, lambda s=shape: torch.zeros(s, dtype=dtype)))
+    return entries
