@@ -53,7 +53,7 @@ def server(checkpoints_dir):
                     break
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"streamlit did not start; see {ARTIFACTS / 'streamlit.log'}")
+                    raise RuntimeError(f"streamlit did not start; see {ARTIFACTS / 'streamlit.log'}") from None
                 time.sleep(0.3)
         yield url
     finally:

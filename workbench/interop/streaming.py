@@ -331,7 +331,7 @@ def _write_safetensors(path: Path, shard: list, metadata: dict) -> None:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for entry, dtype, nbytes in shard:
+        for entry, dtype, _nbytes in shard:
             tensor = entry.build().detach().to(device="cpu", dtype=dtype).contiguous()
             if tuple(tensor.shape) != entry.shape:
                 raise RuntimeError(f"internal error: {entry.name} was built as {list(tensor.shape)}, planned {list(entry.shape)}")
