@@ -11,6 +11,7 @@ is not a checkpoint, a corrupt file, an unusable prompt) becomes a message in th
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import inspect
 import io
@@ -20,7 +21,7 @@ import tempfile
 import threading
 import types
 import zipfile
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -30,7 +31,8 @@ import streamlit as st
 import torch
 
 import workbench as wb
-from workbench.analysis import AblationSpec, ablation_hooks
+from workbench.analysis import AblationSpec, AnswerMetric, ablation_hooks, suggest_answer
+from workbench.analysis.metrics import METRIC_UNITS
 from workbench.analysis.reference import reference_batch as library_reference_batch
 from workbench.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_meta
 from workbench.tokenizer import IdTokenizer, unknown_pieces
@@ -344,12 +346,128 @@ def prompt_ids(ckpt: Checkpoint, text: str, where=st) -> Optional[tuple[int, ...
         return None
 
 
+# ---- what a page scores ----------------------------------------------------------------------------
+# The metric picker's choices: label -> AnswerMetric kind ("loss": the prompt's mean next-token loss).
+METRICS = {
+    "logit difference (answer − wrong)": "logit_diff",
+    "answer probability": "prob",
+    "answer log-probability": "logprob",
+    "answer rank": "rank",
+    "answer logit": "logit",
+    "mean loss over the prompt": "loss",
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a page scores: the answer (and its rival) at one position, and the metric kind."""
+
+    pos: int
+    answer: int
+    wrong: Optional[int]
+    answer_str: str
+    wrong_str: str
+    kind: str = "logit_diff"
+
+    def metric(self) -> Optional[AnswerMetric]:
+        """The library metric (None for the prompt's mean loss, which the library uses by default)."""
+        if self.kind == "loss":
+            return None
+        kind = self.kind if self.kind != "logit_diff" or self.wrong is not None else "logit"
+        return AnswerMetric(kind, self.answer, self.wrong, self.pos)
+
+    @property
+    def units(self) -> str:
+        return METRIC_UNITS[self.kind if self.kind != "logit_diff" or self.wrong is not None else "logit"]
+
+    def describe(self) -> str:
+        if self.kind == "loss":
+            return "the prompt's mean loss"
+        a, w = repr(self.answer_str), repr(self.wrong_str)
+        what = {"logit_diff": f"logit[{a}] − logit[{w}]" if self.wrong is not None else f"logit[{a}]",
+                "logit": f"logit[{a}]", "prob": f"p({a})", "logprob": f"log p({a})", "rank": f"rank of {a}"}
+        return f"{what[self.kind]} at position {self.pos}"
+
+
+def follow_default(key: str, default: Any, context: Any) -> None:
+    """Set widget ``key`` to ``default`` whenever ``context`` (the prompt, the position) changes,
+    or when the widget has no value yet: a default computed for one prompt never outlives it."""
+    if key not in st.session_state or st.session_state.get(f"{key}__context") != context:
+        st.session_state[key] = default
+    st.session_state[f"{key}__context"] = context
+
+
+def token_id(ckpt: Checkpoint, text: str, what: str) -> int:
+    """The id of one token typed as text; ValueError naming ``what`` otherwise."""
+    try:
+        return ckpt.model.to_single_token(text)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def target_picker(ckpt: Checkpoint, ids: tuple[int, ...], key: str, where=st, kinds: bool = True,
+                  kind_default: str = "logit_diff") -> Optional[Target]:
+    """Position, answer, wrong token (and, with ``kinds``, the metric) for prompt ``ids``.
+
+    The answer and wrong token default to ``workbench.analysis.suggest_answer`` (the task's
+    answer for a task prompt, else the model's top two predictions) and follow the prompt
+    and the position: a new prompt never keeps the last one's answer. None (with a message)
+    when a typed token is not one token of this vocabulary.
+    """
+    tokens = [ckpt.tokenizer.token_str(i) for i in ids]
+    cols = where.columns([2, 2, 2, 3] if kinds else [2, 2, 2])
+    follow_default(f"{key}_pos", len(ids) - 1, ids)
+    pos = cols[0].selectbox("At position", range(len(ids)), key=f"{key}_pos",
+                            format_func=lambda p: f"{p}: {tokens[p]!r}" + (" (last)" if p == len(ids) - 1 else ""))
+    suggestion = analysis(suggest_answer, ckpt.key, ids, pos=pos, meta=ckpt.meta)
+    follow_default(f"{key}_answer", suggestion["answer_str"], (ids, pos))
+    follow_default(f"{key}_wrong", suggestion["wrong_str"], (ids, pos))
+    answer_text = cols[1].text_input("Answer token", key=f"{key}_answer",
+                                     help=f"Default: {suggestion['source']}.")
+    wrong_text = cols[2].text_input("Wrong token (optional)", key=f"{key}_wrong",
+                                    help="The rival of the logit difference; empty: the answer's logit alone.")
+    kind = kind_default
+    if kinds:
+        labels = list(METRICS)
+        follow_default(f"{key}_kind", next(k for k, v in METRICS.items() if v == kind_default), None)
+        kind = METRICS[cols[3].selectbox("Metric", labels, key=f"{key}_kind")]
+    try:
+        answer = token_id(ckpt, answer_text, "Answer token")
+        wrong = token_id(ckpt, wrong_text, "Wrong token") if wrong_text.strip() else None
+    except ValueError as e:
+        where.warning(str(e))
+        return None
+    where.caption(f"Scored at position {pos} ({tokens[pos]!r}, predicting the next token); default answer: "
+                  f"{suggestion['source']}.")
+    return Target(int(pos), answer, wrong, answer_text, wrong_text if wrong is not None else "", kind)
+
+
 # ---- analyses, cached ----------------------------------------------------------------------------
 Ablation = tuple[AblationSpec, ...]  # frozen dataclasses: hashable, so they key the cache as they are
 
 
 def _qualified_name(fn: Callable) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def _run(fn: Callable, key: tuple[str, int], ids: Optional[tuple[int, ...]], ablation: Ablation,
+         reference: Optional[tuple[tuple[int, ...], ...]], progress: Optional[Callable[[int, int], Any]],
+         kwargs: dict) -> Any:
+    """The body of :func:`analysis` and :func:`analysis_with_progress`: ``fn`` on the cached model."""
+    model, lock = model_for(key)
+    params = inspect.signature(fn).parameters
+    with lock, torch.no_grad():
+        if ids is None:
+            return fn(model, **kwargs)
+        tokens = torch.tensor([ids], device=model.device)
+        ref = torch.tensor(reference, device=model.device) if reference is not None else None
+        if "reference" in params:
+            kwargs["reference"] = ref
+        if progress is not None and "progress" in params:
+            kwargs["progress"] = progress
+        hooks = [hook for spec in ablation for hook in ablation_hooks(model, tokens, spec, ref)]
+        with model.hooks(fwd_hooks=hooks):
+            return fn(model, tokens, **kwargs)
 
 
 @st.cache_data(max_entries=256, show_spinner=False, hash_funcs={types.FunctionType: _qualified_name})
@@ -359,7 +477,6 @@ def analysis(
     ids: Optional[tuple[int, ...]],
     ablation: Ablation = (),
     reference: Optional[tuple[tuple[int, ...], ...]] = None,
-    _progress: Optional[Callable[[int, int], Any]] = None,
     **kwargs,
 ) -> Any:
     """``fn(model, tokens, **kwargs)`` (a ``workbench.analysis`` function) on the cached model
@@ -371,23 +488,63 @@ def analysis(
     those units ablated (the hooks of ``workbench.analysis.ablation_hooks`` stay attached
     while it runs). ``reference`` is the batch that mean and resample ablations draw from:
     the ablation's, and ``fn``'s own when it takes a ``reference`` (as ``ablation_sweep``
-    does). ``_progress(done, total)`` is handed to a ``fn`` that reports progress (the
-    leading underscore keeps it out of the cache key).
+    does). No callback ever goes in here: Streamlit replays the elements a cached function
+    drew on a cache hit, and a progress bar made outside it cannot be replayed (see
+    :func:`analysis_with_progress`).
     """
-    model, lock = model_for(key)
-    params = inspect.signature(fn).parameters
-    with lock, torch.no_grad():
-        if ids is None:
-            return fn(model, **kwargs)
-        tokens = torch.tensor([ids], device=model.device)
-        ref = torch.tensor(reference, device=model.device) if reference is not None else None
-        if "reference" in params:
-            kwargs["reference"] = ref
-        if _progress is not None and "progress" in params:
-            kwargs["progress"] = _progress
-        hooks = [hook for spec in ablation for hook in ablation_hooks(model, tokens, spec, ref)]
-        with model.hooks(fwd_hooks=hooks):
-            return fn(model, tokens, **kwargs)
+    return _run(fn, key, ids, ablation, reference, None, kwargs)
+
+
+class _ResultStore:
+    """A small process-wide LRU of results, shared by every session (as ``st.cache_data`` is)."""
+
+    def __init__(self, max_entries: int = 32):
+        self.max_entries = max_entries
+        self.lock = threading.Lock()
+        self.items: OrderedDict = OrderedDict()
+
+    def get(self, key) -> Any:
+        with self.lock:
+            if key not in self.items:
+                return None
+            self.items.move_to_end(key)
+            return copy.deepcopy(self.items[key])
+
+    def put(self, key, value) -> None:
+        with self.lock:
+            self.items[key] = copy.deepcopy(value)
+            self.items.move_to_end(key)
+            while len(self.items) > self.max_entries:
+                self.items.popitem(last=False)
+
+
+@st.cache_resource(show_spinner=False)
+def _progress_results() -> _ResultStore:
+    return _ResultStore()
+
+
+def analysis_with_progress(
+    fn: Callable,
+    key: tuple[str, int],
+    ids: tuple[int, ...],
+    progress: Callable[[int, int], Any],
+    reference: Optional[tuple[tuple[int, ...], ...]] = None,
+    **kwargs,
+) -> Any:
+    """:func:`analysis` for a long ``fn`` that reports ``progress(done, total)`` (the sweep).
+
+    The callback draws into the page, so this is not an ``st.cache_data`` function (a cache
+    hit there replays the drawing into a block that no longer exists: CacheReplayClosureError);
+    results are kept in a store of their own, keyed by the same values, and shared by
+    every session. A hit returns at once without calling ``progress``.
+    """
+    cache_key = (_qualified_name(fn), key, ids, reference, tuple(sorted(kwargs.items())))
+    store = _progress_results()
+    result = store.get(cache_key)
+    if result is None:
+        result = _run(fn, key, ids, (), reference, progress, dict(kwargs))
+        store.put(cache_key, result)
+    return result
 
 
 @st.cache_data(max_entries=32, show_spinner=False)

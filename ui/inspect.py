@@ -112,27 +112,15 @@ def _attribution(ckpt: common.Checkpoint, ids) -> None:
     if ckpt.cfg.norm_placement == "post":
         st.info("Direct logit attribution needs a pre-norm model; this one is post-norm.")
         return
-    lens = common.analysis(logit_lens, ckpt.key, ids, k=3)
-    tokens = [ckpt.tokenizer.token_str(i) for i in ids]
-    a, b, c, d = st.columns([2, 2, 2, 1])
-    pos = a.selectbox("At position", range(len(ids)), index=len(ids) - 1,
-                      format_func=lambda p: f"{p}: {tokens[p]!r}", key="dla_pos")
-    final = lens[(lens["layer"] == ckpt.cfg.n_layers) & (lens["pos"] == pos)].iloc[0]
-    answer_text = b.text_input("Target token", value=final["top1"], key=f"dla_answer_{pos}",
-                               help="Default: the model's top prediction at this position.")
-    wrong_text = c.text_input("minus token (optional)", value="", key=f"dla_wrong_{pos}",
-                              help="Attribute the logit difference target − this token.")
-    granularity = d.radio("Split", ["head", "layer"], key="dla_granularity")
-    try:
-        answer = ckpt.model.to_single_token(answer_text)
-        wrong = ckpt.model.to_single_token(wrong_text) if wrong_text.strip() else None
-    except ValueError as e:
-        st.warning(str(e))
+    target = common.target_picker(ckpt, ids, key="dla", kinds=False)
+    if target is None:
         return
-    df = common.analysis(direct_logit_attribution, ckpt.key, ids, answer=answer, wrong=wrong, pos=pos)
+    granularity = st.radio("Split", ["head", "layer"], horizontal=True, key="dla_granularity")
+    df = common.analysis(direct_logit_attribution, ckpt.key, ids, answer=target.answer, wrong=target.wrong,
+                         pos=target.pos)
     fig = viz.dla_figure(df, granularity=granularity)
-    what = f"logit[{answer_text!r}]" + (f" − logit[{wrong_text!r}]" if wrong is not None else "")
-    fig.update_layout(title=f"{what} at position {pos} = {df['total'].iloc[0]:.3f}: direct attribution")
+    what = f"logit[{target.answer_str!r}]" + (f" − logit[{target.wrong_str!r}]" if target.wrong is not None else "")
+    fig.update_layout(title=f"{what} at position {target.pos} = {df['total'].iloc[0]:.3f}: direct attribution")
     common.show(fig, key="inspect_dla")
 
 

@@ -132,10 +132,18 @@ def attribution_patching(
     def keep(act: Tensor, hook) -> None:
         corrupted_z[hook.name] = act
 
+    def track(act: Tensor, hook) -> Tensor:
+        # The gradient is taken with respect to activations, never parameters: a frozen model
+        # (requires_grad=False everywhere, as an app or a notebook leaves it) still has one
+        # once the embedding output is a leaf that requires it, and every path from a head to
+        # the metric (through later heads too) stays in the graph.
+        return act.detach().requires_grad_(True)
+
     with eval_mode(model), torch.enable_grad():
-        logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=[(name, keep) for name in z_names])
+        logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=[("hook_embed", track)]
+                                      + [(name, keep) for name in z_names])
         if not logits.requires_grad:
-            raise ValueError("attribution patching needs gradients: the model's parameters have requires_grad=False")
+            raise ValueError("attribution patching needs a metric of the logits that has a gradient")
         grads = torch.autograd.grad(metric(logits), [corrupted_z[name] for name in z_names])
     per_pos = torch.stack([
         ((clean_cache[name] - corrupted_z[name].detach()) * grad).sum(dim=(0, -1))  # [pos, head]
