@@ -29,7 +29,6 @@ from workbench.analysis import (
     direct_logit_attribution,
     dla_difference,
     lens_difference,
-    logit_lens,
     parse_unit,
     pattern_difference,
     token_loss_change,
@@ -150,10 +149,13 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference, target: common.T
     changes = token_loss_change(clean, ablated).drop(columns=["batch", "prediction_changed"])
     common.table(changes.round(3), height=260)
 
-    lens_clean = common.analysis(logit_lens, ckpt.key, ids, k=3)
-    lens_ablated = common.analysis(logit_lens, ckpt.key, ids, ablation=ablation, reference=reference, k=3)
-    st.subheader("Logit lens, clean and ablated")
-    view = st.radio("Show", ["clean − ablated", "side by side"], horizontal=True, key="ablate_lens_view")
+    st.subheader("Lens, clean and ablated")
+    a, b = st.columns(2)
+    with a:
+        which = common.lens_picker(ckpt, key="ablate_lens_kind")
+    view = b.radio("Show", ["clean − ablated", "side by side"], horizontal=True, key="ablate_lens_view")
+    lens_clean = common.lens_table(ckpt, ids, which)
+    lens_ablated = common.lens_table(ckpt, ids, which, ablation=ablation, reference=reference)
     if view == "side by side":
         fig = viz.side_by_side(viz.logit_lens_figure(lens_clean), viz.logit_lens_figure(lens_ablated),
                                titles=("clean", "ablated"))

@@ -2,7 +2,7 @@
 
 Tokens with their per-token loss; the attention pattern of a chosen head and a grid of
 every head; the logit lens; direct logit attribution for a target token (or a logit
-difference between two); residual-stream norms per layer; and the model card.
+difference between two); the logit or tuned lens; residual-stream norms per layer; and the model card.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from workbench.analysis import (
     attention_patterns,
     direct_logit_attribution,
     head_scores,
-    logit_lens,
     residual_norms,
     token_losses,
 )
@@ -24,7 +23,7 @@ LENS_VALUES = {
     "probability of the next token": "target_prob",
     "probability of the top token": "prob",
     "rank of the next token": "rank",
-    "KL to the final distribution": "kl",
+    "KL to the final distribution (nats)": "kl",
 }
 
 
@@ -80,16 +79,19 @@ def _attention(ckpt: common.Checkpoint, ids) -> None:
 
 
 def _lens(ckpt: common.Checkpoint, ids) -> None:
-    st.subheader("Logit lens")
-    shown = st.selectbox("Colour", list(LENS_VALUES), key="lens_value", width=320)
-    lens = common.analysis(logit_lens, ckpt.key, ids, k=3)
+    st.subheader("Lens")
+    a, b = st.columns([2, 3])
+    with a:
+        which = common.lens_picker(ckpt, key="lens_kind")
+    shown = b.selectbox("Colour", list(LENS_VALUES), key="lens_value", width=320)
+    lens = common.lens_table(ckpt, ids, which)
     common.show(viz.logit_lens_figure(lens, color=LENS_VALUES[shown]), key="inspect_lens")
 
 
 def _head_scores(ckpt: common.Checkpoint, ids) -> None:
-    wide = common.analysis(head_scores, ckpt.key, ids, wide=True)
-    st.caption(layout_caption(wide.attrs["layout"]))
-    common.table(wide.round(3))
+    scores = common.analysis(head_scores, ckpt.key, ids)
+    st.caption(layout_caption(scores.attrs["layout"]))
+    common.show(viz.head_scores_figure(scores), key="inspect_head_scores")
 
 
 def layout_caption(layout: dict) -> str:

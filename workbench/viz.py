@@ -224,8 +224,8 @@ DLA_COLOURS = {"embed": "#7f7f7f", "pos_embed": "#bcbd22", "head": "#2f6db5", "a
 
 
 def _structural_zeros(frame: pd.DataFrame) -> pd.DataFrame:
-    """Drop the bias parts that are exactly zero in every row (a model without biases has them
-    by structure, not by measurement)."""
+    """Drop the bias parts that are exactly zero in every row: a model without biases still
+    lists them (zero by structure, not by measurement), and a bar of 0 says nothing."""
     bias = frame["kind"].isin(["attn_bias", "final_bias"])
     zero = frame.groupby("component")["attribution"].transform(lambda a: bool((a == 0).all()))
     return frame[~(bias & zero)]

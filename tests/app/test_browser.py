@@ -180,7 +180,9 @@ def shot(page, name: str) -> None:
 def run_sweep(page) -> None:
     page.get_by_role("button", name="Run the head sweep").click()
     wait_idle(page)
-    figure(page, "when each head is ablated").wait_for(state="visible", timeout=120_000)
+    heatmap = figure(page, "when each head is ablated")
+    page.locator("[data-testid=stException]").or_(heatmap).first.wait_for(state="visible", timeout=120_000)
+    no_exception(page)
     wait_idle(page)
 
 

@@ -39,6 +39,13 @@ def figure(at, title_part: str) -> dict:
     raise AssertionError(f"no figure titled *{title_part}* among {titles(at)}")
 
 
+def before_after(at, label: str) -> tuple[float, float]:
+    """The two numbers of a metric card reading "1.234 → 2.345" (units after them ignored)."""
+    value = next(m.value for m in at.metric if m.label == label)
+    before, after = value.split("→")
+    return float(before.split()[0]), float(after.split()[0])
+
+
 def messages(at) -> str:
     return " | ".join(str(e.value) for e in [*at.warning, *at.error, *at.info])
 
@@ -78,7 +85,7 @@ def test_inspect_widgets_change_the_figures_but_never_reload_the_model(app):
     before = figure(at, "Logit lens")["data"][0]["colorbar"]["title"]["text"]
     at.selectbox(key="lens_value").set_value("rank of the next token").run()
     after = figure(at, "Logit lens")["data"][0]["colorbar"]["title"]["text"]
-    assert (before, after) == ("probability", "log10 rank")
+    assert (before, after) == ("next-token probability", "log10 rank of the next token")
     at.text_area(key="prompt").set_value("Mary and John went to the park .").run()
     assert [m.value for m in at.metric][0] == "8 tokens"
     assert figure(at, "Per-token loss")["data"][0]["x"][0] == "1: and"
@@ -123,12 +130,23 @@ def test_checkpoint_and_prompt_survive_a_visit_to_another_page(app):
 
 def test_inspect_direct_logit_attribution_target_and_difference(app):
     at = app("Inspect")
-    at.text_input(key=f"dla_answer_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("Mary")
-    at.text_input(key=f"dla_wrong_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("John").run()
     title = next(t for t in titles(at) if "direct attribution" in t)
-    assert "logit['Mary'] − logit['John']" in title
-    at.text_input(key=f"dla_answer_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("zebra").run()
+    assert "logit['Mary'] − logit['John']" in title, "the default prompt's answer is the task's: Mary over John"
+    at.text_input(key="dla_wrong").set_value("").run()
+    assert "logit['Mary'] at position" in next(t for t in titles(at) if "direct attribution" in t)
+    at.text_input(key="dla_answer").set_value("zebra").run()
     assert "not in the tokenizer's vocabulary" in messages(at)
+
+
+def test_answer_defaults_follow_the_prompt_and_the_position(app):
+    at = app("Inspect")
+    at.text_area(key="prompt").set_value("When Tom and Lily went to the park , Lily gave a ball to").run()
+    assert at.text_input(key="dla_answer").value == "Tom" and at.text_input(key="dla_wrong").value == "Lily"
+    at.text_area(key="prompt").set_value("When Mary and John went to the store , John gave a drink to").run()
+    assert at.text_input(key="dla_answer").value == "Mary", "a new prompt of the same length keeps no old answer"
+    at.selectbox(key="dla_pos").set_value(3).run()
+    assert at.text_input(key="dla_answer").value != "Mary"  # another position: the model's own top prediction
+    assert "at position 3" in next(t for t in titles(at) if "direct attribution" in t)
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -235,29 +253,53 @@ def test_ablate_changes_the_loss_and_the_sweep_draws_the_heatmap(app):
     at = app("Ablate")
     assert "Choose units to ablate" in messages(at)
     at.multiselect(key="ablate_units").set_value(["L0H0", "L1 mlp"]).run()
-    clean, ablated = (float(m.value) for m in at.metric[:2])
+    clean, ablated = before_after(at, "Mean loss, clean → ablated")
     assert ablated != clean
     assert "Per-token loss" in titles(at)
+    at.radio(key="ablate_lens_view").set_value("side by side").run()
     lens = [f for f in figures(at) if len(f["data"]) == 2 and f["data"][0]["type"] == "heatmap"]
     assert lens, "no side-by-side logit lens"
     at.radio(key="ablate_kind").set_value("mean (over reference text)").run()
-    assert float(at.metric[1].value) != ablated and not at.exception
+    assert before_after(at, "Mean loss, clean → ablated")[1] != ablated and not at.exception
     at.text_input(key="ablate_neurons").set_value("L0 3, 4").run()
     assert "Cannot read neurons" in messages(at)
     at.text_input(key="ablate_neurons").set_value("").run()
 
+    at.selectbox(key="ablate_target_kind").set_value("mean loss over the prompt").run()
     at.button(key="ablate_sweep").click().run()
-    heatmap = figure(at, "Change in loss when each head is ablated")
+    heatmap = figure(at, "Change in the prompt's mean loss when each head is ablated")
     assert heatmap["data"][0]["y"] == ["L0", "L1", "L2"][: len(heatmap["data"][0]["y"])]
 
 
-def test_clicking_a_sweep_cell_ablates_that_head(monkeypatch):
+def test_a_sweep_cell_click_event_names_the_head():
     from ui import ablate
 
-    state = {"sweep_heatmap": {"selection": {"points": [{"x": "H3", "y": "L1", "z": 0.2}]}}}
-    monkeypatch.setattr(ablate.st, "session_state", state)
-    ablate._ablate_clicked_head()
-    assert state["ablate_units"] == ["L1H3"]
+    # what the browser sends: the clicked scatter point, its customdata a list or a typed array's row
+    assert ablate.clicked_head({"selection": {"points": [{"x": "H3", "y": "L1", "customdata": [1, 3, 0.2]}]}}) == (1, 3)
+    assert ablate.clicked_head({"selection": {"points": [{"customdata": {"0": 2, "1": 0, "2": 0.1}}]}}) == (2, 0)
+    assert ablate.clicked_head({"selection": {"points": []}}) is None and ablate.clicked_head(None) is None
+
+
+def test_ablate_measures_the_answer_at_the_last_position(app):
+    """Zero-ablating every head of the last layer at the last position leaves the mean loss
+    (which never scores the last position) unchanged, and moves the logit difference."""
+    at = app("Ablate")
+    assert at.text_input(key="ablate_target_answer").value == "Mary"
+    n = len(at.selectbox(key="ablate_target_pos").options)
+    last_layer = [f"L2H{h}" for h in range(4)]
+    at.multiselect(key="ablate_units").set_value(last_layer)
+    at.multiselect(key="ablate_positions").set_value([n - 1]).run()
+    assert not at.exception, [e.value for e in at.exception]
+    cards = {m.label: m for m in at.metric}
+    loss = cards["Mean loss, clean → ablated"]
+    assert float(loss.delta.split()[0]) == 0.0
+    answer = next(m for label, m in cards.items() if label.startswith("logit['Mary'] − logit['John']"))
+    assert abs(float(answer.delta.split()[0])) > 0.01
+    assert "lens, clean − ablated" in " ".join(titles(at))
+    assert any("Direct logit attribution: clean" in t for t in titles(at))
+    at.button(key="ablate_sweep").click().run()
+    heatmap = figure(at, "Change in logit['Mary'] − logit['John']")
+    assert heatmap["layout"]["coloraxis"]["colorbar"]["title"]["text"] == "Δ logits"
 
 
 # ---- Compare -------------------------------------------------------------------------------------------

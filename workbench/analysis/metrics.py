@@ -38,7 +38,7 @@ METRIC_UNITS = {"logit_diff": "logits", "logit": "logits", "prob": "probability"
                 "rank": "rank (1 = top)", "loss": "nats"}
 # Kinds whose value is higher when the model does better (rank: lower is better).
 HIGHER_IS_BETTER = {"logit_diff": True, "logit": True, "prob": True, "logprob": True, "rank": False, "loss": False}
-IdsLike = Union[int, Sequence[int]]
+IdsLike = Union[int, np.integer, Sequence[int], Tensor]  # one id, or one per batch row
 
 
 def _ids(name: str, value: Optional[IdsLike]) -> Union[None, int, tuple[int, ...]]:
