@@ -246,3 +246,16 @@ def test_head_scores_and_patching_figures(model):
     assert np.array(heads.data[0].z).shape == (model.cfg.n_layers, model.cfg.n_heads)
     with pytest.raises(ValueError, match="no rows for site"):
         viz.patching_figure(patch, "mlp_out")
+
+
+def test_a_model_keeps_its_colour_across_figures(model):
+    runs = pd.DataFrame({"step": [1, 2, 1, 2], "train_loss": [3.0, 2.0, 3.1, 2.2], "val_loss": [3.2, 2.1, 3.3, 2.4],
+                         "run": ["a", "a", "b", "b"]})
+    curves = viz.loss_curves(runs, colours={"a": "#111111", "b": "#222222"})
+    assert [(t.name, t.line.color, t.line.dash) for t in curves.data] == [
+        ("a train_loss", "#111111", "solid"), ("a val_loss", "#111111", "dash"),
+        ("b train_loss", "#222222", "solid"), ("b val_loss", "#222222", "dash")]
+    losses = token_losses(model, model.to_tokens("abcab"))
+    bars = viz.token_loss_figure({"a": losses, "b": losses}, colours={"a": "#111111", "b": "#222222"})
+    assert [t.marker.color for t in bars.data] == ["#111111", "#222222"]
+    assert [t.marker.color for t in viz.token_loss_figure({"x": losses, "y": losses}).data] == list(viz.PAIR)

@@ -451,16 +451,27 @@ def _qualified_name(fn: Callable) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
+@dataclass(frozen=True)
+class TokenRows:
+    """A batch of token ids as nested tuples: a hashable argument for :func:`analysis`, handed
+    to ``fn`` as a tensor (e.g. the corrupted prompts of activation patching)."""
+
+    rows: tuple[tuple[int, ...], ...]
+
+
 def _run(fn: Callable, key: tuple[str, int], ids: Optional[tuple[int, ...]], ablation: Ablation,
          reference: Optional[tuple[tuple[int, ...], ...]], progress: Optional[Callable[[int, int], Any]],
          kwargs: dict) -> Any:
     """The body of :func:`analysis` and :func:`analysis_with_progress`: ``fn`` on the cached model."""
     model, lock = model_for(key)
     params = inspect.signature(fn).parameters
+    kwargs = {k: torch.tensor(v.rows, device=model.device) if isinstance(v, TokenRows) else v
+              for k, v in kwargs.items()}
     with lock, torch.no_grad():
         if ids is None:
             return fn(model, **kwargs)
-        tokens = torch.tensor([ids], device=model.device)
+        # one prompt (a tuple of ids), or a batch of equally long ones (a tuple of such tuples)
+        tokens = torch.tensor(ids if isinstance(ids[0], tuple) else [ids], device=model.device)
         ref = torch.tensor(reference, device=model.device) if reference is not None else None
         if "reference" in params:
             kwargs["reference"] = ref

@@ -30,7 +30,9 @@ SEQUENTIAL = "Viridis"
 DIVERGING = "RdBu"
 POSITIVE, NEGATIVE = "#2f6db5", "#d1495b"  # a blue and a red that read on white and on black
 CORRECT, WRONG = "#2ca02c", "#d62728"
-LAST_POSITION = "#ff7f0e"  # the frame around the position a prompt's answer is predicted at
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+PAIR = ("#1f77b4", "#ff7f0e")  # model A and model B (or clean and ablated), the same on every figure
+LAST_POSITION = "#e377c2"  # the frame around the position a prompt's answer is predicted at
 
 
 def _template(theme: str) -> str:
@@ -269,9 +271,9 @@ def dla_difference_figure(diff: pd.DataFrame, granularity: str = "layer", batch:
     order = frame.drop_duplicates("component")["component"].tolist()
     mean = frame.groupby("component", sort=False)[["clean", "changed", "difference"]].mean().reindex(order)
     fig = go.Figure()
-    fig.add_bar(x=order, y=mean["clean"], name="clean", marker_color=POSITIVE,
+    fig.add_bar(x=order, y=mean["clean"], name="clean", marker_color=PAIR[0],
                 hovertemplate="%{x}<br>clean %{y:.4f} logits<extra></extra>")
-    fig.add_bar(x=order, y=mean["changed"], name="ablated", marker_color="#f4a259",
+    fig.add_bar(x=order, y=mean["changed"], name="ablated", marker_color=PAIR[1],
                 hovertemplate="%{x}<br>ablated %{y:.4f} logits<extra></extra>")
     fig.add_scatter(x=order, y=mean["difference"], name="clean − ablated", mode="markers",
                     marker=dict(symbol="diamond", size=10, color=NEGATIVE),
@@ -392,10 +394,11 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
 
 
 def loss_curves(metrics: Union[str, Path, pd.DataFrame], title: str = "Loss", log_x: bool = False,
-                theme: str = "light") -> go.Figure:
+                theme: str = "light", colours: Optional[dict] = None) -> go.Figure:
     """Train and validation loss against step, from ``metrics.csv`` (a path, a checkpoint
     directory, or its DataFrame: step, train_loss, val_loss, ...). A ``run`` column gives
-    one pair of curves per run."""
+    one pair of curves per run, in one colour per run (train solid, validation dashed);
+    ``colours`` maps run names to colours (default: plotly's sequence)."""
     if not isinstance(metrics, pd.DataFrame):
         from workbench.training import read_metrics  # the one reader of metrics.csv, beside its writer
 
@@ -404,33 +407,36 @@ def loss_curves(metrics: Union[str, Path, pd.DataFrame], title: str = "Loss", lo
         raise ValueError(f"metrics need a 'step' column; got {list(metrics.columns)}")
     runs = metrics.groupby("run", sort=False) if "run" in metrics else [("", metrics)]
     fig = go.Figure()
-    for run, part in runs:
+    for i, (run, part) in enumerate(runs):
+        colour = (colours or {}).get(run, PALETTE[i % len(PALETTE)])
         for column, dash in (("train_loss", "solid"), ("val_loss", "dash")):
             if column in part and part[column].notna().any():
                 rows = part[part[column].notna()]
                 name = f"{run} {column}".strip()
                 fig.add_trace(go.Scatter(x=rows["step"], y=rows[column], mode="lines", name=name,
-                                         line=dict(dash=dash)))
-    fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss", template=_template(theme),
+                                         line=dict(dash=dash, color=colour), legendgroup=str(run)))
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss (nats)", template=_template(theme),
                       xaxis_type="log" if log_x else None)
     return fig
 
 
 def token_loss_figure(losses: Union[pd.DataFrame, dict[str, pd.DataFrame]], title: str = "Per-token loss",
-                      batch: Optional[int] = 0, theme: str = "light") -> go.Figure:
+                      batch: Optional[int] = 0, theme: str = "light", colours: Optional[dict] = None) -> go.Figure:
     """Bars of the loss of predicting each token, placed at the token predicted (``"4: cat"``).
 
     ``losses``: a ``token_losses`` table (bars green where the top prediction was right, red
     where not; hover names the token before and the prediction), or a dict name -> table of
-    the same tokens (grouped bars, one colour per name: e.g. clean and ablated, or two models).
+    the same tokens (grouped bars, one colour per name: e.g. clean and ablated, or two models;
+    ``colours`` maps names to colours, so a model keeps its colour across figures).
     """
     single = isinstance(losses, pd.DataFrame)
     fig = go.Figure()
-    for name, frame in ({"": losses} if single else losses).items():
+    for i, (name, frame) in enumerate(({"": losses} if single else losses).items()):
         frame = _one_batch(frame, batch)
         x = unique_labels(frame["next_token"].tolist(), positions=(frame["pos"] + 1).tolist())
         if not single:
-            fig.add_bar(x=x, y=frame["loss"], name=name)
+            fig.add_bar(x=x, y=frame["loss"], name=name, marker_color=(colours or {}).get(name, PAIR[i % 2]),
+                        hovertemplate=f"{name}<br>" + "%{x}<br>loss %{y:.3f} nats<extra></extra>")
             continue
         fig.add_bar(x=x, y=frame["loss"], marker_color=np.where(frame["correct"], CORRECT, WRONG),
                     customdata=np.stack([frame["predicted"], frame["token"]], axis=-1),

@@ -318,9 +318,47 @@ def test_compare_shows_the_config_diff_curves_and_per_model_views(app, checkpoin
     at.session_state["compare_tab"] = "Attention grids"
     at.run()
     assert sum("Every head of" in t for t in titles(at)) == 2
-    at.session_state["compare_tab"] = "Logit lens"
+    at.session_state["compare_tab"] = "Lens"
     at.run()
     assert not at.exception
+    assert {f"Logit lens of {DEFAULT}", f"Logit lens of {b}"} <= set(titles(at))
+    answers = at.dataframe[1].value
+    assert answers["model"].tolist() == [DEFAULT, b] and set(answers["answer"]) == {"Mary"}
+
+
+def test_compare_says_which_model_cannot_read_the_prompt(app, checkpoints_dir):
+    other = "induction-attn2l"
+    if not (checkpoints_dir / other).is_dir():
+        pytest.skip(f"the shipped {other} checkpoint (a model with another tokenizer) is missing")
+    at = app("Compare")
+    at.selectbox(key="ckpt_b").set_value(other).run()
+    assert f"**{other}** cannot read this prompt" in messages(at)
+    assert at.text_area(key="prompt_b").value.split()[0].isdigit()  # its own default: token ids
+    assert sum("Per-token loss, " in t for t in titles(at)) == 2 and not at.exception
+    assert f"{other} cannot score the answer" in messages(at)
+
+
+# ---- Patch -------------------------------------------------------------------------------------------
+def test_patch_runs_on_the_tasks_abc_pairs_and_on_typed_pairs(app):
+    at = app("Patch")
+    assert not at.exception and not at.warning, messages(at)
+    cards = {m.label: m.value for m in at.metric}
+    clean, corrupted = (float(cards[k].split()[0]) for k in ("Metric on the clean prompts",
+                                                             "Metric on the corrupted prompts"))
+    assert clean > corrupted, "the ABC corruption lowers the logit difference"
+    shown = " ".join(titles(at))
+    for part in ("Patching resid_pre by layer and position", "Patching each head's output",
+                 "Attribution patching"):
+        assert part in shown, (part, titles(at))
+    resid = figure(at, "Patching resid_pre")["data"][0]
+    assert resid["x"][-1].endswith(": to") and "%{z:.4f}" in resid["hovertemplate"]
+    assert any("r = " in c.value for c in at.caption)
+    at.selectbox(key="patch_task_kind").set_value("answer probability").run()
+    assert "probability" in " ".join(m.value for m in at.metric)
+    at.radio(key="patch_source").set_value("typed here").run()
+    assert not at.exception and at.text_area(key="patch_corrupted").value
+    at.text_area(key="patch_corrupted").set_value("Mary and John went home .").run()
+    assert "must be equally long" in messages(at)
 
 
 # ---- Build & train ------------------------------------------------------------------------------------

@@ -46,7 +46,15 @@ from workbench.analysis.metrics import (
     suggest_answer,
     task_answer,
 )
-from workbench.analysis.patching import PATCH_SITES, activation_patching, attribution_patching
+from workbench.analysis.patching import (
+    PATCH_SITES,
+    TASK_PAIRS,
+    PatchingPairs,
+    activation_patching,
+    attribution_patching,
+    patching_agreement,
+    task_pairs,
+)
 from workbench.analysis.reference import reference_batch, task_from_meta
 from workbench.analysis.tokens import residual_norms, token_loss_change, token_losses
 
@@ -59,7 +67,8 @@ __all__ = [
     "TunedLens", "compare_lenses", "logit_lens", "train_tuned_lens", "tuned_lens",
     "METRIC_KINDS", "AnswerMetric", "answer_change", "answer_table", "dla_difference", "lens_difference",
     "pattern_difference", "suggest_answer", "task_answer",
-    "PATCH_SITES", "activation_patching", "attribution_patching",
+    "PATCH_SITES", "TASK_PAIRS", "PatchingPairs", "activation_patching", "attribution_patching",
+    "patching_agreement", "task_pairs",
     "reference_batch", "task_from_meta",
     "residual_norms", "token_loss_change", "token_losses",
 ]
