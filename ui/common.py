@@ -15,6 +15,7 @@ import copy
 import hashlib
 import inspect
 import io
+import json
 import os
 import sys
 import tempfile
@@ -150,6 +151,10 @@ def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint
     if not p.is_dir():
         where.error(f"`{path}` is not a directory. Pick a checkpoint directory (it holds {CONFIG_FILE} and {WEIGHTS_FILE}).")
         return None
+    experiment = experiment_run(p)
+    if experiment is not None:
+        where.error(f"`{path}` is a run of the experiment {experiment!r}, not a checkpoint: open it on the Sweeps page.")
+        return None
     try:
         model, tok, meta, lock = _load(str(p.resolve()), weights_stamp(str(p)))
     except wb.CheckpointError as e:
@@ -159,6 +164,18 @@ def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint
         where.error(f"Cannot load `{path}`: {type(e).__name__}: {e}")
         return None
     return Checkpoint(name or p.name, str(p.resolve()), weights_stamp(str(p)), model, tok, meta, lock)
+
+
+def experiment_run(path: Path) -> Optional[str]:
+    """The experiment's name when ``path`` holds an experiment run's config.json (what the
+    scripts in experiments/ write), not a model's; None otherwise."""
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(config, dict) and "experiment" in config and "d_model" not in config:
+        return str(config["experiment"])
+    return None
 
 
 def checkpoint_picker(label: str, key: str, where=None, default: Optional[str] = None) -> Optional[Checkpoint]:
@@ -184,26 +201,55 @@ def upload_widget(where=None) -> None:
     """Accept a zipped checkpoint (or its files), unpack it under the temp folder, add it to the pickers.
 
     Each upload gets a fresh directory named by its content hash under the system temp folder,
-    so an upload can never land on a checkpoint in the checkpoints folder.
+    so an upload can never land on a checkpoint in the checkpoints folder. The upload is
+    handled in the uploader's callback, before the page draws: the picker then already lists
+    the new checkpoint and has it selected. An error names the file at fault, and a
+    "Clear" button empties the uploader (a new key: Streamlit offers no other way).
     """
     where = where or st.sidebar
-    with where.expander("Upload a checkpoint"):
-        files = st.file_uploader(
+    key = f"upload_{st.session_state.get('upload_round', 0)}"
+    error, done = st.session_state.get("upload_error"), st.session_state.get("upload_done")
+    with where.expander("Upload a checkpoint", expanded=bool(error or done)):
+        st.file_uploader(
             f"A .zip of a checkpoint directory, or its files ({CONFIG_FILE}, {WEIGHTS_FILE}, tokenizer.json, ...); "
             f"at most {UPLOAD_LIMIT_MB} MB",
-            accept_multiple_files=True,
-            key="upload",
-            max_upload_size=UPLOAD_LIMIT_MB,
+            accept_multiple_files=True, key=key, max_upload_size=UPLOAD_LIMIT_MB, on_change=_on_upload, args=(key,),
         )
-        if not files:
-            return
-        try:
-            name, path = save_upload([(f.name, f.getvalue()) for f in files])
-        except ValueError as e:
-            st.error(str(e))
-            return
-        st.session_state.setdefault("uploaded_checkpoints", {})[name] = path
-        st.success(f"Uploaded as **{name}**; it is now in every checkpoint picker.")
+        if error:
+            st.error(error)
+            st.button("Clear the failed upload", key="upload_clear", on_click=_clear_upload)
+        elif done:
+            st.success(f"Uploaded as **{done}** and selected; it is in every checkpoint picker.")
+
+
+def _clear_upload() -> None:
+    st.session_state["upload_round"] = st.session_state.get("upload_round", 0) + 1
+    st.session_state.pop("upload_error", None)
+    st.session_state.pop("upload_done", None)
+
+
+def _on_upload(key: str) -> None:
+    """The uploader's callback: save, check that it loads, add it to the pickers and select it."""
+    st.session_state.pop("upload_error", None)
+    st.session_state.pop("upload_done", None)
+    files = st.session_state.get(key) or []
+    if not files:
+        return
+    names = ", ".join(f.name for f in files)
+    try:
+        name, path = save_upload([(f.name, f.getvalue()) for f in files])
+    except ValueError as e:
+        st.session_state["upload_error"] = f"Upload of {names} failed: {e}"
+        return
+    try:
+        _load(str(Path(path).resolve()), weights_stamp(path))
+    except Exception as e:  # a checkpoint that does not load: say which file, not the temp folder
+        message = str(e).replace(f"{path}/", "").replace(str(path), "the upload")
+        st.session_state["upload_error"] = f"{names} is not a usable checkpoint: {message}"
+        return
+    st.session_state.setdefault("uploaded_checkpoints", {})[name] = path
+    st.session_state["ckpt"] = name
+    st.session_state["upload_done"] = name
 
 
 _upload_root: Optional[Path] = None
@@ -238,7 +284,7 @@ def save_upload(files: list[tuple[str, bytes]], root: Optional[Path] = None) -> 
     contents: dict[str, bytes] = {}
     for fname, data in files:
         if fname.endswith(".zip"):
-            contents.update(_unzip(data))
+            contents.update(_unzip(data, fname))
         else:
             contents[Path(fname).name] = data
     contents = _strip_common_folder(contents)
@@ -263,19 +309,19 @@ def save_upload(files: list[tuple[str, bytes]], root: Optional[Path] = None) -> 
     return f"upload: {stem} ({digest[:6]})", str(target)
 
 
-def _unzip(data: bytes) -> dict[str, bytes]:
+def _unzip(data: bytes, name: str = "the .zip file") -> dict[str, bytes]:
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
     except zipfile.BadZipFile:
-        raise ValueError("the .zip file is corrupt or not a zip archive") from None
+        raise ValueError(f"{name} is corrupt or not a zip archive") from None
     infos = [i for i in archive.infolist() if not i.is_dir() and "__MACOSX" not in i.filename]
     if sum(i.file_size for i in infos) > UPLOAD_LIMIT_MB * 2**20:
-        raise ValueError(f"the .zip unpacks to more than {UPLOAD_LIMIT_MB} MB")
+        raise ValueError(f"{name} unpacks to more than {UPLOAD_LIMIT_MB} MB")
     out = {}
     for info in infos:
         parts = Path(info.filename).parts
         if info.filename.startswith("/") or ".." in parts:  # never write outside the upload folder
-            raise ValueError(f"the .zip holds an unsafe path {info.filename!r}")
+            raise ValueError(f"{name} holds an unsafe path {info.filename!r}")
         out["/".join(parts)] = archive.read(info)
     return out
 

@@ -180,6 +180,52 @@ def test_bad_checkpoint_directories_give_a_message(app, checkpoints_dir, tmp_pat
         assert message in messages(at), (path, messages(at))
 
 
+def _zipped(folder: Path, name: str) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for f in folder.iterdir():
+            z.write(f, f"{name}/{f.name}")
+    return buf.getvalue()
+
+
+def test_an_upload_is_selected_at_once_and_a_failed_one_names_its_file_and_clears(app, checkpoints_dir, tmp_path,
+                                                                                monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(common, "_upload_root", None)
+    at = app("Inspect")
+    at.file_uploader(key="upload_0").set_value(("mine.zip", _zipped(checkpoints_dir / "stories-2020", "x"),
+                                                "application/zip")).run()
+    assert not at.exception
+    chosen = at.selectbox(key="ckpt").value
+    assert chosen.startswith("upload: mine"), "the new checkpoint is selected in the same run"
+    assert f"**{chosen}**" in at.success[0].value
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints_dir / DEFAULT, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    at.file_uploader(key="upload_0").set_value(("broken.zip", _zipped(broken, "broken"), "application/zip")).run()
+    assert "broken.zip is not a usable checkpoint" in messages(at) and "model.safetensors" in messages(at)
+    assert str(tmp_path) not in messages(at), "the message names the file, not the temp folder"
+    at.button(key="upload_clear").click().run()
+    assert "not a usable" not in messages(at) and at.file_uploader(key="upload_1") is not None
+    at.file_uploader(key="upload_1").set_value(("notes.txt", b"hello", "text/plain")).run()
+    assert "Upload of notes.txt failed: this upload is not a checkpoint" in messages(at)
+
+
+def test_an_experiment_run_directory_says_so_in_one_line(app, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"experiment": "head_ablation_sweep", "quick": True, "seed": 0}))
+    (run / "model.safetensors").write_bytes(b"")
+    at = app("Inspect")
+    at.selectbox(key="ckpt").set_value(common.OTHER_DIR).run()
+    at.text_input(key="ckpt_dir").set_value(str(run)).run()
+    assert f"is a run of the experiment 'head_ablation_sweep', not a checkpoint: open it on the Sweeps page" in messages(at)
+    assert "quick" not in messages(at)
+
+
 def test_uploads_land_in_a_temp_folder_with_limits(checkpoints_dir, tmp_path, monkeypatch):
     source = checkpoints_dir / DEFAULT
     buf = io.BytesIO()
@@ -378,7 +424,9 @@ def test_build_updates_costs_live_trains_and_saves(app, checkpoints_dir, tmp_pat
     at.number_input(key="bt_batch").set_value(4)
     at.number_input(key="bt_seq_len").set_value(16).run()
     at.button(key="bt_train").click().run()
+    finish_training(at)
     assert not at.exception and not at.error, messages(at)
+    assert "Done: 6 steps" in messages(at) or any("Done: 6 steps" in s.value for s in at.success)
     assert "Loss during training" in " ".join(titles(at))
     at.text_input(key="bt_name").set_value(DEFAULT).run()
     at.button(key="bt_save").click().run()
@@ -389,6 +437,50 @@ def test_build_updates_costs_live_trains_and_saves(app, checkpoints_dir, tmp_pat
     at.session_state["page"] = "Inspect"
     at.run()
     assert "tiny-run" in at.selectbox(key="ckpt").options
+
+
+def finish_training(at, timeout: float = 120) -> None:
+    """Rerun until the background training run has ended (AppTest does not tick fragments)."""
+    import time
+
+    deadline = time.time() + timeout
+    while at.session_state["bt_job"].running:
+        assert time.time() < deadline, "training did not finish"
+        time.sleep(0.2)
+    at.run()
+
+
+def test_build_greys_out_the_ffn_when_attention_only_and_refuses_what_cannot_fit(app, monkeypatch):
+    at = app("Build & train")
+    at.toggle(key="bt_attn_only").set_value(False).run()
+    assert not at.number_input(key="bt_d_mlp").disabled and not at.selectbox(key="bt_ffn").disabled
+    at.toggle(key="bt_attn_only").set_value(True).run()
+    assert at.number_input(key="bt_d_mlp").disabled and at.selectbox(key="bt_ffn").disabled
+    assert at.button(key="bt_train")
+    monkeypatch.setattr(build_train, "free_memory_bytes", lambda: 10 * 2**20)  # a machine with 10 MB free
+    at.number_input(key="bt_d_model").set_value(512).run()
+    assert "Too large to train here" in messages(at)
+    assert not [b for b in at.button if b.key == "bt_train"], "no Train button for a run that cannot fit"
+
+
+def test_training_runs_in_the_background_and_can_be_cancelled(app, checkpoints_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CHECKPOINTS", str(tmp_path))
+    at = app("Build & train")
+    at.number_input(key="bt_steps").set_value(100_000)
+    at.number_input(key="bt_batch").set_value(2)
+    at.number_input(key="bt_seq_len").set_value(8).run()
+    at.button(key="bt_train").click().run()
+    job = at.session_state["bt_job"]
+    assert job.running, "the script returned while training goes on"
+    at.session_state["page"] = "Inspect"  # another page draws meanwhile
+    at.run()
+    assert not at.exception
+    at.session_state["page"] = "Build & train"
+    at.run()
+    at.button(key="bt_cancel").click().run()
+    finish_training(at)
+    assert job.status == "cancelled" and 0 < job.result["step"] < 100_000
+    assert "Cancelled at step" in messages(at) and (Path(job.result["dir"]) / "model.safetensors").is_file()
 
 
 def test_save_trained_refuses_bad_names(tmp_path):
