@@ -10,11 +10,12 @@ import os
 import streamlit as st
 import torch
 
-from ui import ablate, build_train, common, compare, inspect, sweeps
+from ui import ablate, build_train, common, compare, inspect, patch, sweeps
 
 PAGES = {
     "Inspect": inspect.render,
     "Ablate": ablate.render,
+    "Patch": patch.render,
     "Compare": compare.render,
     "Build & train": build_train.render,
     "Sweeps": sweeps.render,

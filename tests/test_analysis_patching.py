@@ -71,3 +71,45 @@ def test_patching_rejects_bad_input():
         activation_patching(model, clean, corrupted, logit_diff_metric(1, 2), sites="nope")
     with pytest.raises((ValueError, TypeError), match="pos"):  # jaxtyping sees the mismatch first under pytest
         activation_patching(model, clean, corrupted[:, :5], logit_diff_metric(1, 2), sites="head")
+
+
+def test_task_pairs_are_the_tasks_own_abc_pairs():
+    from workbench.analysis import AnswerMetric, task_pairs
+    from workbench.data import get_task
+
+    task = get_task("stories")
+    model = wb.HookedDecoder(tiny(d_vocab=task.vocab_size, n_ctx=32), tokenizer=task.tokenizer).eval()
+    meta = {"task": "stories", "task_options": task.options()}
+    pairs = task_pairs(model, meta, n=4, seed=3)
+    batch = task.ioi_prompts(4, seed=3)
+    assert pairs.clean == tuple(map(tuple, batch.tokens.tolist()))
+    assert pairs.corrupted == tuple(map(tuple, batch.corrupted.tolist()))
+    assert pairs.answer == tuple(batch.correct.tolist()) and pairs.wrong == tuple(batch.wrong.tolist())
+    differs = (batch.tokens != batch.corrupted).nonzero()[:, 1].unique().tolist()
+    assert differs == [10]  # only the second subject mention (S2) is replaced
+    assert hash(pairs) == hash(task_pairs(model, meta, n=4, seed=3))
+    metric = AnswerMetric("logit_diff", pairs.answer, pairs.wrong)
+    frame = activation_patching(model, torch.tensor(pairs.clean), torch.tensor(pairs.corrupted), metric, sites="head")
+    assert len(frame) == model.cfg.n_layers * model.cfg.n_heads
+    assert task_pairs(model, meta, n=2, kind="possession").clean[0][-1] == task.tokenizer.stoi["the"]
+    with pytest.raises(ValueError, match="no ioi prompt pairs"):
+        task_pairs(wb.HookedDecoder(tiny()), {"task": "induction", "task_options": {"vocab": 50}})
+    with pytest.raises(ValueError, match="kind="):
+        task_pairs(model, meta, kind="greater_than")
+    with pytest.raises(ValueError, match="names no task"):
+        task_pairs(model, {})
+
+
+def test_patching_agreement_equals_attribution_patchings_own_exact_column():
+    from workbench.analysis import patching_agreement
+
+    model = wb.HookedDecoder(tiny()).eval()
+    clean, corrupted = _pair(6)
+    metric = logit_diff_metric(5, 9)
+    attribution = attribution_patching(model, clean, corrupted, metric, exact=True)
+    patched = activation_patching(model, clean, corrupted, metric, sites=("resid_pre", "head"))
+    agreement = patching_agreement(attribution.drop(columns="exact"), patched)
+    np.testing.assert_allclose(agreement["exact"], attribution["exact"], atol=1e-6)
+    assert agreement.attrs["correlation"] == pytest.approx(attribution.attrs["correlation"], abs=1e-6)
+    with pytest.raises(ValueError, match="site='head'"):
+        patching_agreement(attribution, patched[patched.site == "resid_pre"])

@@ -60,3 +60,23 @@ def test_flops_and_kv_bytes():
     cache = model.make_kv_cache(1)
     held = sum(e.k.numel() * e.k.element_size() + e.v.numel() * e.v.element_size() for e in cache.entries)
     assert held == wb.kv_cache_bytes_per_token(cfg) * cfg.n_ctx
+
+
+def test_training_memory_counts_the_real_optimizer_state_exactly():
+    import workbench as wb
+    from workbench.accounting import training_memory_bytes
+
+    cfg = wb.ModelConfig(d_model=32, n_layers=2, n_heads=4, d_vocab=50, n_ctx=24, seed=0)
+    model = wb.HookedDecoder(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 50, (2, 8)), return_type="loss").backward()
+    opt.step()
+    real = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+    est = training_memory_bytes(cfg, batch_size=2, seq_len=8)
+    assert est["weights"] == real and est["gradients"] == real and est["optimizer"] == moments
+    assert est["total"] == sum(v for k, v in est.items() if k != "total")
+    bigger = training_memory_bytes(cfg, batch_size=4, seq_len=16)
+    assert bigger["activations"] > 2 * est["activations"] and bigger["weights"] == est["weights"]
+    with pytest.raises(ValueError, match="batch_size"):
+        training_memory_bytes(cfg, 0, 8)

@@ -1,6 +1,8 @@
 """Figures are built from the analysis tables: right trace types, token labels on the axes
 (unique even when tokens repeat), top tokens written in the lens cells, both themes."""
 
+import json
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -142,3 +144,118 @@ def test_units_are_labelled_as_the_analysis_names_them(model):
     layer, head = parse_unit(heatmap.y[1])[0], parse_head(heatmap.x[2])
     row = sweep[(sweep.layer == layer) & (sweep["head"] == head)].iloc[0]
     assert row.label.startswith("L1H2") and heatmap.z[1][2] == pytest.approx(row.delta)
+
+
+def test_sweep_heatmap_cells_are_clickable_points_with_values(model):
+    sweep = ablation_sweep(model, torch.randint(0, model.cfg.d_vocab, (2, 5)))
+    fig = viz.layer_head_figure(sweep, units="Δ nats", clickable=True)
+    heatmap, cells = fig.data
+    assert isinstance(cells, go.Scatter) and fig.layout.clickmode == "event+select" and fig.layout.hoverdistance == -1
+    assert heatmap.texttemplate == "%{z:.2f}" and fig.layout.coloraxis.colorbar.title.text == "Δ nats"
+    assert fig.layout.xaxis.title.text == "head" and fig.layout.yaxis.title.text == "layer"
+    z = np.array(heatmap.z, dtype=float)
+    assert isinstance(cells.customdata, tuple) or isinstance(cells.customdata, list)  # a list: not a typed array
+    for (layer, head, value), x, y in zip(cells.customdata, cells.x, cells.y):
+        assert (x, y) == (f"H{int(head)}", f"L{int(layer)}") and z[int(layer), int(head)] == pytest.approx(value)
+    assert len(viz.layer_head_figure(sweep).data) == 1  # not clickable: the heatmap alone
+
+
+def test_html_figures_are_made_drawable_without_their_folder(tmp_path):
+    fig = go.Figure(go.Heatmap(z=[[1.5, 2.0], [0.5, 3.0]]), layout=dict(title="a figure"))
+    fig.write_html(tmp_path / "f.html", include_plotlyjs="directory")
+    html = (tmp_path / "f.html").read_text()
+    assert 'src="plotly.min.js"' in html
+    parsed = viz.figure_from_html(html)
+    assert parsed.layout.title.text == "a figure"
+    assert json.loads(parsed.to_json())["data"] == json.loads(fig.to_json())["data"]
+    assert viz.figure_from_html(html + html) is None and viz.figure_from_html("<p>no figure</p>") is None
+
+    inlined = viz.self_contained_html(html, tmp_path)  # no plotly.min.js in the folder: plotly's own bundle
+    assert 'src="plotly.min.js"' not in inlined and len(inlined) > 1_000_000
+    (tmp_path / "mine.js").write_text("var x = '</script>';")
+    page = ('<script src="mine.js"></script><script src="https://cdn.example/x.js"></script>'
+            '<script src="../escape.js"></script>')
+    out = viz.self_contained_html(page, tmp_path)
+    assert "<script>var x = '<\\/script>';</script>" in out
+    assert 'src="https://cdn.example/x.js"' in out and 'src="../escape.js"' in out
+
+
+def test_table_chart_never_stacks_bars_silently():
+    table = pd.DataFrame({"variant": ["a", "a", "b", "b"], "seed": [0, 1, 0, 1], "loss": [1.0, 3.0, 2.0, 4.0]})
+    fig, note = viz.table_chart(table, "variant", "loss")
+    assert list(fig.data[0].y) == [2.0, 3.0] and "each bar is their mean" in note and "up to 2" in note
+    fig, note = viz.table_chart(table, "variant", "loss", color="seed")
+    assert note == "" and [t.name for t in fig.data] == ["0", "1"] and fig.layout.barmode == "group"
+    fig, note = viz.table_chart(table, "variant", "loss", kind="scatter")
+    assert note == "" and len(fig.data[0].y) == 4
+    with pytest.raises(ValueError, match="no column"):
+        viz.table_chart(table, "variant", "accuracy")
+
+
+def test_difference_figures_are_diverging_around_zero(model):
+    from workbench.analysis import AblationSpec, dla_difference, lens_difference, pattern_difference
+    from workbench.analysis.ablation import ablation_hooks
+
+    tokens = model.to_tokens("abcabca")
+    with model.hooks(fwd_hooks=ablation_hooks(model, tokens, AblationSpec("head", 0, head=1))):
+        lens_b, dla_b, pat_b = (logit_lens(model, tokens), direct_logit_attribution(model, tokens, 1, 2),
+                                attention_patterns(model, tokens))
+    lens = viz.lens_difference_figure(lens_difference(logit_lens(model, tokens), lens_b))
+    assert lens.data[0].colorscale[0][1] == go.Heatmap(colorscale=viz.DIVERGING).colorscale[0][1]
+    assert lens.data[0].zmid == 0 and "clean − ablated" in lens.layout.title.text
+    dla = viz.dla_difference_figure(dla_difference(direct_logit_attribution(model, tokens, 1, 2), dla_b))
+    assert [t.name for t in dla.data] == ["clean", "ablated", "clean − ablated"]
+    pattern = viz.attention_figure(pattern_difference(attention_patterns(model, tokens), pat_b), 1, 0, difference=True)
+    assert pattern.data[0].zmid == 0 and pattern.layout.title.text == "Attention change L1H0"
+
+
+def test_readable_lens_and_dla(model):
+    long = model.to_tokens("abcdefgh" * 3)  # 24 positions: text would shrink, so it moves to hover
+    fig = viz.logit_lens_figure(logit_lens(model, long), color="kl")
+    assert fig.data[0].texttemplate is None and "hover" in fig.layout.title.text
+    assert fig.data[0].colorbar.title.text == "KL to final (nats)"
+    frame = fig.layout.shapes[0]
+    assert (frame.x0, frame.x1) == (22.5, 23.5)  # the last position is outlined
+    short = viz.logit_lens_figure(logit_lens(model, model.to_tokens("abcd")))
+    assert short.data[0].texttemplate == "%{text}"
+    # a model without biases: its bias parts are zero by structure, so they are not drawn
+    no_bias = wb.HookedDecoder(tiny(d_vocab=model.cfg.d_vocab, bias=False), tokenizer=model.tokenizer).eval()
+    dla = direct_logit_attribution(no_bias, no_bias.to_tokens("abca"), 1, 2)
+    assert (dla[dla.kind == "attn_bias"].attribution == 0).all()
+    bars = viz.dla_figure(dla, "head")
+    shown = {x for trace in bars.data for x in trace.x}
+    assert not any("attn bias" in x for x in shown) and "L1H3" in shown and "embed" in shown
+    assert {t.name for t in bars.data} >= {"attention head", "token embedding"} and len(bars.data) >= 2
+
+
+def test_head_scores_and_patching_figures(model):
+    from workbench.analysis import activation_patching, logit_diff_metric
+
+    scores = head_scores(model, seq_len=6)
+    fig = viz.head_scores_figure(scores)
+    assert len(fig.data) == scores["kind"].nunique() and all(t.texttemplate == "%{z:.2f}" for t in fig.data)
+    clean = model.to_tokens("abcab")
+    corrupted = model.to_tokens("abdab")
+    patch = activation_patching(model, clean, corrupted, logit_diff_metric(1, 2), sites=("resid_pre", "head"))
+    labels = ["a", "b", "c", "a", "b"]
+    by_pos = viz.patching_figure(patch, "resid_pre", tokens=labels, value="restored")
+    assert list(by_pos.data[0].x) == ["0: a", "1: b", "2: c", "3: a", "4: b"] and list(by_pos.data[0].y) == ["L0", "L1"]
+    grid = patch[patch.site == "resid_pre"].pivot(index="layer", columns="pos", values="restored").to_numpy()
+    np.testing.assert_allclose(np.array(by_pos.data[0].z, dtype=float), grid)
+    heads = viz.patching_figure(patch, "head")
+    assert np.array(heads.data[0].z).shape == (model.cfg.n_layers, model.cfg.n_heads)
+    with pytest.raises(ValueError, match="no rows for site"):
+        viz.patching_figure(patch, "mlp_out")
+
+
+def test_a_model_keeps_its_colour_across_figures(model):
+    runs = pd.DataFrame({"step": [1, 2, 1, 2], "train_loss": [3.0, 2.0, 3.1, 2.2], "val_loss": [3.2, 2.1, 3.3, 2.4],
+                         "run": ["a", "a", "b", "b"]})
+    curves = viz.loss_curves(runs, colours={"a": "#111111", "b": "#222222"})
+    assert [(t.name, t.line.color, t.line.dash) for t in curves.data] == [
+        ("a train_loss", "#111111", "solid"), ("a val_loss", "#111111", "dash"),
+        ("b train_loss", "#222222", "solid"), ("b val_loss", "#222222", "dash")]
+    losses = token_losses(model, model.to_tokens("abcab"))
+    bars = viz.token_loss_figure({"a": losses, "b": losses}, colours={"a": "#111111", "b": "#222222"})
+    assert [t.marker.color for t in bars.data] == ["#111111", "#222222"]
+    assert [t.marker.color for t in viz.token_loss_figure({"x": losses, "y": losses}).data] == list(viz.PAIR)

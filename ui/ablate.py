@@ -1,14 +1,19 @@
 """Ablate: knock out heads, layers, MLPs or neurons (optionally at some positions) and compare.
 
-Clean and ablated sit side by side: per-token loss and its change, the prediction at
-each position, the logit lens, and the attention of the head whose pattern changed most.
-A button runs the ablation sweep over every head (one library call reporting its progress)
-and draws the layer x head heatmap; clicking a cell ablates that head.
+What is measured is chosen once (``common.target_picker``): the logit difference between
+an answer and a wrong token, the answer's probability, log-probability or rank at a chosen
+position (the last by default, where a prompt's answer is decided), or the prompt's mean
+loss. Clean and ablated sit side by side: that metric, per-token loss and its change, the
+prediction at each position, the logit lens, the attention of the head whose pattern
+changed most and direct logit attribution, each also as clean − ablated. A button runs
+the ablation sweep over every head (one library call reporting its progress) and draws
+the layer x head heatmap; clicking a cell ablates that head.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import streamlit as st
 
@@ -17,11 +22,15 @@ from workbench import viz
 from workbench.analysis import (
     AblationSpec,
     ablation_sweep,
+    answer_change,
+    answer_table,
     attention_change,
     attention_patterns,
-    logit_lens,
-    parse_head,
+    direct_logit_attribution,
+    dla_difference,
+    lens_difference,
     parse_unit,
+    pattern_difference,
     token_loss_change,
     token_losses,
     unit_label,
@@ -45,12 +54,16 @@ def render() -> None:
     kind = KINDS[st.radio("Kind", list(KINDS), horizontal=True, key="ablate_kind")]
     reference = common.reference_batch(ckpt.key, ids) if kind != "zero" else None
     ablation = _choose_units(ckpt, ids, kind)
+    st.subheader("What to measure")
+    target = common.target_picker(ckpt, ids, key="ablate_target")
+    if target is None:
+        return
     if ablation is not None:
         if ablation:
-            _compare(ckpt, ids, ablation, reference)
+            _compare(ckpt, ids, ablation, reference, target)
         else:
             st.info("Choose units to ablate above, or run the head sweep below and click a cell.")
-    _head_sweep(ckpt, ids, kind, reference)
+    _head_sweep(ckpt, ids, kind, reference, target)
 
 
 def unit_options(cfg) -> list[str]:
@@ -108,27 +121,47 @@ def _choose_units(ckpt: common.Checkpoint, ids, kind: str):
     return tuple(specs)
 
 
-def _compare(ckpt: common.Checkpoint, ids, ablation, reference) -> None:
+def _compare(ckpt: common.Checkpoint, ids, ablation, reference, target: common.Target) -> None:
     clean = common.analysis(token_losses, ckpt.key, ids)
     ablated = common.analysis(token_losses, ckpt.key, ids, ablation=ablation, reference=reference)
+    answers = {name: common.analysis(answer_table, ckpt.key, ids, ablation=abl, reference=ref, answer=target.answer,
+                                     wrong=target.wrong, pos=target.pos)
+               for name, abl, ref in (("clean", (), None), ("ablated", ablation, reference))}
+    change = answer_change(answers["clean"], answers["ablated"])
     a, b, c = st.columns(3)
-    a.metric("Clean loss", f"{clean['loss'].mean():.3f}")
-    b.metric("Ablated loss", f"{ablated['loss'].mean():.3f}", delta=f"{ablated['loss'].mean() - clean['loss'].mean():+.3f}",
-             delta_color="inverse")
+    if target.kind == "loss":
+        a.metric("Mean loss, clean → ablated", f"{clean['loss'].mean():.3f} → {ablated['loss'].mean():.3f} nats",
+                 delta=f"{ablated['loss'].mean() - clean['loss'].mean():+.3f} nats", delta_color="inverse")
+    else:
+        row = change.set_index("measure").loc[target.metric().kind]
+        a.metric(f"{target.describe()}, clean → ablated", f"{row['clean']:.3f} → {row['changed']:.3f}",
+                 delta=f"{row['changed'] - row['clean']:+.3f} {row['units']}",
+                 delta_color="inverse" if target.kind == "rank" else "normal")
+    b.metric("Mean loss, clean → ablated", f"{clean['loss'].mean():.3f} → {ablated['loss'].mean():.3f}",
+             delta=f"{ablated['loss'].mean() - clean['loss'].mean():+.3f} nats", delta_color="inverse")
     c.metric("Top-1 accuracy, clean → ablated", f"{clean['correct'].mean():.0%} → {ablated['correct'].mean():.0%}")
+    with st.expander(f"Every answer metric at position {target.pos}, clean and ablated"):
+        common.table(change.round(4))
 
     st.subheader("Per-token loss")
     common.show(viz.token_loss_figure({"clean": clean, "ablated": ablated}), key="ablate_loss")
     st.caption("The prediction at each position, clean and ablated (rows where the prediction changed first).")
-    change = token_loss_change(clean, ablated).drop(columns=["batch", "prediction_changed"])
-    common.table(change.round(3), height=260)
+    changes = token_loss_change(clean, ablated).drop(columns=["batch", "prediction_changed"])
+    common.table(changes.round(3), height=260)
 
-    st.subheader("Logit lens, clean and ablated")
-    lens_clean = common.analysis(logit_lens, ckpt.key, ids, k=3)
-    lens_ablated = common.analysis(logit_lens, ckpt.key, ids, ablation=ablation, reference=reference, k=3)
-    fig = viz.side_by_side(viz.logit_lens_figure(lens_clean), viz.logit_lens_figure(lens_ablated),
-                           titles=("clean", "ablated"))
-    fig.update_layout(height=max(320, 50 * (ckpt.cfg.n_layers + 1) + 200))
+    st.subheader("Lens, clean and ablated")
+    a, b = st.columns(2)
+    with a:
+        which = common.lens_picker(ckpt, key="ablate_lens_kind")
+    view = b.radio("Show", ["clean − ablated", "side by side"], horizontal=True, key="ablate_lens_view")
+    lens_clean = common.lens_table(ckpt, ids, which)
+    lens_ablated = common.lens_table(ckpt, ids, which, ablation=ablation, reference=reference)
+    if view == "side by side":
+        fig = viz.side_by_side(viz.logit_lens_figure(lens_clean), viz.logit_lens_figure(lens_ablated),
+                               titles=("clean", "ablated"))
+        fig.update_layout(height=max(320, 50 * (ckpt.cfg.n_layers + 1) + 220))
+    else:
+        fig = viz.lens_difference_figure(lens_difference(lens_clean, lens_ablated, "target_prob"))
     common.show(fig, key="ablate_lens")
 
     st.subheader("Attention where it changes")
@@ -138,43 +171,77 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference) -> None:
     if per_head.empty:
         st.info("No attention pattern changes: the ablated units are in the last layers, or write nothing "
                 "that later heads read.")
+    else:
+        options = [unit_label(r.layer, r.head) for r in per_head.itertuples()]
+        left, right = st.columns([1, 3])
+        with left:
+            common.table(per_head.round(4).head(12))
+        with right:
+            chosen = st.selectbox("Head (most changed first)", options, key="ablate_attn_head")
+            layer, head, _ = parse_unit(chosen)
+            fig = viz.side_by_side(viz.attention_figure(pat_clean, layer, head),
+                                   viz.attention_figure(pat_ablated, layer, head),
+                                   titles=(f"{chosen} clean", f"{chosen} ablated"))
+            common.show(fig, key="ablate_attention")
+            diff = pattern_difference(pat_clean, pat_ablated)
+            common.show(viz.attention_figure(diff, layer, head, difference=True), key="ablate_attention_diff")
+    _dla_change(ckpt, ids, ablation, reference, target)
+
+
+def _dla_change(ckpt: common.Checkpoint, ids, ablation, reference, target: common.Target) -> None:
+    st.subheader("Direct logit attribution, clean and ablated")
+    if ckpt.cfg.norm_placement == "post":
+        st.info("Direct logit attribution needs a pre-norm model; this one is post-norm.")
         return
-    options = [unit_label(r.layer, r.head) for r in per_head.itertuples()]
-    left, right = st.columns([1, 3])
-    with left:
-        common.table(per_head.round(4).head(12))
-    with right:
-        chosen = st.selectbox("Head (most changed first)", options, key="ablate_attn_head")
-        layer, head, _ = parse_unit(chosen)
-        fig = viz.side_by_side(viz.attention_figure(pat_clean, layer, head), viz.attention_figure(pat_ablated, layer, head),
-                               titles=(f"{chosen} clean", f"{chosen} ablated"))
-        common.show(fig, key="ablate_attention")
+    runs = [common.analysis(direct_logit_attribution, ckpt.key, ids, ablation=abl, reference=ref,
+                            answer=target.answer, wrong=target.wrong, pos=target.pos)
+            for abl, ref in (((), None), (ablation, reference))]
+    granularity = st.radio("Split", ["layer", "head"], horizontal=True, key="ablate_dla_split")
+    what = f"logit[{target.answer_str!r}]" + (f" − logit[{target.wrong_str!r}]" if target.wrong is not None else "")
+    st.caption(f"What each component writes directly into {what} at position {target.pos}; the ablated run's "
+               "components read an ablated stream, so later ones change too.")
+    common.show(viz.dla_difference_figure(dla_difference(*runs), granularity=granularity), key="ablate_dla")
 
 
-def _head_sweep(ckpt: common.Checkpoint, ids, kind: str, reference) -> None:
+def _head_sweep(ckpt: common.Checkpoint, ids, kind: str, reference, target: common.Target) -> None:
     st.subheader("Head sweep")
-    st.caption(f"Ablate every head on its own ({kind}) and measure the change in the prompt's mean loss.")
-    state_key = ("sweep", ckpt.key, ids, kind)
+    st.caption(f"Ablate every head on its own ({kind}) and measure the change in {target.describe()} "
+               "(ablated − clean).")
+    metric = target.metric()
+    state_key = ("sweep", ckpt.key, ids, kind, metric)
     if st.button("Run the head sweep", key="ablate_sweep"):
         bar = st.progress(0.0, text="ablating heads…")
-        sweep = common.analysis(ablation_sweep, ckpt.key, ids, reference=reference, unit="head", methods=(kind,),
-                                _progress=lambda done, total: bar.progress(done / total,
-                                                                           text=f"ablated {done} of {total} heads"))
+        sweep = common.analysis_with_progress(
+            ablation_sweep, ckpt.key, ids, reference=reference, unit="head", methods=(kind,), metric=metric,
+            progress=lambda done, total: bar.progress(done / total, text=f"ablated {done} of {total} heads"))
         bar.empty()
         st.session_state["head_sweep"] = (state_key, sweep)
     stored = st.session_state.get("head_sweep")
     if stored is None or stored[0] != state_key:
         return
     sweep = stored[1]
-    fig = viz.layer_head_figure(sweep, value="delta", title="Change in loss when each head is ablated (click a cell)")
+    fig = viz.layer_head_figure(sweep, value="delta", units=f"Δ {target.units}", clickable=True,
+                                title=f"Change in {target.describe()} when each head is ablated (click a cell)")
     common.show(fig, key="sweep_heatmap", on_select=_ablate_clicked_head, selection_mode="points")
     with st.expander("Sweep table"):
         common.table(sweep.sort_values("delta", ascending=False))
 
 
+def clicked_head(event: dict) -> Optional[tuple[int, int]]:
+    """(layer, head) of the cell a click on the sweep heatmap selected, from its scatter point's
+    ``customdata`` ([layer, head, value]); None when nothing is selected."""
+    points = (event or {}).get("selection", {}).get("points", [])
+    for point in points:
+        data = point.get("customdata")
+        if isinstance(data, dict):  # a typed array's row, as a browser serialises it
+            data = [data.get(str(i)) for i in range(len(data))]
+        if isinstance(data, (list, tuple)) and len(data) >= 2 and None not in data[:2]:
+            return int(data[0]), int(data[1])
+    return None
+
+
 def _ablate_clicked_head() -> None:
-    """A click on the sweep heatmap (cell 'L1' x 'H2') ablates that head alone."""
-    points = st.session_state.get("sweep_heatmap", {}).get("selection", {}).get("points", [])
-    if points:
-        layer, _, _ = parse_unit(points[0]["y"])
-        st.session_state["ablate_units"] = [unit_label(layer, parse_head(points[0]["x"]))]
+    """A click on a sweep heatmap cell ablates that head alone."""
+    head = clicked_head(st.session_state.get("sweep_heatmap"))
+    if head is not None:
+        st.session_state["ablate_units"] = [unit_label(*head)]

@@ -1,19 +1,26 @@
 """Build & train: pick every component with widgets, see its cost, train it, save it.
 
-Parameter count, FLOPs per token and KV-cache bytes come from ``workbench.accounting``
-and update as the widgets change. Training runs ``workbench.training.train`` on a
-built-in task with a live progress bar and loss curve; the run is written to a temporary
-directory and copied into the checkpoints folder only when saved under a new name (or
-when replacing is confirmed), after which it is in every checkpoint picker.
+Parameter count (with the task's real vocabulary), FLOPs per token, KV-cache bytes and
+the memory training needs come from ``workbench.accounting`` and update as the widgets
+change; a model whose training would not fit in this machine's free memory is refused
+before it starts. Training runs ``workbench.training.train`` in a background thread, so
+the other pages stay usable: this page polls its progress (a bar and the loss curve)
+and has a Cancel button (the callback asks ``train`` to stop after the current step).
+The run is written to a temporary directory and copied into the checkpoints folder
+only when saved under a new name (or when replacing is confirmed), after which it is in
+every checkpoint picker.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
-import time
+import threading
 import typing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 import streamlit as st
@@ -23,6 +30,7 @@ from ui import common
 from workbench import viz
 from workbench.config import FFNChoice, MoEExpertChoice, NormChoice, PlacementChoice, PositionalChoice
 from workbench.data import describe_tasks, get_task
+from workbench.accounting import training_memory_bytes
 from workbench.training import TrainConfig, train
 
 TASKS = ("induction", "stories", "modular")  # "text" needs a file; use the command line for it
@@ -31,25 +39,32 @@ SIZES = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp", "n_ctx", "n_ex
 CHOICES = {"norm": NormChoice, "norm_placement": PlacementChoice, "positional": PositionalChoice, "ffn": FFNChoice,
            "moe_expert": MoEExpertChoice}
 FLAGS = ("attn_only", "parallel_residual", "tie_embeddings", "bias")
+FFN_WIDGETS = ("d_mlp", "ffn", "moe_expert", "n_experts", "experts_per_token")  # unused by an attention-only model
+MEMORY_SHARE = 0.5  # refuse a run whose estimated training memory exceeds this share of the free memory
 
 
 def render() -> None:
     st.header("Build & train")
-    task_name = st.selectbox("Task", TASKS, key="bt_task", format_func=lambda t: f"{t}: {describe_tasks()[t]}")
+    job: Optional[TrainingJob] = st.session_state.get("bt_job")
+    running = job is not None and job.running
+    task_name = st.selectbox("Task", TASKS, key="bt_task", format_func=lambda t: f"{t}: {describe_tasks()[t]}",
+                             disabled=running)
     task = _task(task_name)
     st.selectbox("Start from preset", wb.ModelConfig.presets(), key="bt_preset", on_change=_apply_preset,
-                 index=wb.ModelConfig.presets().index(START))
+                 index=wb.ModelConfig.presets().index(START), disabled=running)
     if "bt_d_model" not in st.session_state:
         _apply_preset()
     cfg = _config_widgets(task.vocab_size)
     if cfg is None:
         return
     config = _train_widgets(task_name, cfg)
-    _costs(cfg, config)
-    if config is None:
-        return
-    if st.button("Train", type="primary", key="bt_train"):
-        _train(config, cfg, task_name)
+    fits = _costs(cfg, config)
+    if config is not None and fits:
+        if st.button("Train", type="primary", key="bt_train", disabled=running):
+            job = TrainingJob(config, cfg, task_name)
+            st.session_state["bt_job"] = job
+            job.start()
+    _progress()
     _saving()
 
 
@@ -71,18 +86,23 @@ def _apply_preset() -> None:
 
 def _config_widgets(d_vocab: int):
     st.subheader("Architecture")
+    attn_only = bool(st.session_state.get("bt_attn_only"))
+    moe = st.session_state.get("bt_ffn") == "moe" and not attn_only
     cols = st.columns(4)
     sizes = {}
     for i, name in enumerate(SIZES):
-        if name in ("n_experts", "experts_per_token") and st.session_state.get("bt_ffn") != "moe":
+        if name in ("n_experts", "experts_per_token") and not moe:
             continue
-        sizes[name] = cols[i % 4].number_input(name, min_value=1, step=1, key=f"bt_{name}")
+        sizes[name] = cols[i % 4].number_input(
+            name, min_value=1, step=1, key=f"bt_{name}", disabled=attn_only and name in FFN_WIDGETS,
+            help="Unused: the model is attention-only." if attn_only and name in FFN_WIDGETS else None)
     cols = st.columns(len(CHOICES))
     choices = {}
     for col, (name, literal) in zip(cols, CHOICES.items()):
-        if name == "moe_expert" and st.session_state.get("bt_ffn") != "moe":
+        if name == "moe_expert" and not moe:
             continue
-        choices[name] = col.selectbox(name, typing.get_args(literal), key=f"bt_{name}")
+        choices[name] = col.selectbox(name, typing.get_args(literal), key=f"bt_{name}",
+                                      disabled=attn_only and name in FFN_WIDGETS)
     cols = st.columns(len(FLAGS))
     flags = {name: col.toggle(name, key=f"bt_{name}") for col, name in zip(cols, FLAGS)}
     try:
@@ -90,7 +110,8 @@ def _config_widgets(d_vocab: int):
     except ValueError as e:
         st.warning(f"This combination is not a valid model: {e}")
         return None
-    st.caption(f"d_vocab = {d_vocab} (the task's vocabulary), d_head = {cfg.d_head}.")
+    st.caption(f"d_vocab = {d_vocab} (the task's vocabulary), d_head = {cfg.d_head}"
+               + (" · attention-only: the FFN widgets are unused." if attn_only else "."))
     return cfg
 
 
@@ -111,54 +132,140 @@ def _train_widgets(task_name: str, cfg: wb.ModelConfig):
         return None
 
 
-def _costs(cfg: wb.ModelConfig, config) -> None:
+def _costs(cfg: wb.ModelConfig, config) -> bool:
+    """Draw the costs; False (with the reason) when training would not fit in free memory."""
     st.subheader("Cost")
     counts = wb.count_params(cfg)
-    cols = st.columns(4)
-    cols[0].metric("Parameters", f"{counts['total']:,}")
+    cols = st.columns(5)
+    cols[0].metric("Parameters", f"{counts['total']:,}", help=f"Counted with the task's vocabulary of {cfg.d_vocab} tokens.")
     cols[1].metric("Forward FLOPs / token", f"{wb.forward_flops_per_token(cfg):,}")
     cols[2].metric("KV cache / token (bf16)", f"{wb.kv_cache_bytes_per_token(cfg):,} B")
-    if config is not None:
-        tokens = config.steps * config.batch_size * (config.seq_len or cfg.n_ctx)
-        cols[3].metric("Training FLOPs (6ND)", f"{wb.training_flops(cfg, tokens):.3g}")
     parts = pd.DataFrame([{"component": k, "parameters": v} for k, v in counts.items()
                           if k not in ("total", "non_embedding", "active")])
     with st.expander("Parameters by component"):
         common.table(parts)
+    if config is None:
+        return False
+    tokens = config.steps * config.batch_size * (config.seq_len or cfg.n_ctx)
+    cols[3].metric("Training FLOPs (6ND)", f"{wb.training_flops(cfg, tokens):.3g}")
+    memory = training_memory_bytes(cfg, config.batch_size, config.seq_len or cfg.n_ctx)
+    cols[4].metric("Training memory (fp32, AdamW)", _size(memory["total"]),
+                   help="Weights, gradients and AdamW's moments (exact) plus activations (estimated).")
+    free = free_memory_bytes()
+    if free is not None and memory["total"] > MEMORY_SHARE * free:
+        st.error(f"Too large to train here: training needs about {_size(memory['total'])} and this machine has "
+                 f"{_size(free)} free (at most {MEMORY_SHARE:.0%} of it is used). Pick a smaller preset, or fewer "
+                 "layers, a narrower d_model, a smaller batch or shorter sequences.")
+        return False
+    return True
 
 
-def _train(config: TrainConfig, cfg: wb.ModelConfig, task_name: str) -> None:
-    bar = st.progress(0.0, text="starting…")
-    chart = st.empty()
-    history: list[dict] = []
-    last_draw, last_val = [0.0], [""]
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
 
-    def on_step(row: dict) -> None:
-        """``train``'s callback: one logged row (step, train_loss, val_loss or None, lr, tokens_per_s)."""
-        history.append({"step": row["step"], "train_loss": row["train_loss"]})
-        if row["val_loss"] is not None:  # evaluated only every few logged steps: a line of its own would be gaps
-            last_val[0] = f", validation loss {row['val_loss']:.3f}"
-        now = time.perf_counter()
-        if now - last_draw[0] > 0.5 or row["step"] == config.steps:
-            last_draw[0] = now
-            bar.progress(row["step"] / config.steps,
-                         text=f"step {row['step']} / {config.steps}: loss {row['train_loss']:.3f}{last_val[0]}, "
-                              f"{row['tokens_per_s']:,.0f} tokens/s")
-            chart.line_chart(pd.DataFrame(history).set_index("step"), height=260)
 
-    out = Path(tempfile.mkdtemp(prefix="workbench-train-"))
+def free_memory_bytes() -> Optional[int]:
+    """Memory the system reports free (MemAvailable); None where it does not say."""
     try:
-        result = train(config, cfg, out, task=get_task(task_name, seed=config.seed), progress=False, callback=on_step)
-    except (ValueError, RuntimeError) as e:
-        bar.empty()
-        st.error(f"Training stopped: {e}")
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass
+class TrainingJob:
+    """One training run in a background thread; the page polls it (``history``, ``step``)."""
+
+    config: TrainConfig
+    cfg: wb.ModelConfig
+    task_name: str
+    out: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="workbench-train-")))
+    history: list = field(default_factory=list)
+    last_val: Optional[float] = None
+    tokens_per_s: float = 0.0
+    status: str = "starting"  # running, done, cancelled, failed
+    message: str = ""
+    result: Optional[dict] = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def running(self) -> bool:
+        return self.status in ("starting", "running")
+
+    @property
+    def step(self) -> int:
+        return self.history[-1]["step"] if self.history else 0
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="workbench-training", daemon=True).start()
+
+    def _on_step(self, row: dict) -> bool:
+        """``train``'s callback: keep the row; True (stop after this step) once Cancel was pressed."""
+        self.status = "running"
+        self.history.append({"step": row["step"], "train_loss": row["train_loss"]})
+        if row["val_loss"] is not None:
+            self.last_val = row["val_loss"]
+        self.tokens_per_s = row["tokens_per_s"]
+        return self.cancel.is_set()
+
+    def _run(self) -> None:
+        try:
+            result = train(self.config, self.cfg, self.out, task=get_task(self.task_name, seed=self.config.seed),
+                           progress=False, callback=self._on_step)
+        except Exception as e:  # the page shows it; the thread must not die silently
+            self.status, self.message = "failed", f"{type(e).__name__}: {e}"
+            return
+        self.result = {"dir": str(self.out), "metrics": result.metrics, "name": self.cfg.name, "step": result.step}
+        self.status = "cancelled" if result.stopped_early else "done"
+
+
+def _progress() -> None:
+    job: Optional[TrainingJob] = st.session_state.get("bt_job")
+    if job is None:
         return
-    bar.progress(1.0, text=f"done: {result.step} steps")
-    st.session_state["bt_trained"] = {"dir": str(out), "metrics": result.metrics, "name": cfg.name}
+    if job.running:
+        _live_progress()
+    elif job.status == "failed":
+        st.error(f"Training stopped: {job.message}")
+    elif job.status == "cancelled":
+        st.info(f"Cancelled at step {job.result['step']} of {job.config.steps}; the model as it was then can be "
+                "saved below.")
+    else:
+        st.success(f"Done: {job.result['step']} steps.")
+
+
+@st.fragment(run_every=0.5)
+def _live_progress() -> None:
+    """The running job's progress, redrawn twice a second while it runs (only this fragment
+    reruns); when the run ends, the whole page reruns once and this fragment is gone."""
+    job: TrainingJob = st.session_state["bt_job"]
+    if not job.running:
+        st.rerun()
+    total = job.config.steps
+    val = f", validation loss {job.last_val:.3f}" if job.last_val is not None else ""
+    loss = f": loss {job.history[-1]['train_loss']:.3f}{val}, {job.tokens_per_s:,.0f} tokens/s" if job.history else "…"
+    st.progress(job.step / total, text=f"training, step {job.step} / {total}{loss}")
+    if job.history:
+        st.line_chart(pd.DataFrame(list(job.history)).set_index("step"), height=260)
+    if st.button("Cancel", key="bt_cancel", disabled=job.cancel.is_set()):
+        job.cancel.set()
+    if job.cancel.is_set():
+        st.caption("Stopping after the current step…")
 
 
 def _saving() -> None:
-    trained = st.session_state.get("bt_trained")
+    job: Optional[TrainingJob] = st.session_state.get("bt_job")
+    trained = job.result if job is not None and not job.running else None
     if not trained or not Path(trained["dir"]).is_dir():
         return
     st.subheader("The trained model")

@@ -11,16 +11,18 @@ is not a checkpoint, a corrupt file, an unusable prompt) becomes a message in th
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import inspect
 import io
+import json
 import os
 import sys
 import tempfile
 import threading
 import types
 import zipfile
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -30,7 +32,9 @@ import streamlit as st
 import torch
 
 import workbench as wb
-from workbench.analysis import AblationSpec, ablation_hooks
+from workbench.analysis import AblationSpec, AnswerMetric, ablation_hooks, logit_lens, suggest_answer, tuned_lens
+from workbench.analysis.lens import TUNED_LENS_WEIGHTS, TunedLens
+from workbench.analysis.metrics import METRIC_UNITS
 from workbench.analysis.reference import reference_batch as library_reference_batch
 from workbench.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_meta
 from workbench.tokenizer import IdTokenizer, unknown_pieces
@@ -157,6 +161,10 @@ def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint
         where.error(f"`{path}` is not a directory. Pick a checkpoint directory (it holds {CONFIG_FILE} and {WEIGHTS_FILE}) "
                     "or type a Hugging Face hub id such as gpt2.")
         return None
+    experiment = experiment_run(p)
+    if experiment is not None:
+        where.error(f"`{path}` is a run of the experiment {experiment!r}, not a checkpoint: open it on the Sweeps page.")
+        return None
     try:
         model, tok, meta, lock = _load(str(p.resolve()), weights_stamp(str(p)))
     except wb.CheckpointError as e:
@@ -167,6 +175,18 @@ def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint
         return None
     label = name or (path if hub_id else p.name)
     return Checkpoint(label, str(p.resolve()), weights_stamp(str(p)), model, tok, meta, lock)
+
+
+def experiment_run(path: Path) -> Optional[str]:
+    """The experiment's name when ``path`` holds an experiment run's config.json (what the
+    scripts in experiments/ write), not a model's; None otherwise."""
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(config, dict) and "experiment" in config and "d_model" not in config:
+        return str(config["experiment"])
+    return None
 
 
 def checkpoint_picker(label: str, key: str, where=None, default: Optional[str] = None) -> Optional[Checkpoint]:
@@ -192,26 +212,55 @@ def upload_widget(where=None) -> None:
     """Accept a zipped checkpoint (or its files), unpack it under the temp folder, add it to the pickers.
 
     Each upload gets a fresh directory named by its content hash under the system temp folder,
-    so an upload can never land on a checkpoint in the checkpoints folder.
+    so an upload can never land on a checkpoint in the checkpoints folder. The upload is
+    handled in the uploader's callback, before the page draws: the picker then already lists
+    the new checkpoint and has it selected. An error names the file at fault, and a
+    "Clear" button empties the uploader (a new key: Streamlit offers no other way).
     """
     where = where or st.sidebar
-    with where.expander("Upload a checkpoint"):
-        files = st.file_uploader(
+    key = f"upload_{st.session_state.get('upload_round', 0)}"
+    error, done = st.session_state.get("upload_error"), st.session_state.get("upload_done")
+    with where.expander("Upload a checkpoint", expanded=bool(error or done)):
+        st.file_uploader(
             f"A .zip of a checkpoint directory, or its files ({CONFIG_FILE}, {WEIGHTS_FILE}, tokenizer.json, ...); "
             f"at most {UPLOAD_LIMIT_MB} MB",
-            accept_multiple_files=True,
-            key="upload",
-            max_upload_size=UPLOAD_LIMIT_MB,
+            accept_multiple_files=True, key=key, max_upload_size=UPLOAD_LIMIT_MB, on_change=_on_upload, args=(key,),
         )
-        if not files:
-            return
-        try:
-            name, path = save_upload([(f.name, f.getvalue()) for f in files])
-        except ValueError as e:
-            st.error(str(e))
-            return
-        st.session_state.setdefault("uploaded_checkpoints", {})[name] = path
-        st.success(f"Uploaded as **{name}**; it is now in every checkpoint picker.")
+        if error:
+            st.error(error)
+            st.button("Clear the failed upload", key="upload_clear", on_click=_clear_upload)
+        elif done:
+            st.success(f"Uploaded as **{done}** and selected; it is in every checkpoint picker.")
+
+
+def _clear_upload() -> None:
+    st.session_state["upload_round"] = st.session_state.get("upload_round", 0) + 1
+    st.session_state.pop("upload_error", None)
+    st.session_state.pop("upload_done", None)
+
+
+def _on_upload(key: str) -> None:
+    """The uploader's callback: save, check that it loads, add it to the pickers and select it."""
+    st.session_state.pop("upload_error", None)
+    st.session_state.pop("upload_done", None)
+    files = st.session_state.get(key) or []
+    if not files:
+        return
+    names = ", ".join(f.name for f in files)
+    try:
+        name, path = save_upload([(f.name, f.getvalue()) for f in files])
+    except ValueError as e:
+        st.session_state["upload_error"] = f"Upload of {names} failed: {e}"
+        return
+    try:
+        _load(str(Path(path).resolve()), weights_stamp(path))
+    except Exception as e:  # a checkpoint that does not load: say which file, not the temp folder
+        message = str(e).replace(f"{path}/", "").replace(str(path), "the upload")
+        st.session_state["upload_error"] = f"{names} is not a usable checkpoint: {message}"
+        return
+    st.session_state.setdefault("uploaded_checkpoints", {})[name] = path
+    st.session_state["ckpt"] = name
+    st.session_state["upload_done"] = name
 
 
 _upload_root: Optional[Path] = None
@@ -246,7 +295,7 @@ def save_upload(files: list[tuple[str, bytes]], root: Optional[Path] = None) -> 
     contents: dict[str, bytes] = {}
     for fname, data in files:
         if fname.endswith(".zip"):
-            contents.update(_unzip(data))
+            contents.update(_unzip(data, fname))
         else:
             contents[Path(fname).name] = data
     contents = _strip_common_folder(contents)
@@ -271,19 +320,19 @@ def save_upload(files: list[tuple[str, bytes]], root: Optional[Path] = None) -> 
     return f"upload: {stem} ({digest[:6]})", str(target)
 
 
-def _unzip(data: bytes) -> dict[str, bytes]:
+def _unzip(data: bytes, name: str = "the .zip file") -> dict[str, bytes]:
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
     except zipfile.BadZipFile:
-        raise ValueError("the .zip file is corrupt or not a zip archive") from None
+        raise ValueError(f"{name} is corrupt or not a zip archive") from None
     infos = [i for i in archive.infolist() if not i.is_dir() and "__MACOSX" not in i.filename]
     if sum(i.file_size for i in infos) > UPLOAD_LIMIT_MB * 2**20:
-        raise ValueError(f"the .zip unpacks to more than {UPLOAD_LIMIT_MB} MB")
+        raise ValueError(f"{name} unpacks to more than {UPLOAD_LIMIT_MB} MB")
     out = {}
     for info in infos:
         parts = Path(info.filename).parts
         if info.filename.startswith("/") or ".." in parts:  # never write outside the upload folder
-            raise ValueError(f"the .zip holds an unsafe path {info.filename!r}")
+            raise ValueError(f"{name} holds an unsafe path {info.filename!r}")
         out["/".join(parts)] = archive.read(info)
     return out
 
@@ -355,12 +404,139 @@ def prompt_ids(ckpt: Checkpoint, text: str, where=st) -> Optional[tuple[int, ...
         return None
 
 
+# ---- what a page scores ----------------------------------------------------------------------------
+# The metric picker's choices: label -> AnswerMetric kind ("loss": the prompt's mean next-token loss).
+METRICS = {
+    "logit difference (answer − wrong)": "logit_diff",
+    "answer probability": "prob",
+    "answer log-probability": "logprob",
+    "answer rank": "rank",
+    "answer logit": "logit",
+    "mean loss over the prompt": "loss",
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a page scores: the answer (and its rival) at one position, and the metric kind."""
+
+    pos: int
+    answer: int
+    wrong: Optional[int]
+    answer_str: str
+    wrong_str: str
+    kind: str = "logit_diff"
+
+    def metric(self) -> Optional[AnswerMetric]:
+        """The library metric (None for the prompt's mean loss, which the library uses by default)."""
+        if self.kind == "loss":
+            return None
+        kind = self.kind if self.kind != "logit_diff" or self.wrong is not None else "logit"
+        return AnswerMetric(kind, self.answer, self.wrong, self.pos)
+
+    @property
+    def units(self) -> str:
+        return METRIC_UNITS[self.kind if self.kind != "logit_diff" or self.wrong is not None else "logit"]
+
+    def describe(self) -> str:
+        if self.kind == "loss":
+            return "the prompt's mean loss"
+        a, w = repr(self.answer_str), repr(self.wrong_str)
+        what = {"logit_diff": f"logit[{a}] − logit[{w}]" if self.wrong is not None else f"logit[{a}]",
+                "logit": f"logit[{a}]", "prob": f"p({a})", "logprob": f"log p({a})", "rank": f"rank of {a}"}
+        return f"{what[self.kind]} at position {self.pos}"
+
+
+def follow_default(key: str, default: Any, context: Any) -> None:
+    """Set widget ``key`` to ``default`` whenever ``context`` (the prompt, the position) changes,
+    or when the widget has no value yet: a default computed for one prompt never outlives it."""
+    if key not in st.session_state or st.session_state.get(f"{key}__context") != context:
+        st.session_state[key] = default
+    st.session_state[f"{key}__context"] = context
+
+
+def token_id(ckpt: Checkpoint, text: str, what: str) -> int:
+    """The id of one token typed as text; ValueError naming ``what`` otherwise."""
+    try:
+        return ckpt.model.to_single_token(text)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def target_picker(ckpt: Checkpoint, ids: tuple[int, ...], key: str, where=st, kinds: bool = True,
+                  kind_default: str = "logit_diff") -> Optional[Target]:
+    """Position, answer, wrong token (and, with ``kinds``, the metric) for prompt ``ids``.
+
+    The answer and wrong token default to ``workbench.analysis.suggest_answer`` (the task's
+    answer for a task prompt, else the model's top two predictions) and follow the prompt
+    and the position: a new prompt never keeps the last one's answer. None (with a message)
+    when a typed token is not one token of this vocabulary.
+    """
+    tokens = [ckpt.tokenizer.token_str(i) for i in ids]
+    cols = where.columns([2, 2, 2, 3] if kinds else [2, 2, 2])
+    follow_default(f"{key}_pos", len(ids) - 1, ids)
+    pos = cols[0].selectbox("At position", range(len(ids)), key=f"{key}_pos",
+                            format_func=lambda p: f"{p}: {tokens[p]!r}" + (" (last)" if p == len(ids) - 1 else ""))
+    suggestion = analysis(suggest_answer, ckpt.key, ids, pos=pos, meta=ckpt.meta)
+    follow_default(f"{key}_answer", suggestion["answer_str"], (ids, pos))
+    follow_default(f"{key}_wrong", suggestion["wrong_str"], (ids, pos))
+    answer_text = cols[1].text_input("Answer token", key=f"{key}_answer",
+                                     help=f"Default: {suggestion['source']}.")
+    wrong_text = cols[2].text_input("Wrong token (optional)", key=f"{key}_wrong",
+                                    help="The rival of the logit difference; empty: the answer's logit alone.")
+    kind = kind_default
+    if kinds:
+        labels = list(METRICS)
+        follow_default(f"{key}_kind", next(k for k, v in METRICS.items() if v == kind_default), None)
+        kind = METRICS[cols[3].selectbox("Metric", labels, key=f"{key}_kind")]
+    try:
+        answer = token_id(ckpt, answer_text, "Answer token")
+        wrong = token_id(ckpt, wrong_text, "Wrong token") if wrong_text.strip() else None
+    except ValueError as e:
+        where.warning(str(e))
+        return None
+    where.caption(f"Scored at position {pos} ({tokens[pos]!r}, predicting the next token); default answer: "
+                  f"{suggestion['source']}.")
+    return Target(int(pos), answer, wrong, answer_text, wrong_text if wrong is not None else "", kind)
+
+
 # ---- analyses, cached ----------------------------------------------------------------------------
 Ablation = tuple[AblationSpec, ...]  # frozen dataclasses: hashable, so they key the cache as they are
 
 
 def _qualified_name(fn: Callable) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """A batch of token ids as nested tuples: a hashable argument for :func:`analysis`, handed
+    to ``fn`` as a tensor (e.g. the corrupted prompts of activation patching)."""
+
+    rows: tuple[tuple[int, ...], ...]
+
+
+def _run(fn: Callable, key: tuple[str, int], ids: Optional[tuple[int, ...]], ablation: Ablation,
+         reference: Optional[tuple[tuple[int, ...], ...]], progress: Optional[Callable[[int, int], Any]],
+         kwargs: dict) -> Any:
+    """The body of :func:`analysis` and :func:`analysis_with_progress`: ``fn`` on the cached model."""
+    model, lock = model_for(key)
+    params = inspect.signature(fn).parameters
+    kwargs = {k: torch.tensor(v.rows, device=model.device) if isinstance(v, TokenRows) else v
+              for k, v in kwargs.items()}
+    with lock, torch.no_grad():
+        if ids is None:
+            return fn(model, **kwargs)
+        # one prompt (a tuple of ids), or a batch of equally long ones (a tuple of such tuples)
+        tokens = torch.tensor(ids if isinstance(ids[0], tuple) else [ids], device=model.device)
+        ref = torch.tensor(reference, device=model.device) if reference is not None else None
+        if "reference" in params:
+            kwargs["reference"] = ref
+        if progress is not None and "progress" in params:
+            kwargs["progress"] = progress
+        hooks = [hook for spec in ablation for hook in ablation_hooks(model, tokens, spec, ref)]
+        with model.hooks(fwd_hooks=hooks):
+            return fn(model, tokens, **kwargs)
 
 
 @st.cache_data(max_entries=256, show_spinner=False, hash_funcs={types.FunctionType: _qualified_name})
@@ -370,7 +546,6 @@ def analysis(
     ids: Optional[tuple[int, ...]],
     ablation: Ablation = (),
     reference: Optional[tuple[tuple[int, ...], ...]] = None,
-    _progress: Optional[Callable[[int, int], Any]] = None,
     **kwargs,
 ) -> Any:
     """``fn(model, tokens, **kwargs)`` (a ``workbench.analysis`` function) on the cached model
@@ -382,23 +557,103 @@ def analysis(
     those units ablated (the hooks of ``workbench.analysis.ablation_hooks`` stay attached
     while it runs). ``reference`` is the batch that mean and resample ablations draw from:
     the ablation's, and ``fn``'s own when it takes a ``reference`` (as ``ablation_sweep``
-    does). ``_progress(done, total)`` is handed to a ``fn`` that reports progress (the
-    leading underscore keeps it out of the cache key).
+    does). No callback ever goes in here: Streamlit replays the elements a cached function
+    drew on a cache hit, and a progress bar made outside it cannot be replayed (see
+    :func:`analysis_with_progress`).
     """
-    model, lock = model_for(key)
-    params = inspect.signature(fn).parameters
-    with lock, torch.no_grad():
-        if ids is None:
-            return fn(model, **kwargs)
-        tokens = torch.tensor([ids], device=model.device)
-        ref = torch.tensor(reference, device=model.device) if reference is not None else None
-        if "reference" in params:
-            kwargs["reference"] = ref
-        if _progress is not None and "progress" in params:
-            kwargs["progress"] = _progress
-        hooks = [hook for spec in ablation for hook in ablation_hooks(model, tokens, spec, ref)]
-        with model.hooks(fwd_hooks=hooks):
-            return fn(model, tokens, **kwargs)
+    return _run(fn, key, ids, ablation, reference, None, kwargs)
+
+
+class _ResultStore:
+    """A small process-wide LRU of results, shared by every session (as ``st.cache_data`` is)."""
+
+    def __init__(self, max_entries: int = 32):
+        self.max_entries = max_entries
+        self.lock = threading.Lock()
+        self.items: OrderedDict = OrderedDict()
+
+    def get(self, key) -> Any:
+        with self.lock:
+            if key not in self.items:
+                return None
+            self.items.move_to_end(key)
+            return copy.deepcopy(self.items[key])
+
+    def put(self, key, value) -> None:
+        with self.lock:
+            self.items[key] = copy.deepcopy(value)
+            self.items.move_to_end(key)
+            while len(self.items) > self.max_entries:
+                self.items.popitem(last=False)
+
+
+@st.cache_resource(show_spinner=False)
+def _progress_results() -> _ResultStore:
+    return _ResultStore()
+
+
+def analysis_with_progress(
+    fn: Callable,
+    key: tuple[str, int],
+    ids: tuple[int, ...],
+    progress: Callable[[int, int], Any],
+    reference: Optional[tuple[tuple[int, ...], ...]] = None,
+    **kwargs,
+) -> Any:
+    """:func:`analysis` for a long ``fn`` that reports ``progress(done, total)`` (the sweep).
+
+    The callback draws into the page, so this is not an ``st.cache_data`` function (a cache
+    hit there replays the drawing into a block that no longer exists: CacheReplayClosureError);
+    results are kept in a store of their own, keyed by the same values, and shared by
+    every session. A hit returns at once without calling ``progress``.
+    """
+    cache_key = (_qualified_name(fn), key, ids, reference, tuple(sorted(kwargs.items())))
+    store = _progress_results()
+    result = store.get(cache_key)
+    if result is None:
+        result = _run(fn, key, ids, (), reference, progress, dict(kwargs))
+        store.put(cache_key, result)
+    return result
+
+
+# ---- lenses ----------------------------------------------------------------------------------------
+LENSES = {"logit lens": "logit", "tuned lens": "tuned"}
+
+
+def has_tuned_lens(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint ships a tuned lens (``tuned_lens.safetensors`` beside its weights)."""
+    return (Path(ckpt.path) / TUNED_LENS_WEIGHTS).is_file()
+
+
+@st.cache_resource(max_entries=8, show_spinner=False)
+def _tuned_lens(path: str, stamp: int) -> TunedLens:
+    model, _, _, _ = _load(path, weights_stamp(path))
+    return TunedLens.load(path, model)
+
+
+def tuned_lens_of(model, tokens, path: str, k: int = 3):
+    """``workbench.analysis.tuned_lens`` with the lens the checkpoint at ``path`` ships
+    (loaded once per file version); a plain function of values, so :func:`analysis` caches it."""
+    stamp = Path(path, TUNED_LENS_WEIGHTS).stat().st_mtime_ns
+    return tuned_lens(model, tokens, _tuned_lens(path, stamp), k=k)
+
+
+def lens_picker(ckpt: Checkpoint, key: str, where=st) -> str:
+    """'logit' or 'tuned': a choice offered wherever a lens is drawn, when the checkpoint has a tuned lens."""
+    if not has_tuned_lens(ckpt):
+        where.caption("Logit lens (this checkpoint ships no tuned lens: `python -m workbench tuned-lens` trains one).")
+        return "logit"
+    return LENSES[where.radio("Lens", list(LENSES), horizontal=True, key=key,
+                              help="The tuned lens passes each layer's stream through a learned affine map "
+                                   "first (Belrose et al. 2023), which removes most of the logit lens' "
+                                   "bias at early layers.")]
+
+
+def lens_table(ckpt: Checkpoint, ids, which: str, ablation: Ablation = (), reference=None, k: int = 3):
+    """The logit or tuned lens of prompt ``ids`` (cached), optionally ablated."""
+    if which == "tuned":
+        return analysis(tuned_lens_of, ckpt.key, ids, ablation=ablation, reference=reference, path=ckpt.path, k=k)
+    return analysis(logit_lens, ckpt.key, ids, ablation=ablation, reference=reference, k=k)
 
 
 @st.cache_data(max_entries=32, show_spinner=False)

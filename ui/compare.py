@@ -1,7 +1,9 @@
 """Compare: two checkpoints side by side on the same prompt.
 
-The config diff (the swapped components highlighted), both loss curves on one plot,
-per-token loss, head-score tables, attention grids and the logit lens of each.
+The config diff (the swapped components highlighted), both loss curves on one plot (one
+colour per model, everywhere on the page), the answer metrics of both at the last position,
+per-token loss, head-score heatmaps, attention grids and the lens of each. When B's
+tokenizer cannot read A's prompt, the page says so and gives B a prompt of its own.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import streamlit as st
 
 from ui import common
 from workbench import viz
-from workbench.analysis import attention_patterns, head_scores, logit_lens, token_losses
+from workbench.analysis import answer_table, attention_patterns, head_scores, suggest_answer, token_losses
 
 # Fields that pick a component (the rest are sizes and numbers).
 COMPONENTS = ("norm", "norm_placement", "positional", "ffn", "attn_only", "parallel_residual", "tie_embeddings",
@@ -42,36 +44,41 @@ def render() -> None:
     if metrics:
         st.subheader("Training curves")
         runs = pd.concat([m.assign(run=name) for name, m in metrics.items()], ignore_index=True)
-        common.show(viz.loss_curves(runs, title="Training loss (solid) and validation loss (dashed)"),
-                    key="compare_curves")
+        common.show(viz.loss_curves(runs, title="Training loss (solid) and validation loss (dashed)",
+                                    colours={a.name: viz.PAIR[0], b.name: viz.PAIR[1]}), key="compare_curves")
 
-    text = common.prompt_box(a)
+    text = common.prompt_box(a, label=f"Prompt (for {a.name}, and for {b.name} when it can read it)")
     ids_a = common.prompt_ids(a, text)
-    ids_b = common.prompt_ids(b, text) if ids_a is not None else None
-    if ids_a is None or ids_b is None:
+    if ids_a is None:
         return
+    ids_b = _prompt_for_b(b, text)
+    if ids_b is None:
+        return
+    _answers(a, b, ids_a, ids_b)
+    colours = {a.name: viz.PAIR[0], b.name: viz.PAIR[1]}
     loss_a = common.analysis(token_losses, a.key, ids_a)
     loss_b = common.analysis(token_losses, b.key, ids_b)
     c1, c2 = st.columns(2)
-    c1.metric(f"Mean loss, {a.name}", f"{loss_a['loss'].mean():.3f}")
-    c2.metric(f"Mean loss, {b.name}", f"{loss_b['loss'].mean():.3f}",
-              delta=f"{loss_b['loss'].mean() - loss_a['loss'].mean():+.3f}", delta_color="inverse")
+    c1.metric(f"Mean loss, {a.name}", f"{loss_a['loss'].mean():.3f} nats")
+    c2.metric(f"Mean loss, {b.name}", f"{loss_b['loss'].mean():.3f} nats",
+              delta=f"{loss_b['loss'].mean() - loss_a['loss'].mean():+.3f} nats", delta_color="inverse")
     st.subheader("Per-token loss")
     if ids_a == ids_b:
-        common.show(viz.token_loss_figure({a.name: loss_a, b.name: loss_b}), key="compare_loss")
+        common.show(viz.token_loss_figure({a.name: loss_a, b.name: loss_b}, colours=colours), key="compare_loss")
     else:
-        st.caption("The two tokenizers split the prompt differently, so each model gets its own plot.")
+        st.caption("The two models read different prompts (or split them differently), so each gets its own plot.")
         for c, losses in ((a, loss_a), (b, loss_b)):
-            common.show(viz.token_loss_figure(losses, title=f"Per-token loss, {c.name}"), key=f"compare_loss_{c.name}")
+            common.show(viz.token_loss_figure({c.name: losses}, title=f"Per-token loss, {c.name}", colours=colours),
+                        key=f"compare_loss_{c.name}")
 
-    tabs = st.tabs(["Head scores", "Attention grids", "Logit lens"], key="compare_tab", on_change="rerun")
+    tabs = st.tabs(["Head scores", "Attention grids", "Lens"], key="compare_tab", on_change="rerun")
     if tabs[0].open:
         with tabs[0]:
             st.caption("Head scores on repeated random tokens (where induction and duplicate-token heads show).")
-            for col, c in zip(st.columns(2), (a, b)):
-                with col:
-                    st.markdown(f"**{c.name}**")
-                    common.table(common.analysis(head_scores, c.key, None, wide=True).round(3))
+            for c in (a, b):
+                fig = viz.head_scores_figure(common.analysis(head_scores, c.key, None))
+                fig.update_layout(title=f"Head scores of {c.name}")
+                common.show(fig, key=f"compare_scores_{c.name}")
     if tabs[1].open:
         with tabs[1]:
             for c, ids in ((a, ids_a), (b, ids_b)):
@@ -80,10 +87,46 @@ def render() -> None:
                 common.show(fig, key=f"compare_grid_{c.name}")
     if tabs[2].open:
         with tabs[2]:
-            figs = [viz.logit_lens_figure(common.analysis(logit_lens, c.key, ids, k=3)) for c, ids in ((a, ids_a), (b, ids_b))]
-            fig = viz.side_by_side(*figs, titles=(a.name, b.name))
-            fig.update_layout(height=max(320, 50 * (max(a.cfg.n_layers, b.cfg.n_layers) + 1) + 200))
-            common.show(fig, key="compare_lens")
+            for c, ids in ((a, ids_a), (b, ids_b)):
+                which = common.lens_picker(c, key=f"compare_lens_kind_{c.name}")
+                fig = viz.logit_lens_figure(common.lens_table(c, ids, which))
+                fig.update_layout(title=f"{which.capitalize()} lens of {c.name}")
+                common.show(fig, key=f"compare_lens_{c.name}")
+
+
+def _prompt_for_b(b: common.Checkpoint, text: str):
+    """B's token ids of the shared prompt, or of a prompt of its own when its tokenizer cannot read it."""
+    try:
+        return tuple(common.encode_prompt(b, text))
+    except ValueError as e:
+        st.warning(f"**{b.name}** cannot read this prompt: {e} Give it a prompt of its own below.")
+    other = common.prompt_box(b, key="prompt_b", label=f"Prompt for {b.name}")
+    return common.prompt_ids(b, other)
+
+
+def _answers(a: common.Checkpoint, b: common.Checkpoint, ids_a, ids_b) -> None:
+    """The answer metrics of both models at their last position, for one answer typed as text."""
+    st.subheader("The answer at the last position")
+    suggestion = common.analysis(suggest_answer, a.key, ids_a, meta=a.meta)
+    common.follow_default("compare_answer", suggestion["answer_str"], ids_a)
+    common.follow_default("compare_wrong", suggestion["wrong_str"], ids_a)
+    left, right = st.columns(2)
+    answer = left.text_input("Answer token", key="compare_answer", help=f"Default: {suggestion['source']} ({a.name}).")
+    wrong = right.text_input("Wrong token (optional)", key="compare_wrong")
+    rows = []
+    for c, ids in ((a, ids_a), (b, ids_b)):
+        try:
+            answer_id = common.token_id(c, answer, f"{c.name} cannot score the answer")
+            wrong_id = common.token_id(c, wrong, f"{c.name} cannot score the wrong token") if wrong.strip() else None
+        except ValueError as e:
+            st.warning(str(e))
+            continue
+        table = common.analysis(answer_table, c.key, ids, answer=answer_id, wrong=wrong_id, pos=-1)
+        rows.append(table.assign(model=c.name))
+    if rows:
+        both = pd.concat(rows, ignore_index=True)
+        columns = ["model", "answer", "wrong", "logit_diff", "prob", "rank", "top", "top_prob"]
+        common.table(both[[c for c in columns if c in both]].round(4))
 
 
 def config_diff(a: common.Checkpoint, b: common.Checkpoint) -> pd.DataFrame:

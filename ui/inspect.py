@@ -2,7 +2,7 @@
 
 Tokens with their per-token loss; the attention pattern of a chosen head and a grid of
 every head; the logit lens; direct logit attribution for a target token (or a logit
-difference between two); residual-stream norms per layer; and the model card.
+difference between two); the logit or tuned lens; residual-stream norms per layer; and the model card.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from workbench.analysis import (
     attention_patterns,
     direct_logit_attribution,
     head_scores,
-    logit_lens,
     residual_norms,
     token_losses,
 )
@@ -24,7 +23,7 @@ LENS_VALUES = {
     "probability of the next token": "target_prob",
     "probability of the top token": "prob",
     "rank of the next token": "rank",
-    "KL to the final distribution": "kl",
+    "KL to the final distribution (nats)": "kl",
 }
 
 
@@ -80,16 +79,19 @@ def _attention(ckpt: common.Checkpoint, ids) -> None:
 
 
 def _lens(ckpt: common.Checkpoint, ids) -> None:
-    st.subheader("Logit lens")
-    shown = st.selectbox("Colour", list(LENS_VALUES), key="lens_value", width=320)
-    lens = common.analysis(logit_lens, ckpt.key, ids, k=3)
+    st.subheader("Lens")
+    a, b = st.columns([2, 3])
+    with a:
+        which = common.lens_picker(ckpt, key="lens_kind")
+    shown = b.selectbox("Colour", list(LENS_VALUES), key="lens_value", width=320)
+    lens = common.lens_table(ckpt, ids, which)
     common.show(viz.logit_lens_figure(lens, color=LENS_VALUES[shown]), key="inspect_lens")
 
 
 def _head_scores(ckpt: common.Checkpoint, ids) -> None:
-    wide = common.analysis(head_scores, ckpt.key, ids, wide=True)
-    st.caption(layout_caption(wide.attrs["layout"]))
-    common.table(wide.round(3))
+    scores = common.analysis(head_scores, ckpt.key, ids)
+    st.caption(layout_caption(scores.attrs["layout"]))
+    common.show(viz.head_scores_figure(scores), key="inspect_head_scores")
 
 
 def layout_caption(layout: dict) -> str:
@@ -112,27 +114,15 @@ def _attribution(ckpt: common.Checkpoint, ids) -> None:
     if ckpt.cfg.norm_placement == "post":
         st.info("Direct logit attribution needs a pre-norm model; this one is post-norm.")
         return
-    lens = common.analysis(logit_lens, ckpt.key, ids, k=3)
-    tokens = [ckpt.tokenizer.token_str(i) for i in ids]
-    a, b, c, d = st.columns([2, 2, 2, 1])
-    pos = a.selectbox("At position", range(len(ids)), index=len(ids) - 1,
-                      format_func=lambda p: f"{p}: {tokens[p]!r}", key="dla_pos")
-    final = lens[(lens["layer"] == ckpt.cfg.n_layers) & (lens["pos"] == pos)].iloc[0]
-    answer_text = b.text_input("Target token", value=final["top1"], key=f"dla_answer_{pos}",
-                               help="Default: the model's top prediction at this position.")
-    wrong_text = c.text_input("minus token (optional)", value="", key=f"dla_wrong_{pos}",
-                              help="Attribute the logit difference target − this token.")
-    granularity = d.radio("Split", ["head", "layer"], key="dla_granularity")
-    try:
-        answer = ckpt.model.to_single_token(answer_text)
-        wrong = ckpt.model.to_single_token(wrong_text) if wrong_text.strip() else None
-    except ValueError as e:
-        st.warning(str(e))
+    target = common.target_picker(ckpt, ids, key="dla", kinds=False)
+    if target is None:
         return
-    df = common.analysis(direct_logit_attribution, ckpt.key, ids, answer=answer, wrong=wrong, pos=pos)
+    granularity = st.radio("Split", ["head", "layer"], horizontal=True, key="dla_granularity")
+    df = common.analysis(direct_logit_attribution, ckpt.key, ids, answer=target.answer, wrong=target.wrong,
+                         pos=target.pos)
     fig = viz.dla_figure(df, granularity=granularity)
-    what = f"logit[{answer_text!r}]" + (f" − logit[{wrong_text!r}]" if wrong is not None else "")
-    fig.update_layout(title=f"{what} at position {pos} = {df['total'].iloc[0]:.3f}: direct attribution")
+    what = f"logit[{target.answer_str!r}]" + (f" − logit[{target.wrong_str!r}]" if target.wrong is not None else "")
+    fig.update_layout(title=f"{what} at position {target.pos} = {df['total'].iloc[0]:.3f}: direct attribution")
     common.show(fig, key="inspect_dla")
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Optional
 
 import pandas as pd
-import plotly.express as px
 import streamlit as st
 
 from ui import common
@@ -102,6 +101,9 @@ def _filters(table: pd.DataFrame) -> pd.DataFrame:
     return table[mask]
 
 
+EFFECT_WORDS = ("delta", "effect", "restored", "difference", "metric", "score", "loss", "accuracy")
+
+
 def _chart(table: pd.DataFrame) -> None:
     numeric = [c for c in table.columns if pd.api.types.is_numeric_dtype(table[c])]
     if not numeric or table.empty:
@@ -111,20 +113,23 @@ def _chart(table: pd.DataFrame) -> None:
     others = [c for c in table.columns if c not in numeric]
     x = cols[0].selectbox("x", list(table.columns), index=list(table.columns).index(others[0] if others else numeric[0]),
                           key="sweeps_x")
-    preferred = [c for c in numeric if any(w in c for w in ("delta", "loss", "score", "metric", "accuracy"))]
-    y = cols[1].selectbox("y", numeric, index=numeric.index(preferred[0]) if preferred else len(numeric) - 1,
-                          key="sweeps_y")
+    # y defaults to the effect being measured, in the order the words say it best.
+    effect = next((c for word in EFFECT_WORDS for c in numeric if word in c.lower()), numeric[-1])
+    y = cols[1].selectbox("y", numeric, index=numeric.index(effect), key="sweeps_y")
+    several = table["run"].nunique() > 1
     color = cols[2].selectbox("colour", ["(none)"] + list(table.columns),
-                              index=1 + list(table.columns).index("run") if table["run"].nunique() > 1 else 0,
+                              index=1 + list(table.columns).index("run") if several else 0,
                               key="sweeps_color")
     kind = cols[3].radio("kind", ["bar", "line", "scatter"], horizontal=True, key="sweeps_kind")
-    if {"layer", "head"} <= set(table.columns) and st.toggle("As a layer x head heatmap", key="sweeps_lh"):
-        facet = next((c for c in ("method", "kind", "run") if c in table and table[c].nunique() > 1), None)
-        common.show(viz.layer_head_figure(table, value=y, facet=facet), key="sweeps_heatmap")
+    if {"layer", "head"} <= set(table.columns) and st.toggle("As a layer x head heatmap", value=True,
+                                                             key="sweeps_lh"):
+        facet = next((c for c in ("method", "kind", "variant", "run") if c in table and table[c].nunique() > 1), None)
+        common.show(viz.layer_head_figure(table, value=y, facet=facet, title=f"{y} by layer and head"),
+                    key="sweeps_heatmap")
         return
-    draw = {"bar": px.bar, "line": px.line, "scatter": px.scatter}[kind]
-    kwargs = dict(barmode="group") if kind == "bar" else {}
-    fig = draw(table, x=x, y=y, color=None if color == "(none)" else color, **kwargs)
+    fig, note = viz.table_chart(table, x, y, None if color == "(none)" else color, kind)
+    if note:
+        st.caption(note)
     common.show(fig, key="sweeps_chart")
 
 
@@ -141,8 +146,19 @@ def _curves(chosen: list[str], runs: dict[str, Path]) -> None:
         common.show(viz.loss_curves(pd.concat(frames, ignore_index=True)), key="sweeps_curves")
 
 
+@st.cache_data(max_entries=16, show_spinner=False)
+def read_figure(path: str, stamp: float) -> tuple[str, object]:
+    """("figure", the plotly figure) for an HTML file plotly wrote, else ("html", the page with
+    its local scripts inlined): an iframe's srcdoc has no folder to load plotly.min.js from."""
+    html = Path(path).read_text(encoding="utf-8", errors="replace")
+    fig = viz.figure_from_html(html)
+    if fig is not None:
+        return "figure", fig
+    return "html", viz.self_contained_html(html, Path(path).parent)
+
+
 def _run_files(name: str, path: Path) -> None:
-    with st.expander(f"{name}: config and figures"):
+    with st.expander(f"{name}: config and figures", expanded=True):
         config = path / "config.json"
         if config.is_file():
             try:
@@ -152,4 +168,12 @@ def _run_files(name: str, path: Path) -> None:
         figures = sorted(path.glob("*.html"))
         if figures:
             shown = st.selectbox("Figure", [f.name for f in figures], key=f"sweeps_fig_{name}")
-            st.iframe(path / shown, height=560)
+            try:
+                kind, content = read_figure(str(path / shown), (path / shown).stat().st_mtime)
+            except OSError as e:
+                st.warning(f"Cannot read `{path / shown}`: {e}")
+                return
+            if kind == "figure":
+                common.show(content, key=f"sweeps_figure_{name}")
+            else:
+                st.iframe(content, height=560)

@@ -81,3 +81,22 @@ def training_flops(cfg: ModelConfig, n_tokens: int) -> int:
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
     """Bytes of keys and values stored per token of context (bf16 by default)."""
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.d_head * check_int("bytes_per_value", bytes_per_value, 1)
+
+
+def training_memory_bytes(cfg: ModelConfig, batch_size: int, seq_len: int) -> dict[str, int]:
+    """Bytes training in fp32 with AdamW needs, estimated from the config alone.
+
+    ``weights``, ``gradients`` and ``optimizer`` (AdamW's two moments) are exact: 4 bytes per
+    parameter each (twice for the optimizer). ``activations`` is the estimate of Korthikanti
+    et al. (2022) for what the backward pass keeps, ``s b h (34 + 5 a s / h)`` bytes per layer
+    in 16 bits, doubled for fp32, plus the logits and their gradient; ``total`` sums them.
+    """
+    batch_size, seq_len = check_int("batch_size", batch_size, 1), check_int("seq_len", seq_len, 1)
+    params = count_params(cfg)["total"]
+    s, b, h, a = seq_len, batch_size, cfg.d_model, cfg.n_heads
+    per_layer = s * b * h * (34 + 5 * a * s / h) * 2
+    logits = 2 * 4 * b * s * cfg.d_vocab
+    out = {"weights": 4 * params, "gradients": 4 * params, "optimizer": 8 * params,
+           "activations": int(cfg.n_layers * per_layer + logits)}
+    out["total"] = sum(out.values())
+    return out

@@ -13,6 +13,8 @@ position-prefixed (``"3: the"``) so repeated tokens stay distinct; units are nam
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Optional, Union
 
@@ -28,6 +30,9 @@ SEQUENTIAL = "Viridis"
 DIVERGING = "RdBu"
 POSITIVE, NEGATIVE = "#2f6db5", "#d1495b"  # a blue and a red that read on white and on black
 CORRECT, WRONG = "#2ca02c", "#d62728"
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+PAIR = ("#1f77b4", "#ff7f0e")  # model A and model B (or clean and ablated), the same on every figure
+LAST_POSITION = "#e377c2"  # the frame around the position a prompt's answer is predicted at
 
 
 def _template(theme: str) -> str:
@@ -54,20 +59,33 @@ def _square(frame: pd.DataFrame) -> tuple[np.ndarray, list[str], list[str]]:
 
 
 def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optional[int] = 0,
-                     theme: str = "light") -> go.Figure:
-    """One head's pattern: query tokens down, key tokens across, hover shows both and the weight."""
+                     theme: str = "light", difference: bool = False) -> go.Figure:
+    """One head's pattern: query tokens down, key tokens across (every token labelled), hover
+    shows both and the weight. ``difference``: the table holds a change of attention
+    (``pattern_difference``: clean - changed), drawn on a diverging scale around 0."""
     frame = _one_batch(patterns, batch)
     frame = frame[(frame["layer"] == layer) & (frame["head"] == head)]
     if frame.empty:
         raise ValueError(f"no pattern for layer {layer} head {head} in the table")
     z, ys, xs = _square(frame)
+    if difference:
+        limit = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 0.0
+        scale = dict(colorscale=DIVERGING, zmid=0, zmin=-(limit or 1.0), zmax=limit or 1.0,
+                     colorbar=dict(title="Δ attention"))
+        what = "attention change"
+    else:
+        scale = dict(colorscale=SEQUENTIAL, zmin=0, zmax=1, colorbar=dict(title="attention"))
+        what = "attention"
     fig = go.Figure(go.Heatmap(
-        z=z, x=xs, y=ys, colorscale=SEQUENTIAL, zmin=0, zmax=1, colorbar=dict(title="attention"),
-        hovertemplate="query %{y}<br>key %{x}<br>attention %{z:.3f}<extra></extra>",
+        z=z, x=xs, y=ys, **scale, hoverongaps=False,
+        hovertemplate="query %{y}<br>key %{x}<br>" + what + " %{z:.3f}<extra></extra>",
     ))
-    fig.update_yaxes(autorange="reversed", title="query")
-    fig.update_xaxes(title="key", tickangle=-45)
-    fig.update_layout(title=f"Attention {unit_label(layer, head)}", template=_template(theme))
+    n = len(xs)
+    fig.update_yaxes(autorange="reversed", title="query", type="category", tickmode="array", tickvals=ys, ticktext=ys)
+    fig.update_xaxes(title="key", tickangle=-60, type="category", tickmode="array", tickvals=xs, ticktext=xs)
+    fig.update_layout(title=f"{'Attention change' if difference else 'Attention'} {unit_label(layer, head)}",
+                      template=_template(theme), height=max(360, min(900, 18 * n + 180)),
+                      font=dict(size=11 if n <= 40 else 9))
     return fig
 
 
@@ -110,66 +128,223 @@ def attention_grid(patterns: pd.DataFrame, batch: Optional[int] = 0, theme: str 
                      showgrid=False, autorange="reversed", title="query ↓")
     fig.update_layout(coloraxis=dict(colorscale=SEQUENTIAL, cmin=0, cmax=1, colorbar=dict(title="attention")),
                       title="Attention patterns", template=_template(theme),
-                      height=max(300, 160 * len(layers)), width=max(400, 160 * len(heads)))
+                      height=max(360, 260 * len(layers)), width=max(500, 260 * len(heads)))
     return fig
 
 
+LENS_COLOURS = {"prob": ("top1_prob", "top-token probability"), "target_prob": ("target_prob", "next-token probability"),
+                "rank": ("target_rank", "log10 rank of the next token"), "kl": ("kl_to_final", "KL to final (nats)")}
+MAX_LENS_TEXT = 20  # positions: above this, cell text would shrink below reading size, so it moves to hover
+
+
 def logit_lens_figure(lens: pd.DataFrame, batch: Optional[int] = 0, color: str = "prob",
-                      theme: str = "light") -> go.Figure:
+                      theme: str = "light", text: Optional[bool] = None) -> go.Figure:
     """Layers down, positions across, the lens' top token in each cell.
 
     ``color``: ``prob`` (the top token's probability), ``target_prob``, ``rank`` (the
-    target's rank, log scale) or ``kl`` (KL to the final distribution).
+    target's rank, log scale) or ``kl`` (KL to the final distribution, in nats). ``text``
+    writes the top token in the cells (default: up to ``MAX_LENS_TEXT`` positions; beyond
+    that plotly would shrink it to a few pixels, so it is on hover only). The last
+    position, where a prompt's answer is predicted, is outlined.
     """
-    check_choice("color", color, ("prob", "target_prob", "rank", "kl"))
+    check_choice("color", color, tuple(LENS_COLOURS))
     frame = _one_batch(lens, batch)
-    column = {"prob": "top1_prob", "target_prob": "target_prob", "rank": "target_rank", "kl": "kl_to_final"}[color]
+    column, units = LENS_COLOURS[color]
     grid = frame.pivot(index="layer", columns="pos", values=column).sort_index()
-    text = frame.pivot(index="layer", columns="pos", values="top1").sort_index()
+    top = frame.pivot(index="layer", columns="pos", values="top1").sort_index()
     tokens = frame.drop_duplicates("pos").sort_values("pos")["token"].tolist()
     rows = frame.drop_duplicates("layer").sort_values("layer")["layer_label"].tolist()
     z = grid.to_numpy(dtype=float)
     if color == "rank":
         z = np.log10(np.where(z > 0, z, np.nan))
+    text = len(tokens) <= MAX_LENS_TEXT if text is None else text
     targets = frame.pivot(index="layer", columns="pos", values="target").sort_index().to_numpy()
+    xs = unique_labels(tokens)
     fig = go.Figure(go.Heatmap(
-        z=z, x=unique_labels(tokens), y=rows, text=text.to_numpy(), texttemplate="%{text}",
+        z=z, x=xs, y=rows, text=top.to_numpy(), texttemplate="%{text}" if text else None,
+        textfont=dict(size=12),
         customdata=np.dstack([targets, grid.to_numpy()]),
         colorscale=SEQUENTIAL, reversescale=color in ("rank", "kl"),
         zmin=0 if color in ("prob", "target_prob") else None, zmax=1 if color in ("prob", "target_prob") else None,
-        colorbar=dict(title={"rank": "log10 rank", "kl": "KL"}.get(color, "probability")),
-        hovertemplate="%{y} at %{x}<br>top token %{text}<br>target %{customdata[0]}<br>"
-                      + f"{column} " + "%{customdata[1]:.3g}<extra></extra>",
+        colorbar=dict(title=units),
+        hovertemplate="%{y} at %{x}<br>top token %{text}<br>next token %{customdata[0]}<br>"
+                      + f"{units} " + "%{customdata[1]:.3g}<extra></extra>",
     ))
-    fig.update_xaxes(title="position", tickangle=-45)
-    fig.update_yaxes(title="layer")
-    fig.update_layout(title=f"{frame['lens'].iloc[0].capitalize()} lens", template=_template(theme))
+    _outline_last_column(fig, xs, rows)
+    fig.update_xaxes(title="position", tickangle=-60, type="category", tickmode="array", tickvals=xs, ticktext=xs)
+    fig.update_yaxes(title="layer (stream entering it)", type="category")
+    name = frame["lens"].iloc[0].capitalize()
+    fig.update_layout(title=f"{name} lens" + ("" if text else " (hover a cell for its top token)"),
+                      template=_template(theme), height=max(320, 48 * len(rows) + 220))
     return fig
+
+
+def _outline_last_column(fig: go.Figure, xs: list[str], rows: list[str], row=None, col=None) -> None:
+    """A frame around the last position: where the next token of the whole prompt is predicted."""
+    if not xs:
+        return
+    fig.add_shape(type="rect", x0=len(xs) - 1.5, x1=len(xs) - 0.5, y0=-0.5, y1=len(rows) - 0.5,
+                  line=dict(color=LAST_POSITION, width=3), fillcolor="rgba(0,0,0,0)", row=row, col=col)
+
+
+def lens_difference_figure(diff: pd.DataFrame, batch: Optional[int] = 0, theme: str = "light",
+                           text: Optional[bool] = None) -> go.Figure:
+    """A ``lens_difference`` table: clean - changed of its value per layer and position, on a
+    diverging scale; a cell whose top token changed reads ``clean→changed`` (in the cell or on hover)."""
+    frame = _one_batch(diff, batch)
+    value = frame["value"].iloc[0]
+    units = {"target_prob": "Δ next-token probability", "top1_prob": "Δ top-token probability",
+             "kl_to_final": "Δ KL to final (nats)", "entropy": "Δ entropy (nats)"}[value]
+    grid = frame.pivot(index="layer", columns="pos", values="difference").sort_index()
+    clean = frame.pivot(index="layer", columns="pos", values="top1_clean").sort_index().to_numpy()
+    changed = frame.pivot(index="layer", columns="pos", values="top1_changed").sort_index().to_numpy()
+    label = np.where(clean == changed, clean, np.char.add(np.char.add(clean.astype(str), "→"), changed.astype(str)))
+    tokens = frame.drop_duplicates("pos").sort_values("pos")["token"].tolist()
+    rows = frame.drop_duplicates("layer").sort_values("layer")["layer_label"].tolist()
+    xs = unique_labels(tokens)
+    z = grid.to_numpy(dtype=float)
+    limit = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 0.0
+    text = len(tokens) <= MAX_LENS_TEXT if text is None else text
+    fig = go.Figure(go.Heatmap(
+        z=z, x=xs, y=rows, text=label, texttemplate="%{text}" if text else None, textfont=dict(size=11),
+        colorscale=DIVERGING, zmid=0, zmin=-(limit or 1.0), zmax=limit or 1.0, colorbar=dict(title=units),
+        hovertemplate="%{y} at %{x}<br>top token %{text}<br>" + units + " %{z:.3g}<extra></extra>",
+    ))
+    _outline_last_column(fig, xs, rows)
+    fig.update_xaxes(title="position", tickangle=-60, type="category", tickmode="array", tickvals=xs, ticktext=xs)
+    fig.update_yaxes(title="layer (stream entering it)", type="category")
+    fig.update_layout(title=f"{frame['lens'].iloc[0].capitalize() if 'lens' in frame else 'Logit'} lens, clean − ablated",
+                      template=_template(theme), height=max(320, 48 * len(rows) + 220))
+    return fig
+
+
+DLA_KINDS = {"embed": "token embedding", "pos_embed": "position embedding", "head": "attention head",
+             "attn_bias": "attention output bias", "attn": "attention layer", "mlp": "MLP",
+             "final_bias": "final norm + unembedding bias"}
+DLA_COLOURS = {"embed": "#7f7f7f", "pos_embed": "#bcbd22", "head": "#2f6db5", "attn_bias": "#9ecae1",
+               "attn": "#2f6db5", "mlp": "#9467bd", "final_bias": "#8c564b"}
+
+
+def _structural_zeros(frame: pd.DataFrame) -> pd.DataFrame:
+    """Drop the bias parts that are exactly zero in every row: a model without biases still
+    lists them (zero by structure, not by measurement), and a bar of 0 says nothing."""
+    bias = frame["kind"].isin(["attn_bias", "final_bias"])
+    zero = frame.groupby("component")["attribution"].transform(lambda a: bool((a == 0).all()))
+    return frame[~(bias & zero)]
 
 
 def dla_figure(dla: pd.DataFrame, granularity: str = "layer", batch: Optional[int] = None,
                theme: str = "light") -> go.Figure:
-    """Direct logit attribution bars, one per component (averaged over the batch unless ``batch``)."""
+    """Direct logit attribution bars, one per component (averaged over the batch unless
+    ``batch``), coloured by kind with a legend; bias parts that are zero by construction
+    (no-bias models) are left out."""
     check_choice("granularity", granularity, ("head", "layer"))
     frame = _one_batch(dla, batch)
-    frame = frame[frame["granularity"] == granularity]
+    frame = _structural_zeros(frame[frame["granularity"] == granularity])
     order = frame.drop_duplicates("component")["component"].tolist()
+    kinds = frame.drop_duplicates("component").set_index("component")["kind"]
     mean = frame.groupby("component", sort=False)["attribution"].mean().reindex(order)
     total = frame.groupby("batch")["total"].first().mean()
-    fig = go.Figure(go.Bar(
-        x=order, y=mean.to_numpy(), marker_color=np.where(mean.to_numpy() >= 0, POSITIVE, NEGATIVE),
-        hovertemplate="%{x}<br>attribution %{y:.4f}<extra></extra>",
-    ))
+    fig = go.Figure()
+    for kind in dict.fromkeys(kinds.reindex(order)):
+        names = [c for c in order if kinds[c] == kind]
+        fig.add_bar(x=names, y=mean.reindex(names).to_numpy(), name=DLA_KINDS.get(kind, kind),
+                    marker_color=DLA_COLOURS.get(kind), hovertemplate="%{x}<br>attribution %{y:.4f} logits<extra></extra>")
     fig.update_layout(title=f"Direct logit attribution (parts sum to {total:.3f})", template=_template(theme),
-                      xaxis_title="component", yaxis_title="logit attribution")
+                      xaxis_title="component", yaxis_title="direct attribution (logits)", barmode="relative",
+                      legend_title="part")
+    fig.update_xaxes(type="category", categoryorder="array", categoryarray=order)
+    return fig
+
+
+def dla_difference_figure(diff: pd.DataFrame, granularity: str = "layer", batch: Optional[int] = None,
+                          theme: str = "light") -> go.Figure:
+    """A ``dla_difference`` table: each component's attribution clean and changed (bars) and
+    clean - changed (markers); structurally zero bias parts left out."""
+    check_choice("granularity", granularity, ("head", "layer"))
+    frame = _one_batch(diff, batch)
+    frame = frame[frame["granularity"] == granularity]
+    bias = frame["kind"].isin(["attn_bias", "final_bias"])
+    zero = frame.groupby("component")["clean"].transform(lambda a: bool((a == 0).all())) & \
+        frame.groupby("component")["changed"].transform(lambda a: bool((a == 0).all()))
+    frame = frame[~(bias & zero)]
+    order = frame.drop_duplicates("component")["component"].tolist()
+    mean = frame.groupby("component", sort=False)[["clean", "changed", "difference"]].mean().reindex(order)
+    fig = go.Figure()
+    fig.add_bar(x=order, y=mean["clean"], name="clean", marker_color=PAIR[0],
+                hovertemplate="%{x}<br>clean %{y:.4f} logits<extra></extra>")
+    fig.add_bar(x=order, y=mean["changed"], name="ablated", marker_color=PAIR[1],
+                hovertemplate="%{x}<br>ablated %{y:.4f} logits<extra></extra>")
+    fig.add_scatter(x=order, y=mean["difference"], name="clean − ablated", mode="markers",
+                    marker=dict(symbol="diamond", size=10, color=NEGATIVE),
+                    hovertemplate="%{x}<br>clean − ablated %{y:.4f} logits<extra></extra>")
+    totals = frame.groupby("batch")[["total_clean", "total_changed"]].first().mean()
+    fig.update_layout(title=f"Direct logit attribution: clean {totals['total_clean']:.3f}, "
+                            f"ablated {totals['total_changed']:.3f}",
+                      barmode="group", template=_template(theme), xaxis_title="component",
+                      yaxis_title="direct attribution (logits)")
+    fig.update_xaxes(type="category", categoryorder="array", categoryarray=order)
+    return fig
+
+
+def head_scores_figure(scores: pd.DataFrame, theme: str = "light") -> go.Figure:
+    """A ``head_scores`` table (long form: layer, head, kind, score): one layer x head heatmap
+    per kind of score, side by side, every cell's score written in it."""
+    for column in ("layer", "head", "kind", "score"):
+        if column not in scores:
+            raise ValueError(f"head_scores_figure takes the long head_scores table; it has no {column!r}")
+    fig = layer_head_figure(scores, "score", facet="kind", theme=theme, units="score")
+    fig.update_layout(title="Head scores (layer × head, one panel per kind)",
+                      height=max(260, 70 * scores["layer"].nunique() + 160))
+    fig.update_yaxes(title=None)
+    fig.update_yaxes(title="layer", row=1, col=1)
+    return fig
+
+
+def patching_figure(frame: pd.DataFrame, site: str, value: str = "metric", tokens: Optional[list[str]] = None,
+                    units: str = "", theme: str = "light") -> go.Figure:
+    """One site of an ``activation_patching`` table as a heatmap: layer x position for the
+    residual / attention / MLP sites (``tokens`` label the positions), layer x head for ``head``.
+    ``value``: ``metric`` or ``restored`` (the fraction of the clean-corrupted gap restored)."""
+    part = frame[frame["site"] == site]
+    if part.empty:
+        raise ValueError(f"the table has no rows for site={site!r}; it has {sorted(frame['site'].unique())}")
+    if value not in part:
+        raise ValueError(f"the table has no column {value!r}")
+    what = "fraction restored" if value == "restored" else (f"metric ({units})" if units else "metric")
+    if site == "head":
+        fig = layer_head_figure(part, value, units=what, theme=theme,
+                                title=f"Patching each head's output (all positions): {what}")
+        return fig
+    grid = part.pivot_table(index="layer", columns="pos", values=value, aggfunc="mean")
+    n = grid.shape[1]
+    xs = unique_labels(tokens[:n]) if tokens else [str(p) for p in grid.columns]
+    ys = [unit_label(l) for l in grid.index]
+    z = grid.to_numpy(dtype=float)
+    fig = go.Figure(go.Heatmap(
+        z=z, x=xs, y=ys, colorscale=SEQUENTIAL if value == "restored" else DIVERGING,
+        zmid=None if value == "restored" else float(np.nanmean([part["corrupted"].iloc[0], part["clean"].iloc[0]])),
+        colorbar=dict(title=what), texttemplate="%{z:.2f}" if n <= 20 else None, textfont=dict(size=11),
+        hovertemplate="%{y} at %{x}<br>" + what + " %{z:.4f}<extra></extra>",
+    ))
+    fig.update_xaxes(title="position", tickangle=-60, type="category", tickmode="array", tickvals=xs, ticktext=xs)
+    fig.update_yaxes(title="layer", autorange="reversed", type="category")
+    fig.update_layout(title=f"Patching {site} by layer and position: {what}", template=_template(theme),
+                      height=max(300, 60 * len(ys) + 200))
     return fig
 
 
 def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = "",
-                      facet: Optional[str] = None, theme: str = "light") -> go.Figure:
+                      facet: Optional[str] = None, theme: str = "light", units: Optional[str] = None,
+                      clickable: bool = False, text: Optional[bool] = None) -> go.Figure:
     """A layer x head heatmap of ``value`` (e.g. an ablation sweep's ``delta``, or head scores).
 
     With ``facet`` (a column such as ``method`` or ``kind``), one panel per value of it.
+    ``units`` titles the colour bar (default: the column name). ``text`` writes each cell's
+    value in it (default: when there are at most 24 heads per panel). ``clickable`` lays a
+    scatter point on every cell: plotly heatmaps emit no selection events, scatter points
+    do, so a click on a cell selects that point (its ``customdata`` is [layer, head, value])
+    and a page can act on it; the points also carry the hover text.
     """
     for column in ("layer", "head", value) + ((facet,) if facet else ()):
         if column not in frame:
@@ -181,25 +356,49 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
                         horizontal_spacing=0.06)
     diverging = bool((frame[value] < 0).any() and (frame[value] > 0).any())
     limit = float(frame[value].abs().max()) or 1.0
+    text = frame["head"].nunique() <= 24 if text is None else text
+    hover = "%{y} %{x}<br>" + value + " %{z:.4f}" + (f" {units}" if units else "") + "<extra></extra>"
     for c, panel in enumerate(panels, 1):
         part = frame if panel is None else frame[frame[facet] == panel]
         grid = part.pivot_table(index="layer", columns="head", values=value, aggfunc="mean")
+        xs, ys = [head_label(h) for h in grid.columns], [unit_label(l) for l in grid.index]
         fig.add_trace(go.Heatmap(
-            z=grid.to_numpy(), x=[head_label(h) for h in grid.columns], y=[unit_label(l) for l in grid.index],
-            coloraxis="coloraxis", hovertemplate="%{y} %{x}<br>" + value + " %{z:.4f}<extra></extra>",
+            z=grid.to_numpy(), x=xs, y=ys, coloraxis="coloraxis",
+            texttemplate="%{z:.2f}" if text else None,
+            hovertemplate=hover, hoverinfo="skip" if clickable else None,
         ), row=1, col=c)
+        if clickable:
+            layers, heads = np.meshgrid(grid.index.to_numpy(), grid.columns.to_numpy(), indexing="ij")
+            values = grid.to_numpy()
+            fig.add_trace(go.Scatter(
+                x=[head_label(h) for h in heads.ravel()], y=[unit_label(l) for l in layers.ravel()], mode="markers",
+                # A list, not an array: plotly sends arrays as typed arrays, and a browser hands a
+                # clicked point's row of one back as {"0": .., "1": ..} instead of a list.
+                customdata=np.stack([layers.ravel(), heads.ravel(), values.ravel()], axis=-1).tolist(),
+                marker=dict(symbol="square-open", size=22, color="white", line=dict(width=3), opacity=0),
+                selected=dict(marker=dict(opacity=1)), unselected=dict(marker=dict(opacity=0)),
+                hovertemplate="%{y} %{x}<br>" + value + " %{customdata[2]:.4f}" + (f" {units}" if units else "")
+                              + "<br>click to ablate<extra></extra>",
+                showlegend=False, name="cells",
+            ), row=1, col=c)
     axis = dict(colorscale=DIVERGING, cmid=0, cmin=-limit, cmax=limit) if diverging else dict(colorscale=SEQUENTIAL)
-    fig.update_layout(coloraxis={**axis, "colorbar": dict(title=value)}, title=title or value,
+    fig.update_layout(coloraxis={**axis, "colorbar": dict(title=units or value)}, title=title or value,
                       template=_template(theme))
-    fig.update_yaxes(autorange="reversed")
+    if clickable:
+        # Every click lands on the nearest cell's point, wherever in the cell it is.
+        fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
+    fig.update_xaxes(title="head", type="category")
+    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_yaxes(title="layer", row=1, col=1)
     return fig
 
 
 def loss_curves(metrics: Union[str, Path, pd.DataFrame], title: str = "Loss", log_x: bool = False,
-                theme: str = "light") -> go.Figure:
+                theme: str = "light", colours: Optional[dict] = None) -> go.Figure:
     """Train and validation loss against step, from ``metrics.csv`` (a path, a checkpoint
     directory, or its DataFrame: step, train_loss, val_loss, ...). A ``run`` column gives
-    one pair of curves per run."""
+    one pair of curves per run, in one colour per run (train solid, validation dashed);
+    ``colours`` maps run names to colours (default: plotly's sequence)."""
     if not isinstance(metrics, pd.DataFrame):
         from workbench.training import read_metrics  # the one reader of metrics.csv, beside its writer
 
@@ -208,33 +407,36 @@ def loss_curves(metrics: Union[str, Path, pd.DataFrame], title: str = "Loss", lo
         raise ValueError(f"metrics need a 'step' column; got {list(metrics.columns)}")
     runs = metrics.groupby("run", sort=False) if "run" in metrics else [("", metrics)]
     fig = go.Figure()
-    for run, part in runs:
+    for i, (run, part) in enumerate(runs):
+        colour = (colours or {}).get(run, PALETTE[i % len(PALETTE)])
         for column, dash in (("train_loss", "solid"), ("val_loss", "dash")):
             if column in part and part[column].notna().any():
                 rows = part[part[column].notna()]
                 name = f"{run} {column}".strip()
                 fig.add_trace(go.Scatter(x=rows["step"], y=rows[column], mode="lines", name=name,
-                                         line=dict(dash=dash)))
-    fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss", template=_template(theme),
+                                         line=dict(dash=dash, color=colour), legendgroup=str(run)))
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss (nats)", template=_template(theme),
                       xaxis_type="log" if log_x else None)
     return fig
 
 
 def token_loss_figure(losses: Union[pd.DataFrame, dict[str, pd.DataFrame]], title: str = "Per-token loss",
-                      batch: Optional[int] = 0, theme: str = "light") -> go.Figure:
+                      batch: Optional[int] = 0, theme: str = "light", colours: Optional[dict] = None) -> go.Figure:
     """Bars of the loss of predicting each token, placed at the token predicted (``"4: cat"``).
 
     ``losses``: a ``token_losses`` table (bars green where the top prediction was right, red
     where not; hover names the token before and the prediction), or a dict name -> table of
-    the same tokens (grouped bars, one colour per name: e.g. clean and ablated, or two models).
+    the same tokens (grouped bars, one colour per name: e.g. clean and ablated, or two models;
+    ``colours`` maps names to colours, so a model keeps its colour across figures).
     """
     single = isinstance(losses, pd.DataFrame)
     fig = go.Figure()
-    for name, frame in ({"": losses} if single else losses).items():
+    for i, (name, frame) in enumerate(({"": losses} if single else losses).items()):
         frame = _one_batch(frame, batch)
         x = unique_labels(frame["next_token"].tolist(), positions=(frame["pos"] + 1).tolist())
         if not single:
-            fig.add_bar(x=x, y=frame["loss"], name=name)
+            fig.add_bar(x=x, y=frame["loss"], name=name, marker_color=(colours or {}).get(name, PAIR[i % 2]),
+                        hovertemplate=f"{name}<br>" + "%{x}<br>loss %{y:.3f} nats<extra></extra>")
             continue
         fig.add_bar(x=x, y=frame["loss"], marker_color=np.where(frame["correct"], CORRECT, WRONG),
                     customdata=np.stack([frame["predicted"], frame["token"]], axis=-1),
@@ -557,3 +759,99 @@ def circuit_benchmark_figure(results: pd.DataFrame, value: str = "edge_auroc", t
     fig.update_yaxes(autorange="reversed", type="category")
     fig.update_xaxes(type="category")
     return fig
+
+
+_SCRIPT_SRC = re.compile(r"""<script([^>]*?)\ssrc=["']([^"':]+?)["']([^>]*)>\s*</script>""", re.IGNORECASE)
+
+
+def self_contained_html(html: str, folder: Union[str, Path]) -> str:
+    """An HTML figure with the scripts it loads by a relative path written into the page.
+
+    ``fig.write_html(..., include_plotlyjs="directory")`` (what the experiments write) loads
+    ``plotly.min.js`` from next to the file; shown from a string (an iframe's ``srcdoc``),
+    the page has no directory and draws nothing. Each ``<script src="NAME">`` naming a
+    file directly in ``folder`` is inlined; ``plotly.min.js`` missing there is plotly's own
+    bundle. Absolute URLs, other paths, and paths that leave ``folder`` are left as they are.
+    """
+    folder = Path(folder)
+
+    def inline(match: re.Match) -> str:
+        before, name, after = match.groups()
+        if "/" in name or "\\" in name or name.startswith("."):
+            return match.group(0)
+        path = folder / name
+        if path.is_file() and not path.is_symlink():
+            code = path.read_text(encoding="utf-8", errors="replace")
+        elif name == "plotly.min.js":
+            from plotly.offline import get_plotlyjs
+
+            code = get_plotlyjs()
+        else:
+            return match.group(0)
+        # A script body ends at the first "</script"; escape any inside the code so it stays whole.
+        code = re.sub(r"</(script)", r"<\\/\1", code, flags=re.IGNORECASE)
+        return f"<script{before}{after}>{code}</script>"
+
+    return _SCRIPT_SRC.sub(inline, html)
+
+
+def figure_from_html(html: str) -> Optional[go.Figure]:
+    """The figure inside an HTML file plotly wrote (``fig.write_html``), or None when the page
+    holds anything other than exactly one ``Plotly.newPlot`` call with literal JSON arguments.
+
+    A page can then draw the figure natively (in its own theme, without loading plotly.js
+    a second time) and fall back to ``self_contained_html`` in an iframe for anything else.
+    """
+    calls = [m.end() for m in re.finditer(r"Plotly\.newPlot\(", html)]
+    if len(calls) != 1:
+        return None
+    decoder, at, args = json.JSONDecoder(), calls[0], []
+    try:
+        for _ in range(3):  # the div id, the data, the layout
+            while html[at] in " \t\r\n,":
+                at += 1
+            value, at = decoder.raw_decode(html, at)
+            args.append(value)
+        _, data, layout = args
+        if not isinstance(data, list) or not isinstance(layout, dict):
+            return None
+        return go.Figure(data=data, layout=layout)
+    except (ValueError, IndexError, TypeError):  # not literal JSON there, or not a figure plotly accepts
+        return None
+
+
+def table_chart(table: pd.DataFrame, x: str, y: str, color: Optional[str] = None, kind: str = "bar",
+                theme: str = "light") -> tuple[go.Figure, str]:
+    """A bar, line or scatter chart of ``y`` against ``x`` (one trace per ``color`` value),
+    and a note for the reader ("" when there is nothing to say).
+
+    Bars never stack silently: where several rows share an x (and colour), each bar is
+    their mean and the note says how many rows each bar averages; lines are drawn through
+    the means the same way; a scatter shows every row.
+    """
+    check_choice("kind", kind, ("bar", "line", "scatter"))
+    for column in (x, y) + ((color,) if color else ()):
+        if column not in table:
+            raise ValueError(f"the table has no column {column!r}; it has {list(table.columns)}")
+    keys = [x] + ([color] if color and color != x else [])
+    note = ""
+    frame = table[keys + [y]].dropna(subset=[y])
+    if kind != "scatter":
+        counts = frame.groupby(keys, sort=False, dropna=False)[y].transform("size")
+        if (counts > 1).any():
+            most = int(counts.max())
+            note = (f"Several rows share each {' and '.join(keys)} (up to {most}): each "
+                    f"{'bar' if kind == 'bar' else 'point'} is their mean. Pick a colour column or filter "
+                    "the rows to split them.")
+            frame = frame.groupby(keys, sort=False, dropna=False, as_index=False)[y].mean()
+    groups = frame.groupby(color, sort=False) if color else [(None, frame)]
+    fig = go.Figure()
+    for name, part in groups:
+        label = None if name is None else str(name)
+        if kind == "bar":
+            fig.add_bar(x=part[x], y=part[y], name=label)
+        else:
+            fig.add_scatter(x=part[x], y=part[y], name=label, mode="lines+markers" if kind == "line" else "markers")
+    fig.update_layout(barmode="group", template=_template(theme), xaxis_title=x, yaxis_title=y,
+                      showlegend=color is not None, legend_title=color)
+    return fig, note

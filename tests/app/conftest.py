@@ -40,3 +40,11 @@ def app(checkpoints_dir, monkeypatch):
         return at
 
     return open_page
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on the test item, so a fixture can tell whether its test failed
+    (the browser tests save a screenshot then)."""
+    outcome = yield
+    setattr(item, f"rep_{call.when}", outcome.get_result())

@@ -1,11 +1,18 @@
-"""A real browser on the page a user first sees: `streamlit run app.py` driven by Chromium.
+"""The app in a real browser: `streamlit run app.py` driven by Chromium, every page.
 
 Chromium comes from Debian (/usr/bin/chromium, installed by .ci/run from .ci/system-packages)
-and Playwright from PyPI; Playwright's own browser download is never used. The test types
-a prompt, checks that the attention and logit-lens figures render and that no exception
-is shown, and saves screenshots (light and dark) under artifacts/.
+and Playwright from PyPI; Playwright's own browser download is never used. One Streamlit
+server and one browser serve every test here (module fixtures): the server starts once,
+on a checkpoints folder of links to the shipped checkpoints (so saving a trained model
+never touches the shipped folder) and a runs folder with one experiment run.
+
+What AppTest cannot see is checked here: figures that really draw (a plotly div with an
+SVG, pixels that are not all one colour), a click on a heatmap cell, a second sweep (a
+cache hit replays what the cached function drew), a second browser session, and a
+real click on each kind of control. Screenshots of every page land in artifacts/.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -23,6 +30,11 @@ ARTIFACTS = REPO / "artifacts"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-quic"]
+DEFAULT = "stories-2026"
+# Two IOI prompts of the same length (so a widget keyed by position alone keeps its value),
+# with different names: the answer of the first (Tom) is not in the second.
+IOI_TOM = "When Tom and Lily went to the park , Lily gave a ball to"
+IOI_MARY = "When Mary and John went to the store , John gave a drink to"
 
 # slow: a real Streamlit server and browser; deselect with -m "not slow".
 pytestmark = [pytest.mark.slow,
@@ -35,10 +47,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _make_runs(root: Path) -> Path:
+    """A runs folder as the experiments write it: results.csv, config.json, and figures as HTML
+    that load plotly.min.js by a relative path (one plotly figure, and one page with two)."""
+    import pandas as pd
+    import plotly.graph_objects as go
+
+    run = root / "head_sweep"
+    run.mkdir(parents=True)
+    rows = [dict(layer=l, head=h, method=m, delta=0.1 * l - 0.05 * h + (0.02 if m == "mean" else 0))
+            for l in range(3) for h in range(4) for m in ("zero", "mean")]
+    pd.DataFrame(rows).to_csv(run / "results.csv", index=False)
+    (run / "config.json").write_text(json.dumps({"experiment": "head_ablation_sweep", "checkpoint": DEFAULT}))
+    fig = go.Figure(go.Heatmap(z=[[0.1, 0.5], [0.9, 0.3]]), layout=dict(title="Sweep figure"))
+    fig.write_html(run / "a_figure.html", include_plotlyjs="directory")
+    two = fig.to_html(include_plotlyjs="directory", full_html=True)
+    two = two.replace("</body>", go.Figure(go.Bar(y=[1, 3, 2])).to_html(include_plotlyjs=False, full_html=False)
+                      + "</body>")
+    (run / "b_page.html").write_text(two)
+    return root
+
+
 @pytest.fixture(scope="module")
-def server(checkpoints_dir):
+def server(checkpoints_dir, tmp_path_factory):
+    ckpts = tmp_path_factory.mktemp("checkpoints")
+    for shipped in checkpoints_dir.iterdir():
+        if shipped.is_dir():
+            (ckpts / shipped.name).symlink_to(shipped.resolve(), target_is_directory=True)
+    runs = _make_runs(tmp_path_factory.mktemp("runs"))
     port = _free_port()
-    env = {**os.environ, "WORKBENCH_CHECKPOINTS": str(checkpoints_dir)}
+    env = {**os.environ, "WORKBENCH_CHECKPOINTS": str(ckpts), "WORKBENCH_RUNS": str(runs)}
     cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
            "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"]
     ARTIFACTS.mkdir(exist_ok=True)
@@ -55,67 +93,193 @@ def server(checkpoints_dir):
                 if proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError(f"streamlit did not start; see {ARTIFACTS / 'streamlit.log'}") from None
                 time.sleep(0.3)
-        yield url
+        yield {"url": url, "checkpoints": ckpts, "runs": runs}
     finally:
         proc.terminate()
         proc.wait(timeout=20)
         log.close()
 
 
-def _figure(page, title: str):
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def page(browser, server, request):
+    """A fresh browser session (its own Streamlit session) on the app; screenshots on failure."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    tab = context.new_page()
+    tab.set_default_timeout(60_000)
+    tab.goto(server["url"], wait_until="domcontentloaded")
+    tab.wait_for_selector(".js-plotly-plot", timeout=180_000)
+    wait_idle(tab)
+    yield tab
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        tab.screenshot(path=str(ARTIFACTS / f"failure-{request.node.name}.png"), full_page=True)
+    context.close()
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def wait_idle(page, timeout: float = 120_000) -> None:
+    """Until the script has finished its run: Streamlit marks the app's root with its state."""
+    page.wait_for_timeout(250)
+    for _ in range(2):  # twice: a widget change can start a second run right after the first
+        page.wait_for_function(
+            "() => { const app = document.querySelector('[data-testid=stApp]');"
+            " return app && app.dataset.testScriptState === 'notRunning'; }", timeout=timeout)
+        page.wait_for_timeout(200)
+
+
+def no_exception(page) -> None:
+    errors = page.locator("[data-testid=stException]")
+    assert errors.count() == 0, errors.first.inner_text()[:2000]
+
+
+def figure(page, title: str):
     return page.locator(".js-plotly-plot", has=page.locator(".gtitle", has_text=title)).first
 
 
-def _wait_idle(page) -> None:
-    """Streamlit shows a 'running' status widget while the script runs; wait until it is gone."""
-    page.wait_for_timeout(300)
-    page.wait_for_function("() => !document.querySelector('[data-testid=stStatusWidget]')", timeout=60_000)
+def assert_drawn(locator, what: str, svg: bool = True) -> None:
+    """The figure is visible, has its SVG (``svg``; an iframe's is checked inside its frame),
+    and its pixels are not one flat colour."""
+    from io import BytesIO
+
+    from PIL import Image, ImageStat
+
+    locator.wait_for(state="visible", timeout=60_000)
+    locator.scroll_into_view_if_needed()
+    if svg:
+        assert locator.locator(".main-svg").count() > 0, f"{what}: no plot"
+    image = Image.open(BytesIO(locator.screenshot())).convert("L")
+    assert max(ImageStat.Stat(image).stddev) > 8, f"{what}: the figure is blank"
 
 
-def _new_prompt(checkpoints_dir) -> tuple[str, int]:
-    """A prompt the default checkpoint can read (the first words of its default), and its length in tokens."""
-    from ui import common
-    from workbench.checkpoint import read_meta
-    from workbench.tokenizer import load_tokenizer
-
-    path = checkpoints_dir / "stories-2026"
-    default = read_meta(path).get("default_prompt") or common.DEFAULT_PROMPT
-    words = default.split()
-    prompt = " ".join(words[: max(3, len(words) // 2)])
-    return prompt, len(load_tokenizer(path).encode(prompt))
+def go_to(page, name: str) -> None:
+    page.locator("[data-testid=stSidebar] label", has_text=name).first.click()
+    wait_idle(page)
+    page.wait_for_selector(f"h1:has-text('{name}'), h2:has-text('{name}')", timeout=60_000)
 
 
-def test_first_page_in_a_real_browser(server, checkpoints_dir):
-    prompt, n_tokens = _new_prompt(checkpoints_dir)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+def set_prompt(page, text: str) -> None:
+    box = page.locator("[data-testid=stTextArea] textarea").first
+    box.fill(text)
+    box.press("Control+Enter")
+    wait_idle(page)
+
+
+def shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def run_sweep(page) -> None:
+    page.get_by_role("button", name="Run the head sweep").click()
+    wait_idle(page)
+    heatmap = figure(page, "when each head is ablated")
+    page.locator("[data-testid=stException]").or_(heatmap).first.wait_for(state="visible", timeout=120_000)
+    no_exception(page)
+    wait_idle(page)
+
+
+def click_cell(page, fig, layer: int, head: int, n_layers: int, n_heads: int) -> None:
+    """A real mouse click at the centre of cell (layer, head) of a layer x head heatmap."""
+    fig.scroll_into_view_if_needed()
+    box = fig.locator(".nsewdrag").first.bounding_box()
+    x = box["x"] + (head + 0.5) * box["width"] / n_heads
+    y = box["y"] + (layer + 0.5) * box["height"] / n_layers  # layer 0 at the top
+    page.mouse.move(x, y)
+    page.wait_for_timeout(200)
+    page.mouse.click(x, y)
+    wait_idle(page)
+
+
+# ---- Inspect -----------------------------------------------------------------------------------
+def test_inspect_draws_in_light_and_dark(browser, server):
+    for scheme in ("light", "dark"):
+        context = browser.new_context(viewport={"width": 1400, "height": 1000}, color_scheme=scheme)
+        tab = context.new_page()
         try:
-            for scheme in ("light", "dark"):
-                page = browser.new_page(viewport={"width": 1400, "height": 1000}, color_scheme=scheme)
-                page.goto(server, wait_until="domcontentloaded")
-                page.wait_for_selector(".js-plotly-plot", timeout=90_000)
-                _wait_idle(page)
-                if scheme == "light":
-                    box = page.locator("[data-testid=stTextArea] textarea").first
-                    box.fill(prompt)
-                    box.press("Control+Enter")
-                    _wait_idle(page)
-                    tokens = page.locator("[data-testid=stMetric]", has_text="Prompt length").locator("[data-testid=stMetricValue]")
-                    sync_api.expect(tokens).to_have_text(f"{n_tokens} tokens", timeout=60_000)
-                for title in ("Attention L", "Logit lens", "Per-token loss"):
-                    figure = _figure(page, title)
-                    figure.wait_for(state="visible", timeout=30_000)
-                    assert figure.locator(".main-svg").count() > 0, f"figure {title!r} has no plot"
-                assert page.locator("[data-testid=stException]").count() == 0
-                assert "cannot encode" not in page.inner_text("body")
-                _figure(page, "Attention L").scroll_into_view_if_needed()
-                page.screenshot(path=str(ARTIFACTS / f"inspect-{scheme}.png"), full_page=False)
-                _figure(page, "Logit lens").scroll_into_view_if_needed()
-                page.screenshot(path=str(ARTIFACTS / f"inspect-{scheme}-lens.png"))
-                page.close()
-        except Exception:
-            for i, open_page in enumerate(browser.contexts[-1].pages if browser.contexts else []):
-                open_page.screenshot(path=str(ARTIFACTS / f"failure-{i}.png"), full_page=True)
-            raise
+            tab.goto(server["url"], wait_until="domcontentloaded")
+            tab.wait_for_selector(".js-plotly-plot", timeout=180_000)
+            wait_idle(tab)
+            for title in ("Attention L", "Logit lens", "Per-token loss", "direct attribution"):
+                assert_drawn(figure(tab, title), title)
+            no_exception(tab)
+            assert "cannot encode" not in tab.inner_text("body")
+            figure(tab, "Attention L").scroll_into_view_if_needed()
+            tab.screenshot(path=str(ARTIFACTS / f"inspect-{scheme}.png"))
+            figure(tab, "Logit lens").scroll_into_view_if_needed()
+            tab.screenshot(path=str(ARTIFACTS / f"inspect-{scheme}-lens.png"))
         finally:
-            browser.close()
+            context.close()
+
+
+def test_inspect_new_prompt_moves_the_attribution_target(page):
+    """The DLA answer follows the prompt: after a new prompt of the same length, the title
+    names the new prompt's answer, never the old one's."""
+    set_prompt(page, IOI_TOM)
+    tokens = page.locator("[data-testid=stMetric]", has_text="Prompt length").locator("[data-testid=stMetricValue]")
+    sync_api.expect(tokens).to_have_text(f"{len(IOI_TOM.split())} tokens", timeout=60_000)
+    sync_api.expect(figure(page, "direct attribution").locator(".gtitle")).to_contain_text("'Tom'")
+    set_prompt(page, IOI_MARY)
+    title = figure(page, "direct attribution").locator(".gtitle")
+    sync_api.expect(title).to_contain_text("'Mary'", timeout=60_000)
+    assert "Tom" not in title.text_content()
+    no_exception(page)
+
+
+# ---- Ablate ------------------------------------------------------------------------------------
+def test_head_sweep_twice_and_in_a_second_session(page, browser, server):
+    go_to(page, "Ablate")
+    run_sweep(page)
+    no_exception(page)
+    run_sweep(page)  # the second sweep is a cache hit: it must not replay the progress bar
+    no_exception(page)
+    assert_drawn(figure(page, "when each head is ablated"), "sweep heatmap")
+    other = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    try:
+        other.goto(server["url"], wait_until="domcontentloaded")
+        other.wait_for_selector(".js-plotly-plot", timeout=180_000)
+        wait_idle(other)
+        go_to(other, "Ablate")
+        run_sweep(other)  # another session, the same prompt: a hit in the shared cache
+        no_exception(other)
+        assert_drawn(figure(other, "when each head is ablated"), "sweep heatmap, second session")
+    finally:
+        other.context.close()
+
+
+def test_clicking_a_sweep_cell_ablates_that_head(page):
+    go_to(page, "Ablate")
+    run_sweep(page)
+    heatmap = figure(page, "when each head is ablated")
+    click_cell(page, heatmap, layer=1, head=2, n_layers=3, n_heads=4)
+    units = page.locator("[data-testid=stMultiSelect]", has_text="Units to ablate")
+    sync_api.expect(units).to_contain_text("L1H2", timeout=60_000)
+    sync_api.expect(page.locator("[data-testid=stMetric]", has_text="clean → ablated").first).to_be_visible()
+    no_exception(page)
+    shot(page, "ablate-after-click")
+
+
+# ---- Sweeps ------------------------------------------------------------------------------------
+def test_sweeps_figures_are_not_blank(page):
+    go_to(page, "Sweeps")
+    no_exception(page)
+    assert_drawn(figure(page, "Sweep figure"), "the run's plotly figure")
+    picker = page.locator("[data-testid=stSelectbox]", has_text="Figure").first
+    picker.click()
+    page.get_by_role("option", name="b_page.html").click()
+    wait_idle(page)
+    frame_el = page.locator("iframe").last
+    frame_el.scroll_into_view_if_needed()
+    frame = frame_el.content_frame
+    frame.locator(".main-svg").first.wait_for(state="visible", timeout=60_000)
+    assert frame.locator(".js-plotly-plot").count() == 2
+    assert_drawn(frame_el, "the run's HTML page", svg=False)
+    no_exception(page)
+    shot(page, "sweeps")

@@ -39,6 +39,13 @@ def figure(at, title_part: str) -> dict:
     raise AssertionError(f"no figure titled *{title_part}* among {titles(at)}")
 
 
+def before_after(at, label: str) -> tuple[float, float]:
+    """The two numbers of a metric card reading "1.234 → 2.345" (units after them ignored)."""
+    value = next(m.value for m in at.metric if m.label == label)
+    before, after = value.split("→")
+    return float(before.split()[0]), float(after.split()[0])
+
+
 def messages(at) -> str:
     return " | ".join(str(e.value) for e in [*at.warning, *at.error, *at.info])
 
@@ -78,7 +85,7 @@ def test_inspect_widgets_change_the_figures_but_never_reload_the_model(app):
     before = figure(at, "Logit lens")["data"][0]["colorbar"]["title"]["text"]
     at.selectbox(key="lens_value").set_value("rank of the next token").run()
     after = figure(at, "Logit lens")["data"][0]["colorbar"]["title"]["text"]
-    assert (before, after) == ("probability", "log10 rank")
+    assert (before, after) == ("next-token probability", "log10 rank of the next token")
     at.text_area(key="prompt").set_value("Mary and John went to the park .").run()
     assert [m.value for m in at.metric][0] == "8 tokens"
     assert figure(at, "Per-token loss")["data"][0]["x"][0] == "1: and"
@@ -123,12 +130,23 @@ def test_checkpoint_and_prompt_survive_a_visit_to_another_page(app):
 
 def test_inspect_direct_logit_attribution_target_and_difference(app):
     at = app("Inspect")
-    at.text_input(key=f"dla_answer_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("Mary")
-    at.text_input(key=f"dla_wrong_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("John").run()
     title = next(t for t in titles(at) if "direct attribution" in t)
-    assert "logit['Mary'] − logit['John']" in title
-    at.text_input(key=f"dla_answer_{len(at.selectbox(key='dla_pos').options) - 1}").set_value("zebra").run()
+    assert "logit['Mary'] − logit['John']" in title, "the default prompt's answer is the task's: Mary over John"
+    at.text_input(key="dla_wrong").set_value("").run()
+    assert "logit['Mary'] at position" in next(t for t in titles(at) if "direct attribution" in t)
+    at.text_input(key="dla_answer").set_value("zebra").run()
     assert "not in the tokenizer's vocabulary" in messages(at)
+
+
+def test_answer_defaults_follow_the_prompt_and_the_position(app):
+    at = app("Inspect")
+    at.text_area(key="prompt").set_value("When Tom and Lily went to the park , Lily gave a ball to").run()
+    assert at.text_input(key="dla_answer").value == "Tom" and at.text_input(key="dla_wrong").value == "Lily"
+    at.text_area(key="prompt").set_value("When Mary and John went to the store , John gave a drink to").run()
+    assert at.text_input(key="dla_answer").value == "Mary", "a new prompt of the same length keeps no old answer"
+    at.selectbox(key="dla_pos").set_value(3).run()
+    assert at.text_input(key="dla_answer").value != "Mary"  # another position: the model's own top prediction
+    assert "at position 3" in next(t for t in titles(at) if "direct attribution" in t)
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -160,6 +178,52 @@ def test_bad_checkpoint_directories_give_a_message(app, checkpoints_dir, tmp_pat
         at.text_input(key="ckpt_dir").set_value(path).run()
         assert not at.exception
         assert message in messages(at), (path, messages(at))
+
+
+def _zipped(folder: Path, name: str) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for f in folder.iterdir():
+            z.write(f, f"{name}/{f.name}")
+    return buf.getvalue()
+
+
+def test_an_upload_is_selected_at_once_and_a_failed_one_names_its_file_and_clears(app, checkpoints_dir, tmp_path,
+                                                                                monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(common, "_upload_root", None)
+    at = app("Inspect")
+    at.file_uploader(key="upload_0").set_value(("mine.zip", _zipped(checkpoints_dir / "stories-2020", "x"),
+                                                "application/zip")).run()
+    assert not at.exception
+    chosen = at.selectbox(key="ckpt").value
+    assert chosen.startswith("upload: mine"), "the new checkpoint is selected in the same run"
+    assert f"**{chosen}**" in at.success[0].value
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints_dir / DEFAULT, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    at.file_uploader(key="upload_0").set_value(("broken.zip", _zipped(broken, "broken"), "application/zip")).run()
+    assert "broken.zip is not a usable checkpoint" in messages(at) and "model.safetensors" in messages(at)
+    assert str(tmp_path) not in messages(at), "the message names the file, not the temp folder"
+    at.button(key="upload_clear").click().run()
+    assert "not a usable" not in messages(at) and at.file_uploader(key="upload_1") is not None
+    at.file_uploader(key="upload_1").set_value(("notes.txt", b"hello", "text/plain")).run()
+    assert "Upload of notes.txt failed: this upload is not a checkpoint" in messages(at)
+
+
+def test_an_experiment_run_directory_says_so_in_one_line(app, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"experiment": "head_ablation_sweep", "quick": True, "seed": 0}))
+    (run / "model.safetensors").write_bytes(b"")
+    at = app("Inspect")
+    at.selectbox(key="ckpt").set_value(common.OTHER_DIR).run()
+    at.text_input(key="ckpt_dir").set_value(str(run)).run()
+    assert "is a run of the experiment 'head_ablation_sweep', not a checkpoint: open it on the Sweeps page" in messages(at)
+    assert "quick" not in messages(at)
 
 
 def test_uploads_land_in_a_temp_folder_with_limits(checkpoints_dir, tmp_path, monkeypatch):
@@ -235,29 +299,53 @@ def test_ablate_changes_the_loss_and_the_sweep_draws_the_heatmap(app):
     at = app("Ablate")
     assert "Choose units to ablate" in messages(at)
     at.multiselect(key="ablate_units").set_value(["L0H0", "L1 mlp"]).run()
-    clean, ablated = (float(m.value) for m in at.metric[:2])
+    clean, ablated = before_after(at, "Mean loss, clean → ablated")
     assert ablated != clean
     assert "Per-token loss" in titles(at)
+    at.radio(key="ablate_lens_view").set_value("side by side").run()
     lens = [f for f in figures(at) if len(f["data"]) == 2 and f["data"][0]["type"] == "heatmap"]
     assert lens, "no side-by-side logit lens"
     at.radio(key="ablate_kind").set_value("mean (over reference text)").run()
-    assert float(at.metric[1].value) != ablated and not at.exception
+    assert before_after(at, "Mean loss, clean → ablated")[1] != ablated and not at.exception
     at.text_input(key="ablate_neurons").set_value("L0 3, 4").run()
     assert "Cannot read neurons" in messages(at)
     at.text_input(key="ablate_neurons").set_value("").run()
 
+    at.selectbox(key="ablate_target_kind").set_value("mean loss over the prompt").run()
     at.button(key="ablate_sweep").click().run()
-    heatmap = figure(at, "Change in loss when each head is ablated")
+    heatmap = figure(at, "Change in the prompt's mean loss when each head is ablated")
     assert heatmap["data"][0]["y"] == ["L0", "L1", "L2"][: len(heatmap["data"][0]["y"])]
 
 
-def test_clicking_a_sweep_cell_ablates_that_head(monkeypatch):
+def test_a_sweep_cell_click_event_names_the_head():
     from ui import ablate
 
-    state = {"sweep_heatmap": {"selection": {"points": [{"x": "H3", "y": "L1", "z": 0.2}]}}}
-    monkeypatch.setattr(ablate.st, "session_state", state)
-    ablate._ablate_clicked_head()
-    assert state["ablate_units"] == ["L1H3"]
+    # what the browser sends: the clicked scatter point, its customdata a list or a typed array's row
+    assert ablate.clicked_head({"selection": {"points": [{"x": "H3", "y": "L1", "customdata": [1, 3, 0.2]}]}}) == (1, 3)
+    assert ablate.clicked_head({"selection": {"points": [{"customdata": {"0": 2, "1": 0, "2": 0.1}}]}}) == (2, 0)
+    assert ablate.clicked_head({"selection": {"points": []}}) is None and ablate.clicked_head(None) is None
+
+
+def test_ablate_measures_the_answer_at_the_last_position(app):
+    """Zero-ablating every head of the last layer at the last position leaves the mean loss
+    (which never scores the last position) unchanged, and moves the logit difference."""
+    at = app("Ablate")
+    assert at.text_input(key="ablate_target_answer").value == "Mary"
+    n = len(at.selectbox(key="ablate_target_pos").options)
+    last_layer = [f"L2H{h}" for h in range(4)]
+    at.multiselect(key="ablate_units").set_value(last_layer)
+    at.multiselect(key="ablate_positions").set_value([n - 1]).run()
+    assert not at.exception, [e.value for e in at.exception]
+    cards = {m.label: m for m in at.metric}
+    loss = cards["Mean loss, clean → ablated"]
+    assert float(loss.delta.split()[0]) == 0.0
+    answer = next(m for label, m in cards.items() if label.startswith("logit['Mary'] − logit['John']"))
+    assert abs(float(answer.delta.split()[0])) > 0.01
+    assert "lens, clean − ablated" in " ".join(titles(at))
+    assert any("Direct logit attribution: clean" in t for t in titles(at))
+    at.button(key="ablate_sweep").click().run()
+    heatmap = figure(at, "Change in logit['Mary'] − logit['John']")
+    assert heatmap["layout"]["coloraxis"]["colorbar"]["title"]["text"] == "Δ logits"
 
 
 # ---- Compare -------------------------------------------------------------------------------------------
@@ -276,9 +364,47 @@ def test_compare_shows_the_config_diff_curves_and_per_model_views(app, checkpoin
     at.session_state["compare_tab"] = "Attention grids"
     at.run()
     assert sum("Every head of" in t for t in titles(at)) == 2
-    at.session_state["compare_tab"] = "Logit lens"
+    at.session_state["compare_tab"] = "Lens"
     at.run()
     assert not at.exception
+    assert {f"Logit lens of {DEFAULT}", f"Logit lens of {b}"} <= set(titles(at))
+    answers = at.dataframe[1].value
+    assert answers["model"].tolist() == [DEFAULT, b] and set(answers["answer"]) == {"Mary"}
+
+
+def test_compare_says_which_model_cannot_read_the_prompt(app, checkpoints_dir):
+    other = "induction-attn2l"
+    if not (checkpoints_dir / other).is_dir():
+        pytest.skip(f"the shipped {other} checkpoint (a model with another tokenizer) is missing")
+    at = app("Compare")
+    at.selectbox(key="ckpt_b").set_value(other).run()
+    assert f"**{other}** cannot read this prompt" in messages(at)
+    assert at.text_area(key="prompt_b").value.split()[0].isdigit()  # its own default: token ids
+    assert sum("Per-token loss, " in t for t in titles(at)) == 2 and not at.exception
+    assert f"{other} cannot score the answer" in messages(at)
+
+
+# ---- Patch -------------------------------------------------------------------------------------------
+def test_patch_runs_on_the_tasks_abc_pairs_and_on_typed_pairs(app):
+    at = app("Patch")
+    assert not at.exception and not at.warning, messages(at)
+    cards = {m.label: m.value for m in at.metric}
+    clean, corrupted = (float(cards[k].split()[0]) for k in ("Metric on the clean prompts",
+                                                             "Metric on the corrupted prompts"))
+    assert clean > corrupted, "the ABC corruption lowers the logit difference"
+    shown = " ".join(titles(at))
+    for part in ("Patching resid_pre by layer and position", "Patching each head's output",
+                 "Attribution patching"):
+        assert part in shown, (part, titles(at))
+    resid = figure(at, "Patching resid_pre")["data"][0]
+    assert resid["x"][-1].endswith(": to") and "%{z:.4f}" in resid["hovertemplate"]
+    assert any("r = " in c.value for c in at.caption)
+    at.selectbox(key="patch_task_kind").set_value("answer probability").run()
+    assert "probability" in " ".join(m.value for m in at.metric)
+    at.radio(key="patch_source").set_value("typed here").run()
+    assert not at.exception and at.text_area(key="patch_corrupted").value
+    at.text_area(key="patch_corrupted").set_value("Mary and John went home .").run()
+    assert "must be equally long" in messages(at)
 
 
 # ---- Build & train ------------------------------------------------------------------------------------
@@ -298,7 +424,9 @@ def test_build_updates_costs_live_trains_and_saves(app, checkpoints_dir, tmp_pat
     at.number_input(key="bt_batch").set_value(4)
     at.number_input(key="bt_seq_len").set_value(16).run()
     at.button(key="bt_train").click().run()
+    finish_training(at)
     assert not at.exception and not at.error, messages(at)
+    assert "Done: 6 steps" in messages(at) or any("Done: 6 steps" in s.value for s in at.success)
     assert "Loss during training" in " ".join(titles(at))
     at.text_input(key="bt_name").set_value(DEFAULT).run()
     at.button(key="bt_save").click().run()
@@ -309,6 +437,50 @@ def test_build_updates_costs_live_trains_and_saves(app, checkpoints_dir, tmp_pat
     at.session_state["page"] = "Inspect"
     at.run()
     assert "tiny-run" in at.selectbox(key="ckpt").options
+
+
+def finish_training(at, timeout: float = 120) -> None:
+    """Rerun until the background training run has ended (AppTest does not tick fragments)."""
+    import time
+
+    deadline = time.time() + timeout
+    while at.session_state["bt_job"].running:
+        assert time.time() < deadline, "training did not finish"
+        time.sleep(0.2)
+    at.run()
+
+
+def test_build_greys_out_the_ffn_when_attention_only_and_refuses_what_cannot_fit(app, monkeypatch):
+    at = app("Build & train")
+    at.toggle(key="bt_attn_only").set_value(False).run()
+    assert not at.number_input(key="bt_d_mlp").disabled and not at.selectbox(key="bt_ffn").disabled
+    at.toggle(key="bt_attn_only").set_value(True).run()
+    assert at.number_input(key="bt_d_mlp").disabled and at.selectbox(key="bt_ffn").disabled
+    assert at.button(key="bt_train")
+    monkeypatch.setattr(build_train, "free_memory_bytes", lambda: 10 * 2**20)  # a machine with 10 MB free
+    at.number_input(key="bt_d_model").set_value(512).run()
+    assert "Too large to train here" in messages(at)
+    assert not [b for b in at.button if b.key == "bt_train"], "no Train button for a run that cannot fit"
+
+
+def test_training_runs_in_the_background_and_can_be_cancelled(app, checkpoints_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CHECKPOINTS", str(tmp_path))
+    at = app("Build & train")
+    at.number_input(key="bt_steps").set_value(100_000)
+    at.number_input(key="bt_batch").set_value(2)
+    at.number_input(key="bt_seq_len").set_value(8).run()
+    at.button(key="bt_train").click().run()
+    job = at.session_state["bt_job"]
+    assert job.running, "the script returned while training goes on"
+    at.session_state["page"] = "Inspect"  # another page draws meanwhile
+    at.run()
+    assert not at.exception
+    at.session_state["page"] = "Build & train"
+    at.run()
+    at.button(key="bt_cancel").click().run()
+    finish_training(at)
+    assert job.status == "cancelled" and 0 < job.result["step"] < 100_000
+    assert "Cancelled at step" in messages(at) and (Path(job.result["dir"]) / "model.safetensors").is_file()
 
 
 def test_save_trained_refuses_bad_names(tmp_path):

@@ -10,11 +10,13 @@ patched run resumes from the corrupted run's cached activations at the patched l
 Attribution patching (Nanda 2023) estimates every head's patching effect at once from one
 forward and backward pass on the corrupted input: effect ~ grad(metric) . (clean - corrupted)
 at ``hook_z``. ``attribution_patching(..., exact=True)`` adds the exact effects and their
-correlation with the estimate.
+correlation with the estimate; ``patching_agreement`` sets the two side by side.
+``task_pairs`` builds clean/corrupted pairs from a checkpoint's own task (IOI's "ABC").
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -132,10 +134,18 @@ def attribution_patching(
     def keep(act: Tensor, hook) -> None:
         corrupted_z[hook.name] = act
 
+    def track(act: Tensor, hook) -> Tensor:
+        # The gradient is taken with respect to activations, never parameters: a frozen model
+        # (requires_grad=False everywhere, as an app or a notebook leaves it) still has one
+        # once the embedding output is a leaf that requires it, and every path from a head to
+        # the metric (through later heads too) stays in the graph.
+        return act.detach().requires_grad_(True)
+
     with eval_mode(model), torch.enable_grad():
-        logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=[(name, keep) for name in z_names])
+        logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=[("hook_embed", track)]
+                                      + [(name, keep) for name in z_names])
         if not logits.requires_grad:
-            raise ValueError("attribution patching needs gradients: the model's parameters have requires_grad=False")
+            raise ValueError("attribution patching needs a metric of the logits that has a gradient")
         grads = torch.autograd.grad(metric(logits), [corrupted_z[name] for name in z_names])
     per_pos = torch.stack([
         ((clean_cache[name] - corrupted_z[name].detach()) * grad).sum(dim=(0, -1))  # [pos, head]
@@ -154,3 +164,70 @@ def attribution_patching(
         frame["exact"] = (patched["metric"] - patched["corrupted"]).to_numpy()
         frame.attrs["correlation"] = float(np.corrcoef(frame["attribution"], frame["exact"])[0, 1])
     return frame
+
+
+def patching_agreement(attribution: pd.DataFrame, patched: pd.DataFrame) -> pd.DataFrame:
+    """Attribution patching beside exact patching of each head (``site="head"`` rows of an
+    ``activation_patching`` table): layer, head, attribution, exact (= metric - corrupted),
+    with ``attrs["correlation"]`` (Pearson; NaN when either side is constant)."""
+    heads = patched[patched["site"] == "head"] if "site" in patched else patched
+    if heads.empty or "attribution" not in attribution:
+        raise ValueError("patching_agreement takes an attribution_patching table and an activation_patching "
+                         "table with site='head' rows")
+    exact = heads.assign(exact=heads["metric"] - heads["corrupted"])[["layer", "head", "exact"]]
+    frame = attribution[["layer", "head", "attribution"]].merge(exact, on=["layer", "head"], validate="one_to_one")
+    if len(frame) != len(attribution):
+        raise ValueError("the two tables do not cover the same heads")
+    a, b = frame["attribution"].to_numpy(), frame["exact"].to_numpy()
+    frame.attrs["correlation"] = float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else float("nan")
+    return frame
+
+
+@dataclass(frozen=True)
+class PatchingPairs:
+    """Clean/corrupted prompt pairs with their answers, as tuples (hashable: they can key a cache).
+
+    ``clean``/``corrupted``: token ids, one row per pair, all the same length; ``answer``/``wrong``:
+    one id per pair; ``prompts``/``corrupted_prompts``: the text; ``description`` says what they are.
+    """
+
+    clean: tuple[tuple[int, ...], ...]
+    corrupted: tuple[tuple[int, ...], ...]
+    answer: tuple[int, ...]
+    wrong: tuple[int, ...]
+    prompts: tuple[str, ...]
+    corrupted_prompts: tuple[str, ...]
+    description: str
+
+
+TASK_PAIRS = {"ioi": "IOI prompts, corrupted by a third name in place of the second subject (ABC)",
+              "possession": "possession prompts, corrupted by asking about the other person"}
+
+
+def task_pairs(model, meta, n: int = 8, kind: str = "ioi", seed: int = 0) -> PatchingPairs:
+    """``n`` known-answer clean/corrupted pairs from the task a checkpoint's meta.json names.
+
+    The stories task has IOI pairs (its "ABC" corruption: the second mention of the subject
+    becomes a third name) and possession pairs; the texts are re-encoded with the model's own
+    tokenizer. ValueError when the task has no such pairs or the model cannot read them.
+    """
+    from workbench.analysis.reference import task_from_meta
+
+    check_choice("kind", kind, tuple(TASK_PAIRS))
+    n = check_int("n", n, 1)
+    task = task_from_meta(meta)
+    if not hasattr(task, f"{kind}_prompts"):
+        raise ValueError(f"the {getattr(task, 'name', type(task).__name__)} task has no {kind} prompt pairs; "
+                         "type a clean and a corrupted prompt instead")
+    batch = getattr(task, f"{kind}_prompts")(n, seed=seed)
+    corrupted_text = [task.tokenizer.decode(row.tolist()) for row in batch.corrupted]
+    if getattr(model, "tokenizer", None) is None:
+        raise ValueError("the model has no tokenizer to read the task's prompts")
+    clean = [model.tokenizer.encode(p) for p in batch.prompts]
+    corrupted = [model.tokenizer.encode(p) for p in corrupted_text]
+    if any(c != t.tolist() for c, t in zip(clean, batch.tokens)) or \
+            any(c != t.tolist() for c, t in zip(corrupted, batch.corrupted)):
+        raise ValueError("the model's tokenizer reads the task's prompts differently from the task: "
+                         "it was not trained on this task's vocabulary")
+    return PatchingPairs(tuple(map(tuple, clean)), tuple(map(tuple, corrupted)), tuple(batch.correct.tolist()),
+                         tuple(batch.wrong.tolist()), tuple(batch.prompts), tuple(corrupted_text), TASK_PAIRS[kind])

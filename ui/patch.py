@@ -1,0 +1,140 @@
+"""Patch: activation patching and attribution patching on clean/corrupted prompt pairs.
+
+The pairs are the checkpoint's own task pairs (the stories task's IOI "ABC" pairs: the
+second mention of the subject replaced by a third name; or its possession pairs), or two
+prompts typed here. The metric is the answer metric of ``common.target_picker`` (by
+default the logit difference between the answer and the wrong token at the last
+position). Each clean activation is patched into the corrupted run by layer x position
+(residual stream, attention output, MLP output) and by head; attribution patching's
+one-pass estimate of every head sits beside the exact head patching, with their correlation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import streamlit as st
+
+from ui import common
+from workbench import viz
+from workbench.analysis import (
+    TASK_PAIRS,
+    AnswerMetric,
+    activation_patching,
+    attribution_patching,
+    patching_agreement,
+    task_pairs,
+)
+
+TYPED = "typed here"
+SITES = {"resid_pre": "residual stream (entering the layer)", "attn_out": "attention output",
+         "mlp_out": "MLP output"}
+VALUES = {"fraction of the clean−corrupted gap restored": "restored", "metric after patching": "metric"}
+# The metric picker's kinds that have a gradient (attribution patching needs one).
+TASK_KINDS = {k: v for k, v in common.METRICS.items() if v in ("logit_diff", "prob", "logprob", "logit")}
+
+
+def render() -> None:
+    st.header("Patch")
+    ckpt = common.checkpoint_picker("Checkpoint", key="ckpt")
+    common.upload_widget()
+    if ckpt is None:
+        return
+    pairs = _pairs(ckpt)
+    if pairs is None:
+        return
+    clean, corrupted, metric, labels = pairs
+    sites = [s for s in SITES if s != "mlp_out" or not ckpt.cfg.attn_only]
+    a, b = st.columns([3, 2])
+    chosen = a.multiselect("Patch by layer and position", sites, default=sites, key="patch_sites",
+                           format_func=lambda s: SITES[s])
+    value = VALUES[b.radio("Show", list(VALUES), key="patch_value")]
+    rows = common.TokenRows(corrupted)
+    patched = common.analysis(activation_patching, ckpt.key, clean, corrupted_tokens=rows, metric=metric,
+                              sites=tuple(chosen) + ("head",))
+    first = patched.iloc[0]
+    c1, c2, c3 = st.columns(3)
+    c1.metric("Metric on the clean prompts", f"{first['clean']:.3f} {metric.units}")
+    c2.metric("Metric on the corrupted prompts", f"{first['corrupted']:.3f} {metric.units}")
+    c3.metric("Gap that patching can restore", f"{first['clean'] - first['corrupted']:+.3f} {metric.units}")
+    if first["clean"] == first["corrupted"]:
+        st.warning("The clean and corrupted prompts score the same, so no patch can restore anything: "
+                   "pick a corruption that changes the answer.")
+    for site in chosen:
+        common.show(viz.patching_figure(patched, site, value=value, tokens=labels, units=metric.units),
+                    key=f"patch_{site}")
+    _heads(ckpt, clean, rows, metric, patched, value)
+
+
+def _pairs(ckpt: common.Checkpoint):
+    """(clean ids, corrupted ids, metric, position labels) from the widgets; None with a message."""
+    sources = [k for k in TASK_PAIRS if _task_pairs(ckpt, k, 1) is not None]
+    labels = {k: f"the task's {k} pairs" for k in sources} | {TYPED: "two prompts typed here"}
+    source = st.radio("Prompt pairs", list(labels), format_func=labels.get, horizontal=True, key="patch_source")
+    if source != TYPED:
+        n = st.slider("Pairs", 2, 32, 8, key="patch_n")
+        pairs = _task_pairs(ckpt, source, n)
+        st.caption(f"{pairs.description}; {n} pairs of {len(pairs.clean[0])} tokens. The metric is averaged over "
+                   "them, each scored on its own answer at the last position.")
+        with st.expander("The pairs"):
+            common.table({"clean": list(pairs.prompts), "corrupted": list(pairs.corrupted_prompts)})
+        kind = TASK_KINDS[st.selectbox("Metric", list(TASK_KINDS), key="patch_task_kind")]
+        metric = AnswerMetric(kind, pairs.answer, pairs.wrong if kind == "logit_diff" else None, -1)
+        labels = [ckpt.tokenizer.token_str(i) for i in pairs.clean[0]]
+        return pairs.clean, pairs.corrupted, metric, labels
+    default = _task_pairs(ckpt, sources[0], 1) if sources else None
+    left, right = st.columns(2)
+    common.follow_default("patch_clean", default.prompts[0] if default else common.default_prompt(ckpt), ckpt.path)
+    common.follow_default("patch_corrupted", default.corrupted_prompts[0] if default else "", ckpt.path)
+    clean_text = left.text_area("Clean prompt", key="patch_clean", height=80)
+    corrupted_text = right.text_area("Corrupted prompt (as many tokens)", key="patch_corrupted", height=80)
+    clean = common.prompt_ids(ckpt, clean_text, where=left)
+    corrupted = common.prompt_ids(ckpt, corrupted_text, where=right)
+    if clean is None or corrupted is None:
+        return None
+    if len(clean) != len(corrupted):
+        st.warning(f"The clean prompt is {len(clean)} tokens and the corrupted one {len(corrupted)}: patching "
+                   "swaps activations position by position, so they must be equally long.")
+        return None
+    target = common.target_picker(ckpt, clean, key="patch_target")
+    if target is None:
+        return None
+    if target.kind == "loss":
+        st.info("Patching scores an answer: pick one of the answer metrics.")
+        return None
+    labels = [ckpt.tokenizer.token_str(i) for i in clean]
+    return (clean,), (corrupted,), target.metric(), labels
+
+
+def _task_pairs(ckpt: common.Checkpoint, kind: str, n: int):
+    try:
+        return common.analysis(task_pairs, ckpt.key, None, meta=ckpt.meta, n=n, kind=kind)
+    except ValueError:
+        return None
+
+
+def _heads(ckpt: common.Checkpoint, clean, rows: common.TokenRows, metric: AnswerMetric, patched,
+           value: str) -> None:
+    st.subheader("Heads: exact patching and attribution patching")
+    left, right = st.columns(2)
+    with left:
+        common.show(viz.patching_figure(patched, "head", value=value, units=metric.units), key="patch_heads")
+    with right:
+        if not metric.differentiable:
+            st.info("Attribution patching follows the metric's gradient; a rank has none. Pick another metric.")
+            return
+        attribution = common.analysis(attribution_patching, ckpt.key, clean, corrupted_tokens=rows, metric=metric)
+        fig = viz.layer_head_figure(attribution, value="attribution", units=f"estimated Δ {metric.units}",
+                                    title="Attribution patching: each head's estimated effect")
+        common.show(fig, key="patch_attribution")
+    agreement = _agreement(attribution, patched)
+    if agreement is not None:
+        st.caption(f"Attribution patching estimates every head from one forward and backward pass; its estimates "
+                   f"correlate with the exact effects (metric − corrupted) at r = {agreement:.3f}.")
+
+
+def _agreement(attribution, patched) -> Optional[float]:
+    try:
+        return patching_agreement(attribution, patched).attrs["correlation"]
+    except ValueError:
+        return None
