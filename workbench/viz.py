@@ -668,6 +668,7 @@ def layer_head_over_training(frame: pd.DataFrame, value: str = "score", title: s
                       sliders=[dict(active=0, steps=slider, currentvalue=dict(prefix="step "), pad=dict(t=40))],
                       title=f"{title or value} at step {steps[0]}" if steps else title, template=_template(theme))
     fig.update_yaxes(autorange="reversed")
+    return fig
 
 
 # ---- circuits --------------------------------------------------------------------------------------
