@@ -348,3 +348,14 @@ def test_circuit_figure_draws_every_edge_coloured_by_input(hand):
     assert len(fig.data[0].x) == 6  # every head of the model, faint
     with pytest.raises(ValueError, match="needs columns sender, receiver and input"):
         viz.circuit_figure(circuit.to_frame().drop(columns="input"))
+
+
+def test_auroc_counts_ties_half_and_takes_series():
+    import pandas as pd
+
+    from workbench.analysis.circuits import auroc
+
+    # pairs (positive, negative) ranked right: (0.4>0.1), (0.4>0.35), (0.8>0.1), (0.8>0.35) = 4 of 4
+    assert auroc(pd.Series([0.1, 0.4, 0.35, 0.8]), pd.Series([False, True, False, True])) == 1.0
+    assert auroc(np.array([0.5, 0.5, 0.2]), [True, False, False]) == 0.75  # a tie counts half
+    assert np.isnan(auroc([1.0, 2.0], [True, True]))

@@ -298,7 +298,8 @@ def discover_circuit(
 
 
 # ---- scoring a method against known edges --------------------------------------------------------
-def auroc(scores: Union[np.ndarray, pd.Series, Sequence[float]], positive: Union[np.ndarray, pd.Series, Sequence[bool]]) -> float:
+def auroc(scores: Union[np.ndarray, pd.Series, Sequence[float]],
+          positive: Union[np.ndarray, pd.Series, Sequence[bool]]) -> float:
     """Area under the ROC curve of ``scores`` for the ``positive`` labels (ties count half);
     NaN when either class is empty. The Mann-Whitney statistic over average ranks."""
     scores, positive = np.asarray(scores, dtype=float), np.asarray(positive, dtype=bool)

@@ -24,7 +24,6 @@ from typing import Optional
 
 import pandas as pd
 import torch
-from einops import einsum
 
 from workbench.analysis.circuits.edges import EdgeRunner, MetricLike, default_stack, edge_effects, prompt_pair
 from workbench.analysis.circuits.graph import ComputationGraph
@@ -84,9 +83,9 @@ def _gradient_scores(runner: EdgeRunner, metric, steps: int, integrated: bool) -
         grads = sum(runner.receiver_grads(metric, clean_embed + (k + 0.5) / steps * change) for k in range(steps)) / steps
     else:
         grads = runner.receiver_grads(metric)
-    # Only the sender rows with an edge to each receiver matter; the full product is small and simple.
-    full = einsum(runner.delta.double(), grads.double(), "s b p d, r b p d -> s r")
-    return full[g.edge_sender, g.edge_receiver].float()
+    # Only the sender rows with an edge to each receiver matter; the full product is one small GEMM.
+    full = runner.delta.flatten(1) @ grads.flatten(1).T  # [senders, receivers]
+    return full[g.edge_sender, g.edge_receiver].float().cpu()
 
 
 def node_attribution(model, ds, metric, method: str = "activation") -> pd.DataFrame:

@@ -5,8 +5,9 @@ Two engines, one meaning (tests check they agree, and agree with a hand-written
 
 * ``edge_patching`` patches one edge at a time, exactly, through the resume machinery
   (``workbench.analysis.resume``, ``Block.resume``). Only the receiver changes, so only it is
-  recomputed: a head receiver recomputes that one head's ``z`` from its edited q, k or v
-  input and resumes its block from ``z``; an MLP receiver recomputes that MLP and resumes
+  recomputed: a head receiver recomputes its edited projection (q, k or v) and its ``z``,
+  adds the change of ``z W_O`` to the cached attention output and resumes its block from
+  ``attn_out``; an MLP receiver recomputes that MLP and resumes
   from ``mlp_out``; the logits receiver is the final norm and unembedding of the edited
   stream. Everything below the receiver comes from the clean run's cache.
 * ``EdgeRunner.run`` runs a forward pass node by node in which every receiver's input is
@@ -173,6 +174,7 @@ class EdgeRunner:
         self._n_before = {t: int((g.sender_stage < t).sum()) for t in self.stages}
         self._layer_at = {t: (t - 1) // 2 for t in self.stages}
         self._clean_prefix = torch.cat([torch.zeros_like(self.clean_out[:1]), self.clean_out.cumsum(0)])
+        self._adjacency = g.adjacency.to(self.clean_out.device, self.clean_out.dtype)
 
     # ---- metrics of the two ends -----------------------------------------------------------
     def resolve_metric(self, metric: MetricLike) -> Callable[[Tensor], Tensor]:
@@ -199,8 +201,8 @@ class EdgeRunner:
 
     def first_stage(self, keep: Tensor) -> int:
         """The first stage whose receivers read a corrupted edge (after the last when none does)."""
-        drop = (1 - keep) * self.graph.adjacency
-        changed = drop.any(0).nonzero().flatten()
+        drop = (1 - keep.to(self._adjacency)) * self._adjacency
+        changed = drop.any(0).nonzero().flatten().cpu().numpy()
         return int(self.graph.receiver_stage[changed].min()) if len(changed) else self.stages[-1] + 1
 
     def run(
@@ -218,8 +220,7 @@ class EdgeRunner:
         [receivers, batch, pos, d_model] in receiver order.
         """
         g, model = self.graph, self.model
-        keep = g.full_mask() if keep is None else keep.to(self.clean_out.dtype)
-        keep = keep.to(self.clean_out.device)
+        keep = self._adjacency if keep is None else keep.to(self._adjacency)
         if from_stage is None:
             from_stage = 0 if (embed is not None or collect is not None) else self.first_stage(keep)
         if from_stage > self.stages[-1]:
@@ -235,7 +236,7 @@ class EdgeRunner:
         resid = (embed if embed is not None else self._clean_prefix[n_before]) + self._bias_before(from_stage)
         for stage in [t for t in self.stages if t >= from_stage]:
             receivers, n_up = self._receivers_at[stage], self._n_before[stage]
-            drop = (1 - keep[:n_up, receivers]) * g.adjacency[:n_up, receivers]
+            drop = (1 - keep[:n_up, receivers]) * self._adjacency[:n_up, receivers]
             inputs = resid.unsqueeze(0).expand(len(receivers), *resid.shape)
             rows = drop.any(1).nonzero().flatten()
             if len(rows):
@@ -288,9 +289,10 @@ def edge_effects(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], edges: 
 
     Edges are grouped by receiver and ``stack`` patches run as one batch. A head receiver
     recomputes only the projection its edge feeds (the other two are the clean ones, computed
-    once per receiver), and every receiver's recomputation is taken as a change from its own
-    recomputed clean value, so an edge whose sender is the same in both runs leaves the clean
-    activations untouched, bit for bit.
+    once per receiver) and its own ``z``, and adds the change of ``z W_O`` to the cached
+    attention output; every recomputation is taken as a change from its own recomputed clean
+    value, so an edge whose sender is the same in both runs leaves the clean activations
+    untouched, bit for bit.
     """
     g, model, cache = runner.graph, runner.model, runner.clean_cache
     by_receiver: dict[int, list[int]] = defaultdict(list)
@@ -300,32 +302,40 @@ def edge_effects(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], edges: 
     last = g.n_layers - 1
     for r, members in tqdm(by_receiver.items(), disable=not progress, desc="edge patching"):
         node = g.receivers[r]
-        if node[0] == "head":  # the head's clean q, k, v and z, recomputed once for every edge into it
+        if node[0] == "head":  # the head's clean q, k, v and z, computed once for every edge into it
             _, layer, head, kind = node
             block = model.blocks[layer]
-            x = cache[f"blocks.{layer}.hook_resid_pre"][:, :, None]
-            clean_qkv = {k: project(block, x, k, [head]) for k in ("q", "k", "v")}
+            x = cache[f"blocks.{layer}.hook_resid_pre"]
+            weights = {k: (getattr(block.attn, f"W_{k.upper()}")[head], getattr(block.attn, f"b_{k.upper()}")[head])
+                       for k in ("q", "k", "v")}
+
+            def projected(stream: Tensor, k: str) -> Tensor:  # [batch, pos, 1, d_head]
+                return (block.ln1(stream) @ weights[k][0] + weights[k][1])[:, :, None]  # noqa: B023 (called within this iteration)
+
+            clean_qkv = {k: projected(x, k) for k in ("q", "k", "v")}
             clean_z = attend(block, clean_qkv["q"], clean_qkv["k"], clean_qkv["v"], [head])[:, :, 0]
+            W_O = block.attn.W_O[head]
+        elif node[0] == "mlp":
+            layer = node[1]
+            block = model.blocks[layer]
+            x = cache[f"blocks.{layer}.hook_resid_pre" if g.parallel else f"blocks.{layer}.hook_resid_mid"]
+            clean_mlp = block.mlp(block.ln2(x))
         for start in range(0, len(members), stack):
             chunk = members[start:start + stack]
             n = len(chunk)
             delta = torch.cat([runner.delta[g.edge_sender[e]] for e in chunk])  # [n * batch, pos, d_model]
             if node[0] == "head":
                 qkv = {k: _tile(v, n) for k, v in clean_qkv.items()}
-                qkv[kind] = project(block, _tile(x, n) + delta[:, :, None], kind, [head])
-                z = _tile(cache[f"blocks.{layer}.attn.hook_z"], n).clone()
-                z[:, :, head] += attend(block, qkv["q"], qkv["k"], qkv["v"], [head])[:, :, 0] - _tile(clean_z, n)
-                logits = run_from_site(model, layer, "z", z, cache.cache_dict)
+                qkv[kind] = projected(_tile(x, n) + delta, kind)
+                change = attend(block, qkv["q"], qkv["k"], qkv["v"], [head])[:, :, 0] - _tile(clean_z, n)
+                attn_out = _tile(cache[f"blocks.{layer}.hook_attn_out"], n) + change @ W_O
+                logits = run_from_site(model, layer, "attn_out", attn_out, cache.cache_dict)
             elif node[0] == "mlp":
-                layer = node[1]
-                block = model.blocks[layer]
-                x = _tile(cache[f"blocks.{layer}.hook_resid_pre" if g.parallel else f"blocks.{layer}.hook_resid_mid"], n)
-                change = block.mlp(block.ln2(x + delta)) - block.mlp(block.ln2(x))
+                change = block.mlp(block.ln2(_tile(x, n) + delta)) - _tile(clean_mlp, n)
                 logits = run_from_site(model, layer, "mlp_out", _tile(cache[f"blocks.{layer}.hook_mlp_out"], n) + change,
                                        cache.cache_dict)
             else:
-                x = _tile(cache[f"blocks.{last}.hook_resid_post"], n)
-                logits = model.unembed(model.ln_final(x + delta))
+                logits = model.unembed(model.ln_final(_tile(cache[f"blocks.{last}.hook_resid_post"], n) + delta))
             for e, part in zip(chunk, logits.chunk(n)):
                 values[e] = float(metric_value(metric, part))
     return np.array([values[int(e)] for e in edges])

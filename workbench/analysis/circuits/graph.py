@@ -141,15 +141,16 @@ class ComputationGraph:
         """One row per edge: edge, sender, receiver, sender_layer/head, receiver_layer/head, input
         (q, k, v, mlp or logits); layer and head are -1 where they do not apply (embed, logits, MLPs)."""
         s, r = self.edge_sender, self.edge_receiver
+        senders, receivers = self.senders, self.receivers
         return pd.DataFrame({
             "edge": self.edge_labels,
-            "sender": [self.sender_labels[i] for i in s],
-            "receiver": [self.receiver_labels[i] for i in r],
-            "sender_layer": [self._layer(self.senders[i]) for i in s],
-            "sender_head": [self._head(self.senders[i]) for i in s],
-            "receiver_layer": [self._layer(self.receivers[i]) for i in r],
-            "receiver_head": [self._head(self.receivers[i]) for i in r],
-            "input": [self._input(self.receivers[i]) for i in r],
+            "sender": np.array(self.sender_labels, dtype=object)[s],
+            "receiver": np.array(self.receiver_labels, dtype=object)[r],
+            "sender_layer": np.array([self._layer(n) for n in senders])[s],
+            "sender_head": np.array([self._head(n) for n in senders])[s],
+            "receiver_layer": np.array([self._layer(n) for n in receivers])[r],
+            "receiver_head": np.array([self._head(n) for n in receivers])[r],
+            "input": np.array([self._input(n) for n in receivers], dtype=object)[r],
         })
 
     @staticmethod
