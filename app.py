@@ -26,10 +26,13 @@ PAGES = {
 torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", "1")))
 st.set_page_config(page_title="Transformer workbench", page_icon="🔬", layout="wide")
 st.sidebar.title("Workbench")
+# A link can open a page: ?page=Patch (on a session's first run only; the radio rules after that).
+if "page" not in st.session_state and st.query_params.get("page") in PAGES:
+    st.session_state["page"] = st.query_params["page"]
 page = st.sidebar.radio("Page", list(PAGES), key="page")
 # Streamlit forgets a widget's value on a run that does not draw it; re-setting these keys
 # keeps the checkpoint and the prompt when the user goes to another page and comes back.
-for key in common.PERSISTENT:
+for key in common.PERSISTENT + build_train.PERSISTENT:
     if key in st.session_state:
         st.session_state[key] = st.session_state[key]
 st.sidebar.caption(f"Checkpoints folder: `{common.checkpoints_root()}`")

@@ -594,3 +594,47 @@ def table_chart(table: pd.DataFrame, x: str, y: str, color: Optional[str] = None
     fig.update_layout(barmode="group", template=_template(theme), xaxis_title=x, yaxis_title=y,
                       showlegend=color is not None, legend_title=color)
     return fig, note
+
+
+def token_hover_figure(lens: pd.DataFrame, patterns: pd.DataFrame, layer: int, head: int, k: int = 3,
+                       batch: Optional[int] = 0, theme: str = "light") -> go.Figure:
+    """The prompt as a row of tokens; hovering one shows (as CircuitsVis' token views do) the
+    model's top-``k`` next-token predictions there, the ``k`` tokens head ``layer``/``head``
+    attends to from it, and the ``k`` tokens that attend to it most. Tokens are shaded by
+    the probability of the model's top prediction. ``lens``: a ``logit_lens``/``tuned_lens``
+    table (its final layer is the model); ``patterns``: an ``attention_patterns`` table.
+    """
+    frame = _one_batch(lens, batch)
+    final = frame[frame["layer"] == frame["layer"].max()].sort_values("pos")
+    tops = [c for c in final.columns if c.startswith("top") and c[3:].isdigit()][:k]
+    pat = _one_batch(patterns, batch)
+    pat = pat[(pat["layer"] == layer) & (pat["head"] == head)]
+    if pat.empty:
+        raise ValueError(f"no pattern for layer {layer} head {head} in the table")
+    tokens = final["token"].tolist()
+    labels = unique_labels(tokens)
+    where = unit_label(layer, head)
+
+    def listed(rows: pd.DataFrame, column: str) -> str:
+        best = rows.nlargest(k, "attention")
+        return ", ".join(f"{labels[int(p)]!r} {a:.2f}" for p, a in zip(best[column], best["attention"])) or "none"
+
+    hover = []
+    for pos, row in enumerate(final.itertuples()):
+        predictions = ", ".join(f"{getattr(row, c)!r} {getattr(row, c + '_prob'):.2f}" for c in tops)
+        hover.append(f"<b>{labels[pos]!r}</b><br>predicts: {predictions}<br>"
+                     f"{where} attends to: {listed(pat[pat['query_pos'] == pos], 'key_pos')}<br>"
+                     f"attended by: {listed(pat[pat['key_pos'] == pos], 'query_pos')}")
+    fig = go.Figure(go.Scatter(
+        x=list(range(len(tokens))), y=[0] * len(tokens), mode="markers+text", text=tokens,
+        textposition="middle center", textfont=dict(size=13),
+        marker=dict(symbol="square", size=34, color=final["top1_prob"].to_numpy(), colorscale=SEQUENTIAL, cmin=0,
+                    cmax=1, opacity=0.35, colorbar=dict(title="top-1 probability", thickness=10)),
+        hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
+    ))
+    fig.update_xaxes(visible=False, range=[-0.6, len(tokens) - 0.4])
+    fig.update_yaxes(visible=False, range=[-1, 1])
+    fig.update_layout(title=f"Tokens (hover one: predictions, and {where}'s attention from and to it)",
+                      template=_template(theme), height=170, margin=dict(t=40, b=10, l=10, r=10),
+                      width=max(600, 46 * len(tokens) + 120))
+    return fig
