@@ -11,6 +11,7 @@ import streamlit as st
 import torch
 
 from ui import ablate, build_train, common, compare, inspect, patch, sweeps
+from workbench import viz
 
 PAGES = {
     "Inspect": inspect.render,
@@ -24,6 +25,8 @@ PAGES = {
 # One thread: the app's forwards are small and latency-bound, and extra threads only
 # contend with Streamlit's own (and with other work on a shared machine).
 torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", "1")))
+# Figures take Streamlit's light or dark theme (common.show), so none builds a plotly template.
+viz.set_default_theme(None)
 st.set_page_config(page_title="Transformer workbench", page_icon="🔬", layout="wide")
 st.sidebar.title("Workbench")
 # A link can open a page: ?page=Patch (on a session's first run only; the radio rules after that).

@@ -143,7 +143,7 @@ def _train_widgets(task_name: str, cfg: wb.ModelConfig):
 def _costs(cfg: wb.ModelConfig, config) -> bool:
     """Draw the costs; False (with the reason) when training would not fit in free memory."""
     st.subheader("Cost")
-    counts = wb.count_params(cfg)
+    counts = common.param_counts(cfg)
     cols = st.columns(5)
     cols[0].metric("Parameters", f"{counts['total']:,}", help=f"Counted with the task's vocabulary of {cfg.d_vocab} tokens.")
     cols[1].metric("Forward FLOPs / token", f"{wb.forward_flops_per_token(cfg):,}")

@@ -60,7 +60,9 @@ def _tokens_and_loss(ckpt: common.Checkpoint, ids) -> None:
     common.show(viz.token_loss_figure(losses), key="inspect_loss")
 
 
+@st.fragment
 def _attention(ckpt: common.Checkpoint, ids) -> None:
+    """A fragment: choosing a layer, a head or a tab redraws this section alone."""
     st.subheader("Attention")
     # Lazy tabs: the grid of every head (one heatmap per head) is drawn only when opened.
     one, every, scores = st.tabs(["One head", "Every head", "Head scores"], key="attn_tab", on_change="rerun")

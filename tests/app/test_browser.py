@@ -82,6 +82,8 @@ def server(checkpoints_dir, tmp_path_factory):
     cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
            "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"]
     ARTIFACTS.mkdir(exist_ok=True)
+    for stale in ARTIFACTS.glob("failure-*.png"):  # from an earlier run: only this run's failures stay
+        stale.unlink()
     log = open(ARTIFACTS / "streamlit.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -131,7 +133,7 @@ def page(browser, server, request):
     tab = open_app(browser, server, marker.args[0] if marker else "Inspect")
     yield tab
     if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-        tab.screenshot(path=str(ARTIFACTS / f"failure-{request.node.name}.png"), full_page=True)
+        shot(tab, f"failure-{request.node.name}")
     tab.context.close()
 
 
@@ -233,7 +235,13 @@ def set_prompt(page, text: str) -> None:
 
 
 def shot(page, name: str) -> None:
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    """A screenshot of the whole page: Streamlit scrolls its main block, not the document, so the
+    window is made as tall as that block first (then put back)."""
+    height = page.evaluate("() => (document.querySelector('[data-testid=stMain]') || document.body).scrollHeight")
+    page.set_viewport_size({"width": 1400, "height": min(max(1000, int(height)), 8000)})
+    page.wait_for_timeout(500)  # plotly redraws at the new size
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+    page.set_viewport_size({"width": 1400, "height": 1000})
 
 
 def run_sweep(page) -> None:
