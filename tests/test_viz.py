@@ -277,3 +277,12 @@ def test_token_hover_shows_predictions_and_attention_from_and_to(model):
     assert f"attended by: '{int(first.query_pos)}: {first.query_token}' {first.attention:.2f}" in trace.hovertext[0]
     with pytest.raises(ValueError, match="no pattern"):
         viz.token_hover_figure(lens, patterns, layer=0, head=9)
+
+
+def test_layer_head_panels_wrap_into_rows(model):
+    scores = head_scores(model, seq_len=6)
+    fig = viz.head_scores_figure(scores)
+    kinds = sorted(scores["kind"].unique())
+    assert [a.text for a in fig.layout.annotations] == kinds
+    assert {t.xaxis for t in fig.data} == {"x", "x2", "x3", "x4"} and fig.layout.yaxis3.title.text == "layer"
+    assert fig.layout.yaxis.domain[0] > fig.layout.yaxis3.domain[1]  # kinds 3 and 4 sit below 1 and 2

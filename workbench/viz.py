@@ -314,15 +314,15 @@ def dla_difference_figure(diff: pd.DataFrame, granularity: str = "layer", batch:
 
 def head_scores_figure(scores: pd.DataFrame, theme: Optional[str] = "default") -> go.Figure:
     """A ``head_scores`` table (long form: layer, head, kind, score): one layer x head heatmap
-    per kind of score, side by side, every cell's score written in it."""
+    per kind of score, two to a row, every cell's score written in it."""
     for column in ("layer", "head", "kind", "score"):
         if column not in scores:
             raise ValueError(f"head_scores_figure takes the long head_scores table; it has no {column!r}")
-    fig = layer_head_figure(scores, "score", facet="kind", theme=theme, units="score")
+    kinds = scores["kind"].nunique()
+    fig = layer_head_figure(scores, "score", facet="kind", theme=theme, units="score", columns=2)
+    rows = -(-kinds // 2)
     fig.update_layout(title="Head scores (layer × head, one panel per kind)",
-                      height=max(260, 70 * scores["layer"].nunique() + 160))
-    fig.update_yaxes(title=None)
-    fig.update_yaxes(title="layer", row=1, col=1)
+                      height=rows * max(200, 60 * scores["layer"].nunique() + 90) + 120)
     return fig
 
 
@@ -361,11 +361,11 @@ def patching_figure(frame: pd.DataFrame, site: str, value: str = "metric", token
 
 def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = "",
                       facet: Optional[str] = None, theme: Optional[str] = "default", units: Optional[str] = None,
-                      clickable: bool = False, text: Optional[bool] = None) -> go.Figure:
+                      clickable: bool = False, text: Optional[bool] = None, columns: Optional[int] = None) -> go.Figure:
     """A layer x head heatmap of ``value`` (e.g. an ablation sweep's ``delta``, or head scores).
 
-    With ``facet`` (a column such as ``method`` or ``kind``), one panel per value of it.
-    ``units`` titles the colour bar (default: the column name). ``text`` writes each cell's
+    With ``facet`` (a column such as ``method`` or ``kind``), one panel per value of it,
+    ``columns`` panels to a row (default: all in one row). ``units`` titles the colour bar (default: the column name). ``text`` writes each cell's
     value in it (default: when there are at most 24 heads per panel). ``clickable`` lays a
     scatter point on every cell: plotly heatmaps emit no selection events, scatter points
     do, so a click on a cell selects that point (its ``customdata`` is [layer, head, value])
@@ -377,13 +377,16 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     # Stacked with tables that have no heads, the columns turn float (NaN there): back to whole numbers.
     frame = frame[frame["head"] >= 0].astype({"layer": int, "head": int})
     panels = sorted(frame[facet].unique()) if facet else [None]
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[str(p) for p in panels] if facet else None,
-                        horizontal_spacing=0.06)
+    per_row = min(len(panels), columns or len(panels))
+    n_rows = -(-len(panels) // per_row)
+    fig = make_subplots(rows=n_rows, cols=per_row, subplot_titles=[str(p) for p in panels] if facet else None,
+                        horizontal_spacing=0.08 if per_row > 1 else 0.06, vertical_spacing=0.12)
     diverging = bool((frame[value] < 0).any() and (frame[value] > 0).any())
     limit = float(frame[value].abs().max()) or 1.0
     text = frame["head"].nunique() <= 24 if text is None else text
     hover = "%{y} %{x}<br>" + value + " %{z:.4f}" + (f" {units}" if units else "") + "<extra></extra>"
-    for c, panel in enumerate(panels, 1):
+    for i, panel in enumerate(panels):
+        r, c = i // per_row + 1, i % per_row + 1
         part = frame if panel is None else frame[frame[facet] == panel]
         grid = part.pivot_table(index="layer", columns="head", values=value, aggfunc="mean")
         xs, ys = [head_label(h) for h in grid.columns], [unit_label(l) for l in grid.index]
@@ -391,7 +394,7 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
             z=grid.to_numpy(), x=xs, y=ys, coloraxis="coloraxis",
             texttemplate="%{z:.2f}" if text else None,
             hovertemplate=hover, hoverinfo="skip" if clickable else None,
-        ), row=1, col=c)
+        ), row=r, col=c)
         if clickable:
             layers, heads = np.meshgrid(grid.index.to_numpy(), grid.columns.to_numpy(), indexing="ij")
             values = grid.to_numpy()
@@ -405,7 +408,7 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
                 hovertemplate="%{y} %{x}<br>" + value + " %{customdata[2]:.4f}" + (f" {units}" if units else "")
                               + "<br>click to ablate<extra></extra>",
                 showlegend=False, name="cells",
-            ), row=1, col=c)
+            ), row=r, col=c)
     axis = dict(colorscale=DIVERGING, cmid=0, cmin=-limit, cmax=limit) if diverging else dict(colorscale=SEQUENTIAL)
     fig.update_layout(coloraxis={**axis, "colorbar": dict(title=units or value)}, title=title or value,
                       template=_template(theme))
@@ -414,7 +417,8 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
         fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
     fig.update_xaxes(title="head", type="category")
     fig.update_yaxes(autorange="reversed", type="category")
-    fig.update_yaxes(title="layer", row=1, col=1)
+    for r in range(1, n_rows + 1):
+        fig.update_yaxes(title="layer", row=r, col=1)
     return fig
 
 
