@@ -11,6 +11,7 @@ import streamlit as st
 import torch
 
 from ui import ablate, build_train, common, compare, inspect, patch, sweeps
+from workbench import viz
 
 PAGES = {
     "Inspect": inspect.render,
@@ -24,12 +25,17 @@ PAGES = {
 # One thread: the app's forwards are small and latency-bound, and extra threads only
 # contend with Streamlit's own (and with other work on a shared machine).
 torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", "1")))
+# Figures take Streamlit's light or dark theme (common.show), so none builds a plotly template.
+viz.set_default_theme(None)
 st.set_page_config(page_title="Transformer workbench", page_icon="🔬", layout="wide")
 st.sidebar.title("Workbench")
+# A link can open a page: ?page=Patch (on a session's first run only; the radio rules after that).
+if "page" not in st.session_state and st.query_params.get("page") in PAGES:
+    st.session_state["page"] = st.query_params["page"]
 page = st.sidebar.radio("Page", list(PAGES), key="page")
 # Streamlit forgets a widget's value on a run that does not draw it; re-setting these keys
 # keeps the checkpoint and the prompt when the user goes to another page and comes back.
-for key in common.PERSISTENT:
+for key in common.PERSISTENT + build_train.PERSISTENT:
     if key in st.session_state:
         st.session_state[key] = st.session_state[key]
 st.sidebar.caption(f"Checkpoints folder: `{common.checkpoints_root()}`")

@@ -91,7 +91,8 @@ def test_answer_metric_drives_sweeps_and_patching(model):
     row = sweep[(sweep.layer == 1) & (sweep["head"] == 2)].iloc[0]
     ablated = ablate(model, tokens, AblationSpec("head", 1, head=2))
     assert row.metric == pytest.approx(float(metric(ablated)), abs=1e-5)
-    assert row.clean == pytest.approx(float(metric(model(tokens))), abs=1e-5)
+    with torch.no_grad():
+        assert row.clean == pytest.approx(float(metric(model(tokens))), abs=1e-5)
     corrupted = tokens.clone()
     corrupted[0, 3] = (corrupted[0, 3] + 1) % 50
     frozen = wb.HookedDecoder(tiny()).eval()

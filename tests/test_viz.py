@@ -259,3 +259,30 @@ def test_a_model_keeps_its_colour_across_figures(model):
     bars = viz.token_loss_figure({"a": losses, "b": losses}, colours={"a": "#111111", "b": "#222222"})
     assert [t.marker.color for t in bars.data] == ["#111111", "#222222"]
     assert [t.marker.color for t in viz.token_loss_figure({"x": losses, "y": losses}).data] == list(viz.PAIR)
+
+
+def test_token_hover_shows_predictions_and_attention_from_and_to(model):
+    tokens = model.to_tokens("abcab")
+    lens, patterns = logit_lens(model, tokens, k=3), attention_patterns(model, tokens)
+    fig = viz.token_hover_figure(lens, patterns, layer=1, head=2)
+    trace = fig.data[0]
+    assert list(trace.text) == ["a", "b", "c", "a", "b"]
+    final = lens[lens.layer == model.cfg.n_layers].sort_values("pos")
+    last = final.iloc[-1]
+    assert f"predicts: {last.top1!r} {last.top1_prob:.2f}" in trace.hovertext[-1]
+    head = patterns[(patterns.layer == 1) & (patterns["head"] == 2)]
+    best = head[head.query_pos == 4].nlargest(1, "attention").iloc[0]
+    assert f"L1H2 attends to: '{int(best.key_pos)}: {best.key_token}' {best.attention:.2f}" in trace.hovertext[-1]
+    first = head[head.key_pos == 0].nlargest(1, "attention").iloc[0]
+    assert f"attended by: '{int(first.query_pos)}: {first.query_token}' {first.attention:.2f}" in trace.hovertext[0]
+    with pytest.raises(ValueError, match="no pattern"):
+        viz.token_hover_figure(lens, patterns, layer=0, head=9)
+
+
+def test_layer_head_panels_wrap_into_rows(model):
+    scores = head_scores(model, seq_len=6)
+    fig = viz.head_scores_figure(scores)
+    kinds = sorted(scores["kind"].unique())
+    assert [a.text for a in fig.layout.annotations] == kinds
+    assert {t.xaxis for t in fig.data} == {"x", "x2", "x3", "x4"} and fig.layout.yaxis3.title.text == "layer"
+    assert fig.layout.yaxis.domain[0] > fig.layout.yaxis3.domain[1]  # kinds 3 and 4 sit below 1 and 2

@@ -39,6 +39,10 @@ SIZES = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp", "n_ctx", "n_ex
 CHOICES = {"norm": NormChoice, "norm_placement": PlacementChoice, "positional": PositionalChoice, "ffn": FFNChoice,
            "moe_expert": MoEExpertChoice}
 FLAGS = ("attn_only", "parallel_residual", "tie_embeddings", "bias")
+# Widget keys kept while another page is shown (app.py re-sets them every run): a model being
+# built, or one training in the background, keeps its settings when the user looks elsewhere.
+PERSISTENT = ("bt_task", "bt_preset", *(f"bt_{n}" for n in (*SIZES, *CHOICES, *FLAGS)),
+              "bt_steps", "bt_batch", "bt_seq_len", "bt_lr", "bt_warmup", "bt_name", "bt_replace")
 FFN_WIDGETS = ("d_mlp", "ffn", "moe_expert", "n_experts", "experts_per_token")  # unused by an attention-only model
 MEMORY_SHARE = 0.5  # refuse a run whose estimated training memory exceeds this share of the free memory
 
@@ -117,12 +121,16 @@ def _config_widgets(d_vocab: int):
 
 def _train_widgets(task_name: str, cfg: wb.ModelConfig):
     st.subheader("Training")
+    # Defaults through the session state (not value=): these keys outlive visits to other pages.
+    for key, default in (("bt_steps", 300), ("bt_batch", 16), ("bt_seq_len", max(2, min(64, cfg.n_ctx))),
+                         ("bt_lr", 1e-3), ("bt_warmup", 30)):
+        st.session_state.setdefault(key, default)
     cols = st.columns(5)
-    steps = cols[0].number_input("steps", min_value=1, value=300, step=50, key="bt_steps")
-    batch = cols[1].number_input("batch size", min_value=1, value=16, step=8, key="bt_batch")
-    seq_len = cols[2].number_input("sequence length", min_value=2, value=min(64, cfg.n_ctx), step=8, key="bt_seq_len")
-    lr = cols[3].number_input("learning rate", min_value=1e-5, max_value=1.0, value=1e-3, format="%.0e", key="bt_lr")
-    warmup = cols[4].number_input("warmup steps", min_value=0, value=30, step=10, key="bt_warmup")
+    steps = cols[0].number_input("steps", min_value=1, step=50, key="bt_steps")
+    batch = cols[1].number_input("batch size", min_value=1, step=8, key="bt_batch")
+    seq_len = cols[2].number_input("sequence length", min_value=2, step=8, key="bt_seq_len")
+    lr = cols[3].number_input("learning rate", min_value=1e-5, max_value=1.0, format="%.0e", key="bt_lr")
+    warmup = cols[4].number_input("warmup steps", min_value=0, step=10, key="bt_warmup")
     try:
         return TrainConfig(task=task_name, steps=int(steps), batch_size=int(batch), seq_len=int(seq_len), lr=float(lr),
                            warmup_steps=int(warmup), eval_every=max(1, int(steps) // 5), log_every=max(1, int(steps) // 50),
@@ -135,7 +143,7 @@ def _train_widgets(task_name: str, cfg: wb.ModelConfig):
 def _costs(cfg: wb.ModelConfig, config) -> bool:
     """Draw the costs; False (with the reason) when training would not fit in free memory."""
     st.subheader("Cost")
-    counts = wb.count_params(cfg)
+    counts = common.param_counts(cfg)
     cols = st.columns(5)
     cols[0].metric("Parameters", f"{counts['total']:,}", help=f"Counted with the task's vocabulary of {cfg.d_vocab} tokens.")
     cols[1].metric("Forward FLOPs / token", f"{wb.forward_flops_per_token(cfg):,}")
@@ -274,7 +282,8 @@ def _saving() -> None:
     common.show(viz.loss_curves(trained["dir"], title="Loss during training"), key="bt_curve")
     root = common.checkpoints_root()
     cols = st.columns([3, 2, 1])
-    name = cols[0].text_input("Save as", value=f"my-{st.session_state['bt_task']}-model", key="bt_name").strip()
+    st.session_state.setdefault("bt_name", f"my-{st.session_state['bt_task']}-model")
+    name = cols[0].text_input("Save as", key="bt_name").strip()
     replace = cols[1].checkbox("Replace if it exists", key="bt_replace")
     if cols[2].button("Save", key="bt_save"):
         try:

@@ -682,15 +682,35 @@ def table(df, **kwargs) -> None:
 
 
 # ---- the model card ---------------------------------------------------------------------------------
-def training_curve(path, where=st) -> Optional[pd.DataFrame]:
-    """metrics.csv under ``path`` (``workbench.training.read_metrics``); None, with a message
-    in ``where`` when it is unreadable, when there is none or it is empty."""
+@st.cache_data(max_entries=32, show_spinner=False)
+def _read_metrics(path: str, stamp: int) -> pd.DataFrame:
+    return read_metrics(path)
+
+
+def _metrics_stamp(path) -> int:
+    p = Path(path)
+    csv = p / "metrics.csv" if p.is_dir() else p
     try:
-        metrics = read_metrics(path)
+        return csv.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def training_curve(path, where=st) -> Optional[pd.DataFrame]:
+    """metrics.csv under ``path`` (``workbench.training.read_metrics``, cached per file version);
+    None, with a message in ``where`` when it is unreadable, when there is none or it is empty."""
+    try:
+        metrics = _read_metrics(str(path), _metrics_stamp(path))
     except ValueError as e:
         where.warning(f"Cannot draw the training curve: {e}")
         return None
     return None if metrics.empty or "step" not in metrics else metrics
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def param_counts(cfg: wb.ModelConfig) -> dict[str, int]:
+    """``workbench.count_params`` (it builds the model on the meta device), cached per config."""
+    return wb.count_params(cfg)
 
 
 def config_table(cfg: wb.ModelConfig) -> pd.DataFrame:
@@ -701,7 +721,7 @@ def model_card(ckpt: Checkpoint) -> None:
     """Config, parameter counts, what meta.json says, and the training curve."""
     from workbench import viz
 
-    counts = wb.count_params(ckpt.cfg)
+    counts = param_counts(ckpt.cfg)
     cols = st.columns(4)
     cols[0].metric("Parameters", f"{counts['total']:,}")
     cols[1].metric("Non-embedding", f"{counts['non_embedding']:,}")

@@ -1,7 +1,8 @@
 """Inspect: one checkpoint, one prompt, everything inside it.
 
-Tokens with their per-token loss; the attention pattern of a chosen head and a grid of
-every head; the logit lens; direct logit attribution for a target token (or a logit
+Tokens with their per-token loss; the attention pattern of a chosen head (and the prompt's
+tokens: hover one for its top predictions and that head's attention from and to it) and a
+grid of every head; the logit lens; direct logit attribution for a target token (or a logit
 difference between two); the logit or tuned lens; residual-stream norms per layer; and the model card.
 """
 
@@ -59,7 +60,9 @@ def _tokens_and_loss(ckpt: common.Checkpoint, ids) -> None:
     common.show(viz.token_loss_figure(losses), key="inspect_loss")
 
 
+@st.fragment
 def _attention(ckpt: common.Checkpoint, ids) -> None:
+    """A fragment: choosing a layer, a head or a tab redraws this section alone."""
     st.subheader("Attention")
     # Lazy tabs: the grid of every head (one heatmap per head) is drawn only when opened.
     one, every, scores = st.tabs(["One head", "Every head", "Head scores"], key="attn_tab", on_change="rerun")
@@ -70,6 +73,8 @@ def _attention(ckpt: common.Checkpoint, ids) -> None:
             layer = a.selectbox("Layer", range(ckpt.cfg.n_layers), key="attn_layer")
             head = b.selectbox("Head", range(ckpt.cfg.n_heads), key="attn_head")
             common.show(viz.attention_figure(patterns, layer, head), key="inspect_attention")
+            lens = common.lens_table(ckpt, ids, "logit")
+            common.show(viz.token_hover_figure(lens, patterns, layer, head), key="inspect_tokens")
     if every.open:
         with every:
             common.show(viz.attention_grid(patterns), key="inspect_grid")

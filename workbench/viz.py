@@ -1,12 +1,16 @@
 """Plotly figures drawn from the analysis DataFrames (never from raw tensors).
 
 Each function takes the table an analysis call returned and gives a ``plotly`` Figure:
-attention patterns (one head, or every head in one mosaic heatmap), the logit-lens heatmap, direct
-logit attribution bars, a layer x head heatmap for sweeps, per-token loss bars (one run or
-several side by side), residual-stream norms across layers, loss curves from a
-checkpoint's ``metrics.csv``, and ``side_by_side`` for any two of them. ``theme`` is
-``"light"`` or ``"dark"``; colour scales are perceptually uniform so both read well, and
-text on heatmaps takes plotly's automatic contrasting colour. Tokens on axes are
+attention patterns (one head, or every head in one mosaic heatmap, or a change of them), the
+logit-lens heatmap (and its clean-minus-changed difference), direct logit attribution bars
+(and their difference), a layer x head heatmap for sweeps and head scores (clickable cells
+for a page), patching heatmaps, per-token loss bars (one run or several side by side),
+residual-stream norms across layers, loss curves from a checkpoint's ``metrics.csv``, a
+token strip with hover details, a chart of any table column, ``side_by_side`` for any two
+of them, and the figure of an HTML file plotly wrote. ``theme`` is ``"light"`` or ``"dark"``
+(None: no template; the default is ``"light"``, see ``set_default_theme``); colour scales are
+perceptually uniform so both read well, and text on heatmaps takes plotly's automatic
+contrasting colour. Tokens on axes are
 position-prefixed (``"3: the"``) so repeated tokens stay distinct; units are named by
 ``unit_label`` (``L1H4``), as everywhere else.
 """
@@ -21,6 +25,7 @@ from typing import Optional, Union
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from workbench.analysis.common import check_choice, head_label, unique_labels, unit_label
@@ -35,7 +40,28 @@ PAIR = ("#1f77b4", "#ff7f0e")  # model A and model B (or clean and ablated), the
 LAST_POSITION = "#e377c2"  # the frame around the position a prompt's answer is predicted at
 
 
-def _template(theme: str) -> str:
+_default_theme: Optional[str] = "light"
+
+
+def set_default_theme(theme: Optional[str]) -> None:
+    """The theme of figures whose call names none (``theme="default"``): "light", "dark", or None.
+
+    None builds no template at all, for a program that styles figures itself (the app: its
+    figures take Streamlit's light or dark theme). It also stops plotly from copying its own
+    default template into every new figure, which costs more than building a small figure.
+    """
+    global _default_theme
+    if theme is not None:
+        check_choice("theme", theme, list(THEMES))
+    _default_theme = theme
+    pio.templates.default = "plotly" if theme is not None else None
+
+
+def _template(theme: Optional[str]) -> Optional[str]:
+    """The plotly template of ``theme`` ("default": the one ``set_default_theme`` chose; None: none)."""
+    theme = _default_theme if theme == "default" else theme
+    if theme is None:
+        return None
     check_choice("theme", theme, list(THEMES))
     return THEMES[theme]
 
@@ -59,7 +85,7 @@ def _square(frame: pd.DataFrame) -> tuple[np.ndarray, list[str], list[str]]:
 
 
 def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optional[int] = 0,
-                     theme: str = "light", difference: bool = False) -> go.Figure:
+                     theme: Optional[str] = "default", difference: bool = False) -> go.Figure:
     """One head's pattern: query tokens down, key tokens across (every token labelled), hover
     shows both and the weight. ``difference``: the table holds a change of attention
     (``pattern_difference``: clean - changed), drawn on a diverging scale around 0."""
@@ -89,7 +115,7 @@ def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optio
     return fig
 
 
-def attention_grid(patterns: pd.DataFrame, batch: Optional[int] = 0, theme: str = "light") -> go.Figure:
+def attention_grid(patterns: pd.DataFrame, batch: Optional[int] = 0, theme: Optional[str] = "default") -> go.Figure:
     """Every head's pattern, layers down, heads across, on one colour scale.
 
     One heatmap trace laid out as a mosaic (an empty row and column between the tiles), not
@@ -138,7 +164,7 @@ MAX_LENS_TEXT = 20  # positions: above this, cell text would shrink below readin
 
 
 def logit_lens_figure(lens: pd.DataFrame, batch: Optional[int] = 0, color: str = "prob",
-                      theme: str = "light", text: Optional[bool] = None) -> go.Figure:
+                      theme: Optional[str] = "default", text: Optional[bool] = None) -> go.Figure:
     """Layers down, positions across, the lens' top token in each cell.
 
     ``color``: ``prob`` (the top token's probability), ``target_prob``, ``rank`` (the
@@ -187,7 +213,7 @@ def _outline_last_column(fig: go.Figure, xs: list[str], rows: list[str], row=Non
                   line=dict(color=LAST_POSITION, width=3), fillcolor="rgba(0,0,0,0)", row=row, col=col)
 
 
-def lens_difference_figure(diff: pd.DataFrame, batch: Optional[int] = 0, theme: str = "light",
+def lens_difference_figure(diff: pd.DataFrame, batch: Optional[int] = 0, theme: Optional[str] = "default",
                            text: Optional[bool] = None) -> go.Figure:
     """A ``lens_difference`` table: clean - changed of its value per layer and position, on a
     diverging scale; a cell whose top token changed reads ``clean→changed`` (in the cell or on hover)."""
@@ -229,12 +255,12 @@ def _structural_zeros(frame: pd.DataFrame) -> pd.DataFrame:
     """Drop the bias parts that are exactly zero in every row: a model without biases still
     lists them (zero by structure, not by measurement), and a bar of 0 says nothing."""
     bias = frame["kind"].isin(["attn_bias", "final_bias"])
-    zero = frame.groupby("component")["attribution"].transform(lambda a: bool((a == 0).all()))
+    zero = ~frame["attribution"].ne(0).groupby(frame["component"]).transform("any")
     return frame[~(bias & zero)]
 
 
 def dla_figure(dla: pd.DataFrame, granularity: str = "layer", batch: Optional[int] = None,
-               theme: str = "light") -> go.Figure:
+               theme: Optional[str] = "default") -> go.Figure:
     """Direct logit attribution bars, one per component (averaged over the batch unless
     ``batch``), coloured by kind with a legend; bias parts that are zero by construction
     (no-bias models) are left out."""
@@ -258,15 +284,14 @@ def dla_figure(dla: pd.DataFrame, granularity: str = "layer", batch: Optional[in
 
 
 def dla_difference_figure(diff: pd.DataFrame, granularity: str = "layer", batch: Optional[int] = None,
-                          theme: str = "light") -> go.Figure:
+                          theme: Optional[str] = "default") -> go.Figure:
     """A ``dla_difference`` table: each component's attribution clean and changed (bars) and
     clean - changed (markers); structurally zero bias parts left out."""
     check_choice("granularity", granularity, ("head", "layer"))
     frame = _one_batch(diff, batch)
     frame = frame[frame["granularity"] == granularity]
     bias = frame["kind"].isin(["attn_bias", "final_bias"])
-    zero = frame.groupby("component")["clean"].transform(lambda a: bool((a == 0).all())) & \
-        frame.groupby("component")["changed"].transform(lambda a: bool((a == 0).all()))
+    zero = ~(frame["clean"].ne(0) | frame["changed"].ne(0)).groupby(frame["component"]).transform("any")
     frame = frame[~(bias & zero)]
     order = frame.drop_duplicates("component")["component"].tolist()
     mean = frame.groupby("component", sort=False)[["clean", "changed", "difference"]].mean().reindex(order)
@@ -287,22 +312,22 @@ def dla_difference_figure(diff: pd.DataFrame, granularity: str = "layer", batch:
     return fig
 
 
-def head_scores_figure(scores: pd.DataFrame, theme: str = "light") -> go.Figure:
+def head_scores_figure(scores: pd.DataFrame, theme: Optional[str] = "default") -> go.Figure:
     """A ``head_scores`` table (long form: layer, head, kind, score): one layer x head heatmap
-    per kind of score, side by side, every cell's score written in it."""
+    per kind of score, two to a row, every cell's score written in it."""
     for column in ("layer", "head", "kind", "score"):
         if column not in scores:
             raise ValueError(f"head_scores_figure takes the long head_scores table; it has no {column!r}")
-    fig = layer_head_figure(scores, "score", facet="kind", theme=theme, units="score")
+    kinds = scores["kind"].nunique()
+    fig = layer_head_figure(scores, "score", facet="kind", theme=theme, units="score", columns=2)
+    rows = -(-kinds // 2)
     fig.update_layout(title="Head scores (layer × head, one panel per kind)",
-                      height=max(260, 70 * scores["layer"].nunique() + 160))
-    fig.update_yaxes(title=None)
-    fig.update_yaxes(title="layer", row=1, col=1)
+                      height=rows * max(200, 60 * scores["layer"].nunique() + 90) + 120)
     return fig
 
 
 def patching_figure(frame: pd.DataFrame, site: str, value: str = "metric", tokens: Optional[list[str]] = None,
-                    units: str = "", theme: str = "light") -> go.Figure:
+                    units: str = "", theme: Optional[str] = "default") -> go.Figure:
     """One site of an ``activation_patching`` table as a heatmap: layer x position for the
     residual / attention / MLP sites (``tokens`` label the positions), layer x head for ``head``.
     ``value``: ``metric`` or ``restored`` (the fraction of the clean-corrupted gap restored)."""
@@ -335,12 +360,12 @@ def patching_figure(frame: pd.DataFrame, site: str, value: str = "metric", token
 
 
 def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = "",
-                      facet: Optional[str] = None, theme: str = "light", units: Optional[str] = None,
-                      clickable: bool = False, text: Optional[bool] = None) -> go.Figure:
+                      facet: Optional[str] = None, theme: Optional[str] = "default", units: Optional[str] = None,
+                      clickable: bool = False, text: Optional[bool] = None, columns: Optional[int] = None) -> go.Figure:
     """A layer x head heatmap of ``value`` (e.g. an ablation sweep's ``delta``, or head scores).
 
-    With ``facet`` (a column such as ``method`` or ``kind``), one panel per value of it.
-    ``units`` titles the colour bar (default: the column name). ``text`` writes each cell's
+    With ``facet`` (a column such as ``method`` or ``kind``), one panel per value of it,
+    ``columns`` panels to a row (default: all in one row). ``units`` titles the colour bar (default: the column name). ``text`` writes each cell's
     value in it (default: when there are at most 24 heads per panel). ``clickable`` lays a
     scatter point on every cell: plotly heatmaps emit no selection events, scatter points
     do, so a click on a cell selects that point (its ``customdata`` is [layer, head, value])
@@ -352,13 +377,16 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     # Stacked with tables that have no heads, the columns turn float (NaN there): back to whole numbers.
     frame = frame[frame["head"] >= 0].astype({"layer": int, "head": int})
     panels = sorted(frame[facet].unique()) if facet else [None]
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[str(p) for p in panels] if facet else None,
-                        horizontal_spacing=0.06)
+    per_row = min(len(panels), columns or len(panels))
+    n_rows = -(-len(panels) // per_row)
+    fig = make_subplots(rows=n_rows, cols=per_row, subplot_titles=[str(p) for p in panels] if facet else None,
+                        horizontal_spacing=0.08 if per_row > 1 else 0.06, vertical_spacing=0.12)
     diverging = bool((frame[value] < 0).any() and (frame[value] > 0).any())
     limit = float(frame[value].abs().max()) or 1.0
     text = frame["head"].nunique() <= 24 if text is None else text
     hover = "%{y} %{x}<br>" + value + " %{z:.4f}" + (f" {units}" if units else "") + "<extra></extra>"
-    for c, panel in enumerate(panels, 1):
+    for i, panel in enumerate(panels):
+        r, c = i // per_row + 1, i % per_row + 1
         part = frame if panel is None else frame[frame[facet] == panel]
         grid = part.pivot_table(index="layer", columns="head", values=value, aggfunc="mean")
         xs, ys = [head_label(h) for h in grid.columns], [unit_label(l) for l in grid.index]
@@ -366,7 +394,7 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
             z=grid.to_numpy(), x=xs, y=ys, coloraxis="coloraxis",
             texttemplate="%{z:.2f}" if text else None,
             hovertemplate=hover, hoverinfo="skip" if clickable else None,
-        ), row=1, col=c)
+        ), row=r, col=c)
         if clickable:
             layers, heads = np.meshgrid(grid.index.to_numpy(), grid.columns.to_numpy(), indexing="ij")
             values = grid.to_numpy()
@@ -380,7 +408,7 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
                 hovertemplate="%{y} %{x}<br>" + value + " %{customdata[2]:.4f}" + (f" {units}" if units else "")
                               + "<br>click to ablate<extra></extra>",
                 showlegend=False, name="cells",
-            ), row=1, col=c)
+            ), row=r, col=c)
     axis = dict(colorscale=DIVERGING, cmid=0, cmin=-limit, cmax=limit) if diverging else dict(colorscale=SEQUENTIAL)
     fig.update_layout(coloraxis={**axis, "colorbar": dict(title=units or value)}, title=title or value,
                       template=_template(theme))
@@ -389,12 +417,13 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
         fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
     fig.update_xaxes(title="head", type="category")
     fig.update_yaxes(autorange="reversed", type="category")
-    fig.update_yaxes(title="layer", row=1, col=1)
+    for r in range(1, n_rows + 1):
+        fig.update_yaxes(title="layer", row=r, col=1)
     return fig
 
 
 def loss_curves(metrics: Union[str, Path, pd.DataFrame], title: str = "Loss", log_x: bool = False,
-                theme: str = "light", colours: Optional[dict] = None) -> go.Figure:
+                theme: Optional[str] = "default", colours: Optional[dict] = None) -> go.Figure:
     """Train and validation loss against step, from ``metrics.csv`` (a path, a checkpoint
     directory, or its DataFrame: step, train_loss, val_loss, ...). A ``run`` column gives
     one pair of curves per run, in one colour per run (train solid, validation dashed);
@@ -421,7 +450,7 @@ def loss_curves(metrics: Union[str, Path, pd.DataFrame], title: str = "Loss", lo
 
 
 def token_loss_figure(losses: Union[pd.DataFrame, dict[str, pd.DataFrame]], title: str = "Per-token loss",
-                      batch: Optional[int] = 0, theme: str = "light", colours: Optional[dict] = None) -> go.Figure:
+                      batch: Optional[int] = 0, theme: Optional[str] = "default", colours: Optional[dict] = None) -> go.Figure:
     """Bars of the loss of predicting each token, placed at the token predicted (``"4: cat"``).
 
     ``losses``: a ``token_losses`` table (bars green where the top prediction was right, red
@@ -450,7 +479,7 @@ def token_loss_figure(losses: Union[pd.DataFrame, dict[str, pd.DataFrame]], titl
 
 
 def residual_norms_figure(norms: pd.DataFrame, title: str = "Residual-stream norm", batch: Optional[int] = 0,
-                          theme: str = "light") -> go.Figure:
+                          theme: Optional[str] = "default") -> go.Figure:
     """A ``residual_norms`` table: the norm at every position across layers (thin lines, hover
     names the token), and their mean (thick).
 
@@ -475,7 +504,7 @@ def residual_norms_figure(norms: pd.DataFrame, title: str = "Residual-stream nor
 
 
 def side_by_side(left: go.Figure, right: go.Figure, titles: Optional[tuple[str, str]] = None,
-                 theme: str = "light") -> go.Figure:
+                 theme: Optional[str] = "default") -> go.Figure:
     """Two figures in one row (e.g. a model clean and ablated, or two models)."""
     for source in (left, right):
         if any(getattr(trace, "xaxis", None) not in (None, "x") for trace in source.data):
@@ -822,7 +851,7 @@ def figure_from_html(html: str) -> Optional[go.Figure]:
 
 
 def table_chart(table: pd.DataFrame, x: str, y: str, color: Optional[str] = None, kind: str = "bar",
-                theme: str = "light") -> tuple[go.Figure, str]:
+                theme: Optional[str] = "default") -> tuple[go.Figure, str]:
     """A bar, line or scatter chart of ``y`` against ``x`` (one trace per ``color`` value),
     and a note for the reader ("" when there is nothing to say).
 
@@ -856,3 +885,50 @@ def table_chart(table: pd.DataFrame, x: str, y: str, color: Optional[str] = None
     fig.update_layout(barmode="group", template=_template(theme), xaxis_title=x, yaxis_title=y,
                       showlegend=color is not None, legend_title=color)
     return fig, note
+
+
+def token_hover_figure(lens: pd.DataFrame, patterns: pd.DataFrame, layer: int, head: int, k: int = 3,
+                       batch: Optional[int] = 0, theme: Optional[str] = "default") -> go.Figure:
+    """The prompt as a row of tokens; hovering one shows (as CircuitsVis' token views do) the
+    model's top-``k`` next-token predictions there, the ``k`` tokens head ``layer``/``head``
+    attends to from it, and the ``k`` tokens that attend to it most. Tokens are shaded by
+    the probability of the model's top prediction. ``lens``: a ``logit_lens``/``tuned_lens``
+    table (its final layer is the model); ``patterns``: an ``attention_patterns`` table.
+    """
+    frame = _one_batch(lens, batch)
+    final = frame[frame["layer"] == frame["layer"].max()].sort_values("pos")
+    tops = [c for c in final.columns if c.startswith("top") and c[3:].isdigit()][:k]
+    pat = _one_batch(patterns, batch)
+    pat = pat[(pat["layer"] == layer) & (pat["head"] == head)]
+    if pat.empty:
+        raise ValueError(f"no pattern for layer {layer} head {head} in the table")
+    tokens = final["token"].tolist()
+    labels = unique_labels(tokens)
+    where = unit_label(layer, head)
+    square, _, _ = _square(pat)  # [query, key], NaN above the diagonal
+
+    def listed(weights: np.ndarray, offset: int = 0) -> str:
+        order = np.argsort(-np.nan_to_num(weights, nan=-1.0), kind="stable")[:k]
+        return ", ".join(f"{labels[offset + int(i)]!r} {weights[i]:.2f}" for i in order if not np.isnan(weights[i]))
+
+    words = {c: final[c].tolist() for c in tops}
+    probs = {c: final[c + "_prob"].to_numpy() for c in tops}
+    hover = []
+    for pos in range(len(tokens)):
+        predictions = ", ".join(f"{words[c][pos]!r} {probs[c][pos]:.2f}" for c in tops)
+        hover.append(f"<b>{labels[pos]!r}</b><br>predicts: {predictions}<br>"
+                     f"{where} attends to: {listed(square[pos, : pos + 1]) or 'none'}<br>"
+                     f"attended by: {listed(square[pos:, pos], offset=pos) or 'none'}")
+    fig = go.Figure(go.Scatter(
+        x=list(range(len(tokens))), y=[0] * len(tokens), mode="markers+text", text=tokens,
+        textposition="middle center", textfont=dict(size=13),
+        marker=dict(symbol="square", size=34, color=final["top1_prob"].to_numpy(), colorscale=SEQUENTIAL, cmin=0,
+                    cmax=1, opacity=0.35, colorbar=dict(title="top-1 probability", thickness=10)),
+        hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
+    ))
+    fig.update_xaxes(visible=False, range=[-0.6, len(tokens) - 0.4])
+    fig.update_yaxes(visible=False, range=[-1, 1])
+    fig.update_layout(title=f"Tokens (hover one: predictions, and {where}'s attention from and to it)",
+                      template=_template(theme), height=170, margin=dict(t=40, b=10, l=10, r=10),
+                      width=max(600, 46 * len(tokens) + 120))
+    return fig

@@ -42,6 +42,10 @@ def app(checkpoints_dir, monkeypatch):
     return open_page
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "page(name): the app page a browser test opens on")
+
+
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Each phase's report on the test item, so a fixture can tell whether its test failed

@@ -14,12 +14,14 @@ real click on each kind of control. Screenshots of every page land in artifacts/
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -80,6 +82,8 @@ def server(checkpoints_dir, tmp_path_factory):
     cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
            "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"]
     ARTIFACTS.mkdir(exist_ok=True)
+    for stale in ARTIFACTS.glob("failure-*.png"):  # from an earlier run: only this run's failures stay
+        stale.unlink()
     log = open(ARTIFACTS / "streamlit.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -110,19 +114,27 @@ def browser():
             chromium.close()
 
 
-@pytest.fixture
-def page(browser, server, request):
-    """A fresh browser session (its own Streamlit session) on the app; screenshots on failure."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+def open_app(browser, server, name: str = "Inspect", scheme: str = "light"):
+    """A fresh browser session (its own Streamlit session) opened on page ``name`` (``?page=``)."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, color_scheme=scheme)
     tab = context.new_page()
     tab.set_default_timeout(60_000)
-    tab.goto(server["url"], wait_until="domcontentloaded")
-    tab.wait_for_selector(".js-plotly-plot", timeout=180_000)
+    tab.goto(f"{server['url']}/?page={quote(name)}", wait_until="domcontentloaded")
+    heading(tab, name).wait_for(timeout=180_000)
     wait_idle(tab)
+    return tab
+
+
+@pytest.fixture
+def page(browser, server, request):
+    """A browser session on the page the test names with ``@pytest.mark.page("Ablate")`` (Inspect
+    by default); a screenshot of it when the test fails."""
+    marker = request.node.get_closest_marker("page")
+    tab = open_app(browser, server, marker.args[0] if marker else "Inspect")
     yield tab
     if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-        tab.screenshot(path=str(ARTIFACTS / f"failure-{request.node.name}.png"), full_page=True)
-    context.close()
+        shot(tab, f"failure-{request.node.name}")
+    tab.context.close()
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -161,9 +173,58 @@ def assert_drawn(locator, what: str, svg: bool = True) -> None:
 
 
 def go_to(page, name: str) -> None:
+    """A real click on the sidebar's page radio."""
     page.locator("[data-testid=stSidebar] label", has_text=name).first.click()
     wait_idle(page)
-    page.wait_for_selector(f"h1:has-text('{name}'), h2:has-text('{name}')", timeout=60_000)
+    heading(page, name).wait_for(timeout=60_000)
+
+
+def heading(page, name: str):
+    """The page's own header (``st.header``), not a subheader or the sidebar's title."""
+    return page.locator("[data-testid=stMain]").get_by_role("heading", name=name, exact=True).first
+
+
+def widget(page, testid: str, label: str):
+    return page.locator(f"[data-testid={testid}]", has=page.locator("label", has_text=label)).first
+
+
+def choose(page, label: str, option: str) -> None:
+    """A selectbox: click it (again if the list did not open: a click right after a scroll can
+    land while the page still moves), click the option."""
+    box = widget(page, "stSelectbox", label)
+    box.scroll_into_view_if_needed()
+    item = page.get_by_role("option", name=option, exact=True)
+    for _ in range(3):
+        box.click()
+        try:
+            item.wait_for(state="visible", timeout=3_000)
+            break
+        except sync_api.TimeoutError:
+            page.keyboard.press("Escape")
+    item.click()
+    wait_idle(page)
+
+
+def pick(page, label: str, option: str) -> None:
+    """A multiselect: click it, type, choose the option."""
+    box = widget(page, "stMultiSelect", label)
+    box.click()
+    page.keyboard.type(option)
+    page.get_by_role("option", name=option, exact=True).click()
+    page.keyboard.press("Escape")
+    wait_idle(page)
+
+
+def radio(page, label: str) -> None:
+    page.locator("[data-testid=stRadio] label", has_text=label).first.click()
+    wait_idle(page)
+
+
+def type_into(page, label: str, text: str, testid: str = "stTextInput") -> None:
+    box = widget(page, testid, label).locator("input, textarea").first
+    box.fill(text)
+    box.press("Enter" if testid != "stTextArea" else "Control+Enter")
+    wait_idle(page)
 
 
 def set_prompt(page, text: str) -> None:
@@ -174,7 +235,13 @@ def set_prompt(page, text: str) -> None:
 
 
 def shot(page, name: str) -> None:
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    """A screenshot of the whole page: Streamlit scrolls its main block, not the document, so the
+    window is made as tall as that block first (then put back)."""
+    height = page.evaluate("() => (document.querySelector('[data-testid=stMain]') || document.body).scrollHeight")
+    page.set_viewport_size({"width": 1400, "height": min(max(1000, int(height)), 8000)})
+    page.wait_for_timeout(500)  # plotly redraws at the new size
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+    page.set_viewport_size({"width": 1400, "height": 1000})
 
 
 def run_sweep(page) -> None:
@@ -199,15 +266,11 @@ def click_cell(page, fig, layer: int, head: int, n_layers: int, n_heads: int) ->
 
 
 # ---- Inspect -----------------------------------------------------------------------------------
-def test_inspect_draws_in_light_and_dark(browser, server):
+def test_inspect_draws_in_light_and_dark_and_its_controls_respond(browser, server):
     for scheme in ("light", "dark"):
-        context = browser.new_context(viewport={"width": 1400, "height": 1000}, color_scheme=scheme)
-        tab = context.new_page()
+        tab = open_app(browser, server, "Inspect", scheme)
         try:
-            tab.goto(server["url"], wait_until="domcontentloaded")
-            tab.wait_for_selector(".js-plotly-plot", timeout=180_000)
-            wait_idle(tab)
-            for title in ("Attention L", "Logit lens", "Per-token loss", "direct attribution"):
+            for title in ("Attention L", "Logit lens", "Per-token loss", "direct attribution", "Residual-stream norm"):
                 assert_drawn(figure(tab, title), title)
             no_exception(tab)
             assert "cannot encode" not in tab.inner_text("body")
@@ -215,14 +278,30 @@ def test_inspect_draws_in_light_and_dark(browser, server):
             tab.screenshot(path=str(ARTIFACTS / f"inspect-{scheme}.png"))
             figure(tab, "Logit lens").scroll_into_view_if_needed()
             tab.screenshot(path=str(ARTIFACTS / f"inspect-{scheme}-lens.png"))
+            if scheme == "dark":
+                continue
+            choose(tab, "Layer", "1")  # a selectbox
+            sync_api.expect(figure(tab, "Attention L1H0")).to_be_visible()
+            radio(tab, "tuned lens")  # a radio
+            assert_drawn(figure(tab, "Tuned lens"), "tuned lens")
+            type_into(tab, "Wrong token", "")  # a text input: the answer's logit alone
+            sync_api.expect(figure(tab, "direct attribution").locator(".gtitle")).to_contain_text("logit['Mary'] at")
+            tab.get_by_role("tab", name="Every head").click()  # a tab
+            wait_idle(tab)
+            assert_drawn(figure(tab, "Attention patterns"), "every head")
+            tab.get_by_role("tab", name="Head scores").click()
+            wait_idle(tab)
+            assert_drawn(figure(tab, "Head scores"), "head scores")
+            no_exception(tab)
+            shot(tab, "inspect-after-clicks")
         finally:
-            context.close()
+            tab.context.close()
 
 
 def test_inspect_new_prompt_moves_the_attribution_target(page):
     """The DLA answer follows the prompt: after a new prompt of the same length, the title
     names the new prompt's answer, never the old one's."""
-    set_prompt(page, IOI_TOM)
+    set_prompt(page, IOI_TOM)  # a text area
     tokens = page.locator("[data-testid=stMetric]", has_text="Prompt length").locator("[data-testid=stMetricValue]")
     sync_api.expect(tokens).to_have_text(f"{len(IOI_TOM.split())} tokens", timeout=60_000)
     sync_api.expect(figure(page, "direct attribution").locator(".gtitle")).to_contain_text("'Tom'")
@@ -233,32 +312,43 @@ def test_inspect_new_prompt_moves_the_attribution_target(page):
     no_exception(page)
 
 
+def test_an_upload_is_selected_in_the_picker(page, checkpoints_dir, tmp_path):
+    import zipfile
+
+    archive = tmp_path / "small.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for f in (checkpoints_dir / "stories-2020").iterdir():
+            z.write(f, f"stories-2020/{f.name}")
+    page.get_by_text("Upload a checkpoint").click()  # an expander
+    page.locator("[data-testid=stFileUploader] input[type=file]").set_input_files(str(archive))  # a file uploader
+    wait_idle(page)
+    chosen = widget(page, "stSelectbox", "Checkpoint").get_by_role("combobox")
+    sync_api.expect(chosen).to_have_value(re.compile(r"^upload: small"), timeout=60_000)
+    sync_api.expect(page.locator("[data-testid=stAlertContentSuccess]")).to_contain_text("selected")
+    assert_drawn(figure(page, "Per-token loss"), "the uploaded model's loss")
+    no_exception(page)
+
+
 # ---- Ablate ------------------------------------------------------------------------------------
+@pytest.mark.page("Ablate")
 def test_head_sweep_twice_and_in_a_second_session(page, browser, server):
-    go_to(page, "Ablate")
-    run_sweep(page)
-    no_exception(page)
+    run_sweep(page)  # a button
     run_sweep(page)  # the second sweep is a cache hit: it must not replay the progress bar
-    no_exception(page)
     assert_drawn(figure(page, "when each head is ablated"), "sweep heatmap")
-    other = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    other = open_app(browser, server, "Inspect")
     try:
-        other.goto(server["url"], wait_until="domcontentloaded")
-        other.wait_for_selector(".js-plotly-plot", timeout=180_000)
-        wait_idle(other)
-        go_to(other, "Ablate")
+        go_to(other, "Ablate")  # the sidebar's page radio
         run_sweep(other)  # another session, the same prompt: a hit in the shared cache
-        no_exception(other)
         assert_drawn(figure(other, "when each head is ablated"), "sweep heatmap, second session")
     finally:
         other.context.close()
 
 
+@pytest.mark.page("Ablate")
 def test_clicking_a_sweep_cell_ablates_that_head(page):
-    go_to(page, "Ablate")
     run_sweep(page)
     heatmap = figure(page, "when each head is ablated")
-    click_cell(page, heatmap, layer=1, head=2, n_layers=3, n_heads=4)
+    click_cell(page, heatmap, layer=1, head=2, n_layers=3, n_heads=4)  # a click on a plotly heatmap cell
     units = page.locator("[data-testid=stMultiSelect]", has_text="Units to ablate")
     sync_api.expect(units).to_contain_text("L1H2", timeout=60_000)
     sync_api.expect(page.locator("[data-testid=stMetric]", has_text="clean → ablated").first).to_be_visible()
@@ -266,20 +356,95 @@ def test_clicking_a_sweep_cell_ablates_that_head(page):
     shot(page, "ablate-after-click")
 
 
-# ---- Sweeps ------------------------------------------------------------------------------------
-def test_sweeps_figures_are_not_blank(page):
-    go_to(page, "Sweeps")
+@pytest.mark.page("Ablate")
+def test_ablate_controls_and_difference_views(page):
+    pick(page, "Units to ablate", "L2H1")  # a multiselect
+    pick(page, "Units to ablate", "L2H3")
+    sync_api.expect(page.locator("[data-testid=stMetric]", has_text="logit['Mary'] − logit['John']")).to_be_visible()
+    for title in ("clean − ablated", "Direct logit attribution: clean", "Per-token loss"):
+        assert_drawn(figure(page, title), title)
+    radio(page, "side by side")
+    radio(page, "mean (over reference text)")
+    choose(page, "Metric", "answer probability")
+    sync_api.expect(page.locator("[data-testid=stMetric]", has_text="p('Mary')")).to_be_visible()
+    type_into(page, "MLP neurons", "L0: 3, 17")
     no_exception(page)
-    assert_drawn(figure(page, "Sweep figure"), "the run's plotly figure")
-    picker = page.locator("[data-testid=stSelectbox]", has_text="Figure").first
-    picker.click()
-    page.get_by_role("option", name="b_page.html").click()
+    shot(page, "ablate")
+
+
+# ---- Patch -------------------------------------------------------------------------------------
+@pytest.mark.page("Patch")
+def test_patch_page_draws_patching_and_attribution(page):
+    for title in ("Patching resid_pre", "Patching each head", "Attribution patching"):
+        assert_drawn(figure(page, title), title)
+    slider = widget(page, "stSlider", "Pairs").locator("input[type=range]")
+    slider.focus()
+    slider.press("ArrowRight")  # a slider: 8 -> 9 pairs
     wait_idle(page)
+    sync_api.expect(page.get_by_text("9 pairs of 15 tokens")).to_be_visible()
+    radio(page, "two prompts typed here")
+    type_into(page, "Corrupted prompt", "Mary and John went home .", testid="stTextArea")
+    sync_api.expect(page.get_by_text("must be equally long")).to_be_visible()
+    no_exception(page)
+    shot(page, "patch")
+
+
+# ---- Compare -----------------------------------------------------------------------------------
+@pytest.mark.page("Compare")
+def test_compare_page_draws_both_models(page):
+    assert_drawn(figure(page, "Training loss"), "loss curves")
+    assert_drawn(figure(page, "Per-token loss"), "per-token loss")
+    page.get_by_role("tab", name="Attention grids").click()
+    wait_idle(page)
+    assert page.locator(".js-plotly-plot", has=page.locator(".gtitle", has_text="Every head of")).count() == 2
+    assert_drawn(figure(page, "Every head of"), "attention grid")
+    choose(page, "Checkpoint B", "induction-attn2l")
+    sync_api.expect(page.get_by_text("cannot read this prompt")).to_be_visible()
+    no_exception(page)
+    shot(page, "compare")
+
+
+# ---- Build & train -----------------------------------------------------------------------------
+@pytest.mark.page("Build & train")
+def test_build_and_train_trains_in_the_background_and_saves(page, server):
+    toggle = page.locator("[data-testid=stCheckbox] label", has_text="attn_only").first
+    d_mlp = widget(page, "stNumberInput", "d_mlp").locator("input")
+    was = d_mlp.is_disabled()
+    toggle.click()  # a toggle
+    wait_idle(page)
+    sync_api.expect(d_mlp).to_be_disabled() if not was else sync_api.expect(d_mlp).to_be_enabled()
+    for label, value in (("steps", "30"), ("batch size", "4"), ("sequence length", "16")):
+        type_into(page, label, value, testid="stNumberInput")  # number inputs
+    page.get_by_role("button", name="Train", exact=True).click()
+    page.get_by_text("training, step").or_(page.get_by_text("Done:")).first.wait_for(timeout=60_000)
+    go_to(page, "Sweeps")  # another page draws while the model trains
+    no_exception(page)
+    go_to(page, "Build & train")
+    page.get_by_text("Done: 30 steps").wait_for(timeout=120_000)
+    assert_drawn(figure(page, "Loss during training"), "training curve")
+    type_into(page, "Save as", "browser-trained")
+    page.get_by_role("button", name="Save").click()
+    wait_idle(page)
+    sync_api.expect(page.get_by_text("it is now in every checkpoint picker")).to_be_visible()
+    assert (server["checkpoints"] / "browser-trained" / "model.safetensors").is_file()
+    no_exception(page)
+    shot(page, "build-train")
+
+
+# ---- Sweeps ------------------------------------------------------------------------------------
+@pytest.mark.page("Sweeps")
+def test_sweeps_figures_are_not_blank(page):
+    assert_drawn(figure(page, "delta by layer and head"), "the results as a heatmap")
+    assert_drawn(figure(page, "Sweep figure"), "the run's plotly figure")
+    choose(page, "Figure", "b_page.html")
     frame_el = page.locator("iframe").last
     frame_el.scroll_into_view_if_needed()
     frame = frame_el.content_frame
     frame.locator(".main-svg").first.wait_for(state="visible", timeout=60_000)
     assert frame.locator(".js-plotly-plot").count() == 2
     assert_drawn(frame_el, "the run's HTML page", svg=False)
+    page.locator("[data-testid=stCheckbox] label", has_text="As a layer x head heatmap").first.click()
+    wait_idle(page)
+    sync_api.expect(page.get_by_text("each bar is their mean")).to_be_visible()
     no_exception(page)
     shot(page, "sweeps")

@@ -477,6 +477,8 @@ def test_training_runs_in_the_background_and_can_be_cancelled(app, checkpoints_d
     assert not at.exception
     at.session_state["page"] = "Build & train"
     at.run()
+    assert at.number_input(key="bt_steps").value == 100_000, "the settings outlive a visit to another page"
+    assert at.number_input(key="bt_seq_len").value == 8
     at.button(key="bt_cancel").click().run()
     finish_training(at)
     assert job.status == "cancelled" and 0 < job.result["step"] < 100_000
