@@ -249,7 +249,7 @@ class TensorSource(Protocol):
     def names(self) -> Iterable[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def dtype(self, name: str) -> torch.dtype: ...
-    def read(self, name: str) -> Tensor: ...  # valid until the next read: callers copy what they keep
+    def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> Tensor: ...  # owned by the caller
     def where(self, name: str) -> str: ...  # for error messages: "X in model-00002-of-00004.safetensors"
 
 
@@ -268,8 +268,9 @@ class DictSource:
     def dtype(self, name: str) -> torch.dtype:
         return self.state[name].dtype
 
-    def read(self, name: str) -> Tensor:
-        return self.state[name].detach()
+    def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> Tensor:
+        # a copy: the imported model must not share memory with the model it came from
+        return self.state[name].detach().to(device=device, dtype=dtype, copy=True)
 
     def where(self, name: str) -> str:
         return f"{name} in {self.what}"
@@ -331,25 +332,23 @@ def plan_import(family: str, cfg: ModelConfig, source: TensorSource, ours: Mappi
 
 def import_tensors(plan: ImportPlan, source: TensorSource, persistent: Iterable[str], device: torch.device,
                    dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
-    """(our name, tensor on ``device`` in ``dtype``) for every weight, reading one source tensor at a time.
+    """(our name, tensor on ``device`` in ``dtype``) for every weight, one source tensor at a time.
 
-    The rule's split runs on views of the source (on ``device``, in the source dtype); each part
-    is then written once into a fresh tensor of the target dtype (``copy_`` casts and lays out
-    in one pass), so nothing but the model and the one source tensor is ever held. Biases we
-    hold as fixed zeros must be zero in the checkpoint (HFImportError otherwise).
+    Each source tensor arrives in the target dtype and device (``source.tensor``) and our
+    weights are the rule's views of it: HF's memory layout is kept (``W_in`` is
+    ``up_proj.weight.T``), so nothing is copied beyond what the dtype or device needs. Biases
+    we hold as fixed zeros must be zero in the checkpoint (HFImportError otherwise).
     """
     from workbench.interop.hub import HFImportError
+    from workbench.interop.streaming import prefetched
 
     persistent = set(persistent)
-    for rule, name in plan.steps:
-        if name is None:
-            continue
-        tensor = source.read(name)
-        if tensor.device != device:
-            tensor = tensor.to(device)  # whole and contiguous: the fast host-to-device copy
+    steps = [(rule, name) for rule, name in plan.steps if name is not None]
+    tensors = prefetched(lambda name: source.tensor(name, device, dtype), [name for _, name in steps])
+    for (rule, name), tensor in zip(steps, tensors):
         for ours, part in zip(rule.ours, rule.split(tensor)):
             if ours in persistent:
-                yield ours, torch.empty(part.shape, dtype=dtype, device=device).copy_(part)
+                yield ours, part.detach()
             elif part.count_nonzero():
                 raise HFImportError(f"{source.where(name)} holds a nonzero bias with no place in the imported "
                                     f"config ({ours})")
