@@ -38,7 +38,7 @@ from typing import Any, Optional, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import Tensor
+from torch import Tensor, nn
 
 from workbench.config import ModelConfig
 from workbench.interop.hub import HFImportError
@@ -275,14 +275,26 @@ def model_shapes(model) -> tuple[dict[str, Tensor], set[str]]:
 
 def fill_model(model, tensors: Iterator[tuple[str, Tensor]], zero_biases: Iterable[str],
                device: torch.device, dtype: torch.dtype):
-    """Put ``tensors`` (already on ``device`` in ``dtype``) into ``model`` without copying them, make the
+    """Make ``tensors`` (already on ``device`` in ``dtype``) the parameters of ``model`` without
+    copying them (``load_state_dict(assign=True)``'s effect, without its per-module walk), make the
     named biases zeros, and move the buffers; returns the model in eval mode."""
-    state = dict(tensors)
-    expected = model.state_dict()
+    params = dict(model.named_parameters())
+    placed = set()
+    for name, tensor in tensors:
+        old = params[name]  # a KeyError here is an internal error: the plan checked every name
+        if tuple(tensor.shape) != tuple(old.shape):
+            raise RuntimeError(f"internal error: {name} arrived as {list(tensor.shape)}, the model holds {list(old.shape)}")
+        module, _, leaf = name.rpartition(".")
+        model.get_submodule(module)._parameters[leaf] = nn.Parameter(tensor, requires_grad=old.requires_grad)
+        placed.add(name)
     for name in zero_biases:
-        state[name] = torch.zeros(expected[name].shape, device=device, dtype=dtype)
-    model.load_state_dict(state, strict=True, assign=True)
-    del state
+        module, _, leaf = name.rpartition(".")
+        model.get_submodule(module)._parameters[leaf] = nn.Parameter(
+            torch.zeros(params[name].shape, device=device, dtype=dtype), requires_grad=params[name].requires_grad)
+        placed.add(name)
+    missing = sorted(set(params) - placed)
+    if missing:
+        raise RuntimeError(f"internal error: nothing was loaded into {missing[:3]}")
     model.to(device=device, dtype=dtype)  # the buffers; the weights are there already
     return model.eval()
 
