@@ -334,12 +334,14 @@ def test_hub_id_not_cached_offline_is_one_clear_error(models, hf_home, tmp_path,
 
 
 def _hub_error(kind: str):
-    import httpx2  # huggingface_hub's HTTP client: its errors carry a response
+    """huggingface_hub's own exception for a gated / missing repository. Built without its HTTP
+    response (whose class changed between huggingface_hub versions): only the type is used."""
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
-    url = "https://huggingface.co/api/models/meta-llama/Llama-3.1-8B"
-    status, cls = {"gated": (401, GatedRepoError), "missing": (404, RepositoryNotFoundError)}[kind]
-    return cls(f"{status} Client Error for {url}", response=httpx2.Response(status, request=httpx2.Request("GET", url)))
+    cls = {"gated": GatedRepoError, "missing": RepositoryNotFoundError}[kind]
+    error = cls.__new__(cls)
+    Exception.__init__(error, f"{kind}: https://huggingface.co/api/models/meta-llama/Llama-3.1-8B")
+    return error
 
 
 @pytest.mark.parametrize("kind, needle", [("gated", r"gated repository.*huggingface\.co/meta-llama/Llama-3\.1-8B.*token"),
