@@ -380,6 +380,26 @@ def test_import_hf_cli_reads_the_hub_cache_from_the_environment(models, tmp_path
     assert not (tmp_path / "x").exists()
 
 
+def test_app_checkpoint_box_takes_a_hub_id(models, hf_home, tmp_path):
+    from ui import common
+
+    cache_repo(hf_home, "tiny-org/tiny-gpt2", save(models["gpt2"], tmp_path / "src"))
+
+    class Where:
+        def __init__(self):
+            self.errors = []
+
+        def error(self, message):
+            self.errors.append(message)
+
+    where = Where()
+    ckpt = common.load("tiny-org/tiny-gpt2", where=where)
+    assert where.errors == [] and ckpt is not None and ckpt.name == "tiny-org/tiny-gpt2"
+    assert logits_diff(models["gpt2"], ckpt.model, torch.randint(0, VOCAB, (2, 8))) <= TOL
+    assert common.load("tiny-org/absent", where=where) is None
+    assert "tiny-org/absent" in where.errors[-1] and "HF_HUB_OFFLINE" in where.errors[-1]
+
+
 # ---- bad input: one clear error each, nothing half-written --------------------------------------
 def _import_cli(source, out):
     import argparse
