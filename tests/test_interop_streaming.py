@@ -123,6 +123,34 @@ def test_other_spellings_of_the_same_checkpoint(models, tmp_path):
     assert logits_diff(neox, wb.from_hf(tmp_path / "neox"), torch.randint(0, VOCAB, (2, 12))) <= TOL
 
 
+def test_weights_keep_hf_layout_and_same_dtype_cpu_imports_map_the_file(models, tmp_path):
+    """Our weights are views in HF's memory layout (no transposing copy on import); in the file's
+    dtype on the CPU they are the file's own pages; converted, they are fresh tensors."""
+    directory = save(models["llama"], tmp_path)
+    mapped = wb.from_hf(directory)  # the file is float32: same dtype
+    W_in, W_Q = mapped.blocks[0].mlp.W_in, mapped.blocks[0].attn.W_Q
+    assert not W_in.is_contiguous() and W_in.T.is_contiguous()  # up_proj.weight [d_mlp, d_model], seen as [d_model, d_mlp]
+    assert W_Q.transpose(1, 2).is_contiguous()  # q_proj.weight reshaped [head, d_head, d_model]
+    assert all(in_mapping(p, directory / "model.safetensors") for p in mapped.parameters())
+    converted = wb.from_hf(directory, dtype=torch.bfloat16)
+    assert converted.blocks[0].mlp.W_in.T.is_contiguous()
+    assert not any(in_mapping(p, directory / "model.safetensors") for p in converted.parameters())
+
+
+def in_mapping(tensor, path: Path) -> bool:
+    """Whether ``tensor``'s memory lies in a mapping of the file ``path`` (Linux's /proc/self/maps)."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("reads /proc/self/maps (Linux)")
+    ptr = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[-1] == str(path.resolve()):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            if start <= ptr < end:
+                return True
+    return False
+
+
 def test_built_model_import_copies_and_reads_fused_experts():
     hf = build_hf(*HF_CASES["mixtral"][:1], **HF_CASES["mixtral"][1])
     assert any(k.endswith("experts.gate_up_proj") for k in hf.state_dict())  # transformers 5 fuses in memory

@@ -3,6 +3,8 @@
 A ``Rule`` ties one HF tensor to one or more of ours (GPT-2's fused ``c_attn`` holds Q, K
 and V; GPT-NeoX's ``query_key_value`` interleaves them per head; Mixtral's ``gate_up_proj``
 stacks gate and up for every expert) with ``split`` (HF -> ours) and ``join`` (ours -> HF).
+``split`` only reshapes, slices and transposes, so its outputs are views: an imported weight
+keeps HF's memory layout and nothing is copied.
 The same table drives import and export, so the round trip is the identity by construction
 and the tests check each direction against HF's own forward.
 
@@ -16,7 +18,7 @@ saved from ``GPT2Model`` has no ``transformer.`` prefix, Llama from ``LlamaModel
 ``model.``) are aliases of the same rule (``hf_aliases``), and tensors that are buffers, not
 weights (GPT-2's causal mask ``attn.bias``, an old ``rotary_emb.inv_freq``), are skipped.
 
-``rules_for`` is the table; ``import_tensors`` and ``export_tensors`` walk it one HF tensor at
+``rules_for`` is the table; ``plan_import``/``import_tensors`` and ``plan_export`` walk it one HF tensor at
 a time, so the streamed reader (``streaming.py``) and the in-memory path share every check.
 
 Layouts: HF ``nn.Linear`` weights are ``[out, in]``; GPT-2's ``Conv1D`` is ``[in, out]``; ours
