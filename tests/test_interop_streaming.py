@@ -400,6 +400,7 @@ def test_import_hf_cli_reads_the_hub_cache_from_the_environment(models, tmp_path
     meta = json.loads((out / "meta.json").read_text())
     assert meta["hf_family"] == "gpt_neox" and meta["imported_from"] == "tiny-org/tiny-neox"
     loaded, _ = wb.load_checkpoint(out, dtype=torch.bfloat16)
+    assert loaded.cfg.name == "tiny-org/tiny-neox"  # the id, not the snapshot's path
     local = wb.from_hf(tmp_path / "src", dtype=torch.bfloat16)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in local.state_dict().items())
     run = subprocess.run([sys.executable, "-m", "workbench", "import-hf", "tiny-org/absent", "--out", str(tmp_path / "x")],
