@@ -27,7 +27,7 @@ import torch
 import transformers as T
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_interop import HF_CASES, SMALL, VOCAB, build_hf, max_diff
+from test_interop import HF_CASES, VOCAB, build_hf, max_diff
 
 import workbench as wb
 from workbench.interop import HFImportError, UnsupportedHFConfig
