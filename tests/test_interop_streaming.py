@@ -123,6 +123,34 @@ def test_other_spellings_of_the_same_checkpoint(models, tmp_path):
     assert logits_diff(neox, wb.from_hf(tmp_path / "neox"), torch.randint(0, VOCAB, (2, 12))) <= TOL
 
 
+def test_weights_keep_hf_layout_and_same_dtype_cpu_imports_map_the_file(models, tmp_path):
+    """Our weights are views in HF's memory layout (no transposing copy on import); in the file's
+    dtype on the CPU they are the file's own pages; converted, they are fresh tensors."""
+    directory = save(models["llama"], tmp_path)
+    mapped = wb.from_hf(directory)  # the file is float32: same dtype
+    W_in, W_Q = mapped.blocks[0].mlp.W_in, mapped.blocks[0].attn.W_Q
+    assert not W_in.is_contiguous() and W_in.T.is_contiguous()  # up_proj.weight [d_mlp, d_model], seen as [d_model, d_mlp]
+    assert W_Q.transpose(1, 2).is_contiguous()  # q_proj.weight reshaped [head, d_head, d_model]
+    assert all(in_mapping(p, directory / "model.safetensors") for p in mapped.parameters())
+    converted = wb.from_hf(directory, dtype=torch.bfloat16)
+    assert converted.blocks[0].mlp.W_in.T.is_contiguous()
+    assert not any(in_mapping(p, directory / "model.safetensors") for p in converted.parameters())
+
+
+def in_mapping(tensor, path: Path) -> bool:
+    """Whether ``tensor``'s memory lies in a mapping of the file ``path`` (Linux's /proc/self/maps)."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("reads /proc/self/maps (Linux)")
+    ptr = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[-1] == str(path.resolve()):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            if start <= ptr < end:
+                return True
+    return False
+
+
 def test_built_model_import_copies_and_reads_fused_experts():
     hf = build_hf(*HF_CASES["mixtral"][:1], **HF_CASES["mixtral"][1])
     assert any(k.endswith("experts.gate_up_proj") for k in hf.state_dict())  # transformers 5 fuses in memory
@@ -334,12 +362,14 @@ def test_hub_id_not_cached_offline_is_one_clear_error(models, hf_home, tmp_path,
 
 
 def _hub_error(kind: str):
-    import httpx2  # huggingface_hub's HTTP client: its errors carry a response
+    """huggingface_hub's own exception for a gated / missing repository. Built without its HTTP
+    response (whose class changed between huggingface_hub versions): only the type is used."""
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
-    url = "https://huggingface.co/api/models/meta-llama/Llama-3.1-8B"
-    status, cls = {"gated": (401, GatedRepoError), "missing": (404, RepositoryNotFoundError)}[kind]
-    return cls(f"{status} Client Error for {url}", response=httpx2.Response(status, request=httpx2.Request("GET", url)))
+    cls = {"gated": GatedRepoError, "missing": RepositoryNotFoundError}[kind]
+    error = cls.__new__(cls)
+    Exception.__init__(error, f"{kind}: https://huggingface.co/api/models/meta-llama/Llama-3.1-8B")
+    return error
 
 
 @pytest.mark.parametrize("kind, needle", [("gated", r"gated repository.*huggingface\.co/meta-llama/Llama-3\.1-8B.*token"),
@@ -370,12 +400,33 @@ def test_import_hf_cli_reads_the_hub_cache_from_the_environment(models, tmp_path
     meta = json.loads((out / "meta.json").read_text())
     assert meta["hf_family"] == "gpt_neox" and meta["imported_from"] == "tiny-org/tiny-neox"
     loaded, _ = wb.load_checkpoint(out, dtype=torch.bfloat16)
+    assert loaded.cfg.name == "tiny-org/tiny-neox"  # the id, not the snapshot's path
     local = wb.from_hf(tmp_path / "src", dtype=torch.bfloat16)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in local.state_dict().items())
     run = subprocess.run([sys.executable, "-m", "workbench", "import-hf", "tiny-org/absent", "--out", str(tmp_path / "x")],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert run.returncode != 0 and "tiny-org/absent" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_app_checkpoint_box_takes_a_hub_id(models, hf_home, tmp_path):
+    from ui import common
+
+    cache_repo(hf_home, "tiny-org/tiny-gpt2", save(models["gpt2"], tmp_path / "src"))
+
+    class Where:
+        def __init__(self):
+            self.errors = []
+
+        def error(self, message):
+            self.errors.append(message)
+
+    where = Where()
+    ckpt = common.load("tiny-org/tiny-gpt2", where=where)
+    assert where.errors == [] and ckpt is not None and ckpt.name == "tiny-org/tiny-gpt2"
+    assert logits_diff(models["gpt2"], ckpt.model, torch.randint(0, VOCAB, (2, 8))) <= TOL
+    assert common.load("tiny-org/absent", where=where) is None
+    assert "tiny-org/absent" in where.errors[-1] and "HF_HUB_OFFLINE" in where.errors[-1]
 
 
 # ---- bad input: one clear error each, nothing half-written --------------------------------------

@@ -438,14 +438,16 @@ def load_checkpoint(
 ):
     """Load ``(model, tokenizer)`` from a directory written by ``save_checkpoint``.
 
-    The weights are read one tensor at a time straight onto ``device`` (default: torch's default device, cpu) in
-    ``dtype`` (default float32, whatever the file holds), so the peak is the model's bytes plus
-    about one tensor; a device or dtype the machine lacks raises ValueError naming it. The
+    The weights are read one tensor at a time straight onto ``device`` (default: torch's default
+    device, cpu) in ``dtype`` (default float32, whatever the file holds), so the peak is the
+    model's bytes plus about one tensor (on the CPU in the file's dtype the weights are the
+    file's mapped pages: ``interop.streaming``); a device or dtype the machine lacks raises
+    ValueError naming it. The
     tokenizer is None when the checkpoint has none. The model is in eval mode. The four
     switches (all off: the weights as saved) run ``model.process_weights`` after loading, in
     float32 before the cast to ``dtype``.
     """
-    from workbench.interop.streaming import ShardedSafetensors, check_placement, fill_model, unfilled_model
+    from workbench.interop.streaming import ShardedSafetensors, check_placement, fill_model, prefetched, unfilled_model
     from workbench.tokenizer import load_tokenizer
 
     device, dtype = check_placement(device, dtype)
@@ -463,7 +465,7 @@ def load_checkpoint(
     weights = path / WEIGHTS_FILE
     if not weights.exists():
         raise CheckpointError(f"{path} is not a complete checkpoint: {WEIGHTS_FILE} is missing")
-    source = ShardedSafetensors(path, error=CheckpointError, pin=device.type == "cuda")  # a broken file fails here
+    source = ShardedSafetensors(path, error=CheckpointError)  # reads the header: a broken file fails here
     model = unfilled_model(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: source.shape(k) for k in source.names()}
@@ -479,13 +481,14 @@ def load_checkpoint(
     load_dtype = torch.float32 if processing else dtype
     not_finite: list[str] = []
 
-    def tensors():  # (name, tensor) one at a time, each written once onto the target device and dtype
-        for name in expected:
-            tensor = source.read(name)
+    def tensors():  # (name, tensor), each read once onto the target device and dtype
+        names = list(expected)
+        for name, tensor in zip(names, prefetched(lambda n: source.tensor(n, device, load_dtype), names)):
             _check_finite(name, tensor, not_finite)
-            yield name, torch.empty(tensor.shape, dtype=load_dtype, device=device).copy_(tensor)
+            yield name, tensor
 
-    model = fill_model(model, tensors(), [], device, load_dtype)
+    with source:
+        model = fill_model(model, tensors(), [], device, load_dtype)
     if not_finite:
         _warn_not_finite(path, not_finite)
     try:

@@ -50,8 +50,8 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     from workbench.interop.hub import resolve_hf_source
 
     check_replaceable(args.out)  # a folder we may not replace fails now, not after a long import
-    directory = resolve_hf_source(args.source, revision=args.revision)
-    model = from_hf(directory, n_ctx=args.n_ctx, dtype=args.dtype)
+    model = from_hf(args.source, n_ctx=args.n_ctx, dtype=args.dtype, revision=args.revision)
+    directory = resolve_hf_source(args.source, revision=args.revision)  # the snapshot just read (a cache hit)
     family = json.loads(Path(directory, "config.json").read_text())["model_type"]
     meta = {"imported_from": str(args.source), "hf_family": family, "dtype": args.dtype}
     if str(directory) != str(args.source):

@@ -108,7 +108,7 @@ def from_hf(
     if processing:
         model.process_weights(fold_ln, center_writing_weights, center_unembed, fold_value_biases)
         model.to(dtype=dtype)
-    return model.eval()
+    return model  # in eval mode (fill_model; processing keeps the mode)
 
 
 def _config_of(directory: Path, n_ctx: Optional[int]) -> tuple[str, Any]:

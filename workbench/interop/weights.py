@@ -3,6 +3,8 @@
 A ``Rule`` ties one HF tensor to one or more of ours (GPT-2's fused ``c_attn`` holds Q, K
 and V; GPT-NeoX's ``query_key_value`` interleaves them per head; Mixtral's ``gate_up_proj``
 stacks gate and up for every expert) with ``split`` (HF -> ours) and ``join`` (ours -> HF).
+``split`` only reshapes, slices and transposes, so its outputs are views: an imported weight
+keeps HF's memory layout and nothing is copied.
 The same table drives import and export, so the round trip is the identity by construction
 and the tests check each direction against HF's own forward.
 
@@ -16,7 +18,7 @@ saved from ``GPT2Model`` has no ``transformer.`` prefix, Llama from ``LlamaModel
 ``model.``) are aliases of the same rule (``hf_aliases``), and tensors that are buffers, not
 weights (GPT-2's causal mask ``attn.bias``, an old ``rotary_emb.inv_freq``), are skipped.
 
-``rules_for`` is the table; ``import_tensors`` and ``export_tensors`` walk it one HF tensor at
+``rules_for`` is the table; ``plan_import``/``import_tensors`` and ``plan_export`` walk it one HF tensor at
 a time, so the streamed reader (``streaming.py``) and the in-memory path share every check.
 
 Layouts: HF ``nn.Linear`` weights are ``[out, in]``; GPT-2's ``Conv1D`` is ``[in, out]``; ours
@@ -249,7 +251,7 @@ class TensorSource(Protocol):
     def names(self) -> Iterable[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def dtype(self, name: str) -> torch.dtype: ...
-    def read(self, name: str) -> Tensor: ...  # valid until the next read: callers copy what they keep
+    def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> Tensor: ...  # owned by the caller
     def where(self, name: str) -> str: ...  # for error messages: "X in model-00002-of-00004.safetensors"
 
 
@@ -268,8 +270,9 @@ class DictSource:
     def dtype(self, name: str) -> torch.dtype:
         return self.state[name].dtype
 
-    def read(self, name: str) -> Tensor:
-        return self.state[name].detach()
+    def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> Tensor:
+        # a copy: the imported model must not share memory with the model it came from
+        return self.state[name].detach().to(device=device, dtype=dtype, copy=True)
 
     def where(self, name: str) -> str:
         return f"{name} in {self.what}"
@@ -331,25 +334,23 @@ def plan_import(family: str, cfg: ModelConfig, source: TensorSource, ours: Mappi
 
 def import_tensors(plan: ImportPlan, source: TensorSource, persistent: Iterable[str], device: torch.device,
                    dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
-    """(our name, tensor on ``device`` in ``dtype``) for every weight, reading one source tensor at a time.
+    """(our name, tensor on ``device`` in ``dtype``) for every weight, one source tensor at a time.
 
-    The rule's split runs on views of the source (on ``device``, in the source dtype); each part
-    is then written once into a fresh tensor of the target dtype (``copy_`` casts and lays out
-    in one pass), so nothing but the model and the one source tensor is ever held. Biases we
-    hold as fixed zeros must be zero in the checkpoint (HFImportError otherwise).
+    Each source tensor arrives in the target dtype and device (``source.tensor``) and our
+    weights are the rule's views of it: HF's memory layout is kept (``W_in`` is
+    ``up_proj.weight.T``), so nothing is copied beyond what the dtype or device needs. Biases
+    we hold as fixed zeros must be zero in the checkpoint (HFImportError otherwise).
     """
     from workbench.interop.hub import HFImportError
+    from workbench.interop.streaming import prefetched
 
     persistent = set(persistent)
-    for rule, name in plan.steps:
-        if name is None:
-            continue
-        tensor = source.read(name)
-        if tensor.device != device:
-            tensor = tensor.to(device)  # whole and contiguous: the fast host-to-device copy
+    steps = [(rule, name) for rule, name in plan.steps if name is not None]
+    tensors = prefetched(lambda name: source.tensor(name, device, dtype), [name for _, name in steps])
+    for (rule, name), tensor in zip(steps, tensors):
         for ours, part in zip(rule.ours, rule.split(tensor)):
             if ours in persistent:
-                yield ours, torch.empty(part.shape, dtype=dtype, device=device).copy_(part)
+                yield ours, part.detach()
             elif part.count_nonzero():
                 raise HFImportError(f"{source.where(name)} holds a nonzero bias with no place in the imported "
                                     f"config ({ours})")
