@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from browser_kit import browser, page, server  # noqa: F401 (session fixtures for the browser tests)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # `import ui` as app.py does when streamlit runs it
@@ -31,10 +32,10 @@ def app(checkpoints_dir, monkeypatch):
 
     monkeypatch.setenv("WORKBENCH_CHECKPOINTS", str(checkpoints_dir))
 
-    def open_page(page: str = "Inspect"):
+    def open_page(name: str = "Inspect"):
         at = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
-        if page != "Inspect":
-            at.session_state["page"] = page
+        if name != "Inspect":
+            at.session_state["page"] = name
         at.run()
         assert not at.exception, [e.value for e in at.exception]
         return at
