@@ -173,20 +173,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import workbench as wb
     from workbench.checkpoint import read_meta
-    from workbench.data import get_task
+    from workbench.data import checkpoint_task
 
     model, tokenizer = wb.load_checkpoint(args.checkpoint)
     meta = read_meta(args.checkpoint)
-    name = args.task or meta.get("task")
-    if name is None:
-        raise ValueError(f"{args.checkpoint} records no task; pass --task NAME")
-    options = dict(meta.get("task_options", {})) if name == meta.get("task") else {}
-    options.update(dict(args.task_option))
-    if name == "text" and tokenizer is not None:
-        options["tokenizer"] = tokenizer
-    task = get_task(name, **options)
+    task = checkpoint_task(meta, tokenizer, args.task, args.task_option, args.checkpoint)
     if model.cfg.d_vocab < task.vocab_size:
-        raise ValueError(f"the model's d_vocab={model.cfg.d_vocab} does not cover the {name} task's vocabulary ({task.vocab_size})")
+        raise ValueError(f"the model's d_vocab={model.cfg.d_vocab} does not cover the {task.name} task's vocabulary ({task.vocab_size})")
     _print_metrics({"step": meta.get("step"), **task.evaluate(model)}, as_json=args.json)
     return 0
 

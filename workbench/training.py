@@ -61,7 +61,8 @@ METRIC_COLUMNS = ["step", "train_loss", "val_loss", "lr", "grad_norm", "tokens_p
 MAX_LR = 10.0
 
 
-def _opt(default: Any, help: str, **kw: Any) -> Any:
+def option(default: Any, help: str, **kw: Any) -> Any:
+    """A config field with its ``--flag`` help text (the CLI builds its flags from these)."""
     return field(default=default, metadata={"help": help}, **kw)
 
 
@@ -69,31 +70,31 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     """How to train: every field is a primitive (or a JSON object) and has a ``--flag`` in the CLI."""
 
-    task: str = _opt("induction", "task name (induction, stories, modular, text)")
+    task: str = option("induction", "task name (induction, stories, modular, text)")
     task_options: dict = field(default_factory=dict, metadata={"help": "task constructor options, e.g. {'path': 'notes.txt'}"})
-    steps: int = _opt(1000, "optimizer steps in total (a resumed run continues up to this)")
-    batch_size: int = _opt(32, "sequences per optimizer step, summed over accumulation steps and processes")
-    seq_len: Optional[int] = _opt(None, "tokens per sequence (default: the model's n_ctx; fixed-length tasks ignore it)")
-    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
-    lr: float = _opt(1e-3, "peak learning rate")
-    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr (cosine decay)")
-    warmup_steps: int = _opt(100, "linear warmup steps")
-    weight_decay: float = _opt(0.1, "AdamW weight decay (matrices only; norms, biases untouched)")
-    beta1: float = _opt(0.9, "AdamW beta1")
-    beta2: float = _opt(0.95, "AdamW beta2")
-    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0 disables)")
-    eval_every: int = _opt(100, "validation loss every N steps (0: only at the end)")
-    eval_batches: int = _opt(4, "validation batches per evaluation")
-    log_every: int = _opt(10, "a metrics.csv row every N steps")
-    save_every: int = _opt(0, "checkpoint every N steps (0: only at the end)")
-    save_train_state: bool = _opt(True, "save optimizer/RNG state with checkpoints so the run can be resumed")
-    snapshots: Union[str, list, None] = _opt(None, "weight snapshots during training: every:N, log:K, or steps '0,100,250'")
-    snapshot_fp16: bool = _opt(False, "store snapshots in fp16 (half the size; analyses run in fp32)")
-    seed: int = _opt(0, "seed of the initial weights, the data and the task's held-out split")
-    device: str = _opt("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
-    autocast: Literal["auto", "bf16", "none"] = _opt("auto", "bf16 autocast (auto: on CUDA only)")
-    compile: bool = _opt(False, "torch.compile the model")
-    threads: int = _opt(0, "torch CPU threads (0: torch's default)")
+    steps: int = option(1000, "optimizer steps in total (a resumed run continues up to this)")
+    batch_size: int = option(32, "sequences per optimizer step, summed over accumulation steps and processes")
+    seq_len: Optional[int] = option(None, "tokens per sequence (default: the model's n_ctx; fixed-length tasks ignore it)")
+    grad_accum: int = option(1, "micro-batches accumulated per optimizer step")
+    lr: float = option(1e-3, "peak learning rate")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    warmup_steps: int = option(100, "linear warmup steps")
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices only; norms, biases untouched)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0 disables)")
+    eval_every: int = option(100, "validation loss every N steps (0: only at the end)")
+    eval_batches: int = option(4, "validation batches per evaluation")
+    log_every: int = option(10, "a metrics.csv row every N steps")
+    save_every: int = option(0, "checkpoint every N steps (0: only at the end)")
+    save_train_state: bool = option(True, "save optimizer/RNG state with checkpoints so the run can be resumed")
+    snapshots: Union[str, list, None] = option(None, "weight snapshots during training: every:N, log:K, or steps '0,100,250'")
+    snapshot_fp16: bool = option(False, "store snapshots in fp16 (half the size; analyses run in fp32)")
+    seed: int = option(0, "seed of the initial weights, the data and the task's held-out split")
+    device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
+    autocast: Literal["auto", "bf16", "none"] = option("auto", "bf16 autocast (auto: on CUDA only)")
+    compile: bool = option(False, "torch.compile the model")
+    threads: int = option(0, "torch CPU threads (0: torch's default)")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
@@ -294,7 +295,7 @@ def _model_task_and_state(config: TrainConfig, model_config: Optional[ModelConfi
         )
     if state is not None:
         model, tokenizer = load_checkpoint(out_dir)
-        return model, task or build_task(config, tokenizer), state, _read_history(out_dir, state["json"]["step"])
+        return model, task or build_task(config, tokenizer), state, read_history(out_dir, state["json"]["step"])
     task = task or build_task(config)
     if model is None:
         if model_config is None:
@@ -447,7 +448,7 @@ def _make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 # ---- checkpoint files ----------------------------------------------------------------------
 def _save(model, task, out_dir, step, optimizer, config, history, meta, metrics, snapshot_files=None) -> None:
-    extra: dict[str, Union[str, bytes, Path]] = {METRICS_FILE: _history_csv(history), **(snapshot_files or {})}
+    extra: dict[str, Union[str, bytes, Path]] = {METRICS_FILE: history_csv(history), **(snapshot_files or {})}
     if config.save_train_state:
         tensors, info = _train_state(optimizer, step)
         extra[STATE_TENSORS_FILE] = save(tensors)
@@ -507,16 +508,21 @@ def _restore_train_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def _history_csv(history: list[dict]) -> str:
+def history_csv(history: list[dict], columns: list[str] = METRIC_COLUMNS) -> str:
+    """Metrics rows as the text of a metrics.csv: ``columns`` in order, floats to 6 significant
+    digits, a missing or None value as an empty cell. Every run folder (a model's training, a
+    dictionary's) writes its metrics.csv with this, and resume reads it back with ``read_history``."""
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=METRIC_COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for row in history:
-        writer.writerow({k: ("" if row.get(k) is None else (f"{row[k]:.6g}" if isinstance(row[k], float) else row[k])) for k in METRIC_COLUMNS})
+        writer.writerow({k: ("" if row.get(k) is None else (f"{row[k]:.6g}" if isinstance(row[k], float) else row[k])) for k in columns})
     return buffer.getvalue()
 
 
-def _read_history(out_dir: Path, up_to_step: int) -> list[dict]:
+def read_history(out_dir: Path, up_to_step: int) -> list[dict]:
+    """The metrics rows of ``out_dir``'s metrics.csv up to ``up_to_step`` (where a resumed run
+    continues), empty cells as None; [] when there is no file."""
     frame = read_metrics(out_dir / METRICS_FILE)
     frame = frame[frame["step"] <= up_to_step].astype(object).where(frame.notna(), None)
     return frame.to_dict("records")

@@ -43,12 +43,26 @@ def get_task(name: str, **options: Any) -> Task:
     return TASKS[name](**options)
 
 
+def checkpoint_task(meta: dict, tokenizer: Any = None, name: Any = None, options: Any = None, where: Any = "") -> Task:
+    """The task a checkpoint was trained on (its ``meta``: task and task_options), or ``name``
+    with ``options`` layered over the recorded ones when it is the same task; a ``text`` task
+    gets the checkpoint's own tokenizer. ``where`` names the checkpoint in the error."""
+    name = name or meta.get("task")
+    if name is None:
+        raise ValueError(f"{where} records no task; pass --task NAME")
+    merged = dict(meta.get("task_options", {})) if name == meta.get("task") else {}
+    merged.update(dict(options or {}))
+    if name == "text" and tokenizer is not None:
+        merged["tokenizer"] = tokenizer
+    return get_task(name, **merged)
+
+
 def describe_tasks() -> dict[str, str]:
     """``{name: one-line description}`` for every task."""
     return {name: cls.description for name, cls in TASKS.items()}
 
 
 __all__ = [
-    "TASKS", "get_task", "describe_tasks", "Task", "make_generator", "InductionTask", "StoriesTask",
+    "TASKS", "get_task", "checkpoint_task", "describe_tasks", "Task", "make_generator", "InductionTask", "StoriesTask",
     "ModularTask", "TextTask", "PromptBatch", "answer_metrics", "induction_scores", "PromptSet", "PromptSetBatch",
 ]

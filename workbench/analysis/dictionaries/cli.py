@@ -58,19 +58,12 @@ def cmd_train_sae(args: argparse.Namespace) -> int:
     from workbench.analysis.dictionaries.trainer import SAETrainConfig, train_sae
     from workbench.analysis.store import ActivationStore, LiveActivations
     from workbench.checkpoint import read_meta
-    from workbench.data import get_task
+    from workbench.data import checkpoint_task
     from workbench.training import TrainingDiverged
 
     model, tokenizer = wb.load_checkpoint(args.checkpoint)
-    meta = read_meta(args.checkpoint)
-    name = args.task or meta.get("task")
-    if name is None:
-        raise ValueError(f"{args.checkpoint} records no task; pass --task NAME")
-    options = dict(meta.get("task_options", {})) if name == meta.get("task") else {}
-    options.update(_key_values(args.task_option))
-    if name == "text" and tokenizer is not None:
-        options["tokenizer"] = tokenizer
-    task = get_task(name, **options)
+    task = checkpoint_task(read_meta(args.checkpoint), tokenizer, args.task, _key_values(args.task_option),
+                           args.checkpoint)
     fields = {f.name for f in dataclasses.fields(SAETrainConfig)}
     config = SAETrainConfig().replace(**{k: getattr(args, k) for k in fields if getattr(args, k, None) is not None})
     hooks = [config.hook] if config.hook else []

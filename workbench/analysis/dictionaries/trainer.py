@@ -28,15 +28,13 @@ How it trains (the choices of SAELens and EleutherAI's sparsify, unless noted):
 from __future__ import annotations
 
 import copy
-import csv
 import dataclasses
-import io
 import json
 import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -53,9 +51,9 @@ from workbench.analysis.dictionaries.registry import DICTIONARIES, make_dictiona
 from workbench.analysis.dictionaries.saelens import CFG_FILE, save_dictionary
 from workbench.analysis.dictionaries.topk import aux_k_loss
 from workbench.analysis.store import ActivationStore, LiveActivations, TensorActivations
-from workbench.training import TrainingDiverged, _restore_train_state, _train_state
+from workbench.training import (METRICS_FILE, TrainingDiverged, _restore_train_state, _train_state, history_csv,
+                                option, read_history)
 
-METRICS_FILE = "metrics.csv"
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
 METRIC_COLUMNS = ["step", "loss", "mse", "sparsity_loss", "aux_loss", "l0", "explained_variance", "dead_fraction",
@@ -66,37 +64,33 @@ DEFAULT_SPARSITY = {"relu": 1.0, "jumprelu": 0.3, "transcoder": 0.3, "skip_trans
 AUX_K_KINDS = ("topk", "batchtopk")
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
 class SAETrainConfig:
     """How to train a dictionary; every field is a primitive and a ``--flag`` of ``train-sae``."""
 
-    kind: str = _opt("topk", f"dictionary kind, one of {list(DICTIONARIES)}")
-    d_sae: int = _opt(4096, "number of features")
-    k: float = _opt(32.0, "TopK: features per token; BatchTopK: mean features per token")
-    hook: str = _opt("", "the store hook to read (default: the store's only hook); a transcoder's input")
-    hook_out: str = _opt("", "a transcoder's output hook (e.g. blocks.1.hook_mlp_out)")
-    steps: int = _opt(2000, "optimizer steps in total (a resumed run continues up to this)")
-    batch_size: int = _opt(4096, "activation rows per step, summed over processes")
-    lr: float = _opt(0.0, "peak learning rate (0: 2e-4 / sqrt(d_sae / 16384))")
-    warmup_steps: int = _opt(100, "linear learning-rate warmup steps")
-    decay_fraction: float = _opt(0.2, "linear decay to 0 over this last fraction of the steps")
-    sparsity_coefficient: float = _opt(0.0, f"L1 (relu, transcoders) or L0 (jumprelu) coefficient (0: {DEFAULT_SPARSITY})")
-    sparsity_warmup_steps: int = _opt(-1, "steps over which the sparsity coefficient ramps up (-1: 5% of steps)")
-    aux_k_coefficient: float = _opt(1 / 32, "weight of the AuxK dead-feature loss (topk, batchtopk)")
-    dead_after_tokens: int = _opt(0, "a feature silent this many tokens is dead (0: min(10M, a tenth of training))")
-    buffer_shards: int = _opt(4, "shards shuffled together (memory: this many shards)")
-    eval_rows: int = _opt(65536, "held-out rows for the final metrics")
-    eval_sequences: int = _opt(64, "held-out sequences for CE loss recovered (needs the model)")
-    log_every: int = _opt(50, "a metrics.csv row every N steps")
-    save_every: int = _opt(0, "save the run every N steps (0: only at the end)")
-    save_train_state: bool = _opt(True, "keep optimizer state so the run can be resumed")
-    seed: int = _opt(0, "seed of the initial weights and the shuffle")
-    device: str = _opt("auto", "cpu, cuda, ... (auto: cuda when available)")
-    threads: int = _opt(0, "torch CPU threads (0: torch's default)")
+    kind: str = option("topk", f"dictionary kind, one of {list(DICTIONARIES)}")
+    d_sae: int = option(4096, "number of features")
+    k: float = option(32.0, "TopK: features per token; BatchTopK: mean features per token")
+    hook: str = option("", "the store hook to read (default: the store's only hook); a transcoder's input")
+    hook_out: str = option("", "a transcoder's output hook (e.g. blocks.1.hook_mlp_out)")
+    steps: int = option(2000, "optimizer steps in total (a resumed run continues up to this)")
+    batch_size: int = option(4096, "activation rows per step, summed over processes")
+    lr: float = option(0.0, "peak learning rate (0: 2e-4 / sqrt(d_sae / 16384))")
+    warmup_steps: int = option(100, "linear learning-rate warmup steps")
+    decay_fraction: float = option(0.2, "linear decay to 0 over this last fraction of the steps")
+    sparsity_coefficient: float = option(0.0, f"L1 (relu, transcoders) or L0 (jumprelu) coefficient (0: {DEFAULT_SPARSITY})")
+    sparsity_warmup_steps: int = option(-1, "steps over which the sparsity coefficient ramps up (-1: 5% of steps)")
+    aux_k_coefficient: float = option(1 / 32, "weight of the AuxK dead-feature loss (topk, batchtopk)")
+    dead_after_tokens: int = option(0, "a feature silent this many tokens is dead (0: min(10M, a tenth of training))")
+    buffer_shards: int = option(4, "shards shuffled together (memory: this many shards)")
+    eval_rows: int = option(65536, "held-out rows for the final metrics")
+    eval_sequences: int = option(64, "held-out sequences for CE loss recovered (needs the model)")
+    log_every: int = option(50, "a metrics.csv row every N steps")
+    save_every: int = option(0, "save the run every N steps (0: only at the end)")
+    save_train_state: bool = option(True, "keep optimizer state so the run can be resumed")
+    seed: int = option(0, "seed of the initial weights and the shuffle")
+    device: str = option("auto", "cpu, cuda, ... (auto: cuda when available)")
+    threads: int = option(0, "torch CPU threads (0: torch's default)")
 
     def __post_init__(self) -> None:
         if self.kind not in DICTIONARIES:
@@ -221,7 +215,7 @@ def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, 
     if state is not None:
         step, scales = state["json"]["step"], state["json"]["scales"]
         _restore(sae, optimizer, since_fired, train_src, state)
-        history = _read_history(out, step)
+        history = read_history(out, step)
     else:
         scales = _scales_and_bias(sae, train_src, hooks)
     s_in, s_out = scales
@@ -237,7 +231,7 @@ def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, 
             extra["feature_density"] = [round(float(v), 7) for v in density]
         save_dictionary(final, out, extra_meta=extra,
                         context_size=source.manifest.get("seq_len") or source.manifest.get("source", {}).get("seq_len"))
-        (out / METRICS_FILE).write_text(_history_csv(history))
+        (out / METRICS_FILE).write_text(history_csv(history, METRIC_COLUMNS))
         if config.save_train_state:
             tensors, info = _train_state(optimizer, step)
             tensors.update({f"param.{n}": p.detach().cpu().contiguous() for n, p in sae.named_parameters()})
@@ -469,23 +463,6 @@ def _restore(sae: Dictionary, optimizer, since_fired, source, state: dict) -> No
     _restore_train_state(optimizer, state)
     if isinstance(source, LiveActivations):
         source.rows.update({int(i): r for i, r in info.get("live_rows", {}).items()})
-
-
-def _history_csv(history: list[dict]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=METRIC_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    for row in history:
-        writer.writerow({k: (f"{row[k]:.6g}" if isinstance(row.get(k), float) else row.get(k, "")) for k in METRIC_COLUMNS})
-    return buffer.getvalue()
-
-
-def _read_history(out: Path, up_to: int) -> list[dict]:
-    path = out / METRICS_FILE
-    if not path.exists():
-        return []
-    frame = pd.read_csv(path)
-    return frame[frame["step"] <= up_to].to_dict("records")
 
 
 def _atomic_bytes(path: Path, data: bytes) -> None:
