@@ -51,7 +51,7 @@ from workbench.config import ModelConfig
 from workbench.data import Task, get_task
 from workbench.distributed import DistInfo
 from workbench.model import HookedDecoder
-from workbench.utils import check_float, check_int, check_seed
+from workbench.utils import check_float, check_int, check_seed, jsonable
 from workbench.snapshots import SnapshotWriter, snapshot_steps
 
 METRICS_FILE = "metrics.csv"
@@ -273,7 +273,7 @@ def _prepare_run(config: TrainConfig, model_config: Optional[ModelConfig], out_d
         wrapped = torch.compile(wrapped)
     use_bf16 = config.autocast == "bf16" or (config.autocast == "auto" and device.type == "cuda")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-    meta = {"task": task.name, "task_options": _jsonable(task.options()), "train_config": config.to_dict()}
+    meta = {"task": task.name, "task_options": jsonable(task.options()), "train_config": config.to_dict()}
     snapshots = None
     if out_dir is not None and dist.is_main:  # also without a schedule: a resumed run carries its snapshots
         snapshots = SnapshotWriter(out_dir, schedule, config.snapshot_fp16,
@@ -474,7 +474,7 @@ def _train_state(optimizer: torch.optim.Optimizer, step: int) -> tuple[dict, dic
         "optimizer_scalars": scalars,
         "python_rng": [version, list(internal), gauss],
     }
-    return tensors, _jsonable(info)
+    return tensors, jsonable(info)
 
 
 def _load_train_state(out_dir: Optional[Path]) -> Optional[dict]:
@@ -541,18 +541,3 @@ def read_metrics(path: Union[str, Path]) -> pd.DataFrame:
         return pd.read_csv(file)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise ValueError(f"{file} is not a readable metrics CSV: {e}") from None
-
-
-def _jsonable(value: Any) -> Any:
-    """Recursively turn tuples, paths and tokenizer objects into JSON-friendly values."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, Path):
-        return str(value)
-    if hasattr(value, "kind"):
-        return value.kind
-    return str(value)

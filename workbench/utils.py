@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -120,3 +121,18 @@ def check_seed(name: str, value: Any, *, optional: bool = False) -> Optional[int
     if is_int(value) and 0 <= value < 2**64:
         return int(value)
     raise ValueError(f"{name} must be an integer in [0, 2**64){' or None' if optional else ''}, got {value!r}")
+
+
+def jsonable(value: Any) -> Any:
+    """Recursively turn tuples, paths and tokenizer objects into JSON-friendly values."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "kind"):
+        return value.kind
+    return str(value)

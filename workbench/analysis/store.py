@@ -49,6 +49,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from workbench.utils import jsonable
+
 MANIFEST = "manifest.json"
 FORMAT = "workbench-activations"
 FORMAT_VERSION = 1
@@ -152,7 +154,7 @@ class TokenSource:
             self.task = source
             self.seq_len = int(seq_len or (source.default_seq_len if source.fixed_seq_len else model.cfg.n_ctx))
             self.stream = None
-            self.identity = {"kind": "task", "task": source.name, "options": _jsonable(source.options()), "split": split}
+            self.identity = {"kind": "task", "task": source.name, "options": jsonable(source.options()), "split": split}
             if source.vocab_size > model.cfg.d_vocab:
                 raise ValueError(f"the {source.name} task's vocabulary ({source.vocab_size}) exceeds the model's d_vocab={model.cfg.d_vocab}")
         else:
@@ -214,7 +216,32 @@ def forward_rows(model, tokens: Int[Tensor, "batch pos"], hooks: Sequence[str], 
 
 
 # ---- the store -----------------------------------------------------------------------------------
-class ActivationStore:
+class ShardedActivations:
+    """What every activation source shares (a store on disk, live activations, tensors in memory):
+    shuffled batches over its shards, and the one hook it holds when none is named."""
+
+    hooks: list[str]
+    buffer_shards = 4  # shards shuffled together by default
+
+    def batches(self, batch_size: int, hooks: Union[str, Sequence[str], None] = None, seed: int = 0,
+                buffer_shards: Optional[int] = None, start_batch: int = 0, device: Union[str, torch.device] = "cpu",
+                ) -> Iterator[Union[Tensor, tuple[Tensor, ...]]]:
+        """An endless stream of shuffled float32 batches ``[batch_size, d]`` (a tuple for several hooks).
+
+        Epoch ``e`` visits the shards in a seeded order, ``buffer_shards`` at a time; each group's
+        rows are shuffled together and cut into whole batches (a group's remainder is skipped).
+        """
+        hooks, single = _as_hooks(hooks, self)
+        return stream_batches(self, hooks, batch_size, seed, buffer_shards or self.buffer_shards, start_batch, device,
+                              single)
+
+    def _single_hook(self) -> str:
+        if len(self.hooks) != 1:
+            raise ValueError(f"these activations hold several hooks {self.hooks}; say which")
+        return self.hooks[0]
+
+
+class ActivationStore(ShardedActivations):
     """A collected store on disk (``ActivationStore(path)`` opens one; ``collect`` writes one)."""
 
     def __init__(self, path: Union[str, Path], shards: Optional[Sequence[int]] = None):
@@ -345,22 +372,6 @@ class ActivationStore:
         seq_len = data["token_ids"].shape[1]
         seq, pos = flat // seq_len, flat % seq_len
         return data["token_ids"][seq], seq, pos
-
-    def batches(self, batch_size: int, hooks: Union[str, Sequence[str], None] = None, seed: int = 0,
-                buffer_shards: int = 4, start_batch: int = 0, device: Union[str, torch.device] = "cpu",
-                ) -> Iterator[Union[Tensor, tuple[Tensor, ...]]]:
-        """An endless stream of shuffled float32 batches ``[batch_size, d]`` (a tuple for several hooks).
-
-        Epoch ``e`` visits the shards in a seeded order, ``buffer_shards`` at a time; each group's
-        rows are shuffled together and cut into whole batches (a group's remainder is skipped).
-        """
-        hooks, single = _as_hooks(hooks, self)
-        return stream_batches(self, hooks, batch_size, seed, buffer_shards, start_batch, device, single)
-
-    def _single_hook(self) -> str:
-        if len(self.hooks) != 1:
-            raise ValueError(f"the store holds several hooks {self.hooks}; say which")
-        return self.hooks[0]
 
     # ---- writing ------------------------------------------------------------------------------
     @classmethod
@@ -565,12 +576,14 @@ def _groups(source, buffer_shards: int, seed: int) -> Iterator[tuple[int, list[i
 
 
 # ---- live activations (no store) ------------------------------------------------------------------
-class LiveActivations:
+class LiveActivations(ShardedActivations):
     """Activations generated on the fly from a model and a token source: a store without a disk.
 
     Shard ``i`` is source batch ``i``'s kept rows (computed on demand, its row count remembered), so
     ``stream_batches`` and the trainer treat it like an endless store.
     """
+
+    buffer_shards = 8  # a live shard is one source batch: shuffle more of them together
 
     def __init__(self, model, source: Any, hooks: Union[str, Sequence[str]], *, batch_size: int = 32,
                  seq_len: Optional[int] = None, exclude_first: bool = True, exclude_token_ids: Sequence[int] = (),
@@ -611,16 +624,6 @@ class LiveActivations:
         got.update(token_ids=tokens.cpu(), rows=rows)
         return {h: got[h] for h in list(hooks or self.hooks) + (["token_ids", "rows"] if with_tokens else [])}
 
-    def batches(self, batch_size: int, hooks=None, seed: int = 0, buffer_shards: int = 8, start_batch: int = 0,
-                device="cpu") -> Iterator:
-        hooks, single = _as_hooks(hooks, self)
-        return stream_batches(self, hooks, batch_size, seed, buffer_shards, start_batch, device, single)
-
-    def _single_hook(self) -> str:
-        if len(self.hooks) != 1:
-            raise ValueError(f"several hooks {self.hooks}; say which")
-        return self.hooks[0]
-
     def check_model(self, model) -> None:
         if model_fingerprint(model) != self.manifest["model"]["fingerprint"]:
             raise StoreError("these live activations come from another model than the one passed")
@@ -635,7 +638,7 @@ class LiveActivations:
                                exclude_token_ids=rule.exclude_token_ids, split="val")
 
 
-class TensorActivations:
+class TensorActivations(ShardedActivations):
     """Activations already in memory (``{hook: [rows, d]}``), cut into shards: a store without files.
 
     Synthetic data, a benchmark's fixed batch, or activations from elsewhere train like a store.
@@ -686,16 +689,6 @@ class TensorActivations:
 
     def subset(self, shards: Sequence[int]) -> "TensorActivations":
         return TensorActivations(self.tensors, self.rows_per_shard, [self.shard_ids[int(i)] for i in shards])
-
-    def batches(self, batch_size: int, hooks=None, seed: int = 0, buffer_shards: int = 4, start_batch: int = 0,
-                device="cpu") -> Iterator:
-        hooks, single = _as_hooks(hooks, self)
-        return stream_batches(self, hooks, batch_size, seed, buffer_shards, start_batch, device, single)
-
-    def _single_hook(self) -> str:
-        if len(self.hooks) != 1:
-            raise ValueError(f"several hooks {self.hooks}; say which")
-        return self.hooks[0]
 
     def check_model(self, model) -> None:
         raise StoreError("in-memory activations record no model to check against")
@@ -778,15 +771,3 @@ def _resume_manifest(out: Path, fresh: dict) -> dict:
             )
     old["target_tokens"] = max(old.get("target_tokens", 0), fresh["target_tokens"])
     return old
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if hasattr(value, "kind"):
-        return value.kind
-    return str(value)
