@@ -30,8 +30,7 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
-import workbench as wb  # noqa: E402
-from _timing import interleaved  # noqa: E402
+from _timing import add_model_args, interleaved, random_model  # noqa: E402
 from workbench.analysis.circuits import EdgeRunner, edge_attribution  # noqa: E402
 from workbench.analysis.circuits.edges import edge_effects  # noqa: E402
 
@@ -78,22 +77,10 @@ def naive_edge_patch(model, runner: EdgeRunner, edge: int) -> torch.Tensor:
 
 def main(argv=None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--pos", type=int, default=32)
+    add_model_args(parser, d_model=64, vocab=256, batch=4, pos=32)
     parser.add_argument("--sample", type=int, default=256, help="edges in the resume-vs-naive comparison")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    cfg = wb.ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, d_vocab=args.vocab,
-                         n_ctx=max(args.pos, 64), seed=0)
-    model = wb.HookedDecoder(cfg).to(args.device).eval()
+    model = random_model(args)
     clean = torch.randint(0, args.vocab, (args.batch, args.pos), device=args.device)
     corrupted = torch.randint(0, args.vocab, (args.batch, args.pos), device=args.device)
     weights = torch.randn(args.vocab, device=args.device)
@@ -136,6 +123,7 @@ def main(argv=None) -> pd.DataFrame:
             ("sampled edges", "exact through resume (receiver only, from its layer)", t["resume"],
              t["naive"] / t["resume"])]
     table = pd.DataFrame(rows, columns=["task", "method", "seconds", "speedup"])
+    cfg = model.cfg
     print(f"{cfg.n_layers} layers x {cfg.n_heads} heads, d_model {cfg.d_model}, d_mlp {cfg.d_mlp}, vocab {cfg.d_vocab}, "
           f"batch {args.batch} x {args.pos} tokens, {args.device}, {args.threads} threads")
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))

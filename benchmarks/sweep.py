@@ -28,8 +28,7 @@ import torch
 from transformer_lens import patching as tl_patching
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
-import workbench as wb  # noqa: E402
-from _timing import interleaved  # noqa: E402
+from _timing import add_model_args, interleaved, random_model  # noqa: E402
 from workbench.analysis import ablation_sweep, activation_patching, attribution_patching, logit_diff_metric
 
 
@@ -40,21 +39,9 @@ def _sync() -> None:
 
 def main(argv=None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--pos", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_args(parser, d_model=128, vocab=512, batch=8, pos=64)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    cfg = wb.ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, d_vocab=args.vocab,
-                         n_ctx=max(args.pos, 64), seed=0)
-    model = wb.HookedDecoder(cfg).to(args.device).eval()
+    model = random_model(args)
     tokens = torch.randint(0, args.vocab, (args.batch, args.pos), device=args.device)
 
     # warm-up, and the exactness check the timings rely on
@@ -93,6 +80,7 @@ def main(argv=None) -> pd.DataFrame:
              ("per-head patching", "exact, workbench resume", t["ours"], t["tl"] / t["ours"]),
              ("per-head patching", "attribution patching (1 fwd + 1 bwd)", t["attribution"], t["tl"] / t["attribution"])]
     table = pd.DataFrame(rows, columns=["task", "method", "seconds", "speedup"])
+    cfg = model.cfg
     print(f"{cfg.n_layers} layers x {cfg.n_heads} heads, d_model {cfg.d_model}, vocab {cfg.d_vocab}, "
           f"batch {args.batch} x {args.pos} tokens, {args.device}, {args.threads} threads")
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
