@@ -120,16 +120,22 @@ def weights_stamp(path: str) -> int:
         return 0
 
 
+def app_device() -> str:
+    """Where the app runs its models: $WORKBENCH_DEVICE when set (e.g. ``cpu`` to keep a GPU free),
+    else CUDA when torch sees a GPU, else the CPU."""
+    return os.environ.get("WORKBENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @st.cache_resource(max_entries=8, show_spinner="Loading the checkpoint…")
-def _load(path: str, stamp: int) -> tuple[Any, Any, dict, threading.Lock]:
+def _load(path: str, stamp: int, device: str = "cpu") -> tuple[Any, Any, dict, threading.Lock]:
     from workbench.interop.hf import looks_like_hf_dir
 
     LOADS[path] += 1
     if looks_like_hf_dir(path):  # a Hugging Face model directory, imported with every hook
-        model = wb.from_hf(path)
+        model = wb.from_hf(path, device=device)
         tok = model.tokenizer
     else:
-        model, tok = wb.load_checkpoint(path)
+        model, tok = wb.load_checkpoint(path, device=device)
     if tok is None:  # abstract-id tasks (induction, modular): prompts are typed as token ids
         tok = model.tokenizer = IdTokenizer(model.cfg.d_vocab)
     for p in model.parameters():
@@ -141,7 +147,7 @@ def _load(path: str, stamp: int) -> tuple[Any, Any, dict, threading.Lock]:
 
 def model_for(key: tuple[str, int]):
     """The cached model of a :attr:`Checkpoint.key`, for use inside ``st.cache_data`` functions."""
-    model, _, _, lock = _load(*key)
+    model, _, _, lock = _load(*key, app_device())
     return model, lock
 
 
@@ -166,7 +172,7 @@ def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint
         where.error(f"`{path}` is a run of the experiment {experiment!r}, not a checkpoint: open it on the Sweeps page.")
         return None
     try:
-        model, tok, meta, lock = _load(str(p.resolve()), weights_stamp(str(p)))
+        model, tok, meta, lock = _load(str(p.resolve()), weights_stamp(str(p)), app_device())
     except wb.CheckpointError as e:
         where.error(f"Cannot load this checkpoint: {e}")
         return None
@@ -203,8 +209,12 @@ def checkpoint_picker(label: str, key: str, where=None, default: Optional[str] =
         if not path.strip():
             where.info("Type the path of a checkpoint directory.")
             return None
-        return load(path.strip(), where=where)
-    return load(options[name], name=name, where=where)
+        ckpt = load(path.strip(), where=where)
+    else:
+        ckpt = load(options[name], name=name, where=where)
+    if ckpt is not None:
+        where.caption(f"Runs on `{ckpt.model.device}` in `{str(next(ckpt.model.parameters()).dtype).removeprefix('torch.')}`")
+    return ckpt
 
 
 # ---- uploads -------------------------------------------------------------------------------------
@@ -253,7 +263,7 @@ def _on_upload(key: str) -> None:
         st.session_state["upload_error"] = f"Upload of {names} failed: {e}"
         return
     try:
-        _load(str(Path(path).resolve()), weights_stamp(path))
+        _load(str(Path(path).resolve()), weights_stamp(path), app_device())
     except Exception as e:  # a checkpoint that does not load: say which file, not the temp folder
         message = str(e).replace(f"{path}/", "").replace(str(path), "the upload")
         st.session_state["upload_error"] = f"{names} is not a usable checkpoint: {message}"
@@ -627,7 +637,7 @@ def has_tuned_lens(ckpt: Checkpoint) -> bool:
 
 @st.cache_resource(max_entries=8, show_spinner=False)
 def _tuned_lens(path: str, stamp: int) -> TunedLens:
-    model, _, _, _ = _load(path, weights_stamp(path))
+    model, _, _, _ = _load(path, weights_stamp(path), app_device())
     return TunedLens.load(path, model)
 
 
@@ -660,7 +670,7 @@ def lens_table(ckpt: Checkpoint, ids, which: str, ablation: Ablation = (), refer
 def reference_batch(key: tuple[str, int], ids: tuple[int, ...], rows: int = 16) -> tuple[tuple[int, ...], ...]:
     """``workbench.analysis.reference_batch`` for checkpoint ``key`` (its meta.json names the
     task), as tuples so it can key ``analysis``."""
-    model, _, meta, _ = _load(*key)
+    model, _, meta, _ = _load(*key, app_device())
     return tuple(tuple(row) for row in library_reference_batch(model, meta, ids, rows=rows).tolist())
 
 
