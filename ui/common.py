@@ -749,3 +749,7 @@ def model_card(ckpt: Checkpoint) -> None:
     shown = {k: v for k, v in ckpt.meta.items() if k not in ("metrics",)}
     with st.expander("meta.json"):
         st.json(shown, expanded=False)
+    from ui import vocabulary  # here, not at the top: ui.vocabulary imports this module
+
+    with st.expander("Vocabulary browser"):
+        vocabulary.render(ckpt)

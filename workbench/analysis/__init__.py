@@ -19,6 +19,8 @@
     splice.py       a dictionary spliced in at its hook; its features become hooks
     features.py     per-feature tables: contexts, histograms, logit effects, DLA
     dynamics.py     any of these over a run's training snapshots: one table with a step column
+    vocab.py        the vocabulary: embedding neighbours, the direct path (embed -> unembed) per token
+    batching.py     iter_batches: any data (texts, tensors, TokenBatch, PromptSet) as padded batches
     circuits/       edges: the computation graph, exact edge patching, EAP / EAP-IG, ACDC, path patching,
                     circuits (save, load, faithfulness) and AUROC against known circuits
 """
@@ -44,6 +46,7 @@ from workbench.analysis.heads import (
     head_scores,
     repeated_random_tokens,
 )
+from workbench.analysis.vocab import direct_path, token_neighbours, vocabulary_table
 from workbench.analysis.lens import TunedLens, compare_lenses, logit_lens, train_tuned_lens, tuned_lens
 from workbench.analysis.metrics import (
     METRIC_KINDS,
@@ -101,6 +104,7 @@ from workbench.analysis.circuits import (
 )
 
 __all__ = [
+    "direct_path", "token_neighbours", "vocabulary_table",
     "AblationSpec", "ablate", "ablation_hooks", "ablation_sweep", "sweep_specs",
     "direct_logit_attribution",
     "logit_diff_metric", "loss_metric", "str_tokens", "unique_labels",
