@@ -336,7 +336,7 @@ class Series(Sequence[Snapshot]):
     def metrics(self) -> pd.DataFrame:
         return pd.DataFrame([{"step": s.step, **s.metrics} for s in self.snapshots])
 
-    def nearest(self, step: float) -> Snapshot:
+    def nearest(self, step: Union[int, float]) -> Snapshot:
         """The snapshot whose step is closest to ``step`` (the earlier one on a tie): how two runs
         with different snapshot steps are aligned."""
         if not self.snapshots:

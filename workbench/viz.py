@@ -608,6 +608,8 @@ def feature_density_figure(table: pd.DataFrame, theme: str = "light") -> go.Figu
 # ---- over training (tables from analysis.over_training) ----------------------------------------
 def _history_of(frame: pd.DataFrame, history: Optional[pd.DataFrame]) -> pd.DataFrame:
     history = frame.attrs.get("history") if history is None else history
+    if isinstance(history, dict):  # over_training keeps the curve as columns (see there)
+        history = pd.DataFrame(history)
     return history if isinstance(history, pd.DataFrame) else pd.DataFrame(columns=["step"])
 
 
@@ -938,7 +940,7 @@ def token_hover_figure(lens: pd.DataFrame, patterns: pd.DataFrame, layer: int, h
 STEP_MARK = "#e377c2"
 
 
-def mark_step(fig: go.Figure, step: float, label: Optional[str] = None) -> go.Figure:
+def mark_step(fig: go.Figure, step: Union[int, float], label: Optional[str] = None) -> go.Figure:
     """``fig`` with a dashed vertical line at ``step`` on its x axis, through every row of a
     figure whose rows share that axis (the loss curve under a score over training)."""
     fig.add_shape(type="line", xref="x", yref="paper", x0=step, x1=step, y0=0, y1=1,
@@ -953,7 +955,7 @@ def _best_per_step(frame: pd.DataFrame, value: str) -> pd.DataFrame:
     return frame.loc[frame.groupby("step")[value].idxmax()].sort_values("step")
 
 
-def runs_over_training_figure(tables: dict, value: str = "score", step: Optional[float] = None, title: str = "",
+def runs_over_training_figure(tables: dict, value: str = "score", step: Union[int, float, None] = None, title: str = "",
                               theme: str = "light") -> go.Figure:
     """Several runs' ``over_training`` tables on one step axis: per run and ``kind``, the best
     head's ``value`` at each step (one colour per run, one dash per kind) above each run's

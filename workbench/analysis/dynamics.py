@@ -34,7 +34,7 @@ def over_training(series: Series, analysis: Union[Analysis, Mapping[str, Analysi
     ``analysis`` may return a DataFrame (its rows are kept), a dict (one row) or a number
     (column ``value``). A mapping ``{name: analysis}`` (use ``functools.partial`` for
     arguments) runs them all in one pass and returns ``{name: DataFrame}``. The returned
-    frames carry the run's loss curve in ``.attrs["history"]`` for the figures. ``progress``:
+    frames carry the run's loss curve in ``.attrs["history"]`` (columns as lists) for the figures. ``progress``:
     True for a tqdm bar, or ``progress(done, total)`` called after each snapshot (an app's bar).
     """
     if not isinstance(series, Series):
@@ -76,7 +76,9 @@ def over_training(series: Series, analysis: Union[Analysis, Mapping[str, Analysi
     out = {}
     for name, frames in parts.items():
         frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["step"])
-        frame.attrs["history"] = series.history
+        # The loss curve as plain columns, not a DataFrame: pandas compares attrs when it combines
+        # frames (astype, concat), and a DataFrame there makes that comparison raise.
+        frame.attrs["history"] = series.history.to_dict("list")
         frame.attrs["source"] = series.source
         out[name] = frame
     return out[""] if callable(analysis) else out

@@ -1,0 +1,7 @@
+"""Circuit (being written)."""
+
+import streamlit as st
+
+
+def render() -> None:
+    st.header("Circuit")
