@@ -134,7 +134,7 @@ def load_planted(name: str, root: Optional[Union[str, Path]] = None, device=None
     if not path.is_dir():
         raise CheckpointError(f"planted model {name!r} is not at {path}: build it with scripts/make_planted.py")
     model, _ = load_checkpoint(path, device=device)
-    known = known_circuit(path, model)
+    known = known_circuit(model, path)
     if known is None:
         raise CheckpointError(f"{path}/meta.json has no \"planted\" entry: rebuild it with scripts/make_planted.py")
     truth, info = known
@@ -142,7 +142,7 @@ def load_planted(name: str, root: Optional[Union[str, Path]] = None, device=None
                    dict(info["prompts"]), info)
 
 
-def known_circuit(path: Union[str, Path], model) -> Optional[tuple[list[str], dict]]:
+def known_circuit(model, path: Union[str, Path]) -> Optional[tuple[list[str], dict]]:
     """(the circuit's edges, its "planted" entry: unscored, established_by, prompts) of the
     checkpoint at ``path``: from its meta.json (a planted model), else from the circuit.json
     beside it (checked against ``model``); None when it has neither."""
