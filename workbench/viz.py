@@ -974,7 +974,7 @@ def runs_over_training_figure(tables: dict, value: str = "score", step: Union[in
             best = _best_per_step(part, value)
             fig.add_trace(go.Scatter(x=best["step"], y=best[value], mode="lines+markers", name=f"{run}: {kind}",
                                      line=dict(color=colour, dash=dashes[j % len(dashes)]), legendgroup=run,
-                                     text=[head_label(l, h) for l, h in zip(best["layer"], best["head"])],
+                                     text=[f"L{l}H{h}" for l, h in zip(best["layer"], best["head"])],
                                      hovertemplate="step %{x}<br>%{text}: %{y:.3f}<extra>" + f"{run}: {kind}</extra>"),
                           row=1, col=1)
         curve = _history_of(frame, None)

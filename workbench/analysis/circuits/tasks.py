@@ -190,7 +190,7 @@ def run_method(model, prompts: CircuitPrompts, metric: str, method: str = "eap",
     return MethodRun(method, circuit, table, float(kept), seconds)
 
 
-def circuit_agreement(a: Circuit, b: Circuit) -> dict[str, float]:
+def circuit_agreement(a: Circuit, b: Circuit) -> dict[str, Union[int, float]]:
     """How two circuits of one model agree: edges in both, in one only, their Jaccard index, and
     the Spearman correlation of their scores over the edges both scored (NaN when either is constant)."""
     if a.model.get("graph") != b.model.get("graph"):
