@@ -1003,5 +1003,5 @@ def circuit_graph_figure(edges: pd.DataFrame, title: str = "Circuit", selected: 
         fig.add_scatter(x=[nodes.x[i]], y=[nodes.y[i]], mode="markers", hoverinfo="skip", showlegend=False,
                         marker=dict(size=26, color="rgba(0,0,0,0)", line=dict(width=3, color=STEP_MARK)))
         fig.data = (*fig.data[:-2], fig.data[-1], fig.data[-2])  # the ring under the clickable nodes
-    fig.update_layout(clickmode="event+select", dragmode=False)
+    fig.update_layout(clickmode="event+select", dragmode=False, hovermode="closest")
     return fig
