@@ -10,7 +10,7 @@ import os
 import streamlit as st
 import torch
 
-from ui import ablate, build_train, common, compare, inspect, patch, sweeps
+from ui import ablate, build_train, circuit, common, compare, inspect, patch, sweeps, training
 from workbench import viz
 
 PAGES = {
@@ -20,6 +20,8 @@ PAGES = {
     "Compare": compare.render,
     "Build & train": build_train.render,
     "Sweeps": sweeps.render,
+    "Training": training.render,
+    "Circuit": circuit.render,
 }
 
 # One thread: the app's forwards are small and latency-bound, and extra threads only

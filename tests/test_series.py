@@ -169,7 +169,7 @@ def test_over_training_loads_each_snapshot_once_for_several_analyses(run_dir, mo
     pd.testing.assert_frame_equal(again[again.step == 4].drop(columns="step").reset_index(drop=True), direct)
     over_training(series, head_scores, kinds=("induction",), seq_len=6, batch=2, progress=False)
     assert len(loads) == 4 + 3  # other arguments are another analysis (and the direct load above)
-    assert both["norm"]["step"].tolist() == [2, 4, 6] and again.attrs["history"]["step"].tolist() == [2, 4, 6]
+    assert both["norm"]["step"].tolist() == [2, 4, 6] and again.attrs["history"]["step"] == [2, 4, 6]
     figure = viz.over_training_figure(again)
     assert [t.name for t in figure.data][:2] == ["previous_token (best head)", "induction (best head)"]
     assert "train_loss" in [t.name for t in figure.data] and list(figure.data[0].x) == [2, 4, 6]
@@ -215,3 +215,31 @@ def test_runs_without_snapshots_and_mixed_models_are_refused(run_dir, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert wb.load_series(run_dir / "snapshots").steps == [2, 4, 6]  # the snapshots folder itself
+
+
+def test_over_training_tables_survive_pandas_and_the_head_figures(run_dir):
+    """An over_training table's rows at one step go through pandas (astype, concat) and the
+    layer x head figures: the loss curve it carries in attrs once made every such call raise
+    ("truth value of a DataFrame is ambiguous") as pandas compared the attrs."""
+    table = over_training(wb.load_series(run_dir), head_scores, kinds=("previous_token", "induction"), seq_len=6,
+                          batch=2, progress=False)
+    at_step = table[table["step"] == 4].drop(columns="step")
+    assert at_step.astype({"layer": int, "head": int}).shape == at_step.shape
+    figure = viz.head_scores_figure(at_step)
+    assert len(figure.data) >= 2
+    pd.testing.assert_frame_equal(viz._history_of(table, None), wb.load_series(run_dir).history)
+
+
+def test_over_training_reports_progress_to_a_callback(run_dir):
+    calls = []
+    over_training(wb.load_series(run_dir), lambda m: {"norm": float(m.W_E.norm())},
+                  progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_nearest_snapshot_aligns_two_runs(run_dir):
+    series = wb.load_series(run_dir)
+    assert series.steps == [2, 4, 6]
+    assert [series.nearest(s).step for s in (0, 3, 4, 5, 100)] == [2, 2, 4, 4, 6]  # a tie goes to the earlier
+    with pytest.raises(ValueError, match="no snapshots"):
+        series[0:0].nearest(3)

@@ -534,6 +534,8 @@ def _run(fn: Callable, key: tuple[str, int], ids: Optional[tuple[int, ...]], abl
     params = inspect.signature(fn).parameters
     kwargs = {k: torch.tensor(v.rows, device=model.device) if isinstance(v, TokenRows) else v
               for k, v in kwargs.items()}
+    if progress is not None and "progress" in params:
+        kwargs["progress"] = progress
     with lock, torch.no_grad():
         if ids is None:
             return fn(model, **kwargs)
@@ -542,8 +544,6 @@ def _run(fn: Callable, key: tuple[str, int], ids: Optional[tuple[int, ...]], abl
         ref = torch.tensor(reference, device=model.device) if reference is not None else None
         if "reference" in params:
             kwargs["reference"] = ref
-        if progress is not None and "progress" in params:
-            kwargs["progress"] = progress
         hooks = [hook for spec in ablation for hook in ablation_hooks(model, tokens, spec, ref)]
         with model.hooks(fwd_hooks=hooks):
             return fn(model, tokens, **kwargs)
@@ -605,7 +605,7 @@ def _progress_results() -> _ResultStore:
 def analysis_with_progress(
     fn: Callable,
     key: tuple[str, int],
-    ids: tuple[int, ...],
+    ids: Optional[tuple[int, ...]],
     progress: Callable[[int, int], Any],
     reference: Optional[tuple[tuple[int, ...], ...]] = None,
     **kwargs,

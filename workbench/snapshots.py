@@ -336,6 +336,13 @@ class Series(Sequence[Snapshot]):
     def metrics(self) -> pd.DataFrame:
         return pd.DataFrame([{"step": s.step, **s.metrics} for s in self.snapshots])
 
+    def nearest(self, step: Union[int, float]) -> Snapshot:
+        """The snapshot whose step is closest to ``step`` (the earlier one on a tie): how two runs
+        with different snapshot steps are aligned."""
+        if not self.snapshots:
+            raise ValueError("the series has no snapshots")
+        return min(self.snapshots, key=lambda s: (abs(s.step - step), s.step))
+
     def load(self, which: Union[int, Snapshot]):
         """The model at snapshot ``which`` (an index, or a Snapshot), with the run's tokenizer."""
         snapshot = which if isinstance(which, Snapshot) else self.snapshots[which]

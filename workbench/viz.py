@@ -608,6 +608,8 @@ def feature_density_figure(table: pd.DataFrame, theme: str = "light") -> go.Figu
 # ---- over training (tables from analysis.over_training) ----------------------------------------
 def _history_of(frame: pd.DataFrame, history: Optional[pd.DataFrame]) -> pd.DataFrame:
     history = frame.attrs.get("history") if history is None else history
+    if isinstance(history, dict):  # over_training keeps the curve as columns (see there)
+        history = pd.DataFrame(history)
     return history if isinstance(history, pd.DataFrame) else pd.DataFrame(columns=["step"])
 
 
@@ -959,4 +961,74 @@ def neighbours_figure(neighbours: pd.DataFrame, token: str = "", space: str = "e
     fig.update_layout(title=f"Nearest tokens to {token!r} ({space}ding)", template=_template(theme),
                       xaxis_title="cosine similarity", yaxis_title="token", xaxis_range=[min(0.0, float(frame.cosine.min())), 1],
                       height=max(300, 22 * len(frame) + 120), margin=dict(l=10))
+
+
+# ---- the Training and Circuit pages (a step marked on any figure, runs compared, clickable circuits) ----
+STEP_MARK = "#e377c2"
+
+
+def mark_step(fig: go.Figure, step: Union[int, float], label: Optional[str] = None) -> go.Figure:
+    """``fig`` with a dashed vertical line at ``step`` on its x axis, through every row of a
+    figure whose rows share that axis (the loss curve under a score over training)."""
+    fig.add_shape(type="line", xref="x", yref="paper", x0=step, x1=step, y0=0, y1=1,
+                  line=dict(color=STEP_MARK, width=2, dash="dash"))
+    fig.add_annotation(x=step, xref="x", y=1, yref="paper", yanchor="bottom", showarrow=False,
+                       text=label if label is not None else f"step {step}", font=dict(color=STEP_MARK))
+    return fig
+
+
+def _best_per_step(frame: pd.DataFrame, value: str) -> pd.DataFrame:
+    """The row of the highest ``value`` at each step (the best head, for per-head tables)."""
+    return frame.loc[frame.groupby("step")[value].idxmax()].sort_values("step")
+
+
+def runs_over_training_figure(tables: dict, value: str = "score", step: Union[int, float, None] = None, title: str = "",
+                              theme: str = "light") -> go.Figure:
+    """Several runs' ``over_training`` tables on one step axis: per run and ``kind``, the best
+    head's ``value`` at each step (one colour per run, one dash per kind) above each run's
+    training loss (from the tables' ``attrs["history"]``); ``step`` is marked when given."""
+    if not tables:
+        raise ValueError("tables is empty: pass {run name: over_training table}")
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.6, 0.4], vertical_spacing=0.06)
+    dashes = ("solid", "dash", "dot", "dashdot")
+    for i, (run, frame) in enumerate(tables.items()):
+        for column in ("step", "layer", "head", value):
+            if column not in frame:
+                raise ValueError(f"the table of {run!r} has no column {column!r}; it has {list(frame.columns)}")
+        colour = PALETTE[i % len(PALETTE)]
+        groups = frame.groupby("kind", sort=False) if "kind" in frame else [(value, frame)]
+        for j, (kind, part) in enumerate(groups):
+            best = _best_per_step(part, value)
+            fig.add_trace(go.Scatter(x=best["step"], y=best[value], mode="lines+markers", name=f"{run}: {kind}",
+                                     line=dict(color=colour, dash=dashes[j % len(dashes)]), legendgroup=run,
+                                     text=[f"L{l}H{h}" for l, h in zip(best["layer"], best["head"])],
+                                     hovertemplate="step %{x}<br>%{text}: %{y:.3f}<extra>" + f"{run}: {kind}</extra>"),
+                          row=1, col=1)
+        curve = _history_of(frame, None)
+        if "train_loss" in curve and curve["train_loss"].notna().any():
+            rows = curve[curve["train_loss"].notna()]
+            fig.add_trace(go.Scatter(x=rows["step"], y=rows["train_loss"], mode="lines", name=f"{run}: train_loss",
+                                     line=dict(color=colour, width=1.5), legendgroup=run), row=2, col=1)
+    fig.update_yaxes(title_text=f"best head's {value}", row=1, col=1)
+    fig.update_yaxes(title_text="loss", row=2, col=1)
+    fig.update_xaxes(title_text="training step", row=2, col=1)
+    fig.update_layout(title=title or f"{value} over training, {len(tables)} runs aligned by step",
+                      template=_template(theme), hovermode="x unified", height=560)
+    return mark_step(fig, step) if step is not None else fig
+
+
+def circuit_graph_figure(edges: pd.DataFrame, title: str = "Circuit", selected: Optional[str] = None,
+                         theme: str = "light") -> go.Figure:
+    """``circuit_figure`` whose nodes can be clicked: each node point carries its label as
+    ``customdata`` (what a page's selection event returns), and ``selected`` is ringed."""
+    fig = circuit_figure(edges, title=title, theme=theme)
+    nodes = fig.data[-1]  # circuit_figure draws the nodes last, on top of the edges
+    nodes.customdata = [[label] for label in (nodes.text or ())]
+    nodes.hovertemplate = "%{text}<br>click for its attention and DLA<extra></extra>"
+    if selected is not None and nodes.text is not None and selected in nodes.text:
+        i = list(nodes.text).index(selected)
+        fig.add_scatter(x=[nodes.x[i]], y=[nodes.y[i]], mode="markers", hoverinfo="skip", showlegend=False,
+                        marker=dict(size=26, color="rgba(0,0,0,0)", line=dict(width=3, color=STEP_MARK)))
+        fig.data = (*fig.data[:-2], fig.data[-1], fig.data[-2])  # the ring under the clickable nodes
+    fig.update_layout(clickmode="event+select", dragmode=False, hovermode="closest")
     return fig

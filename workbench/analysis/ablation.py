@@ -21,10 +21,10 @@ import pandas as pd
 import torch
 from jaxtyping import Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from workbench.analysis.common import (
     Metric,
+    Progress,
     as_tokens,
     check_choice,
     check_head,
@@ -287,7 +287,7 @@ def _sweep_values(model, tokens, specs, metric, reference, stack, naive, progres
     refs = {m: _reference_acts(model, tokens, reference, ref_names, m) for m in {s.method for s in specs}}
 
     values: dict[int, float] = {}
-    bar = _Progress(progress, len(specs))
+    bar = Progress(progress, len(specs), "ablation sweep")
     if naive:
         for i, spec in enumerate(specs):
             values[i] = float(metric(ablate(model, tokens, spec, reference)))
@@ -312,24 +312,6 @@ def _sweep_values(model, tokens, specs, metric, reference, stack, naive, progres
                 bar.update(len(chunk))
     bar.close()
     return clean, values
-
-
-class _Progress:
-    """A tqdm bar (``progress=True``) or calls of ``progress(done, total)``, behind one ``update``."""
-
-    def __init__(self, progress, total: int) -> None:
-        self.callback = progress if callable(progress) else None
-        self.done, self.total = 0, total
-        self.bar = tqdm(total=total, disable=self.callback is not None or not progress, desc="ablation sweep")
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        self.bar.update(n)
-        if self.callback is not None:
-            self.callback(self.done, self.total)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def _spec_hook(spec: AblationSpec, refs: dict, reference) -> list:

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from workbench.utils import check_index, check_int, check_token_ids
 
@@ -134,3 +135,25 @@ def check_positions(name: str, positions: Optional[Sequence[int]], n_pos: int) -
     if isinstance(positions, (str, bytes)) or not hasattr(positions, "__iter__"):
         raise ValueError(f"{name} must be a sequence of position indices, got {positions!r}")
     return [check_index(name, p, n_pos, of=f"{n_pos} positions") for p in positions]
+
+
+ProgressLike = Union[bool, Callable[[int, int], object]]
+
+
+class Progress:
+    """A tqdm bar (``progress=True``) or calls of ``progress(done, total)`` (an app's own
+    progress bar), behind one ``update``: how every long analysis reports how far it got."""
+
+    def __init__(self, progress: ProgressLike, total: int, desc: str = "") -> None:
+        self.callback = progress if callable(progress) else None
+        self.done, self.total = 0, total
+        self.bar = tqdm(total=total, disable=self.callback is not None or not progress, desc=desc)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        self.bar.update(n)
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+    def close(self) -> None:
+        self.bar.close()

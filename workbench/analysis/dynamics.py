@@ -20,21 +20,22 @@ from typing import Any, Callable, Mapping, Union
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
+from workbench.analysis.common import Progress, ProgressLike
 from workbench.snapshots import Series, SnapshotError
 
 Analysis = Callable[..., Any]
 
 
-def over_training(series: Series, analysis: Union[Analysis, Mapping[str, Analysis]], *, progress: bool = True,
+def over_training(series: Series, analysis: Union[Analysis, Mapping[str, Analysis]], *, progress: ProgressLike = True,
                   **kwargs: Any) -> Union[pd.DataFrame, dict[str, pd.DataFrame]]:
     """``analysis(model, **kwargs)`` at every snapshot of ``series``, stacked with a ``step`` column first.
 
     ``analysis`` may return a DataFrame (its rows are kept), a dict (one row) or a number
     (column ``value``). A mapping ``{name: analysis}`` (use ``functools.partial`` for
     arguments) runs them all in one pass and returns ``{name: DataFrame}``. The returned
-    frames carry the run's loss curve in ``.attrs["history"]`` for the figures.
+    frames carry the run's loss curve in ``.attrs["history"]`` (columns as lists) for the figures. ``progress``:
+    True for a tqdm bar, or ``progress(done, total)`` called after each snapshot (an app's bar).
     """
     if not isinstance(series, Series):
         raise ValueError(f"over_training needs a Series (wb.load_series(run_dir)), got {type(series).__name__}")
@@ -50,13 +51,15 @@ def over_training(series: Series, analysis: Union[Analysis, Mapping[str, Analysi
     keys = {name: _key(fn) for name, fn in analyses.items()}
     parts: dict[str, list[pd.DataFrame]] = {name: [] for name in analyses}
     skipped = []
-    for snapshot in tqdm(series, desc="over training", disable=not progress):
+    bar = Progress(progress, len(series), "over training")
+    for snapshot in series:
         missing = [name for name in analyses if (snapshot.step, keys[name]) not in series.results]
         if missing:
             try:
                 model = series.load(snapshot)
             except SnapshotError as e:
                 skipped.append(f"{snapshot.path.name} ({e})")
+                bar.update()
                 continue
             with torch.no_grad():
                 for name in missing:
@@ -65,13 +68,17 @@ def over_training(series: Series, analysis: Union[Analysis, Mapping[str, Analysi
         for name in analyses:
             frame = series.results[(snapshot.step, keys[name])]
             parts[name].append(frame.assign(step=snapshot.step)[["step", *frame.columns]])
+        bar.update()
+    bar.close()
     if skipped:
         warnings.warn(f"over_training skipped {len(skipped)} snapshot(s) that failed to load: {'; '.join(skipped)}",
                       stacklevel=2)
     out = {}
     for name, frames in parts.items():
         frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["step"])
-        frame.attrs["history"] = series.history
+        # The loss curve as plain columns, not a DataFrame: pandas compares attrs when it combines
+        # frames (astype, concat), and a DataFrame there makes that comparison raise.
+        frame.attrs["history"] = series.history.to_dict("list")
         frame.attrs["source"] = series.source
         out[name] = frame
     return out[""] if callable(analysis) else out

@@ -57,22 +57,44 @@ class Planted:
     def prompts(self, batch: int = 32, seed: int = 0) -> tuple[Tensor, Tensor]:
         """(clean, corrupted) token ids [batch, pos]: clean prompts show the behaviour, corrupted
         ones are drawn independently from the same distribution."""
-        batch, seed = check_int("batch", batch, 1), check_seed("seed", seed)
-        gen = torch.Generator().manual_seed(seed)
-        make = {"repeat": _repeat_prompts, "modular": _modular_prompts}[self.prompt_spec["kind"]]
-        clean, corrupted = make(self.prompt_spec, batch, gen), make(self.prompt_spec, batch, gen)
-        return clean.to(self.model.device), corrupted.to(self.model.device)
+        return spec_prompts(self.prompt_spec, batch, seed, self.model.device)
 
     def metric(self, clean: Tensor) -> Callable[[Tensor], Tensor]:
         """Mean log-probability of the clean prompts' right next tokens where the behaviour acts."""
-        positions, targets = _answer_positions(self.prompt_spec, clean)
+        return spec_metric(self.prompt_spec, clean)
 
-        def metric(logits: Tensor) -> Tensor:
-            logp = logits[:, positions].float().log_softmax(-1)
-            return logp.gather(-1, targets[..., None]).mean()
 
-        metric.__name__ = "answer_logprob"
-        return metric
+def spec_prompts(spec: dict, batch: int = 32, seed: int = 0, device=None) -> tuple[Tensor, Tensor]:
+    """(clean, corrupted) token ids [batch, pos] of a prompt spec (``{"kind": "repeat", "half",
+    "vocab", "bos", "distinct"}`` or ``{"kind": "modular", "p"}``): clean prompts show the
+    behaviour, corrupted ones are drawn independently from the same distribution."""
+    batch, seed = check_int("batch", batch, 1), check_seed("seed", seed)
+    kinds = {"repeat": _repeat_prompts, "modular": _modular_prompts}
+    if spec.get("kind") not in kinds:
+        raise ValueError(f"spec kind must be one of {list(kinds)}, got {spec.get('kind')!r}")
+    gen = torch.Generator().manual_seed(seed)
+    make = kinds[spec["kind"]]
+    clean, corrupted = make(spec, batch, gen), make(spec, batch, gen)
+    return clean.to(device), corrupted.to(device)
+
+
+def spec_metric(spec: dict, clean: Tensor) -> Callable[[Tensor], Tensor]:
+    """Mean log-probability of ``clean``'s right next tokens where the spec's behaviour acts."""
+    positions, targets = _answer_positions(spec, clean)
+
+    def metric(logits: Tensor) -> Tensor:
+        logp = logits[:, positions].float().log_softmax(-1)
+        return logp.gather(-1, targets[..., None]).mean()
+
+    metric.__name__ = "answer_logprob"
+    return metric
+
+
+def answer_position(spec: dict, clean: Tensor) -> tuple[int, Tensor]:
+    """The last position where the spec's behaviour acts, and each row's right next token there."""
+    positions, targets = _answer_positions(spec, clean)
+    last = range(clean.shape[1])[positions][-1]
+    return last, targets[:, -1]
 
 
 def _repeat_prompts(spec: dict, batch: int, gen: torch.Generator) -> Tensor:
@@ -112,16 +134,26 @@ def load_planted(name: str, root: Optional[Union[str, Path]] = None, device=None
     if not path.is_dir():
         raise CheckpointError(f"planted model {name!r} is not at {path}: build it with scripts/make_planted.py")
     model, _ = load_checkpoint(path, device=device)
-    if name == "induction-attn2l":
+    known = known_circuit(model, path)
+    if known is None:
+        raise CheckpointError(f"{path}/meta.json has no \"planted\" entry: rebuild it with scripts/make_planted.py")
+    truth, info = known
+    return Planted(name, model, list(truth), list(info.get("unscored", [])), info["established_by"],
+                   dict(info["prompts"]), info)
+
+
+def known_circuit(model, path: Union[str, Path]) -> Optional[tuple[list[str], dict]]:
+    """(the circuit's edges, its "planted" entry: unscored, established_by, prompts) of the
+    checkpoint at ``path``: from its meta.json (a planted model), else from the circuit.json
+    beside it (checked against ``model``); None when it has neither."""
+    path = Path(path)
+    info = read_meta(path).get("planted")
+    if isinstance(info, dict) and "truth" in info:
+        return list(info["truth"]), info
+    if (path / ESTABLISHED_CIRCUIT).is_file():
         from workbench.analysis.circuits import Circuit
 
         circuit = Circuit.load(path / ESTABLISHED_CIRCUIT, model)
-        info = circuit.meta["planted"]
-        truth = circuit.edges
-    else:
-        info = read_meta(path).get("planted")
-        if not isinstance(info, dict):
-            raise CheckpointError(f"{path}/meta.json has no \"planted\" entry: rebuild it with scripts/make_planted.py")
-        truth = info["truth"]
-    return Planted(name, model, list(truth), list(info.get("unscored", [])), info["established_by"],
-                   dict(info["prompts"]), info)
+        if isinstance(circuit.meta.get("planted"), dict):
+            return list(circuit.edges), circuit.meta["planted"]
+    return None

@@ -26,9 +26,9 @@ from typing import Callable
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from workbench.analysis.circuits.edges import EdgeRunner
+from workbench.analysis.common import Progress, ProgressLike
 
 
 def distance_fn(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], kl: bool) -> Callable[[float], float]:
@@ -44,8 +44,9 @@ def distance_fn(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], kl: bool
 
 
 def acdc(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], threshold: float, kl: bool,
-         progress: bool = False) -> tuple[Tensor, np.ndarray]:
-    """(the kept-edge mask [senders, receivers], each edge's score) after greedy pruning."""
+         progress: ProgressLike = False) -> tuple[Tensor, np.ndarray]:
+    """(the kept-edge mask [senders, receivers], each edge's score) after greedy pruning;
+    ``progress`` (True: a tqdm bar; or ``progress(done, total)``) counts receivers visited."""
     g = runner.graph
     distance = distance_fn(runner, metric, kl)
     keep = g.full_mask()
@@ -53,7 +54,8 @@ def acdc(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], threshold: floa
     scores = np.zeros(g.n_edges)
     adjacency = g.adjacency.numpy()
     sender_of_node = {node: i for i, node in enumerate(g.senders)}
-    for r in tqdm(range(len(g.receivers) - 1, -1, -1), disable=not progress, desc="ACDC"):
+    bar = Progress(progress, len(g.receivers), "ACDC")
+    for r in _counted(range(len(g.receivers) - 1, -1, -1), bar):
         senders = np.nonzero(adjacency[:, r])[0][::-1]
         node = g.node_of_receiver(r)
         if node[0] != "logits" and not bool(keep[sender_of_node[node]].any()):
@@ -70,3 +72,11 @@ def acdc(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], threshold: floa
             else:
                 keep[s, r] = 1.0
     return keep, scores
+
+
+def _counted(items, bar: Progress):
+    """``items``, with ``bar`` moved on once each item's work is done (when the next is asked for)."""
+    for item in items:
+        yield item
+        bar.update()
+    bar.close()

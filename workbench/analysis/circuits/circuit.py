@@ -39,7 +39,7 @@ from workbench.analysis.circuits.acdc import acdc
 from workbench.analysis.circuits.edges import EdgeRunner, MetricLike
 from workbench.analysis.circuits.eap import EDGE_METHODS, edge_attribution
 from workbench.analysis.circuits.graph import ComputationGraph, EdgeSpec, _as_tuple, receiver_label, sender_label
-from workbench.analysis.common import check_choice
+from workbench.analysis.common import ProgressLike, check_choice
 from workbench.utils import check_float, check_int
 
 CIRCUIT_FORMAT = "workbench.circuit"
@@ -258,7 +258,7 @@ def discover_circuit(
     threshold: float = 0.01,
     top_k: Optional[int] = None,
     steps: int = 16,
-    progress: bool = False,
+    progress: ProgressLike = False,
 ) -> Circuit:
     """A circuit found by ``method``, pruned of edges that cannot matter (``prune``).
 

@@ -27,7 +27,7 @@ import torch
 
 from workbench.analysis.circuits.edges import EdgeRunner, MetricLike, default_stack, edge_effects, prompt_pair
 from workbench.analysis.circuits.graph import ComputationGraph
-from workbench.analysis.common import check_choice
+from workbench.analysis.common import Progress, ProgressLike, check_choice
 from workbench.analysis.patching import activation_patching, attribution_patching
 from workbench.utils import check_int
 
@@ -42,7 +42,7 @@ def edge_attribution(
     method: str = "eap",
     steps: int = 16,
     stack: Optional[int] = None,
-    progress: bool = False,
+    progress: ProgressLike = False,
     graph: Optional[ComputationGraph] = None,
 ) -> pd.DataFrame:
     """Every edge's effect on ``metric`` by ``method`` (``exact``, ``eap``, ``eap-ig``).
@@ -65,7 +65,7 @@ def edge_attribution(
     if method == "exact":
         scores = torch.from_numpy(edge_effects(runner, fn, range(g.n_edges), default_stack(model, stack), progress) - clean)
     else:
-        scores = _gradient_scores(runner, fn, 1 if method == "eap" else steps, method == "eap-ig")
+        scores = _gradient_scores(runner, fn, 1 if method == "eap" else steps, method == "eap-ig", progress)
     frame = g.edges
     frame["score"] = scores.numpy().astype(float)
     frame["abs_score"] = frame["score"].abs()
@@ -75,14 +75,22 @@ def edge_attribution(
     return frame
 
 
-def _gradient_scores(runner: EdgeRunner, metric, steps: int, integrated: bool) -> torch.Tensor:
+def _gradient_scores(runner: EdgeRunner, metric, steps: int, integrated: bool,
+                     progress: ProgressLike = False) -> torch.Tensor:
     """(corrupted - clean sender output) . mean receiver-input gradient, for every edge."""
     g = runner.graph
+    bar = Progress(progress, steps, "EAP-IG" if integrated else "EAP")
     if integrated:
         clean_embed, change = runner.clean_out[0], runner.delta[0]
-        grads = sum(runner.receiver_grads(metric, clean_embed + (k + 0.5) / steps * change) for k in range(steps)) / steps
+        grads = 0
+        for k in range(steps):
+            grads = grads + runner.receiver_grads(metric, clean_embed + (k + 0.5) / steps * change)
+            bar.update()
+        grads = grads / steps
     else:
         grads = runner.receiver_grads(metric)
+        bar.update()
+    bar.close()
     # Only the sender rows with an edge to each receiver matter; the full product is one small GEMM.
     full = runner.delta.flatten(1) @ grads.flatten(1).T  # [senders, receivers]
     return full[g.edge_sender, g.edge_receiver].float().cpu()

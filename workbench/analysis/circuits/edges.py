@@ -32,10 +32,9 @@ import torch.nn.functional as F
 from einops import einsum
 from jaxtyping import Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from workbench.analysis.circuits.graph import ComputationGraph, EdgeSpec
-from workbench.analysis.common import as_tokens
+from workbench.analysis.common import Progress, ProgressLike, as_tokens
 from workbench.analysis.resume import needed_hooks, run_from_site
 
 MetricLike = Union[str, Callable[[Tensor], Tensor], None]
@@ -284,7 +283,7 @@ def _tile(t: Tensor, n: int) -> Tensor:
 
 @torch.no_grad()
 def edge_effects(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], edges: Sequence[int],
-                 stack: int = 1, progress: bool = False) -> np.ndarray:
+                 stack: int = 1, progress: ProgressLike = False) -> np.ndarray:
     """Metric with each edge (by index) patched alone, the others clean: one value per edge.
 
     Edges are grouped by receiver and ``stack`` patches run as one batch. A head receiver
@@ -300,7 +299,8 @@ def edge_effects(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], edges: 
         by_receiver[int(g.edge_receiver[e])].append(int(e))
     values = {}
     last = g.n_layers - 1
-    for r, members in tqdm(by_receiver.items(), disable=not progress, desc="edge patching"):
+    bar = Progress(progress, len(edges), "edge patching")
+    for r, members in by_receiver.items():
         node = g.receivers[r]
         if node[0] == "head":  # the head's clean q, k, v and z, computed once for every edge into it
             _, layer, head, kind = node
@@ -338,6 +338,8 @@ def edge_effects(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], edges: 
                 logits = model.unembed(model.ln_final(_tile(cache[f"blocks.{last}.hook_resid_post"], n) + delta))
             for e, part in zip(chunk, logits.chunk(n)):
                 values[e] = float(metric_value(metric, part))
+            bar.update(n)
+    bar.close()
     return np.array([values[int(e)] for e in edges])
 
 
@@ -356,7 +358,7 @@ def edge_patching(
     metric: MetricLike,
     edges: Optional[Sequence[EdgeSpec]] = None,
     stack: Optional[int] = None,
-    progress: bool = False,
+    progress: ProgressLike = False,
     graph: Optional[ComputationGraph] = None,
 ):
     """Exact edge patching: the metric with each edge corrupted alone, the rest clean; one row per edge.

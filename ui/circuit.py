@@ -1,0 +1,232 @@
+"""Circuit: find the edges that carry a behaviour, draw them, and score the method.
+
+Pick a checkpoint, a prompt set of its own task (repeated random tokens for induction
+models, a + b mod p for the planted modular model, IOI or possession pairs for the stories
+models: ``analysis.circuits.prompt_sources``) and a metric; run a method (exact edge
+patching, EAP, EAP-IG or ACDC, with a progress bar) and see the circuit it keeps as a
+layered graph (edge width = |score|, colour = the input it feeds). Clicking a node opens its
+attention pattern and direct logit attribution on the first prompt. A second method runs
+beside the first, with their agreement. For a model whose circuit is known (the planted
+models, and induction-attn2l's shipped circuit.json) the known circuit is drawn and each
+method's edge AUROC against it is given.
+
+Results are kept in the shared store of ``common.analysis_with_progress`` (the progress
+callback never enters a cached function) and in the session, so a click redraws without
+recomputing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import streamlit as st
+
+from ui import common
+from workbench import viz
+from workbench.analysis import attention_patterns, direct_logit_attribution, edge_auroc
+from workbench.analysis.circuits import (
+    METRIC_LABELS,
+    Circuit,
+    ComputationGraph,
+    circuit_agreement,
+    circuit_prompts,
+    prompt_sources,
+    run_method,
+)
+from workbench.planted import known_circuit
+
+METHODS = {"exact": "exact edge patching", "eap": "EAP (edge attribution patching)",
+           "eap-ig": "EAP-IG (integrated gradients)", "acdc": "ACDC (greedy pruning)"}
+NONE = "(none)"
+DEFAULT = "planted-iit-induction"
+
+
+def render() -> None:
+    st.header("Circuit")
+    ckpt = common.checkpoint_picker("Checkpoint", key="circuit_ckpt", where=st, default=DEFAULT)
+    if ckpt is None:
+        return
+    try:
+        ComputationGraph(ckpt.model)
+    except ValueError as e:
+        st.error(f"**{ckpt.name}** has no circuit graph: {e}")
+        return
+    sources = prompt_sources(ckpt.meta, ckpt.cfg, ckpt.path)
+    if not sources:
+        st.info(f"**{ckpt.name}**'s task ({ckpt.meta.get('task', 'none recorded')}) has no prompt set for circuits: "
+                "they need clean/corrupted pairs of one length (induction, planted and stories models have them).")
+        return
+    prompts = _prompts(ckpt, sources)
+    if prompts is None:
+        return
+    metric = st.selectbox("Metric", prompts.metrics, key="circuit_metric", format_func=METRIC_LABELS.get)
+    known = _known(ckpt)
+    settings = _settings(known)
+    runs = _runs(ckpt, prompts, metric, settings)
+    if runs:
+        _results(ckpt, prompts, runs, known)
+    if known is not None:
+        _known_circuit(ckpt, known)
+
+
+def _prompts(ckpt: common.Checkpoint, sources: dict[str, str]):
+    a, b, c = st.columns([3, 2, 1])
+    source = a.selectbox("Prompt set", list(sources), key="circuit_source", format_func=sources.get)
+    n = b.slider("Prompt pairs", 2, 64, 8, key="circuit_n")
+    seed = c.number_input("Seed", 0, 10_000, 0, key="circuit_seed")
+    try:
+        prompts = common.analysis(circuit_prompts, ckpt.key, None, meta=ckpt.meta, source=source, n=n,
+                                  seed=int(seed), path=ckpt.path)
+    except ValueError as e:
+        st.warning(f"Cannot make these prompts: {e}")
+        return None
+    st.caption(prompts.description)
+    with st.expander("The prompts"):
+        decode = ckpt.tokenizer.decode
+        common.table({"clean": [decode(list(r)) for r in prompts.clean],
+                      "corrupted": [decode(list(r)) for r in prompts.corrupted]})
+    return prompts
+
+
+def _known(ckpt: common.Checkpoint) -> Optional[Circuit]:
+    try:
+        found = common.analysis(known_circuit, ckpt.key, None, path=ckpt.path)
+    except ValueError as e:
+        st.warning(f"The circuit file beside this checkpoint does not fit it: {e}")
+        return None
+    if found is None:
+        return None
+    truth, info = found
+    circuit = Circuit.from_edges(ckpt.model, truth, method="known", meta=info)
+    return circuit
+
+
+def _settings(known: Optional[Circuit]) -> dict:
+    a, b, c, d = st.columns(4)
+    method = a.selectbox("Method", list(METHODS), key="circuit_method", format_func=METHODS.get, index=3)
+    other = b.selectbox("Compare with", [NONE, *METHODS], key="circuit_method_b",
+                        format_func=lambda m: METHODS.get(m, m))
+    threshold = c.number_input("Keep edges with |score| ≥ (fraction of the gap; nats for KL)", 0.0, 10.0, 0.05,
+                               step=0.01, format="%.3f", key="circuit_threshold",
+                               help="ACDC prunes an edge whose removal moves the metric by less than this; the "
+                                    "scoring methods keep edges whose |score| reaches it.")
+    steps = d.number_input("EAP-IG steps", 1, 64, 8, key="circuit_steps")
+    return {"methods": [method] + ([other] if other not in (NONE, method) else []), "threshold": float(threshold),
+            "steps": int(steps)}
+
+
+def _runs(ckpt: common.Checkpoint, prompts, metric: str, settings: dict) -> dict:
+    """method -> MethodRun for the current settings: run on the button, kept in the session."""
+    state = (ckpt.key, prompts, metric, settings["threshold"], settings["steps"])
+    kept = st.session_state.get("circuit_runs")
+    if kept is None or kept[0] != state:
+        kept = (state, {})
+    if st.button("Run", key="circuit_run", type="primary"):
+        for method in settings["methods"]:
+            bar = st.progress(0.0, text=f"{METHODS[method]}…")
+            try:
+                kept[1][method] = common.analysis_with_progress(
+                    run_method, ckpt.key, None, prompts=prompts, metric=metric, method=method,
+                    threshold=settings["threshold"], steps=settings["steps"],
+                    progress=_reporter(bar, METHODS[method]))
+            except ValueError as e:
+                st.warning(f"{METHODS[method]} cannot run here: {e}")
+            bar.empty()
+        st.session_state["circuit_runs"] = kept
+    runs = {m: kept[1][m] for m in settings["methods"] if m in kept[1]}
+    if not runs:
+        st.info("Press **Run** to find the circuit with the chosen method(s).")
+    return runs
+
+
+def _reporter(bar, label: str):
+    """``progress(done, total)`` for the library, drawing into ``bar``."""
+    return lambda done, total: bar.progress(done / total, text=f"{label}: {done} of {total}")
+
+
+def clicked_node(event) -> Optional[str]:
+    """The node label a click on a circuit graph selected (its point's ``customdata``), else None."""
+    points = (event or {}).get("selection", {}).get("points", [])
+    for point in points:
+        data = point.get("customdata")
+        if isinstance(data, dict):  # a typed array's row, as a browser serialises it
+            data = data.get("0")
+        if isinstance(data, (list, tuple)):
+            data = data[0] if data else None
+        if isinstance(data, str):
+            return data
+    return None
+
+
+def _select_clicked_node(key: str) -> None:
+    """A click on a node of a circuit graph opens that node (before the page redraws)."""
+    node = clicked_node(st.session_state.get(key))
+    if node is not None:
+        st.session_state["circuit_node"] = node
+
+
+def _results(ckpt: common.Checkpoint, prompts, runs: dict, known: Optional[Circuit]) -> None:
+    st.subheader("The circuit")
+    st.caption("Layers run left to right, heads top to bottom; an edge's colour names the input it feeds (a head's "
+               "q, k or v, an MLP, the logits) and its width the |score|. Click a node for its attention and DLA.")
+    columns = st.columns(len(runs))
+    selected = st.session_state.get("circuit_node")
+    for column, (method, run) in zip(columns, runs.items()):
+        with column:
+            c1, c2, c3 = st.columns(3)
+            c1.metric("Edges kept", f"{len(run.circuit)} of {len(run.table)}")
+            c2.metric("Faithfulness", f"{run.faithfulness:.2f}", help="(m(circuit) − m(corrupted)) / "
+                      "(m(clean) − m(corrupted)) on these prompts: 1 keeps all the behaviour.")
+            c3.metric("Seconds", f"{run.seconds:.2f}")
+            if known is not None:
+                unscored = known.meta.get("unscored", [])
+                st.caption(f"Edge AUROC against the known circuit: **{edge_auroc(run.table, known.edges, unscored):.3f}** "
+                           "(1: every known edge scored above every other).")
+            fig = viz.circuit_graph_figure(run.circuit.to_frame(), title=f"{METHODS[method]}: {len(run.circuit)} edges",
+                                           selected=selected)
+            common.show(fig, key=f"circuit_graph_{method}", selection_mode="points",
+                        on_select=functools.partial(_select_clicked_node, f"circuit_graph_{method}"))
+    if len(runs) == 2:
+        (a, run_a), (b, run_b) = runs.items()
+        agree = circuit_agreement(run_a.circuit, run_b.circuit)
+        st.caption(f"{METHODS[a]} and {METHODS[b]} share {agree['shared']} edges ({agree['only_a']} only in the first, "
+                   f"{agree['only_b']} only in the second; Jaccard {agree['jaccard']:.2f}); their edge scores rank "
+                   f"alike at Spearman {agree['spearman']:.2f}.")
+    with st.expander("Edge scores"):
+        first = next(iter(runs.values()))
+        common.table(first.table.sort_values("abs_score", ascending=False)[["edge", "input", "score"]], height=300)
+    if selected is not None:
+        _node(ckpt, prompts, selected)
+
+
+def _node(ckpt: common.Checkpoint, prompts, label: str) -> None:
+    from workbench.analysis.common import parse_unit
+
+    st.subheader(f"Node {label}")
+    ids = prompts.clean[0]
+    pos, answer, wrong = prompts.target(0)
+    left, right = st.columns(2)
+    layer, head = (parse_unit(label)[:2] if label not in ("embed", "logits") else (None, None))
+    with left:
+        if head is None:
+            st.info(f"{label} is not a head, so it has no attention pattern; its direct logit attribution is on the right.")
+        else:
+            patterns = common.analysis(attention_patterns, ckpt.key, ids)
+            fig = viz.attention_figure(patterns, layer, head)
+            fig.update_layout(title=f"Attention {label} on the first clean prompt")
+            common.show(fig, key="circuit_node_attention")
+    with right:
+        dla = common.analysis(direct_logit_attribution, ckpt.key, ids, answer=answer, wrong=wrong, pos=pos)
+        fig = viz.dla_figure(dla, granularity="head" if head is not None else "layer")
+        answer_str = ckpt.tokenizer.token_str(answer)
+        what = f"logit[{answer_str!r}]" + (f" − logit[{ckpt.tokenizer.token_str(wrong)!r}]" if wrong is not None else "")
+        fig.update_layout(title=f"{what} at position {pos}: direct attribution ({label} among them)")
+        common.show(fig, key="circuit_node_dla")
+
+
+def _known_circuit(ckpt: common.Checkpoint, known: Circuit) -> None:
+    st.subheader("The known circuit")
+    st.caption(f"How it is known: {known.meta.get('established_by', 'not recorded')}.")
+    fig = viz.circuit_graph_figure(known.to_frame(), title=f"Known circuit of {ckpt.name}: {len(known)} edges")
+    common.show(fig, key="circuit_known")
