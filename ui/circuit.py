@@ -41,6 +41,10 @@ METHODS = {"exact": "exact edge patching", "eap": "EAP (edge attribution patchin
 NONE = "(none)"
 DEFAULT = "planted-iit-induction"
 
+# Kept when the user visits another page and comes back (app.py re-sets them every run).
+PERSISTENT = ("circuit_ckpt", "circuit_ckpt_dir", "circuit_metric", "circuit_source", "circuit_n", "circuit_seed",
+              "circuit_method", "circuit_method_b", "circuit_threshold", "circuit_steps")
+
 
 def render() -> None:
     st.header("Circuit")

@@ -35,6 +35,9 @@ from workbench.tokenizer import IdTokenizer
 
 NONE = "(none)"
 
+# Kept when the user visits another page and comes back (app.py re-sets them every run).
+PERSISTENT = ("training_run", "training_compare", "training_step", "training_prompt", "training_layer", "training_head")
+
 
 def list_runs(checkpoints: Path, runs: Path) -> dict[str, str]:
     """Every checkpoint in the checkpoints folder, then every run under the runs folder that
