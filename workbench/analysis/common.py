@@ -13,6 +13,7 @@ import numbers
 import re
 from typing import Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -27,6 +28,32 @@ def as_tokens(model, tokens: Union[str, Sequence[str], Tensor]) -> Int[Tensor, "
     if isinstance(tokens, Tensor):
         return model._check_tokens(tokens)
     return model._check_tokens(model.to_tokens(tokens))
+
+
+def vocab_labels(model) -> np.ndarray:
+    """The label of every token id (``str_tokens`` of the whole vocabulary), plus a trailing ""
+    that index -1 picks (a target that is none)."""
+    return np.array(str_tokens(model, torch.arange(model.cfg.d_vocab)) + [""], dtype=object)
+
+
+def row_ids(model, name: str, value, batch, n: int) -> Optional[Tensor]:
+    """The ``name`` token id ("answer" or "wrong") of every row of ``batch`` (a ``PromptSetBatch``
+    of data with ``n`` rows): ``value`` as one id or text for every row, or one id per row of the
+    data; None takes the batch's own (a PromptSet's column; None when it has none)."""
+    if value is None:
+        return getattr(batch, name, None)
+    if isinstance(value, str):
+        value = model.to_single_token(value)
+    if isinstance(value, (list, tuple)):
+        value = torch.tensor(value)
+    # No Python-style negatives: answer=-1 would silently pick the last vocabulary entry.
+    ids = check_token_ids(name, value, model.cfg.d_vocab).to(batch.tokens.device)
+    if ids.ndim == 0:
+        return ids.expand(len(batch))
+    if ids.shape != (n,):
+        raise ValueError(f"{name} must be a token id or a [batch={n}] tensor of ids (one per prompt), "
+                         f"got shape {tuple(ids.shape)}")
+    return ids[batch.rows]
 
 
 def str_tokens(model, ids: Union[Tensor, Sequence[int]]) -> list[str]:
