@@ -90,7 +90,7 @@ def _over_all(ckpt: common.Checkpoint, lines: list[str], prompts: list[tuple[int
     with left:
         lens = common.analysis(logit_lens, ckpt.key, None, data=data, aggregate=True)
         fig, _ = viz.table_chart(lens, x="layer_label", y="top1_accuracy", kind="line")
-        fig.update_layout(title="Logit lens over every prompt's tokens: top-1 accuracy per layer",
+        fig.update_layout(title="Top-1 accuracy of the lens per layer, over every prompt's tokens",
                           xaxis_title="layer", yaxis_title="fraction of next tokens that are the lens' top token")
         common.show(fig, key="inspect_lens_all")
     with right:

@@ -125,7 +125,7 @@ def test_inspect_several_prompts_one_per_line(app, checkpoints_dir):
         alone = [float(model(model.to_tokens(t), return_type="loss")) for t in texts]
     assert table.loss.tolist() == pytest.approx(alone, abs=1e-4)  # the padded batch: each prompt as it is alone
     shown = " ".join(titles(at))
-    assert "Logit lens over every prompt" in shown and "Head scores" in shown
+    assert "Top-1 accuracy of the lens per layer" in shown and "Head scores" in shown
     assert "Head scores on these 2 prompts" in " | ".join(c.value for c in at.caption)
     n_first = len(load_tokenizer(checkpoints_dir / DEFAULT).encode(texts[0]))
     assert at.metric[0].value == f"{n_first} tokens"
