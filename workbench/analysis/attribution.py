@@ -21,8 +21,11 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from workbench.analysis.batching import DataLike, iter_batches, n_rows, real_positions, row_columns, with_meta
-from workbench.analysis.common import row_ids, unit_label
+from workbench.analysis.common import row_ids, token_ids, unit_label
 from workbench.data.prompts import PromptSet
+
+
+_token_ids = token_ids  # features.py's DLA of a feature takes it from here
 
 
 def _final_norm_linear(model, cache, components: Float[Tensor, "n batch d_model"], rows: Tensor, cols: Tensor) -> Tensor:

@@ -36,24 +36,29 @@ def vocab_labels(model) -> np.ndarray:
     return np.array(str_tokens(model, torch.arange(model.cfg.d_vocab)) + [""], dtype=object)
 
 
-def row_ids(model, name: str, value, batch, n: int) -> Optional[Tensor]:
-    """The ``name`` token id ("answer" or "wrong") of every row of ``batch`` (a ``PromptSetBatch``
-    of data with ``n`` rows): ``value`` as one id or text for every row, or one id per row of the
-    data; None takes the batch's own (a PromptSet's column; None when it has none)."""
-    if value is None:
-        return getattr(batch, name, None)
+def token_ids(model, name: str, value, batch: int) -> Int[Tensor, " batch"]:
+    """One ``name`` token id per row of a batch of ``batch`` rows: ``value`` as a token id or a
+    single-token text for every row, or a [batch] tensor of ids."""
     if isinstance(value, str):
         value = model.to_single_token(value)
     if isinstance(value, (list, tuple)):
         value = torch.tensor(value)
     # No Python-style negatives: answer=-1 would silently pick the last vocabulary entry.
-    ids = check_token_ids(name, value, model.cfg.d_vocab).to(batch.tokens.device)
+    ids = check_token_ids(name, value, model.cfg.d_vocab).to(model.device)
     if ids.ndim == 0:
-        return ids.expand(len(batch))
-    if ids.shape != (n,):
-        raise ValueError(f"{name} must be a token id or a [batch={n}] tensor of ids (one per prompt), "
-                         f"got shape {tuple(ids.shape)}")
-    return ids[batch.rows]
+        ids = ids.expand(batch)
+    if ids.shape != (batch,):
+        raise ValueError(f"{name} must be a token id or a [batch={batch}] tensor of ids, got shape {tuple(ids.shape)}")
+    return ids
+
+
+def row_ids(model, name: str, value, batch, n: int) -> Optional[Tensor]:
+    """The ``name`` token id ("answer" or "wrong") of every row of ``batch`` (a ``PromptSetBatch``
+    of data with ``n`` rows): ``value`` as one id or text for every row, or one id per row of the
+    data (``token_ids``); None takes the batch's own (a PromptSet's column; None when it has none)."""
+    if value is None:
+        return getattr(batch, name, None)
+    return token_ids(model, name, value, n)[batch.rows]
 
 
 def str_tokens(model, ids: Union[Tensor, Sequence[int]]) -> list[str]:
