@@ -37,6 +37,7 @@ from workbench.analysis.lens import TUNED_LENS_WEIGHTS, TunedLens
 from workbench.analysis.metrics import METRIC_UNITS
 from workbench.analysis.reference import reference_batch as library_reference_batch
 from workbench.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_meta
+from workbench.padding import TokenBatch
 from workbench.tokenizer import IdTokenizer, unknown_pieces
 from workbench.training import read_metrics
 
@@ -525,6 +526,14 @@ class TokenRows:
 
     rows: tuple[tuple[int, ...], ...]
 
+    def to_data(self, model) -> Any:
+        """A tensor when the rows are equally long, else a left-padded ``TokenBatch`` (prompts of
+        different lengths, each computed as it is alone)."""
+        if len({len(r) for r in self.rows}) == 1:
+            return torch.tensor(self.rows, device=model.device)
+        pad_id = getattr(model.tokenizer, "pad_id", 0)
+        return TokenBatch.from_ids(self.rows, pad_id, "left", model.device)
+
 
 def _run(fn: Callable, key: tuple[str, int], ids: Optional[tuple[int, ...]], ablation: Ablation,
          reference: Optional[tuple[tuple[int, ...], ...]], progress: Optional[Callable[[int, int], Any]],
@@ -532,8 +541,7 @@ def _run(fn: Callable, key: tuple[str, int], ids: Optional[tuple[int, ...]], abl
     """The body of :func:`analysis` and :func:`analysis_with_progress`: ``fn`` on the cached model."""
     model, lock = model_for(key)
     params = inspect.signature(fn).parameters
-    kwargs = {k: torch.tensor(v.rows, device=model.device) if isinstance(v, TokenRows) else v
-              for k, v in kwargs.items()}
+    kwargs = {k: v.to_data(model) if isinstance(v, TokenRows) else v for k, v in kwargs.items()}
     if progress is not None and "progress" in params:
         kwargs["progress"] = progress
     with lock, torch.no_grad():

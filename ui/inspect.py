@@ -1,6 +1,9 @@
-"""Inspect: one checkpoint, one prompt, everything inside it.
+"""Inspect: one checkpoint, one prompt (or several, one per line), everything inside it.
 
-Tokens with their per-token loss; the attention pattern of a chosen head (and the prompt's
+With several prompts a selector picks the one the per-prompt figures show, and a section
+over all of them shows what the library aggregates (each prompt's loss, the logit lens per
+layer and the head scores over every real token; prompts of different lengths run as one
+padded batch). Tokens with their per-token loss; the attention pattern of a chosen head (and the prompt's
 tokens: hover one for its top predictions and that head's attention from and to it) and a
 grid of every head; the logit lens; direct logit attribution for a target token (or a logit
 difference between two); the logit or tuned lens; residual-stream norms per layer; and the model card.
@@ -16,6 +19,8 @@ from workbench.analysis import (
     attention_patterns,
     direct_logit_attribution,
     head_scores,
+    logit_lens,
+    loss_summary,
     residual_norms,
     token_losses,
 )
@@ -36,7 +41,12 @@ def render() -> None:
         return
     st.caption(f"**{ckpt.name}** · `{ckpt.path}`")
     text = common.prompt_box(ckpt)
-    ids = common.prompt_ids(ckpt, text)
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) > 1:
+        ids = _several(ckpt, lines)
+    else:
+        st.caption("One prompt per line to inspect several: each is computed as it is alone.")
+        ids = common.prompt_ids(ckpt, text)
     if ids is not None:
         _tokens_and_loss(ckpt, ids)
         left, right = st.columns(2)
@@ -48,6 +58,45 @@ def render() -> None:
         _attribution(ckpt, ids)
     st.subheader("Model card")
     common.model_card(ckpt)
+
+
+def _several(ckpt: common.Checkpoint, lines: list[str]):
+    """Several prompts: each line's ids (a message naming the line when one cannot be read), the
+    section over all of them, and the selector for the per-prompt figures; the chosen prompt's
+    ids, or None."""
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            prompts.append(tuple(common.encode_prompt(ckpt, line)))
+        except ValueError as e:
+            st.warning(f"Line {number}: {e}")
+            return None
+    if st.session_state.get("inspect_prompt", 0) >= len(prompts):  # fewer lines than before
+        st.session_state["inspect_prompt"] = 0
+    _over_all(ckpt, lines, prompts)
+    chosen = st.selectbox("Prompt shown below", range(len(prompts)), key="inspect_prompt",
+                          format_func=lambda i: f"{i}: {lines[i]}",
+                          help="The per-prompt figures below show this prompt.")
+    return prompts[chosen]
+
+
+def _over_all(ckpt: common.Checkpoint, lines: list[str], prompts: list[tuple[int, ...]]) -> None:
+    st.subheader(f"Over all {len(prompts)} prompts")
+    data = common.TokenRows(tuple(prompts))
+    summary = loss_summary(common.analysis(token_losses, ckpt.key, None, data=data))
+    summary.insert(1, "text", lines)
+    common.table(summary)
+    left, right = st.columns(2)
+    with left:
+        lens = common.analysis(logit_lens, ckpt.key, None, data=data, aggregate=True)
+        fig, _ = viz.table_chart(lens, x="layer_label", y="top1_accuracy", kind="line")
+        fig.update_layout(title="Top-1 accuracy of the lens per layer, over every prompt's tokens",
+                          xaxis_title="layer", yaxis_title="fraction of next tokens that are the lens' top token")
+        common.show(fig, key="inspect_lens_all")
+    with right:
+        scores = common.analysis(head_scores, ckpt.key, None, data=data)
+        st.caption(layout_caption(scores.attrs["layout"]))
+        common.show(viz.head_scores_figure(scores), key="inspect_head_scores_all")
 
 
 def _tokens_and_loss(ckpt: common.Checkpoint, ids) -> None:
@@ -105,6 +154,8 @@ def layout_caption(layout: dict) -> str:
     if layout["source"] == "repeated_random_tokens":
         where = (f"repeated random tokens: {rows} of {layout['seq_len']} random tokens shown twice "
                  f"({layout['n_pos']} tokens, seed {layout['seed']})")
+    elif layout["batch"] > 1:
+        where = f"these {layout['batch']} prompts (up to {layout['n_pos']} tokens each)"
     else:
         where = f"this prompt: {rows} of {layout['n_pos']} tokens"
     repeats = (f"{layout['repeats']} position(s) repeat an earlier token, and only those count for the "

@@ -107,6 +107,36 @@ def test_inspect_head_scores_say_which_layout_they_were_measured_on(app, checkpo
     assert (f"{repeats} position(s) repeat an earlier token" if repeats else "no position repeats") in caption
 
 
+def test_inspect_several_prompts_one_per_line(app, checkpoints_dir):
+    """Several lines: a row per prompt with its loss as it has alone, figures over all of them,
+    and a selector for the prompt the per-prompt figures show; a bad line is named."""
+    import torch
+
+    import workbench as wb
+
+    at = app("Inspect")
+    texts = ["When Tom and Lily went to the park , Lily gave a ball to", "Mary and John went to the park ."]
+    at.text_area(key="prompt").set_value("\n".join(texts) + "\n").run()
+    assert not at.exception and not at.warning, messages(at)
+    table = next(df.value for df in at.dataframe if "text" in df.value.columns)
+    assert table.text.tolist() == texts and table.prompt.tolist() == [0, 1]
+    model, _ = wb.load_checkpoint(checkpoints_dir / DEFAULT)
+    with torch.no_grad():
+        alone = [float(model(model.to_tokens(t), return_type="loss")) for t in texts]
+    assert table.loss.tolist() == pytest.approx(alone, abs=1e-4)  # the padded batch: each prompt as it is alone
+    shown = " ".join(titles(at))
+    assert "Top-1 accuracy of the lens per layer" in shown and "Head scores" in shown
+    assert "Head scores on these 2 prompts" in " | ".join(c.value for c in at.caption)
+    n_first = len(load_tokenizer(checkpoints_dir / DEFAULT).encode(texts[0]))
+    assert at.metric[0].value == f"{n_first} tokens"
+    at.selectbox(key="inspect_prompt").set_value(1).run()
+    assert at.metric[0].value == "8 tokens"
+    assert figure(at, "Per-token loss")["data"][0]["x"][0] == "1: and"
+    at.text_area(key="prompt").set_value("Mary and John went\nMary met a zebra ☃ .").run()
+    assert not at.exception and "Line 2: This checkpoint's tokenizer cannot encode" in messages(at)
+    assert "Per-token loss" not in " ".join(titles(at))
+
+
 def test_head_score_caption_of_a_repeated_token_probe():
     from ui.inspect import layout_caption
 

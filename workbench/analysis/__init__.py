@@ -7,8 +7,11 @@
     ablation.py     AblationSpec, ablate, ablation_sweep (resumes from cached activations)
     reference.py    the reference batch mean and resample ablation draw from
     patching.py     activation patching and attribution patching
-    metrics.py      the answer metrics (logit difference, probability, rank at a position) and
+    metrics.py      the answer metrics (logit difference, probability, rank at a position), logit_diff per
+                    prompt of a dataset, and
                     clean-minus-changed views of a lens, an attribution, the patterns
+    batching.py     iter_batches: any data (texts of any lengths, tokens, TokenBatch, PromptSet) in padded
+                    batches with their row numbers; the conventions of dataset-scale analyses
     tokens.py       per-position tables of a prompt: next-token losses (and their change), residual norms
     resume.py       the engine both use: replace one activation, run only what follows (Block.resume)
     common.py       token and unit labels (L1H4), metrics, argument checks
@@ -47,13 +50,16 @@ from workbench.analysis.heads import (
     repeated_random_tokens,
 )
 from workbench.analysis.vocab import direct_path, token_neighbours, vocabulary_table
-from workbench.analysis.lens import TunedLens, compare_lenses, logit_lens, train_tuned_lens, tuned_lens
+from workbench.analysis.lens import (
+    TunedLens, compare_lenses, logit_lens, residual_stack, train_tuned_lens, tuned_lens,
+)
 from workbench.analysis.metrics import (
     METRIC_KINDS,
     AnswerMetric,
     answer_change,
     answer_table,
     dla_difference,
+    logit_diff,
     lens_difference,
     pattern_difference,
     suggest_answer,
@@ -69,7 +75,7 @@ from workbench.analysis.patching import (
     task_pairs,
 )
 from workbench.analysis.reference import reference_batch, task_from_meta
-from workbench.analysis.tokens import residual_norms, token_loss_change, token_losses
+from workbench.analysis.tokens import loss_summary, residual_norms, token_loss_change, token_losses
 from workbench.analysis.directions import (
     Direction,
     model_fingerprint,
@@ -110,13 +116,13 @@ __all__ = [
     "logit_diff_metric", "loss_metric", "str_tokens", "unique_labels",
     "unit_label", "head_label", "parse_unit", "parse_head",
     "SCORE_KINDS", "attention_change", "attention_patterns", "detection_mask", "head_scores", "repeated_random_tokens",
-    "TunedLens", "compare_lenses", "logit_lens", "train_tuned_lens", "tuned_lens",
-    "METRIC_KINDS", "AnswerMetric", "answer_change", "answer_table", "dla_difference", "lens_difference",
+    "TunedLens", "compare_lenses", "logit_lens", "residual_stack", "train_tuned_lens", "tuned_lens",
+    "METRIC_KINDS", "AnswerMetric", "answer_change", "answer_table", "dla_difference", "lens_difference", "logit_diff",
     "pattern_difference", "suggest_answer", "task_answer",
     "PATCH_SITES", "TASK_PAIRS", "PatchingPairs", "activation_patching", "attribution_patching",
     "patching_agreement", "task_pairs",
     "reference_batch", "task_from_meta",
-    "residual_norms", "token_loss_change", "token_losses",
+    "loss_summary", "residual_norms", "token_loss_change", "token_losses",
     "Direction", "model_fingerprint", "project", "read_activations", "steered_generate", "steering_hooks",
     "steering_sweep", "steering_vector",
     "Probe", "auc", "fit_probe", "train_probe",

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional, Sequence, Union
 
+import numpy as np
+import pandas as pd
 import torch
 from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from workbench.data.prompts import PromptSet, PromptSetBatch
-from workbench.padding import PADDING_SIDES, TokenBatch
+from workbench.padding import PADDING_SIDES, TokenBatch, check_attention_mask
 
 DataLike = Union[str, Sequence[str], Tensor, TokenBatch, PromptSet]
 
@@ -40,11 +42,20 @@ def n_rows(data: DataLike) -> int:
     return len(data)
 
 
-def as_token_batch(model, data: Any, padding_side: str = "left") -> TokenBatch:
+def as_token_batch(model, data: Any, padding_side: str = "left", attention_mask: Optional[Tensor] = None) -> TokenBatch:
     """All of ``data`` (``DataLike``; anything else is a ValueError naming the kinds) as one ``TokenBatch`` on the model's device (a plain tensor gets a mask of
-    ones; a ``TokenBatch`` keeps its own padding). For small data only: it is not streamed."""
+    ones, or ``attention_mask`` when given, as TransformerLens users pass one; a ``TokenBatch``
+    keeps its own padding). For small data only: it is not streamed."""
     if padding_side not in PADDING_SIDES:
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    if attention_mask is not None:
+        if not isinstance(data, Tensor):
+            raise ValueError("attention_mask goes with a token tensor; a text, a TokenBatch or a PromptSet "
+                             f"carries its own padding (got {type(data).__name__})")
+        tokens = model._check_tokens(data)
+        mask = check_attention_mask(attention_mask, tokens.shape).to(tokens.device).long()
+        side = "right" if bool((mask[:, -1] == 0).any()) else "left"
+        return TokenBatch(tokens, mask, side)
     if isinstance(data, PromptSet):
         (batch,) = data.batches(model, batch_size=len(data), padding_side=padding_side)
         return batch
@@ -69,11 +80,12 @@ def iter_batches(
     padding_side: str = "left",
     progress: bool = False,
     desc: str = "batches",
+    attention_mask: Optional[Tensor] = None,
 ) -> Iterator[PromptSetBatch]:
     """``data`` in batches of at most ``batch_size`` rows, each a ``PromptSetBatch`` on the
     model's device with ``rows`` (indices into ``data``) set; a tqdm bar over prompts when
     ``progress``. Texts are tokenized one batch at a time, so a large list never sits in
-    memory as one padded tensor."""
+    memory as one padded tensor. ``attention_mask``: the mask of a token tensor ``data``."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if padding_side not in PADDING_SIDES:
@@ -88,7 +100,9 @@ def iter_batches(
             return
         texts = [data] if isinstance(data, str) else data
         is_texts = isinstance(texts, (list, tuple)) and all(isinstance(t, str) for t in texts)
-        whole = None if is_texts else as_token_batch(model, data, padding_side)
+        if attention_mask is not None and is_texts:
+            as_token_batch(model, data, padding_side, attention_mask)  # raises: texts carry no mask
+        whole = None if is_texts else as_token_batch(model, data, padding_side, attention_mask)
         for start in range(0, total, batch_size):
             stop = min(start + batch_size, total)
             part = (as_token_batch(model, list(texts[start:stop]), padding_side) if is_texts
@@ -119,3 +133,60 @@ def select_rows(data: DataLike, rows: Optional[Sequence[int]]) -> DataLike:
         return (data[None] if data.ndim == 1 else data)[rows]
     texts: Any = [data] if isinstance(data, str) else data
     return [texts[r] for r in rows]
+
+
+def next_real_index(mask: Tensor) -> Int[Tensor, "batch pos"]:
+    """The column of each real token's next real token in its row; -1 at the last real token and at pads."""
+    mask = mask.bool()
+    width = mask.shape[1]
+    cols = torch.arange(width, device=mask.device).expand_as(mask)
+    at_or_after = torch.where(mask, cols, torch.full_like(cols, width)).flip(1).cummin(dim=1).values.flip(1)
+    after = torch.full_like(cols, width)
+    after[:, :-1] = at_or_after[:, 1:]
+    return torch.where(mask & (after < width), after, torch.full_like(cols, -1))
+
+
+def previous_real_index(mask: Tensor) -> Int[Tensor, "batch pos"]:
+    """The column of each real token's previous real token in its row; -1 at the first real token and at pads."""
+    mask = mask.bool()
+    cols = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    at_or_before = torch.where(mask, cols, torch.full_like(cols, -1)).cummax(dim=1).values
+    before = torch.full_like(cols, -1)
+    before[:, 1:] = at_or_before[:, :-1]
+    return torch.where(mask, before, torch.full_like(cols, -1))
+
+
+def row_columns(mask: Tensor, pos: int, rows: Optional[Tensor] = None) -> Int[Tensor, " batch"]:
+    """The column holding position ``pos`` of each row's own prompt (negative: from the prompt's
+    end, so -1 is its last real token, whatever the padding side). A prompt too short for
+    ``pos`` is a ValueError naming it (``rows``: the rows' numbers in the data)."""
+    if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)):
+        raise ValueError(f"pos must be an integer position within each prompt (negative: from its end), got {pos!r}")
+    mask = mask.bool()
+    lengths = mask.sum(dim=1)
+    wanted = lengths + int(pos) if pos < 0 else torch.full_like(lengths, int(pos))
+    bad = ((wanted < 0) | (wanted >= lengths)).nonzero().flatten()
+    if len(bad):
+        i = int(bad[0])
+        row = int(rows[i]) if rows is not None else i
+        raise ValueError(f"pos={int(pos)} is outside prompt {row}, which has {int(lengths[i])} tokens: "
+                         f"pos must lie in [-{int(lengths[i])}, {int(lengths[i]) - 1}] for every prompt")
+    return (real_positions(mask) == wanted[:, None]).long().argmax(dim=1)
+
+
+def real_cells(mask: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, column, position within the prompt) of every real token of a batch, row by row, as numpy arrays."""
+    mask = mask.bool()
+    rows, cols = (t.cpu().numpy() for t in mask.nonzero(as_tuple=True))
+    return rows, cols, real_positions(mask).cpu().numpy()[rows, cols]
+
+
+def with_meta(frame: pd.DataFrame, data: DataLike) -> pd.DataFrame:
+    """``frame`` (with a ``prompt`` column numbering the rows of ``data``) plus, when ``data`` is a
+    ``PromptSet``, its meta columns for each row's prompt (a meta column whose name the table
+    already uses gets a ``meta_`` prefix)."""
+    if not isinstance(data, PromptSet) or data.meta.shape[1] == 0:
+        return frame
+    meta = data.meta.rename(columns={c: f"meta_{c}" for c in data.meta.columns if c in frame.columns})
+    picked = meta.iloc[frame["prompt"].to_numpy()].reset_index(drop=True)
+    return pd.concat([frame.reset_index(drop=True), picked], axis=1)

@@ -13,6 +13,7 @@ import numbers
 import re
 from typing import Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -28,6 +29,37 @@ def as_tokens(model, tokens: Union[str, Sequence[str], Tensor]) -> Int[Tensor, "
     if isinstance(tokens, Tensor):
         return model._check_tokens(tokens)
     return model._check_tokens(model.to_tokens(tokens))
+
+
+def vocab_labels(model) -> np.ndarray:
+    """The label of every token id (``str_tokens`` of the whole vocabulary), plus a trailing ""
+    that index -1 picks (a target that is none)."""
+    return np.array(str_tokens(model, torch.arange(model.cfg.d_vocab)) + [""], dtype=object)
+
+
+def token_ids(model, name: str, value, batch: int) -> Int[Tensor, " batch"]:
+    """One ``name`` token id per row of a batch of ``batch`` rows: ``value`` as a token id or a
+    single-token text for every row, or a [batch] tensor of ids."""
+    if isinstance(value, str):
+        value = model.to_single_token(value)
+    if isinstance(value, (list, tuple)):
+        value = torch.tensor(value)
+    # No Python-style negatives: answer=-1 would silently pick the last vocabulary entry.
+    ids = check_token_ids(name, value, model.cfg.d_vocab).to(model.device)
+    if ids.ndim == 0:
+        ids = ids.expand(batch)
+    if ids.shape != (batch,):
+        raise ValueError(f"{name} must be a token id or a [batch={batch}] tensor of ids, got shape {tuple(ids.shape)}")
+    return ids
+
+
+def row_ids(model, name: str, value, batch, n: int) -> Optional[Tensor]:
+    """The ``name`` token id ("answer" or "wrong") of every row of ``batch`` (a ``PromptSetBatch``
+    of data with ``n`` rows): ``value`` as one id or text for every row, or one id per row of the
+    data (``token_ids``); None takes the batch's own (a PromptSet's column; None when it has none)."""
+    if value is None:
+        return getattr(batch, name, None)
+    return token_ids(model, name, value, n)[batch.rows]
 
 
 def str_tokens(model, ids: Union[Tensor, Sequence[int]]) -> list[str]:

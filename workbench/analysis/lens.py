@@ -26,8 +26,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from workbench.analysis.common import as_tokens, str_tokens
+from workbench.analysis.batching import (
+    DataLike, as_token_batch, iter_batches, n_rows, next_real_index, real_cells, select_rows, with_meta,
+)
+from workbench.analysis.common import vocab_labels
 from workbench.checkpoint import CheckpointError
+from workbench.padding import TokenBatch
 from workbench.utils import check_float, check_int, check_seed, check_token_ids, eval_mode
 
 TUNED_LENS_WEIGHTS = "tuned_lens.safetensors"
@@ -36,15 +40,42 @@ LENS_FORMAT = "workbench.tuned_lens"
 
 
 # ---- the residual stream at every layer ------------------------------------------------------
-def residual_stack(model, tokens: Tensor) -> tuple[Float[Tensor, "layer batch pos d_model"], Tensor]:
-    """The stream entering every block plus the final stream ([n_layers + 1, ...]), and the logits.
-
-    Uses TransformerLens' ``ActivationCache.accumulated_resid`` on our cache.
-    """
+def _stack(model, batch: TokenBatch) -> tuple[Float[Tensor, "layer batch pos d_model"], Float[Tensor, "batch pos d_vocab"]]:
+    """The stream entering every block plus the final stream, and the logits, of one padded
+    batch; zero at pads (defined values that no sum and no mean can pick up)."""
     n = model.cfg.n_layers
     wanted = {f"blocks.{l}.hook_resid_pre" for l in range(n)} | {f"blocks.{n - 1}.hook_resid_post"}
-    logits, cache = model.run_with_cache(tokens, names_filter=lambda name: name in wanted)
-    return cache.accumulated_resid(layer=None, incl_mid=False), logits
+    logits, cache = model.run_with_cache(batch, names_filter=lambda name: name in wanted)
+    resid = cache.accumulated_resid(layer=None, incl_mid=False)
+    real = batch.attention_mask.bool()
+    if not bool(real.all()):
+        resid = torch.where(real[None, :, :, None], resid, torch.zeros_like(resid))
+        logits = torch.where(real[:, :, None], logits, torch.zeros_like(logits))
+    return resid, logits
+
+
+@torch.no_grad()
+def residual_stack(
+    model,
+    data: DataLike,
+    batch_size: Optional[int] = None,
+    progress: bool = False,
+    padding_side: str = "left",
+    attention_mask: Optional[Tensor] = None,
+) -> tuple[Float[Tensor, "layer batch pos d_model"], Tensor]:
+    """The stream entering every block plus the final stream ([n_layers + 1, ...]), and the logits.
+
+    ``data``: token ids, texts of any lengths, a ``TokenBatch`` or a ``PromptSet``; prompts of
+    different lengths come back padded on ``padding_side`` (their own side for a TokenBatch),
+    zero at pads, each row what its prompt gives alone. The result holds the whole data, so
+    ``batch_size`` bounds only the forward's memory; a dataset-scale reduction streams
+    ``iter_batches`` instead (as ``logit_lens(..., aggregate=True)`` does). Uses
+    TransformerLens' ``ActivationCache.accumulated_resid`` on our cache.
+    """
+    whole = as_token_batch(model, data, padding_side, attention_mask)
+    size = len(whole) if batch_size is None else batch_size
+    parts = [_stack(model, batch) for batch in iter_batches(model, whole, size, progress=progress, desc="residual stack")]
+    return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=0)
 
 
 def _project(model, resid: Float[Tensor, "layer batch pos d_model"]) -> Float[Tensor, "layer batch pos d_vocab"]:
@@ -52,80 +83,158 @@ def _project(model, resid: Float[Tensor, "layer batch pos d_model"]) -> Float[Te
     return torch.stack([model.unembed(model.ln_final(r)) for r in resid])
 
 
-def _lens_table(
-    model,
-    tokens: Tensor,
-    lens_logits: Float[Tensor, "layer batch pos d_vocab"],
-    final_logits: Float[Tensor, "batch pos d_vocab"],
-    k: int,
-    targets: Optional[Tensor],
-    lens_name: str,
-) -> pd.DataFrame:
-    n_layer, batch, pos, _ = lens_logits.shape
-    k = check_int("k", k, 1, model.cfg.d_vocab)
-    if targets is not None:
-        if not isinstance(targets, Tensor) or targets.shape != tokens.shape:
-            raise ValueError(f"targets must be a tensor of token ids shaped like tokens {tuple(tokens.shape)}, "
-                             f"got {tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}")
-        targets = check_token_ids("targets", targets, model.cfg.d_vocab, allow=(-1,)).to(tokens.device)
+def _check_targets(model, data: DataLike, targets: Optional[Tensor]) -> Optional[Tensor]:
+    """``targets`` checked against the token grid of ``data`` (token data only: texts have no fixed grid)."""
+    if targets is None:
+        return None
+    grid = data.tokens if isinstance(data, TokenBatch) else data if isinstance(data, Tensor) else None
+    if grid is None:
+        raise ValueError("targets go with token ids (a tensor or a TokenBatch) shaped like them; "
+                         f"the data is {type(data).__name__}")
+    grid = grid[None] if grid.ndim == 1 else grid
+    if not isinstance(targets, Tensor) or targets.shape != grid.shape:
+        raise ValueError(f"targets must be a tensor of token ids shaped like tokens {tuple(grid.shape)}, "
+                         f"got {tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}")
+    return check_token_ids("targets", targets, model.cfg.d_vocab, allow=(-1,)).to(model.device)
+
+
+def _lens_stats(lens_logits: Tensor, final_logits: Tensor, tokens: Tensor, mask: Tensor,
+                targets: Optional[Tensor], k: int) -> dict:
+    """Everything a lens table reports, [layer, batch, pos] (top-k: [..., k]); targets default
+    to each token's next real token, and a target of -1 (the last real token's) is none."""
+    n_layer = lens_logits.shape[0]
     logp = lens_logits.float().log_softmax(-1)
     final_logp = final_logits.float().log_softmax(-1)
-    kl = (final_logp.exp() * (final_logp - logp)).sum(-1)  # KL(final || lens)
-    entropy = -(logp.exp() * logp).sum(-1)
+    if targets is None:
+        after = next_real_index(mask)
+        targets = torch.where(after >= 0, tokens.gather(1, after.clamp(min=0)), torch.full_like(tokens, -1))
+    safe = targets.clamp(min=0)[None].expand(n_layer, -1, -1)[..., None]
+    target_logit = lens_logits.gather(-1, safe).squeeze(-1)
     top_p, top_i = logp.exp().topk(k, dim=-1)
-    if targets is None:  # the next token; the last position has none
-        targets = torch.full_like(tokens, -1)
-        targets[:, :-1] = tokens[:, 1:]
-    has_target = targets >= 0
-    safe = targets.clamp(min=0)[None].expand(n_layer, -1, -1)
-    target_logit = lens_logits.gather(-1, safe[..., None]).squeeze(-1)
-    target_rank = (lens_logits > target_logit[..., None]).sum(-1) + 1  # 1 = the top token
-    target_prob = logp.gather(-1, safe[..., None]).squeeze(-1).exp()
-
-    grid = np.meshgrid(np.arange(n_layer), np.arange(batch), np.arange(pos), indexing="ij")
-    layer, b, p = (g.ravel() for g in grid)
-    labels = np.array(str_tokens(model, torch.arange(model.cfg.d_vocab)) + [""], dtype=object)
-    n = model.cfg.n_layers
-    frame = {
-        "lens": lens_name,
-        "batch": b,
-        "layer": layer,
-        "layer_label": np.where(layer == n, "final", np.char.add("resid_pre ", layer.astype(str))),
-        "pos": p,
-        "token": labels[tokens.cpu().numpy()[b, p]],
-        "target_id": targets.cpu().numpy()[b, p],
+    return {
+        "kl": (final_logp.exp() * (final_logp - logp)).sum(-1),  # KL(final || lens)
+        "entropy": -(logp.exp() * logp).sum(-1),
+        "top_p": top_p, "top_i": top_i, "targets": targets,
+        "has_target": (targets >= 0)[None].expand(n_layer, -1, -1),
+        "target_rank": (lens_logits > target_logit[..., None]).sum(-1) + 1,  # 1 = the top token
+        "target_prob": logp.gather(-1, safe).squeeze(-1).exp(),
     }
-    frame["target"] = labels[frame["target_id"]]  # -1 picks the trailing ""
-    mask = has_target[None].expand(n_layer, -1, -1).cpu().numpy().ravel()
-    frame["target_prob"] = np.where(mask, target_prob.cpu().numpy().ravel(), np.nan)
-    frame["target_rank"] = np.where(mask, target_rank.cpu().numpy().ravel(), -1)
-    frame["kl_to_final"] = kl.cpu().numpy().ravel()
-    frame["entropy"] = entropy.cpu().numpy().ravel()
-    ids, probs = top_i.cpu().numpy().reshape(-1, k), top_p.cpu().numpy().reshape(-1, k)
+
+
+def _layer_labels(model, layer: np.ndarray) -> np.ndarray:
+    return np.where(layer == model.cfg.n_layers, "final", np.char.add("resid_pre ", layer.astype(str)))
+
+
+def _lens_rows(model, labels: np.ndarray, batch, stats: dict, k: int, lens_name: str) -> pd.DataFrame:
+    """The per-token table of one batch: its real tokens only, positions counted within each prompt."""
+    b, c, p = real_cells(batch.attention_mask)
+    n_layer = stats["kl"].shape[0]
+    bt, ct = torch.as_tensor(b, device=batch.tokens.device), torch.as_tensor(c, device=batch.tokens.device)
+    take = lambda name: stats[name][:, bt, ct].cpu().numpy()  # noqa: E731  [layer, n_real]
+    layer = np.repeat(np.arange(n_layer), len(b))
+    prompt = np.tile(batch.rows.cpu().numpy()[b], n_layer)
+    target_id = np.tile(stats["targets"][bt, ct].cpu().numpy(), n_layer)
+    has = take("has_target").ravel()
+    frame = {
+        "lens": lens_name, "batch": prompt, "layer": layer, "layer_label": _layer_labels(model, layer),
+        "pos": np.tile(p, n_layer), "token": labels[np.tile(batch.tokens[bt, ct].cpu().numpy(), n_layer)],
+        "target_id": target_id, "target": labels[target_id],  # -1 picks the trailing ""
+        "target_prob": np.where(has, take("target_prob").ravel(), np.nan),
+        "target_rank": np.where(has, take("target_rank").ravel(), -1),
+        "kl_to_final": take("kl").ravel(), "entropy": take("entropy").ravel(),
+    }
+    ids, probs = take("top_i").reshape(-1, k), take("top_p").reshape(-1, k)
     for j in range(k):
         frame[f"top{j + 1}"] = labels[ids[:, j]]
         frame[f"top{j + 1}_id"] = ids[:, j]
         frame[f"top{j + 1}_prob"] = probs[:, j]
+    frame["prompt"] = prompt
     return pd.DataFrame(frame)
+
+
+AGGREGATES = ("kl_to_final", "entropy", "target_prob", "target_rank", "top1_accuracy")
+
+
+def _lens_sums(stats: dict, mask: Tensor) -> dict:
+    """Per-layer sums over a batch's real tokens (float64: the sum of a dataset does not depend on its batching)."""
+    real = mask.bool()[None].expand_as(stats["kl"])
+    has = stats["has_target"] & real
+    hit = stats["top_i"][..., 0] == stats["targets"][None]
+    total = lambda x, where: torch.where(where, x.double(), torch.zeros_like(x, dtype=torch.float64)).sum(dim=(1, 2))  # noqa: E731
+    return {"n_tokens": real.sum(dim=(1, 2)).double(), "n_targets": has.sum(dim=(1, 2)).double(),
+            "kl_to_final": total(stats["kl"], real), "entropy": total(stats["entropy"], real),
+            "target_prob": total(stats["target_prob"], has), "target_rank": total(stats["target_rank"], has),
+            "top1_accuracy": total(hit.double(), has)}
+
+
+def _lens_run(model, data: DataLike, lenses: dict, k: int, targets: Optional[Tensor], batch_size: int,
+              progress: bool, aggregate: bool, padding_side: str, attention_mask: Optional[Tensor]) -> pd.DataFrame:
+    """One pass over ``data`` for every lens in ``lenses`` ({name: TunedLens or None for the logit
+    lens}): the per-token table, or with ``aggregate`` the per-layer means over every real token."""
+    k = check_int("k", k, 1, model.cfg.d_vocab)
+    targets = _check_targets(model, data, targets)
+    labels = None if aggregate else vocab_labels(model)
+    tables: list[pd.DataFrame] = []
+    sums: dict = {name: None for name in lenses}
+    for batch in iter_batches(model, data, batch_size, padding_side, progress, f"{'/'.join(lenses)} lens",
+                              attention_mask):
+        resid, final_logits = _stack(model, batch)
+        for name, lens in lenses.items():
+            moved = resid if lens is None else lens.translate(resid)
+            stats = _lens_stats(_project(model, moved), final_logits, batch.tokens, batch.attention_mask,
+                                None if targets is None else targets[batch.rows], k)
+            if aggregate:
+                part = _lens_sums(stats, batch.attention_mask)
+                sums[name] = part if sums[name] is None else {key: sums[name][key] + v for key, v in part.items()}
+            else:
+                tables.append(_lens_rows(model, labels, batch, stats, k, name))
+    if not aggregate:
+        frame = pd.concat(tables, ignore_index=True).sort_values(["lens", "layer", "batch", "pos"], kind="stable")
+        return with_meta(frame.reset_index(drop=True), data)
+    frames = []
+    for name, total in sums.items():
+        layer = np.arange(model.cfg.n_layers + 1)
+        frame = pd.DataFrame({"lens": name, "layer": layer, "layer_label": _layer_labels(model, layer),
+                              "n_tokens": total["n_tokens"].cpu().numpy().astype(int)})
+        for key in AGGREGATES:
+            count = total["n_tokens"] if key in ("kl_to_final", "entropy") else total["n_targets"]
+            frame[key] = (total[key] / count.clamp(min=1)).cpu().numpy()
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
 
 
 @torch.no_grad()
 def logit_lens(
     model,
-    tokens: Union[str, Int[Tensor, "batch pos"]],
+    data: DataLike,
     k: int = 5,
     targets: Optional[Int[Tensor, "batch pos"]] = None,
+    batch_size: int = 32,
+    progress: bool = False,
+    aggregate: bool = False,
+    padding_side: str = "left",
+    attention_mask: Optional[Tensor] = None,
 ) -> pd.DataFrame:
-    """The logit lens at every layer and position.
+    """The logit lens at every layer and every real token of every prompt.
 
-    Columns: lens, batch, layer, layer_label, pos, token, target_id, target, target_prob,
-    target_rank (1 = top), kl_to_final (KL(final || lens), nats), entropy, and for the top
-    ``k`` tokens ``top{i}``, ``top{i}_id``, ``top{i}_prob``. ``targets`` defaults to the next
-    token (none at the last position: target_rank -1, target_prob NaN); a target of -1 means none.
+    ``data``: a text, texts of any lengths, token ids [batch, pos] (with ``attention_mask``
+    if padded), a ``TokenBatch`` or a ``PromptSet``; run in batches of ``batch_size`` (a
+    tqdm bar with ``progress``), each row as its prompt alone.
+
+    Columns: lens, batch, layer, layer_label, pos (within the prompt: 0 = its first token),
+    token, target_id, target, target_prob, target_rank (1 = top), kl_to_final (KL(final ||
+    lens), nats), entropy, for the top ``k`` tokens ``top{i}``, ``top{i}_id``,
+    ``top{i}_prob``, then prompt (= batch: the row of ``data``) and a PromptSet's meta
+    columns. ``targets`` defaults to the next token (none at a prompt's last token:
+    target_rank -1, target_prob NaN); a target of -1 means none.
+
+    ``aggregate=True``: one row per layer instead, means over every real token of the data,
+    reduced batch by batch (memory bounded by the batch): lens, layer, layer_label,
+    n_tokens, kl_to_final, entropy, target_prob, target_rank and top1_accuracy (the last
+    three over tokens with a target).
     """
-    tokens = as_tokens(model, tokens)
-    resid, final_logits = residual_stack(model, tokens)
-    return _lens_table(model, tokens, _project(model, resid), final_logits, k, targets, "logit")
+    return _lens_run(model, data, {"logit": None}, k, targets, batch_size, progress, aggregate, padding_side,
+                     attention_mask)
 
 
 # ---- the tuned lens ------------------------------------------------------------------------
@@ -225,40 +334,74 @@ def _is_our_lens(meta_path: Path) -> bool:
         return False
 
 
+def _kl_per_layer(model, lens: TunedLens, resid: Float[Tensor, "layer tokens d_model"]) -> Tensor:
+    """KL(final || tuned lens) per layer [layer], averaged over the given (real) tokens."""
+    with torch.no_grad():
+        final_logp = _project(model, resid[-1:, None])[0, 0].float().log_softmax(-1)
+    logp = _project(model, lens.translate(resid[:, None])[:-1])[:, 0].float().log_softmax(-1)
+    return (final_logp.exp() * (final_logp - logp)).sum(-1).mean(dim=1)
+
+
+def _real_streams(model, batch) -> Float[Tensor, "layer tokens d_model"]:
+    """Every real token's streams, row after row (pads dropped): [n_layers + 1, n_real, d_model]."""
+    resid, _ = _stack(model, batch)
+    return resid[:, batch.attention_mask.bool()]
+
+
 def train_tuned_lens(
     model,
-    data: Int[Tensor, "n pos"],
+    data: DataLike,
     steps: int = 300,
     batch_size: int = 16,
     lr: float = 1e-3,
     seed: int = 0,
     progress: bool = True,
+    max_cached_bytes: int = 2**30,
+    padding_side: str = "left",
 ) -> TunedLens:
-    """Fit a translator per layer to minimise KL(final || lens) on ``data`` (the model's own text).
+    """Fit a translator per layer to minimise KL(final || lens) on ``data`` (the model's own text:
+    token ids, texts of any lengths, a ``TokenBatch`` or a ``PromptSet``).
 
     All layers train together (their losses are independent, so this is L separate fits);
-    the model is frozen. The loss history is kept in ``lens.info["history"]``.
+    the model is frozen. Each step draws ``batch_size`` prompts and averages the KL over their
+    real tokens (pads never enter it). The model's residual streams are computed once, batch by
+    batch, and kept when every real token's streams fit in ``max_cached_bytes``; a larger
+    dataset is run again for the prompts each step draws, so memory stays bounded by the step's
+    batch. Both ways give the same lens. The loss history is kept in ``lens.info["history"]``.
     """
-    data = as_tokens(model, data)
     steps, batch_size = check_int("steps", steps, 0), check_int("batch_size", batch_size, 1)
     lr, seed = check_float("lr", lr, 0, None, lo_open=True), check_seed("seed", seed)
+    max_cached_bytes = check_int("max_cached_bytes", max_cached_bytes, 0)
+    n = n_rows(data)
     lens = TunedLens(model.cfg.n_layers, model.cfg.d_model).to(model.device)
     opt = torch.optim.Adam(lens.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / max(steps, 1))
     gen = torch.Generator().manual_seed(seed)
     history: list[float] = []
+    n_tokens, longest = 0, 0
     with eval_mode(model):
         try:
-            # The model is frozen, so its residual streams are computed once, not once per step.
+            # The model is frozen, so its residual streams are computed once, not once per step,
+            # when they fit: packed real tokens, with where each prompt's tokens start.
+            per_token = (model.cfg.n_layers + 1) * model.cfg.d_model * 4
+            streams: Optional[list] = []
             with torch.no_grad():
-                streams = torch.cat([residual_stack(model, chunk)[0] for chunk in data.split(64)], dim=1)
+                for batch in iter_batches(model, data, 64, padding_side, progress, "tuned lens: streams"):
+                    lengths = batch.lengths
+                    n_tokens, longest = n_tokens + int(lengths.sum()), max(longest, int(lengths.max()))
+                    if streams is not None and n_tokens * per_token <= max_cached_bytes:
+                        streams.extend(_real_streams(model, batch).split(lengths.tolist(), dim=1))
+                    else:
+                        streams = None  # too large to keep: each step runs its prompts again
             for _ in tqdm(range(steps), disable=not progress, desc="tuned lens"):
-                rows = torch.randint(0, data.shape[0], (min(batch_size, data.shape[0]),), generator=gen)
-                resid = streams[:, rows.to(streams.device)]
-                with torch.no_grad():
-                    final_logp = _project(model, resid[-1:])[0].float().log_softmax(-1)
-                logp = _project(model, lens.translate(resid)[:-1]).float().log_softmax(-1)
-                kl = (final_logp.exp() * (final_logp - logp)).sum(-1).mean(dim=(1, 2))  # [layer]
+                rows = torch.randint(0, n, (min(batch_size, n),), generator=gen)
+                if streams is not None:
+                    resid = torch.cat([streams[int(r)] for r in rows], dim=1)
+                else:
+                    with torch.no_grad():
+                        (batch,) = iter_batches(model, select_rows(data, rows.tolist()), len(rows), padding_side)
+                        resid = _real_streams(model, batch)
+                kl = _kl_per_layer(model, lens, resid)  # [layer]
                 opt.zero_grad(set_to_none=True)
                 kl.sum().backward()
                 opt.step()
@@ -268,7 +411,7 @@ def train_tuned_lens(
             for p in model.parameters():  # backward left grads on the frozen model
                 p.grad = None
     lens.info = {"train": {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
-                           "n_sequences": int(data.shape[0]), "seq_len": int(data.shape[1])},
+                           "n_sequences": n, "seq_len": longest, "n_tokens": n_tokens},
                  "history": history}
     return lens
 
@@ -276,19 +419,37 @@ def train_tuned_lens(
 @torch.no_grad()
 def tuned_lens(
     model,
-    tokens: Union[str, Int[Tensor, "batch pos"]],
+    data: DataLike,
     lens: TunedLens,
     k: int = 5,
     targets: Optional[Int[Tensor, "batch pos"]] = None,
+    batch_size: int = 32,
+    progress: bool = False,
+    aggregate: bool = False,
+    padding_side: str = "left",
+    attention_mask: Optional[Tensor] = None,
 ) -> pd.DataFrame:
-    """The tuned lens at every layer and position; the same columns as ``logit_lens``."""
+    """The tuned lens at every layer and every real token; the same data, arguments and columns
+    as ``logit_lens`` (``aggregate=True``: per-layer means over the whole data)."""
     lens.check_fits(model)
-    tokens = as_tokens(model, tokens)
-    resid, final_logits = residual_stack(model, tokens)
-    return _lens_table(model, tokens, _project(model, lens.translate(resid)), final_logits, k, targets, "tuned")
+    return _lens_run(model, data, {"tuned": lens}, k, targets, batch_size, progress, aggregate, padding_side,
+                     attention_mask)
 
 
-def compare_lenses(model, tokens: Union[str, Int[Tensor, "batch pos"]], lens: TunedLens) -> pd.DataFrame:
-    """Mean KL to the final distribution per layer for both lenses: columns layer, lens, kl."""
-    both = pd.concat([logit_lens(model, tokens, k=1), tuned_lens(model, tokens, lens, k=1)])
-    return both.groupby(["layer", "lens"], as_index=False)["kl_to_final"].mean().rename(columns={"kl_to_final": "kl"})
+@torch.no_grad()
+def compare_lenses(
+    model,
+    data: DataLike,
+    lens: TunedLens,
+    batch_size: int = 32,
+    progress: bool = False,
+    padding_side: str = "left",
+    attention_mask: Optional[Tensor] = None,
+) -> pd.DataFrame:
+    """Mean KL to the final distribution per layer for both lenses, over every real token of
+    ``data`` (one pass, reduced batch by batch): columns layer, lens, kl."""
+    lens.check_fits(model)
+    both = _lens_run(model, data, {"logit": None, "tuned": lens}, 1, None, batch_size, progress, True,
+                     padding_side, attention_mask)
+    both = both.sort_values(["layer", "lens"], kind="stable").reset_index(drop=True)
+    return both[["layer", "lens", "kl_to_final"]].rename(columns={"kl_to_final": "kl"})

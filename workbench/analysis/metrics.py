@@ -29,7 +29,9 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from workbench.analysis.common import as_tokens, check_choice, str_tokens
+from workbench.analysis.batching import DataLike, iter_batches, n_rows, real_positions, row_columns, with_meta
+from workbench.analysis.common import as_tokens, check_choice, row_ids, str_tokens, vocab_labels
+from workbench.data.prompts import PromptSet
 from workbench.utils import check_index, check_int, check_token_ids
 
 METRIC_KINDS = ("logit_diff", "logit", "prob", "logprob", "rank")
@@ -133,47 +135,105 @@ class AnswerMetric:
 @torch.no_grad()
 def answer_table(
     model,
-    tokens: Union[str, Int[Tensor, "batch pos"]],
-    answer: IdsLike,
+    data: DataLike,
+    answer: Optional[IdsLike] = None,
     wrong: Optional[IdsLike] = None,
     pos: int = -1,
+    batch_size: int = 32,
+    progress: bool = False,
+    padding_side: str = "left",
+    attention_mask: Optional[Tensor] = None,
 ) -> pd.DataFrame:
-    """Every answer metric of one run at position ``pos``: one row per batch row.
+    """Every answer metric at position ``pos`` of each prompt: one row per prompt.
 
-    Columns: batch, pos (normalised), answer, wrong (token strings; "" without ``wrong``),
-    logit, wrong_logit, logit_diff (NaN without ``wrong``), prob, logprob, rank (1 = top),
-    top (the top token) and top_prob.
+    ``pos`` counts within each prompt (negative: from its end; the default -1 is its last
+    real token, whatever the padding). ``data``: a text, texts of any lengths, token ids, a
+    ``TokenBatch`` or a ``PromptSet``, run in batches of ``batch_size``. ``answer`` /
+    ``wrong``: one id for every prompt, or one per prompt; without ``answer`` a PromptSet's
+    own answer and wrong columns are used.
+
+    Columns: batch, pos (the scored position within the prompt), answer, wrong (token
+    strings; "" without a wrong token), logit, wrong_logit, logit_diff (NaN without one),
+    prob, logprob, rank (1 = top), top (the top token), top_prob, prompt (= batch: the row
+    of ``data``) and a PromptSet's meta columns.
     """
-    tokens = as_tokens(model, tokens)
-    logits = model(tokens).float()
-    batch, n_pos = tokens.shape
-    pos = check_index("pos", pos, n_pos, negative=True, of=f"a prompt of {n_pos} tokens")
-    values = {kind: AnswerMetric(kind, answer, wrong if wrong is not None else 0, pos).per_row(logits)
-              for kind in ("logit", "prob", "logprob", "rank")}
-    at = logits[:, pos]
-    top_p, top_i = at.softmax(-1).max(-1)
-    metric = AnswerMetric("logit", answer, None, pos)
-    answer_ids = metric._column("answer", metric.answer, at)
-    frame = pd.DataFrame({
-        "batch": np.arange(batch), "pos": pos,
-        "answer": str_tokens(model, answer_ids),
-        "logit": values["logit"].cpu().numpy(),
-    })
-    if wrong is not None:
-        wrong_metric = AnswerMetric("logit", wrong, None, pos)
-        wrong_ids = wrong_metric._column("wrong", wrong_metric.answer, at)
-        frame.insert(3, "wrong", str_tokens(model, wrong_ids))
-        frame["wrong_logit"] = wrong_metric.per_row(logits).cpu().numpy()
-        frame["logit_diff"] = frame["logit"] - frame["wrong_logit"]
-    else:
-        frame.insert(3, "wrong", "")
-        frame["wrong_logit"], frame["logit_diff"] = np.nan, np.nan
-    for kind in ("prob", "logprob", "rank"):
-        frame[kind] = values[kind].cpu().numpy()
-    frame["rank"] = frame["rank"].astype(int)
-    frame["top"] = str_tokens(model, top_i)
-    frame["top_prob"] = top_p.cpu().numpy()
-    return frame
+    n = n_rows(data)
+    from_set = answer is None
+    if from_set and not (isinstance(data, PromptSet) and data.answers is not None):
+        raise ValueError("answer is needed: a token id or one id per prompt (or give a PromptSet with an 'answer' "
+                         "column)")
+    answer, wrong = _ids("answer", answer), _ids("wrong", wrong)
+    labels = vocab_labels(model)
+    frames = []
+    for batch in iter_batches(model, data, batch_size, padding_side, progress, "answer table", attention_mask):
+        rows = torch.arange(len(batch), device=batch.tokens.device)
+        cols = row_columns(batch.attention_mask, pos, batch.rows)
+        at = model(batch)[rows, cols].float()[:, None]  # [batch, 1, d_vocab]: each prompt's scored position
+        answer_ids = _batch_ids(model, "answer", answer, batch, n)
+        wrong_ids = _batch_ids(model, "wrong", wrong, batch, n) if (wrong is not None or from_set) else None
+        values = {kind: AnswerMetric(kind, tuple(answer_ids.tolist()), None, -1).per_row(at).cpu().numpy()
+                  for kind in ("logit", "prob", "logprob", "rank")}
+        top_p, top_i = at[:, 0].softmax(-1).max(-1)
+        frame = pd.DataFrame({
+            "batch": batch.rows.cpu().numpy(),
+            "pos": real_positions(batch.attention_mask)[rows, cols].cpu().numpy(),
+            "answer": labels[answer_ids.cpu().numpy()],
+            "wrong": "" if wrong_ids is None else labels[wrong_ids.cpu().numpy()],
+            "logit": values["logit"],
+        })
+        if wrong_ids is not None:
+            frame["wrong_logit"] = at[rows, 0, wrong_ids].cpu().numpy()
+            frame["logit_diff"] = frame["logit"] - frame["wrong_logit"]
+        else:
+            frame["wrong_logit"], frame["logit_diff"] = np.nan, np.nan
+        for kind in ("prob", "logprob", "rank"):
+            frame[kind] = values[kind]
+        frame["rank"] = frame["rank"].astype(int)
+        frame["top"] = labels[top_i.cpu().numpy()]
+        frame["top_prob"] = top_p.cpu().numpy()
+        frame["prompt"] = frame["batch"]
+        frames.append(frame)
+    return with_meta(pd.concat(frames, ignore_index=True), data)
+
+
+def _batch_ids(model, name: str, value, batch, n: int) -> Optional[Tensor]:
+    """``value`` (one id, one per prompt of the data, or None: the PromptSet's own) for the rows of ``batch``."""
+    if isinstance(value, tuple):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} ids, one per batch row, but the data has {n} prompts")
+        value = torch.tensor(value)
+    return row_ids(model, name, value, batch, n)
+
+
+@torch.no_grad()
+def logit_diff(
+    model,
+    data: DataLike,
+    batch_size: int = 64,
+    progress: bool = False,
+    answer: Optional[IdsLike] = None,
+    wrong: Optional[IdsLike] = None,
+    pos: int = -1,
+    padding_side: str = "left",
+) -> pd.DataFrame:
+    """logit[answer] - logit[wrong] at each prompt's last real token (or position ``pos``
+    within it): one row per prompt, batch by batch (a tqdm bar with ``progress``).
+
+    ``data`` is usually a ``PromptSet`` with answer and wrong columns (its rows' own tokens
+    are used); ``answer``/``wrong`` override them (one id, or one per prompt). Columns:
+    prompt, pos, answer, wrong, logit_diff, then the PromptSet's meta columns.
+    """
+    if wrong is None and not (isinstance(data, PromptSet) and data.wrong is not None and answer is None):
+        raise ValueError("logit_diff needs wrong tokens: a PromptSet with 'answer' and 'wrong' columns, "
+                         "or answer= and wrong= token ids")
+    table = answer_table(model, data, answer, wrong, pos, batch_size, progress, padding_side)
+    core = ["prompt", "pos", "answer", "wrong", "logit_diff"]
+    meta = [c for c in table.columns if c not in ANSWER_TABLE_COLUMNS]
+    return table[core + meta]
+
+
+ANSWER_TABLE_COLUMNS = ("batch", "pos", "answer", "wrong", "logit", "wrong_logit", "logit_diff", "prob", "logprob",
+                        "rank", "top", "top_prob", "prompt")
 
 
 ANSWER_MEASURES = ("logit_diff", "logit", "prob", "logprob", "rank")
