@@ -605,6 +605,56 @@ def feature_density_figure(table: pd.DataFrame, theme: str = "light") -> go.Figu
     return fig
 
 
+def feature_dla_figure(dla: pd.DataFrame, feature: Optional[int] = None, k: int = 12, batch: int = 0, title: str = "",
+                       theme: Optional[str] = "default") -> go.Figure:
+    """The ``k`` features with the largest |direct logit attribution| (``feature_dla``'s table, one
+    batch row) as bars, ``feature`` highlighted (and added when it is not among the ``k``)."""
+    for column in ("feature", "dla", "activation"):
+        if column not in dla:
+            raise ValueError(f"the table has no column {column!r}; pass feature_dla's table")
+    frame = dla[dla["batch"] == batch] if "batch" in dla else dla
+    shown = frame.reindex(frame["dla"].abs().sort_values(ascending=False).index).head(k)
+    if feature is not None and feature not in set(shown["feature"]):
+        shown = pd.concat([shown, frame[frame["feature"] == feature]])
+    shown = shown.sort_values("dla")
+    chosen = shown["feature"].to_numpy() == feature
+    colours = np.where(chosen, LAST_POSITION, np.where(shown["dla"] >= 0, POSITIVE, NEGATIVE))
+    fig = go.Figure(go.Bar(x=shown["dla"], y=[f"#{f}" for f in shown["feature"]], orientation="h",
+                           marker_color=colours, customdata=shown["activation"],
+                           hovertemplate="feature %{y}<br>DLA %{x:.3f}<br>activation %{customdata:.3f}<extra></extra>"))
+    fig.update_layout(title=title or "Direct logit attribution of the firing features", template=_template(theme),
+                      xaxis_title="direct logit attribution (logit units)", yaxis_title="feature",
+                      height=max(260, 24 * len(shown) + 120), margin=dict(t=40))
+    fig.update_yaxes(type="category")
+    return fig
+
+
+def token_values_figure(frame: pd.DataFrame, value: str, group: Optional[str] = None, title: str = "",
+                        boundary: Optional[int] = None, units: str = "", theme: Optional[str] = "default",
+                        colours: Optional[dict] = None) -> go.Figure:
+    """A value per token (``project``'s projection, a feature's activation), one line per ``group``
+    (e.g. clean and steered runs) against the position, each point hovering its token.
+    ``boundary``: the first generated position, marked by a dashed line."""
+    for column in ("pos", "token", value) + ((group,) if group else ()):
+        if column not in frame:
+            raise ValueError(f"the table has no column {column!r}; it has {list(frame.columns)}")
+    fig = go.Figure()
+    parts = frame.groupby(group, sort=False) if group else [("", frame)]
+    for i, (name, part) in enumerate(parts):
+        part = part.sort_values("pos")
+        colour = (colours or {}).get(name, PAIR[i % 2] if group else POSITIVE)
+        fig.add_scatter(x=part["pos"], y=part[value], mode="lines+markers", name=str(name), line=dict(color=colour),
+                        text=part["token"].astype(str), hovertemplate=(f"{name}<br>" if group else "")
+                        + "%{x}: %{text!r}<br>" + f"{value} " + "%{y:.3f}<extra></extra>")
+    if boundary is not None:
+        fig.add_vline(x=boundary - 0.5, line_dash="dash", line_color="#7f7f7f",
+                      annotation_text="generated →", annotation_position="top right")
+    fig.update_layout(title=title or value, template=_template(theme), xaxis_title="position",
+                      yaxis_title=value + (f" ({units})" if units else ""), height=340, margin=dict(t=40),
+                      showlegend=bool(group))
+    return fig
+
+
 # ---- over training (tables from analysis.over_training) ----------------------------------------
 def _history_of(frame: pd.DataFrame, history: Optional[pd.DataFrame]) -> pd.DataFrame:
     history = frame.attrs.get("history") if history is None else history
