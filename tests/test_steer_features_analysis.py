@@ -191,3 +191,29 @@ def test_token_values_and_feature_dla_figures(model):
     fig = viz.feature_dla_figure(dla, feature=chosen, k=3)
     assert len(fig.data[0].y) == 4 and f"#{chosen}" in list(fig.data[0].y)
     assert list(fig.data[0].marker.color).count(viz.LAST_POSITION) == 1
+
+
+def test_check_dictionary_refuses_another_width_and_warns_of_another_model(model):
+    sae = dictionary()
+    assert an.check_dictionary(model, sae) is None
+    wide = make_dictionary(DictionaryConfig(kind="relu", d_in=48, d_sae=8, hook_name=HOOK))
+    with pytest.raises(ValueError, match="48 wide at blocks.0.hook_resid_post, but this model's .* has 32"):
+        an.check_dictionary(model, wide)
+    missing = make_dictionary(DictionaryConfig(kind="relu", d_in=32, d_sae=8, hook_name="blocks.7.hook_resid_post"))
+    with pytest.raises(ValueError, match="blocks.7.hook_resid_post"):
+        an.check_dictionary(model, missing)
+    named = make_dictionary(DictionaryConfig(kind="relu", d_in=32, d_sae=8, hook_name=HOOK, model_name="elsewhere"))
+    assert an.check_dictionary(model, named) is None  # this model records no name to compare
+    here = wb.HookedDecoder(tiny(d_vocab=40, name="here")).eval()
+    assert "trained on 'elsewhere', not on 'here'" in an.check_dictionary(here, named)
+
+
+def test_feature_ablation_comparison_matches_generation_under_the_edit(model):
+    sae = dictionary()
+    prompt = torch.randint(0, 40, (1, 7), generator=torch.Generator().manual_seed(6))
+    out = an.feature_ablation_comparison(model, sae, prompt, 5, max_new_tokens=5)
+    with an.feature_edit(model, sae, 5, 0.0):
+        edited = model.generate(prompt, max_new_tokens=5)[0]
+    assert out["tokens"].query("run == 'ablated'").token_id.tolist() == edited.tolist()
+    assert out["tokens"].query("run == 'clean'").token_id.tolist() == model.generate(prompt, max_new_tokens=5)[0].tolist()
+    assert "projection" not in out["tokens"]

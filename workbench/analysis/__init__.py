@@ -87,8 +87,9 @@ from workbench.analysis.dictionaries import (
 )
 from workbench.analysis.splice import add_sae, remove_sae, spliced, spliced_saes
 from workbench.analysis.features import (
-    feature_activations, feature_direction, feature_dla, feature_edit, feature_histogram, feature_logit_effects,
-    feature_table, features_on_token, max_activating_contexts, prompt_feature_activations,
+    check_dictionary, feature_ablation_comparison, feature_activations, feature_direction, feature_dla, feature_edit,
+    feature_histogram, feature_logit_effects, feature_table, features_on_token, max_activating_contexts,
+    prompt_feature_activations,
 )
 from workbench.analysis.circuits import (
     Circuit,
@@ -123,7 +124,7 @@ __all__ = [
     "DICTIONARIES", "Dictionary", "DictionaryConfig", "DictionaryError", "SAETrainConfig", "load_dictionary",
     "save_dictionary", "train_sae",
     "add_sae", "remove_sae", "spliced", "spliced_saes",
-    "feature_activations", "feature_direction", "feature_dla", "feature_edit", "feature_histogram",
+    "check_dictionary", "feature_ablation_comparison", "feature_activations", "feature_direction", "feature_dla", "feature_edit", "feature_histogram",
     "feature_logit_effects", "feature_table", "features_on_token", "max_activating_contexts",
     "prompt_feature_activations",
     "over_training",

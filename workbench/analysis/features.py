@@ -357,3 +357,42 @@ def feature_edit(model, sae, feature: int, value: float = 0.0, mode: str = "set"
     with spliced(model, sae, error_term=True):
         with model.hooks(fwd_hooks=[(f"{hook_out}.hook_sae_acts_post", edit)]):
             yield model
+
+
+def feature_ablation_comparison(model, sae, tokens: Union[str, Int[Tensor, "batch pos"]], feature: int,
+                                value: float = 0.0, max_new_tokens: int = 24) -> dict[str, pd.DataFrame]:
+    """``edit_comparison`` of one prompt clean and with ``feature`` set to ``value`` (0: ablated)
+    by ``feature_edit``: both greedy continuations and the prompt's per-token losses; the edited
+    run is labelled ``"ablated"``."""
+    from workbench.analysis.directions import edit_comparison
+
+    feature = _check_feature(sae, feature)
+    return edit_comparison(model, tokens, lambda: feature_edit(model, sae, feature, value), max_new_tokens,
+                           label="ablated")
+
+
+def check_dictionary(model, sae) -> Optional[str]:
+    """ValueError unless ``sae``'s hooks exist on ``model`` with the widths it reads and writes; a
+    warning (a string) when the dictionary names another model than ``model.cfg.name``; else None.
+
+    By name, not by the recorded weights fingerprint: that hash covers ``cfg.to_dict()``, which
+    gains a key whenever ModelConfig gains a field, so a dictionary's recorded fingerprint goes
+    stale on the very model it was trained on.
+    """
+    from workbench.analysis.store import hook_shapes
+
+    cfg = sae.cfg
+    hooks = {cfg.hook_name: cfg.d_in}
+    if sae.is_transcoder:
+        hooks[cfg.hook_name_out] = cfg.d_out
+    shapes = hook_shapes(model, list(hooks))
+    for hook, width in hooks.items():
+        have = int(np.prod(shapes[hook]))
+        if have != width:
+            raise ValueError(f"the dictionary is {width} wide at {hook}, but this model's {hook} has {have} features "
+                             f"(shape {list(shapes[hook])}): it was trained on another model or hook")
+    name = getattr(model.cfg, "name", None)
+    if cfg.model_name and name and cfg.model_name != name:
+        return (f"the dictionary was trained on {cfg.model_name!r}, not on {name!r}: "
+                "its features may mean nothing here")
+    return None
