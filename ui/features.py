@@ -198,10 +198,9 @@ def _search(ckpt: common.Checkpoint, sae_ref, data, table) -> Optional[int]:
     options = shown.feature.head(MAX_OPTIONS).tolist()
     if st.session_state.get("feat_id") not in options:
         st.session_state["feat_id"] = options[0]
-    rows = table.set_index("feature")
-    return st.selectbox("Feature", options, key="feat_id", format_func=lambda f: (
-        f"#{f} · density {rows.at[f, 'density']:.2%} · max {rows.at[f, 'max_activation']:.2f} · "
-        f"{rows.at[f, 'top_context'][-40:]}"))
+    labels = {f: f"#{f} · density {d:.2%} · max {m:.2f} · {c[-40:]}" for f, d, m, c in
+              zip(table.feature, table.density, table.max_activation, table.top_context)}
+    return st.selectbox("Feature", options, key="feat_id", format_func=labels.__getitem__)
 
 
 # ---- the card ------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def side_by_side(ckpt: common.Checkpoint, ids, out: dict, label: str, key: str) 
     clean, edited = out["clean"].loss.mean(), out[label].loss.mean()
     st.metric(f"Mean loss of the prompt, clean → {label}", f"{clean:.3f} → {edited:.3f} nats",
               delta=f"{edited - clean:+.3f} nats", delta_color="inverse")
-    with st.expander(f"Per-token loss of the prompt, clean and {label}"):
+    if st.toggle(f"Per-token loss of the prompt, clean and {label}", key=f"{key}_show_loss"):
         common.show(viz.token_loss_figure({"clean": out["clean"], label: out[label]},
                                           title=f"Per-token loss, clean and {label}"), key=f"{key}_loss")
 

@@ -530,7 +530,7 @@ def side_by_side(left: go.Figure, right: go.Figure, titles: Optional[tuple[str, 
 
 
 # ---- sparse dictionary features (tables from workbench.analysis.features) -----------------------
-def feature_contexts_figure(contexts: pd.DataFrame, theme: str = "light") -> go.Figure:
+def feature_contexts_figure(contexts: pd.DataFrame, theme: Optional[str] = "default") -> go.Figure:
     """Max-activating contexts, one row each: every token coloured by the feature's activation there.
 
     Takes ``max_activating_contexts``' table; the activating token is in ``[[ ]]``.
@@ -559,7 +559,7 @@ def feature_contexts_figure(contexts: pd.DataFrame, theme: str = "light") -> go.
     return fig
 
 
-def feature_histogram_figure(histogram: pd.DataFrame, theme: str = "light") -> go.Figure:
+def feature_histogram_figure(histogram: pd.DataFrame, theme: Optional[str] = "default") -> go.Figure:
     """The activation histogram of one feature (``feature_histogram``'s table), its density in the title."""
     for column in ("bin_left", "bin_right", "count", "density"):
         if column not in histogram:
@@ -573,7 +573,7 @@ def feature_histogram_figure(histogram: pd.DataFrame, theme: str = "light") -> g
     return fig
 
 
-def feature_logits_figure(effects: pd.DataFrame, theme: str = "light") -> go.Figure:
+def feature_logits_figure(effects: pd.DataFrame, theme: Optional[str] = "default") -> go.Figure:
     """Top and bottom logit effects of one feature (``feature_logit_effects``' table) as horizontal bars."""
     for column in ("direction", "token", "effect"):
         if column not in effects:
@@ -591,7 +591,7 @@ def feature_logits_figure(effects: pd.DataFrame, theme: str = "light") -> go.Fig
     return fig
 
 
-def feature_density_figure(table: pd.DataFrame, theme: str = "light") -> go.Figure:
+def feature_density_figure(table: pd.DataFrame, theme: Optional[str] = "default") -> go.Figure:
     """How often the features fire: a histogram of log10 density over ``feature_table``'s rows (dead ones counted apart)."""
     if "density" not in table:
         raise ValueError(f"the table has no column 'density'; it has {list(table.columns)}")

@@ -117,5 +117,8 @@ def test_features_card_search_and_interventions(page):
     no_exception(page)
     radio(page, "ablate this feature")
     assert continuations(page)[1].startswith("John")
+    page.locator("[data-testid=stMain] label", has_text="Per-token loss of the prompt").first.click()  # a toggle
+    wait_idle(page)
+    assert_drawn(figure(page, "Per-token loss, clean and ablated"), "per-token loss")
     no_exception(page)
     shot(page, "features")

@@ -194,6 +194,9 @@ def test_feature_206_ablated_and_steered_as_the_library_says(app, shipped, check
     dla = an.feature_dla(model, sae, prompt, tok.encode(" Mary")[0], tok.encode(" John")[0])
     metric = next(m for m in at.metric if m.label.startswith("Feature 206's direct share"))
     assert float(metric.value) == pytest.approx(float(dla[dla.feature == 206].dla.iloc[0]), abs=2e-3)
+    at.toggle(key="feat_ablate_show_loss").set_value(True).run()
+    losses = figure(at, "Per-token loss, clean and ablated")
+    assert [t["name"] for t in losses["data"]] == ["clean", "ablated"]
     at.radio(key="feat_action").set_value("steer with this feature").run()
     assert [t["name"] for t in figure(at, "Projection on the direction")["data"]] == ["clean", "steered"]
     assert not at.exception and not at.error, messages(at)
