@@ -256,14 +256,14 @@ def _from_file(ckpt: common.Checkpoint) -> Optional[Direction]:
                 + f" (set ${ENV_VAR} for another folder). Save one with `Direction.save(...)` there, or upload one.")
         return None
     if st.session_state.get("steer_file") not in options:
-        st.session_state["steer_file"] = list(options)[-1]
+        st.session_state["steer_file"] = list(options)[0]
     name = st.selectbox("Saved direction", list(options), key="steer_file")
     stem = options[name]
     try:
         direction = _load_direction(stem, _stamp(stem))
         with ckpt.lock:
             direction.check(ckpt.model)
-    except (ValueError, OSError) as e:
+    except Exception as e:  # a width or model mismatch, a zero vector, a missing or corrupt file
         st.error(f"`{Path(stem).name}` cannot steer this model: {e}")
         return None
     made = direction.provenance.get("model") or {}
@@ -273,17 +273,24 @@ def _from_file(ckpt: common.Checkpoint) -> Optional[Direction]:
 
 
 def _on_upload(key: str) -> None:
-    """Save an uploaded pair under the private upload folder and select it; a message otherwise."""
+    """Save an uploaded pair under the private upload folder and select it; a message otherwise.
+    Either way the uploader is emptied (a new key), so a failed file never lingers in it."""
     st.session_state.pop("steer_upload_error", None)
     files = st.session_state.get(key) or []
-    if not files:
-        return
+    if files:
+        try:
+            _save_upload(files)
+        except ValueError as e:
+            st.session_state["steer_upload_error"] = str(e)
+    st.session_state["steer_upload_round"] = st.session_state.get("steer_upload_round", 0) + 1
+
+
+def _save_upload(files) -> None:
     by_suffix = {Path(f.name).suffix: f for f in files}
     names = ", ".join(f.name for f in files)
     if set(by_suffix) != {".json", ".safetensors"} or len(files) != 2:
-        st.session_state["steer_upload_error"] = (f"Upload of {names}: a direction is two files, its .json and its "
-                                                  ".safetensors (Direction.save writes both).")
-        return
+        raise ValueError(f"Upload of {names}: a direction is two files, its .json and its .safetensors "
+                         "(Direction.save writes both); upload them together.")
     data = {suffix: f.getvalue() for suffix, f in by_suffix.items()}
     digest = hashlib.sha256(data[".json"] + data[".safetensors"]).hexdigest()[:12]
     folder = common.upload_root() / "directions" / digest
@@ -293,10 +300,8 @@ def _on_upload(key: str) -> None:
         stem.with_name(stem.name + suffix).write_bytes(content)
     try:
         Direction.load(stem)
-    except (ValueError, OSError) as e:
-        st.session_state["steer_upload_error"] = f"{names} is not a usable direction: {e}"
-        return
+    except Exception as e:  # bad JSON, a corrupt safetensors file, a zero or NaN vector
+        raise ValueError(f"{names} is not a usable direction: {e}") from None
     label = f"upload: {stem.name} ({digest[:6]})"
     st.session_state.setdefault("steer_uploaded", {})[label] = str(stem)
     st.session_state["steer_file"] = label
-    st.session_state["steer_upload_round"] = st.session_state.get("steer_upload_round", 0) + 1

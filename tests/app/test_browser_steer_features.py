@@ -84,8 +84,12 @@ def test_steer_with_a_probe_and_an_uploaded_direction(page, server, tmp_path):
     model, tok = wb.load_checkpoint(server["checkpoints"] / "stories-2026")
     stem = an.Direction.from_weight(model, "W_U", tok.encode(" John")[0], "blocks.2.hook_resid_post").save(
         tmp_path / "john")
-    page.locator("[data-testid=stMain] [data-testid=stFileUploader] input[type=file]").set_input_files(
-        [str(stem) + ".json", str(stem) + ".safetensors"])  # a file uploader
+    uploader = page.locator("[data-testid=stMain] [data-testid=stFileUploader] input[type=file]")
+    uploader.set_input_files([str(stem) + ".json"])  # a file uploader: half a direction first
+    wait_idle(page)
+    sync_api.expect(page.get_by_text("a direction is two files").first).to_be_visible()
+    uploader = page.locator("[data-testid=stMain] [data-testid=stFileUploader] input[type=file]")
+    uploader.set_input_files([str(stem) + ".json", str(stem) + ".safetensors"])  # then the pair
     wait_idle(page)
     sync_api.expect(widget(page, "stSelectbox", "Saved direction").get_by_role("combobox")).to_have_value(
         re.compile(r"^upload: john \("), timeout=60_000)

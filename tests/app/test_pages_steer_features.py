@@ -121,11 +121,16 @@ def test_steer_with_a_saved_direction_and_bad_files(app, shipped, checkpoints_di
     other, _ = wb.load_checkpoint(checkpoints_dir / "stories-2020")
     an.Direction.from_weight(other, "W_U", 3, "blocks.2.hook_resid_post").save(folder / "other_model")
     an.Direction(torch.ones(112), "blocks.0.hook_resid_post").save(folder / "narrow")
+    from safetensors.torch import save_file  # a zero vector, written by hand: Direction refuses to make one
+
+    save_file({"vector": torch.zeros(128)}, str(folder / "zero.safetensors"))
+    (folder / "zero.json").write_text(json.dumps({"format_version": 1, "hook": "blocks.1.hook_resid_post",
+                                                  "shape": [128], "provenance": {"kind": "custom"}}))
     monkeypatch.setenv("WORKBENCH_DIRECTIONS", str(folder))
     at = app("Steer")
     at.radio(key="steer_source").set_value("a saved direction").run()
     options = at.selectbox(key="steer_file").options
-    assert [o.split(" ")[0] for o in options] == ["mary", "narrow", "other_model"]
+    assert [o.split(" ")[0] for o in options] == ["mary", "narrow", "other_model", "zero"]
     at.selectbox(key="steer_file").set_value(next(o for o in options if o.startswith("mary"))).run()
     assert not at.error, messages(at)
     assert len(continuations(at)) == 2 and "weight_row" in " ".join(c.value for c in at.caption)
@@ -133,6 +138,8 @@ def test_steer_with_a_saved_direction_and_bad_files(app, shipped, checkpoints_di
     assert "`narrow` cannot steer this model" in messages(at) and "112 wide" in messages(at)
     at.selectbox(key="steer_file").set_value(next(o for o in options if o.startswith("other_model"))).run()
     assert "made on model 'stories-2020'" in messages(at)
+    at.selectbox(key="steer_file").set_value(next(o for o in options if o.startswith("zero"))).run()
+    assert "`zero` cannot steer this model" in messages(at) and "zero vector" in messages(at)
     assert not at.exception
 
 
