@@ -98,6 +98,10 @@ def test_feature_direction_is_the_decoder_row_and_steers_by_it(model):
     assert torch.allclose(steered, model.run_with_hooks(tokens, fwd_hooks=[(HOOK, add)]), atol=1e-5)
     with pytest.raises(ValueError, match="0..63"):
         an.feature_direction(model, sae, 64)
+    per_head = make_dictionary(DictionaryConfig(kind="relu", d_in=32, d_sae=8, hook_name="blocks.0.attn.hook_z",
+                                                hook_shape=(4, 8)))
+    with pytest.raises(ValueError, match="not one vector per position"):
+        an.feature_direction(model, per_head, 0)
 
 
 @pytest.mark.parametrize("value,mode", [(0.0, "set"), (3.0, "set"), (0.5, "scale")])

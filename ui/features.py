@@ -269,7 +269,11 @@ def _intervene(ckpt: common.Checkpoint, sae_ref, feature: int, ids) -> None:
     st.subheader("Ablate or steer, clean beside")
     action = st.radio("On the prompt", ACTIONS, horizontal=True, key="feat_action")
     if action == ACTIONS[1]:
-        direction = run(feature_direction, ckpt.key, sae_ref, None, feature=feature)
+        try:
+            direction = run(feature_direction, ckpt.key, sae_ref, None, feature=feature)
+        except ValueError as e:  # features at a hook with no single vector per position (attn.hook_z)
+            st.info(f"Cannot steer with this feature: {e}")
+            return
         st.caption(f"Steering along feature {feature}'s decoder row (unit length) at `{direction.hook}`.")
         steer.steer(ckpt, ids, direction, key="feat_steer")
         return
