@@ -10,13 +10,15 @@ import os
 import streamlit as st
 import torch
 
-from ui import ablate, build_train, circuit, common, compare, inspect, patch, sweeps, training
+from ui import ablate, build_train, circuit, common, compare, features, inspect, patch, steer, sweeps, training
 from workbench import viz
 
 PAGES = {
     "Inspect": inspect.render,
     "Ablate": ablate.render,
     "Patch": patch.render,
+    "Steer": steer.render,
+    "Features": features.render,
     "Compare": compare.render,
     "Build & train": build_train.render,
     "Sweeps": sweeps.render,

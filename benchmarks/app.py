@@ -11,7 +11,8 @@ each measurement against its target:
 - a new prompt on the default page (<= 0.5 s): a rerun after typing a 32-token prompt the
   page has not seen (no cached analysis helps), median over ``--repeats``;
 - cached widget changes (<= 0.3 s each): a layer select, a head select and a tab switch
-  on a prompt already analysed (the analyses are cached; only drawing remains), median.
+  on a prompt already analysed (the analyses are cached; only drawing remains), median;
+  and on the Steer and Features pages, a scale and a feature changed back to values drawn before.
 
 Server time is what AppTest measures: the script's run, not the browser drawing it.
 """
@@ -125,6 +126,15 @@ def main() -> None:
     for name, steps in changes.items():
         times = [timed(at, step) for step in steps]
         report(name, times[-args.repeats:])
+    # Steer and Features: back and forth between two values, each drawn once before (cached).
+    for page, key, kind, pair in (("Steer", "steer_scale_add", "slider", (8.0, 4.0)),
+                                  ("Features", "feat_id", "selectbox", None)):
+        timed(at, lambda at, page=page: at.radio(key="page").set_value(page))
+        pair = pair or (getattr(at, kind)(key=key).value, 206)
+        steps = [lambda at, v=pair[i % 2], kind=kind, key=key: getattr(at, kind)(key=key).set_value(v)
+                 for i in range(args.repeats + 2)]
+        times = [timed(at, step) for step in steps]
+        report(f"cached {page} {kind}", times[2:])
     print(f"models loaded from disk after the first run: {sum(common.LOADS.values()) - 1}")
 
 

@@ -530,7 +530,7 @@ def side_by_side(left: go.Figure, right: go.Figure, titles: Optional[tuple[str, 
 
 
 # ---- sparse dictionary features (tables from workbench.analysis.features) -----------------------
-def feature_contexts_figure(contexts: pd.DataFrame, theme: str = "light") -> go.Figure:
+def feature_contexts_figure(contexts: pd.DataFrame, theme: Optional[str] = "default") -> go.Figure:
     """Max-activating contexts, one row each: every token coloured by the feature's activation there.
 
     Takes ``max_activating_contexts``' table; the activating token is in ``[[ ]]``.
@@ -559,7 +559,7 @@ def feature_contexts_figure(contexts: pd.DataFrame, theme: str = "light") -> go.
     return fig
 
 
-def feature_histogram_figure(histogram: pd.DataFrame, theme: str = "light") -> go.Figure:
+def feature_histogram_figure(histogram: pd.DataFrame, theme: Optional[str] = "default") -> go.Figure:
     """The activation histogram of one feature (``feature_histogram``'s table), its density in the title."""
     for column in ("bin_left", "bin_right", "count", "density"):
         if column not in histogram:
@@ -573,7 +573,7 @@ def feature_histogram_figure(histogram: pd.DataFrame, theme: str = "light") -> g
     return fig
 
 
-def feature_logits_figure(effects: pd.DataFrame, theme: str = "light") -> go.Figure:
+def feature_logits_figure(effects: pd.DataFrame, theme: Optional[str] = "default") -> go.Figure:
     """Top and bottom logit effects of one feature (``feature_logit_effects``' table) as horizontal bars."""
     for column in ("direction", "token", "effect"):
         if column not in effects:
@@ -591,7 +591,7 @@ def feature_logits_figure(effects: pd.DataFrame, theme: str = "light") -> go.Fig
     return fig
 
 
-def feature_density_figure(table: pd.DataFrame, theme: str = "light") -> go.Figure:
+def feature_density_figure(table: pd.DataFrame, theme: Optional[str] = "default") -> go.Figure:
     """How often the features fire: a histogram of log10 density over ``feature_table``'s rows (dead ones counted apart)."""
     if "density" not in table:
         raise ValueError(f"the table has no column 'density'; it has {list(table.columns)}")
@@ -602,6 +602,56 @@ def feature_density_figure(table: pd.DataFrame, theme: str = "light") -> go.Figu
     fig.update_layout(title=f"Feature density ({len(density) - len(alive)} of {len(density)} never fired)",
                       xaxis_title="log10(fraction of tokens where the feature fires)", yaxis_title="features",
                       template=_template(theme))
+    return fig
+
+
+def feature_dla_figure(dla: pd.DataFrame, feature: Optional[int] = None, k: int = 12, batch: int = 0, title: str = "",
+                       theme: Optional[str] = "default") -> go.Figure:
+    """The ``k`` features with the largest |direct logit attribution| (``feature_dla``'s table, one
+    batch row) as bars, ``feature`` highlighted (and added when it is not among the ``k``)."""
+    for column in ("feature", "dla", "activation"):
+        if column not in dla:
+            raise ValueError(f"the table has no column {column!r}; pass feature_dla's table")
+    frame = dla[dla["batch"] == batch] if "batch" in dla else dla
+    shown = frame.reindex(frame["dla"].abs().sort_values(ascending=False).index).head(k)
+    if feature is not None and feature not in set(shown["feature"]):
+        shown = pd.concat([shown, frame[frame["feature"] == feature]])
+    shown = shown.sort_values("dla")
+    chosen = shown["feature"].to_numpy() == feature
+    colours = np.where(chosen, LAST_POSITION, np.where(shown["dla"] >= 0, POSITIVE, NEGATIVE))
+    fig = go.Figure(go.Bar(x=shown["dla"], y=[f"#{f}" for f in shown["feature"]], orientation="h",
+                           marker_color=colours, customdata=shown["activation"],
+                           hovertemplate="feature %{y}<br>DLA %{x:.3f}<br>activation %{customdata:.3f}<extra></extra>"))
+    fig.update_layout(title=title or "Direct logit attribution of the firing features", template=_template(theme),
+                      xaxis_title="direct logit attribution (logit units)", yaxis_title="feature",
+                      height=max(260, 24 * len(shown) + 120), margin=dict(t=40))
+    fig.update_yaxes(type="category")
+    return fig
+
+
+def token_values_figure(frame: pd.DataFrame, value: str, group: Optional[str] = None, title: str = "",
+                        boundary: Optional[int] = None, units: str = "", theme: Optional[str] = "default",
+                        colours: Optional[dict] = None) -> go.Figure:
+    """A value per token (``project``'s projection, a feature's activation), one line per ``group``
+    (e.g. clean and steered runs) against the position, each point hovering its token.
+    ``boundary``: the first generated position, marked by a dashed line."""
+    for column in ("pos", "token", value) + ((group,) if group else ()):
+        if column not in frame:
+            raise ValueError(f"the table has no column {column!r}; it has {list(frame.columns)}")
+    fig = go.Figure()
+    parts = frame.groupby(group, sort=False) if group else [("", frame)]
+    for i, (name, part) in enumerate(parts):
+        part = part.sort_values("pos")
+        colour = (colours or {}).get(name, PAIR[i % 2] if group else POSITIVE)
+        fig.add_scatter(x=part["pos"], y=part[value], mode="lines+markers", name=str(name), line=dict(color=colour),
+                        text=part["token"].astype(str), hovertemplate=(f"{name}<br>" if group else "")
+                        + "%{x}: %{text!r}<br>" + f"{value} " + "%{y:.3f}<extra></extra>")
+    if boundary is not None:
+        fig.add_vline(x=boundary - 0.5, line_dash="dash", line_color="#7f7f7f",
+                      annotation_text="generated →", annotation_position="top right")
+    fig.update_layout(title=title or value, template=_template(theme), xaxis_title="position",
+                      yaxis_title=value + (f" ({units})" if units else ""), height=340, margin=dict(t=40),
+                      showlegend=bool(group))
     return fig
 
 

@@ -78,15 +78,17 @@ from workbench.analysis.reference import reference_batch, task_from_meta
 from workbench.analysis.tokens import loss_summary, residual_norms, token_loss_change, token_losses
 from workbench.analysis.directions import (
     Direction,
+    edit_comparison,
     model_fingerprint,
     project,
     read_activations,
     steered_generate,
+    steering_comparison,
     steering_hooks,
     steering_sweep,
     steering_vector,
 )
-from workbench.analysis.probes import Probe, auc, fit_probe, train_probe
+from workbench.analysis.probes import Probe, TokenIn, auc, fit_probe, train_probe
 from workbench.analysis.store import ActivationStore, LiveActivations, StoreError, TensorActivations
 from workbench.analysis.dictionaries import (
     DICTIONARIES, Dictionary, DictionaryConfig, DictionaryError, SAETrainConfig, load_dictionary, save_dictionary,
@@ -94,7 +96,9 @@ from workbench.analysis.dictionaries import (
 )
 from workbench.analysis.splice import add_sae, remove_sae, spliced, spliced_saes
 from workbench.analysis.features import (
-    feature_activations, feature_dla, feature_histogram, feature_logit_effects, feature_table, max_activating_contexts,
+    check_dictionary, feature_ablation_comparison, feature_activations, feature_direction, feature_dla, feature_edit,
+    feature_histogram, feature_logit_effects, feature_table, features_on_token, max_activating_contexts,
+    prompt_feature_activations,
 )
 from workbench.analysis.circuits import (
     Circuit,
@@ -123,15 +127,17 @@ __all__ = [
     "patching_agreement", "task_pairs",
     "reference_batch", "task_from_meta",
     "loss_summary", "residual_norms", "token_loss_change", "token_losses",
-    "Direction", "model_fingerprint", "project", "read_activations", "steered_generate", "steering_hooks",
+    "Direction", "edit_comparison", "model_fingerprint", "project", "read_activations", "steered_generate",
+    "steering_comparison", "steering_hooks",
     "steering_sweep", "steering_vector",
-    "Probe", "auc", "fit_probe", "train_probe",
+    "Probe", "TokenIn", "auc", "fit_probe", "train_probe",
     "ActivationStore", "LiveActivations", "StoreError", "TensorActivations",
     "DICTIONARIES", "Dictionary", "DictionaryConfig", "DictionaryError", "SAETrainConfig", "load_dictionary",
     "save_dictionary", "train_sae",
     "add_sae", "remove_sae", "spliced", "spliced_saes",
-    "feature_activations", "feature_dla", "feature_histogram", "feature_logit_effects", "feature_table",
-    "max_activating_contexts",
+    "check_dictionary", "feature_ablation_comparison", "feature_activations", "feature_direction", "feature_dla", "feature_edit", "feature_histogram",
+    "feature_logit_effects", "feature_table", "features_on_token", "max_activating_contexts",
+    "prompt_feature_activations",
     "over_training",
     "Circuit", "ComputationGraph", "discover_circuit", "edge_attribution", "edge_auroc", "edge_patching",
     "evaluate_circuit", "faithfulness", "node_attribution", "path_patching",

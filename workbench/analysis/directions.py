@@ -541,3 +541,66 @@ def project(
         labels = str_tokens(model, seq)
         rows += [{"prompt": i, "pos": p, "token": labels[p], "projection": float(v)} for p, v in enumerate(values)]
     return pd.DataFrame(rows)
+
+
+# ---- clean and edited, side by side --------------------------------------------------------
+@torch.no_grad()
+def edit_comparison(
+    model,
+    tokens: Union[str, Int[Tensor, "batch pos"]],
+    edit: Callable[[], Any],
+    max_new_tokens: int = 24,
+    read: Optional[Direction] = None,
+    label: str = "edited",
+) -> dict[str, pd.DataFrame]:
+    """One prompt run clean and inside ``edit()`` (a function returning a context manager,
+    e.g. ``lambda: model.steer(d, 4.0)``): what a page shows side by side.
+
+    ``"tokens"``: one row per (run, pos) of the prompt and its greedy continuation (run is
+    ``"clean"`` or ``label``): pos, token_id, token, generated (False on the prompt), and, with
+    ``read``, ``projection``: the activation along ``read`` as the *unedited* model reads that
+    text, so both runs are measured by one yardstick. ``"clean"`` and ``label``: the prompt's
+    ``token_losses`` without and with the edit.
+    """
+    from workbench.analysis.common import str_tokens
+    from workbench.analysis.tokens import token_losses
+
+    tokens = _as_batch(model, tokens)
+    if len(tokens) != 1:
+        raise ValueError(f"edit_comparison takes one prompt, got {len(tokens)}")
+    if label == "clean":
+        raise ValueError("label='clean' names the unedited run; pass another label")
+    runs, losses = {}, {}
+    runs["clean"] = model.generate(tokens, max_new_tokens=max_new_tokens, temperature=0.0, seed=0)[0]
+    losses["clean"] = token_losses(model, tokens)
+    with edit():
+        runs[label] = model.generate(tokens, max_new_tokens=max_new_tokens, temperature=0.0, seed=0)[0]
+        losses[label] = token_losses(model, tokens)
+    frames = []
+    for run, seq in runs.items():
+        frames.append(pd.DataFrame({"run": run, "pos": range(len(seq)), "token_id": seq.tolist(),
+                                    "token": str_tokens(model, seq), "generated": [p >= tokens.shape[1]
+                                                                                  for p in range(len(seq))]}))
+    frame = pd.concat(frames, ignore_index=True)
+    if read is not None:
+        along = project(model, list(runs.values()), read)
+        frame["projection"] = along["projection"].to_numpy()  # the same (run, pos) order
+    return {"tokens": frame, **losses}
+
+
+def steering_comparison(
+    model,
+    tokens: Union[str, Int[Tensor, "batch pos"]],
+    direction: Direction,
+    scale: float = 4.0,
+    mode: str = "add",
+    positions: Any = "all",
+    max_new_tokens: int = 24,
+) -> dict[str, pd.DataFrame]:
+    """``edit_comparison`` for steering: clean and steered (``model.steer(direction, scale, mode,
+    positions)``) greedy continuations, losses, and the projection of both texts along ``direction``."""
+    direction.check(model)
+    check_choice("mode", mode, MODES)
+    _scales(scale)
+    return edit_comparison(model, tokens, lambda: model.steer(direction, scale, mode, positions), max_new_tokens,
+                           read=direction, label="steered")

@@ -5,6 +5,9 @@
     an.feature_histogram(model, sae, tokens, 17)            its activation histogram (firing positions only)
     an.feature_logit_effects(model, sae, 17)                the tokens its decoder direction promotes / suppresses
     an.feature_dla(model, sae, tokens, answer, wrong)       each feature's direct share of logit[answer] - logit[wrong]
+    an.features_on_token(model, sae, tokens, " to")         the features that fire where that token stands
+    an.feature_direction(model, sae, 17)                    its decoder row as a Direction (steer with it)
+    with an.feature_edit(model, sae, 17, value=0.0): ...     the feature ablated (or set), nothing else changed
 
 ``tokens`` is a ``[batch, pos]`` id tensor, a Task (``n_sequences`` of its validation batches), or
 an ActivationStore (the token ids it kept). Activations come from running the model to the
@@ -18,7 +21,8 @@ goes through ``W_out``, at ``attn.hook_z`` through ``W_O``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import contextlib
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -26,7 +30,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from workbench.analysis.common import str_tokens
+from workbench.analysis.common import check_choice, str_tokens
 from workbench.analysis.store import check_hook, hook_layer, stop_layer
 
 Dataset = Union[Tensor, object]
@@ -263,3 +267,132 @@ def feature_dla(model, sae, tokens: Union[str, Int[Tensor, "batch pos"]], answer
                           "activation": acts[batch_idx, feats].cpu().numpy(),
                           "dla": dla[batch_idx.cpu(), feats.cpu()].numpy()})
     return frame.reindex(frame["dla"].abs().sort_values(ascending=False).index).reset_index(drop=True)
+
+
+@torch.no_grad()
+def prompt_feature_activations(model, sae, tokens: Union[str, Int[Tensor, "batch pos"]], feature: int) -> pd.DataFrame:
+    """``feature``'s activation at every position of ``tokens``: one row per (batch, pos) with the token."""
+    from workbench.analysis.common import as_tokens
+
+    feature = _check_feature(sae, feature)
+    tokens = as_tokens(model, tokens)
+    acts = feature_activations(model, sae, tokens)[..., feature]
+    rows = []
+    for b in range(len(tokens)):
+        labels = str_tokens(model, tokens[b])
+        rows += [{"batch": b, "pos": p, "token": labels[p], "activation": float(acts[b, p])}
+                 for p in range(tokens.shape[1])]
+    return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def features_on_token(model, sae, dataset: Dataset, token: str, n_sequences: int = 256,
+                      exclude_first: bool = True) -> pd.DataFrame:
+    """The features that fire where ``token`` stands (its string as ``str_tokens`` shows it, spaces
+    ignored): one row per feature that fires there at least once, most often first.
+
+    Columns: feature, fires (positions of the token where it fires), occurrences (positions
+    of the token), fraction (fires / occurrences), mean_activation (over those firings).
+    ValueError when the token never occurs in the dataset.
+    """
+    tokens = dataset_tokens(model, dataset, n_sequences)
+    want = token.strip()
+    if not want:
+        raise ValueError("token is empty: type a token such as 'to'")
+    labels = np.array([[t.strip() for t in str_tokens(model, row)] for row in tokens])
+    where = torch.as_tensor(labels == want)
+    if exclude_first:
+        where[:, 0] = False
+    occurrences = int(where.sum())
+    if occurrences == 0:
+        raise ValueError(f"the token {want!r} does not occur in these {len(tokens)} sequences")
+    acts = feature_activations(model, sae, tokens)[where]  # [occurrences, d_sae]
+    fires = (acts > 0).sum(0)
+    mean = acts.sum(0) / fires.clamp_min(1)
+    frame = pd.DataFrame({"feature": np.arange(sae.cfg.d_sae), "fires": fires.numpy(), "occurrences": occurrences,
+                          "fraction": (fires.float() / occurrences).numpy(), "mean_activation": mean.numpy()})
+    frame = frame[frame["fires"] > 0]
+    return frame.sort_values(["fraction", "mean_activation"], ascending=False).reset_index(drop=True)
+
+
+def feature_direction(model, sae, feature: int):
+    """``feature``'s decoder row as a ``Direction`` at the hook the dictionary writes to (its output
+    hook for a transcoder), with the dictionary's hook and the feature as provenance: steering
+    with it at scale ``s`` adds ``s`` units of the feature's output."""
+    from workbench.analysis.directions import Direction, model_stamp
+
+    feature = _check_feature(sae, feature)
+    hook = sae.cfg.hook_name_out if sae.is_transcoder else sae.cfg.hook_name
+    if len(sae.cfg.hook_shape) != 1 and not sae.is_transcoder:
+        raise ValueError(f"features at {hook} (shape {list(sae.cfg.hook_shape)}) are not one vector per position; "
+                         "steering needs a residual, attention-out, MLP-out or MLP-neuron hook")
+    direction = Direction(sae.W_dec[feature].detach(), hook, {
+        "kind": "sae_feature", "feature": feature, "dictionary_hook": sae.cfg.hook_name,
+        "d_sae": sae.cfg.d_sae, "model": model_stamp(model)})
+    return direction.check(model, check_model=False)
+
+
+EDIT_MODES = ("set", "scale")
+
+
+@contextlib.contextmanager
+def feature_edit(model, sae, feature: int, value: float = 0.0, mode: str = "set") -> Iterator:
+    """Inside the block, ``sae`` is spliced in at its hook with the error term and ``feature``'s
+    activation is set to ``value`` (``mode="set"``; 0 ablates it) or multiplied by it
+    (``"scale"``), everywhere. The error term keeps everything else as it was, so the hook's
+    value changes by exactly ``(new - old) * W_dec[feature]``."""
+    from workbench.analysis.splice import spliced
+
+    feature = _check_feature(sae, feature)
+    check_choice("mode", mode, EDIT_MODES)
+    if not np.isfinite(value):
+        raise ValueError(f"value must be a finite number, got {value!r}")
+    hook_out = sae.cfg.hook_name_out if sae.is_transcoder else sae.cfg.hook_name
+
+    def edit(acts: Tensor, hook) -> Tensor:
+        acts = acts.clone()
+        acts[..., feature] = value if mode == "set" else acts[..., feature] * value
+        return acts
+
+    with spliced(model, sae, error_term=True):
+        with model.hooks(fwd_hooks=[(f"{hook_out}.hook_sae_acts_post", edit)]):
+            yield model
+
+
+def feature_ablation_comparison(model, sae, tokens: Union[str, Int[Tensor, "batch pos"]], feature: int,
+                                value: float = 0.0, max_new_tokens: int = 24) -> dict[str, pd.DataFrame]:
+    """``edit_comparison`` of one prompt clean and with ``feature`` set to ``value`` (0: ablated)
+    by ``feature_edit``: both greedy continuations and the prompt's per-token losses; the edited
+    run is labelled ``"ablated"``."""
+    from workbench.analysis.directions import edit_comparison
+
+    feature = _check_feature(sae, feature)
+    return edit_comparison(model, tokens, lambda: feature_edit(model, sae, feature, value), max_new_tokens,
+                           label="ablated")
+
+
+def check_dictionary(model, sae) -> Optional[str]:
+    """ValueError unless ``sae``'s hooks exist on ``model`` with the widths it reads and writes; a
+    warning (a string) when the dictionary names another model than ``model.cfg.name``; else None.
+
+    By name, not by the recorded weights fingerprint: that hash covers ``cfg.to_dict()``, which
+    gains a key whenever ModelConfig gains a field, so a dictionary's recorded fingerprint goes
+    stale on the very model it was trained on.
+    """
+    from workbench.analysis.store import hook_shapes
+
+    cfg = sae.cfg
+    hooks = {cfg.hook_name: cfg.d_in}
+    if sae.is_transcoder:
+        hooks[cfg.hook_name_out] = cfg.d_out
+    shapes = hook_shapes(model, list(hooks))
+    for hook, width in hooks.items():
+        have = int(np.prod(shapes[hook]))
+        if have != width:
+            raise ValueError(f"the dictionary is {width} wide at {hook}, but this model's {hook} has {have} features "
+                             f"(shape {list(shapes[hook])}): it was trained on another model or hook")
+    name = getattr(model.cfg, "name", None)
+    if cfg.model_name and name and cfg.model_name != name:
+        return (f"the dictionary was trained on {cfg.model_name!r}, not on {name!r}: "
+                "its features may mean nothing here")
+    return None

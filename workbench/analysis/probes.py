@@ -89,6 +89,27 @@ class Probe:
         return acts.float().cpu() @ self.weights[hook] + self.biases[hook]
 
 
+@dataclass(frozen=True)
+class TokenIn:
+    """A token predicate for ``train_probe``: 1 where the token (spaces stripped) is one of
+    ``words``, else 0. A frozen value rather than a lambda, so a cached caller can key on it."""
+
+    words: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        words = tuple(w.strip() for w in ([self.words] if isinstance(self.words, str) else self.words))
+        if not any(words):
+            raise ValueError("words is empty: name at least one token that gets label 1")
+        object.__setattr__(self, "words", tuple(w for w in words if w))
+
+    @property
+    def __name__(self) -> str:  # the label's name in train_probe's messages and results
+        return "token in {" + ", ".join(self.words) + "}"
+
+    def __call__(self, token: str) -> int:
+        return int(token.strip() in self.words)
+
+
 def probe_hooks(model, hooks: Union[str, Sequence[str]]) -> list[str]:
     """Hook names from ``"every resid_post"`` (any block site: ``every mlp.hook_post``), one name, or a list."""
     if isinstance(hooks, str) and hooks.startswith("every "):
