@@ -199,3 +199,21 @@ def test_tensor_activations_stream_like_a_store():
     assert src.n_shards == 4 and src.subset([3]).shard_rows(0) == 10
     epoch = torch.cat([next(b) for b in [src.batches(10, seed=1)] for _ in range(9)])
     assert len(torch.unique(epoch[:, 0])) == 90
+
+
+def test_fingerprints_ignore_config_fields_left_at_their_defaults():
+    """A field ModelConfig gains later (with a default that keeps old models as they were) must not
+    change recorded fingerprints: the shipped dictionary's record still names its model."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    cfg = wb.ModelConfig(d_model=32, n_layers=2, n_heads=4, d_vocab=50, n_ctx=16)
+    assert {"d_model", "n_layers", "n_heads", "d_vocab", "n_ctx"} <= set(cfg.identity_dict())
+    assert not {"norm", "positional", "qk_norm", "folded_ln"} & set(cfg.identity_dict())
+    assert cfg.replace(norm="rmsnorm").identity_dict()["norm"] == "rmsnorm"
+    assert all(f.name in cfg.identity_dict() or getattr(cfg, f.name) == f.default for f in dataclasses.fields(cfg))
+    shipped = Path(__file__).resolve().parents[1] / "checkpoints" / "stories-2026"
+    model, _ = wb.load_checkpoint(shipped)
+    recorded = json.loads((shipped / "saes" / "resid-post-1" / "sae_meta.json").read_text())
+    assert recorded["config"]["model_fingerprint"] == model_fingerprint(model)

@@ -239,6 +239,16 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
+    def identity_dict(self) -> dict:
+        """The fields that differ from their defaults: what makes this architecture what it is.
+
+        Hashes of a model (the fingerprints stores, directions and dictionaries record) take this
+        rather than ``to_dict``: a field added to ModelConfig later, with a default that keeps old
+        models as they were, must not change every recorded fingerprint.
+        """
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != (f.default if f.default is not dataclasses.MISSING else object())}
+
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
         if path is not None:

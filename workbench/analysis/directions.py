@@ -51,13 +51,15 @@ Prompts = Union[str, Sequence[str], Tensor, Sequence[Sequence[int]], Any]
 
 # ---- which model a direction belongs to -------------------------------------------------
 def model_fingerprint(model) -> str:
-    """A short hash of the model's config and the signs of its first 256 embedding weights.
+    """A short hash of the model's config (its non-default fields) and the signs of its first 256
+    embedding weights.
 
     Signs, not values, so the same model in bf16 or on another device matches; another
     checkpoint of the same architecture (or another seed) almost surely does not.
     """
     signs = (model.W_E.detach().flatten()[:256] > 0).to("cpu", torch.uint8).numpy().tobytes()
-    return hashlib.sha256(model.cfg.to_json().encode() + signs).hexdigest()[:16]
+    config = json.dumps(model.cfg.identity_dict(), sort_keys=True, default=str).encode()
+    return hashlib.sha256(config + signs).hexdigest()[:16]
 
 
 def model_stamp(model) -> dict:

@@ -375,9 +375,8 @@ def check_dictionary(model, sae) -> Optional[str]:
     """ValueError unless ``sae``'s hooks exist on ``model`` with the widths it reads and writes; a
     warning (a string) when the dictionary names another model than ``model.cfg.name``; else None.
 
-    By name, not by the recorded weights fingerprint: that hash covers ``cfg.to_dict()``, which
-    gains a key whenever ModelConfig gains a field, so a dictionary's recorded fingerprint goes
-    stale on the very model it was trained on.
+    By name, not by the recorded weights fingerprint: a dictionary still reads a model whose
+    weights were processed (folded, centred) or cast after training, which changes the hash.
     """
     from workbench.analysis.store import hook_shapes
 

@@ -105,11 +105,12 @@ def hook_shapes(model, hooks: Sequence[str]) -> dict[str, tuple[int, ...]]:
 
 
 def model_fingerprint(model) -> str:
-    """A short hash of the config and every parameter's shape, sum and sum of squares.
+    """A short hash of the config (its non-default fields) and every parameter's shape, sum and
+    sum of squares.
 
     Cheap (one pass, no copies), and two different trainings of one config differ in it.
     """
-    digest = hashlib.sha256(json.dumps(model.cfg.to_dict(), sort_keys=True, default=str).encode())
+    digest = hashlib.sha256(json.dumps(model.cfg.identity_dict(), sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, p in sorted(model.state_dict().items()):
             q = p.detach().double()
