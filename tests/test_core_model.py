@@ -5,6 +5,7 @@ import torch
 
 import workbench as wb
 from factories import tiny
+from workbench.components.mla import ATTENTIONS
 from workbench.components.mlp import FFNS
 from workbench.components.norm import NORMS
 from workbench.components.positional import POS_EMBEDDINGS
@@ -23,6 +24,9 @@ VARIANTS = {
     "qkv-bias-only": dict(bias=False, qkv_bias=True, norm="rmsnorm"),
     "rope-partial-interleaved": dict(positional="rope", rotary_dim=4, rotary_interleaved=True),
     "moe-gqa-top1": dict(ffn="moe", n_experts=3, experts_per_token=1, n_kv_heads=2, moe_expert="gelu"),
+    **{f"attention={k}": dict(attention=k, positional="rope") for k in ATTENTIONS},
+    "mla-qlora-deepseek-moe": dict(attention="mla", positional="rope", q_lora_rank=12, ffn="moe", n_shared_experts=1,
+                                   moe_first_dense=1, moe_router="sigmoid", moe_score_bias=True, moe_n_groups=2),
 }
 
 

@@ -91,6 +91,7 @@ CHOICES = dict(
     tie_embeddings=[True, False],
     bias=[True, False],
     n_kv_heads=[4, 2, 1],
+    attention=["mha", "mla"],
 )
 
 

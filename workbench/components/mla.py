@@ -49,15 +49,19 @@ from workbench.padding import Padding
 LATENT_NORM_EPS = 1e-6
 
 
-class MLACacheEntry:
-    """The normed KV latent and the rotated RoPE key of one layer, preallocated to max_len."""
+class MLACacheEntry(KVCacheEntry):
+    """The normed KV latent and the rotated RoPE key of one layer, preallocated to max_len.
+
+    A ``KVCacheEntry`` to the code that passes entries along (the block's annotations), but it
+    holds no per-head keys or values: ``latent`` and ``k_rope`` are all it stores.
+    """
 
     def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, max_len: int):
         self.latent = torch.empty((batch, max_len, cfg.kv_lora_rank), device=device, dtype=dtype)
         self.k_rope = torch.empty((batch, max_len, cfg.qk_rope_head_dim), device=device, dtype=dtype)
         self.length = 0
 
-    def append(self, latent: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor]:
+    def append(self, latent: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         """Store [batch, new, kv_lora_rank] latents and [batch, new, qk_rope] keys; return all so far."""
         end = self.length + latent.shape[1]
         if end > self.latent.shape[1]:
@@ -85,6 +89,7 @@ class MLA(nn.Module):
         self.group = 1  # every head has its own key and value (read from the shared latent)
         if cfg.q_lora_rank is None:
             self.W_Q = nn.Parameter(torch.empty(h, d, qk))
+            add_bias(self, "b_Q", (h, qk), cfg.qkv_bias)  # DeepSeek has none; a folded LayerNorm needs it
         else:
             self.W_DQ = nn.Parameter(torch.empty(d, cfg.q_lora_rank))
             add_bias(self, "b_DQ", (cfg.q_lora_rank,), cfg.qkv_bias)
@@ -160,7 +165,7 @@ class MLA(nn.Module):
     def _query(self, x: Tensor) -> Tensor:
         """Queries [batch, pos, head, qk] before RoPE, through the query latent when there is one."""
         if self.cfg.q_lora_rank is None:
-            return torch.einsum("bpd,hde->bphe", x, self.W_Q)
+            return torch.einsum("bpd,hde->bphe", x, self.W_Q) + self.b_Q
         q_latent = self.hook_q_latent(self.q_norm(F.linear(x, self.W_DQ.T, self.b_DQ)))
         return torch.einsum("bpr,hre->bphe", q_latent, self.W_UQ)
 
