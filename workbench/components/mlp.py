@@ -97,9 +97,11 @@ class MoE(nn.Module):
         # DeepSeek's options (config.py); with the defaults the routing is Mixtral's, as above.
         self.router, self.norm_topk, self.routed_scale = cfg.moe_router, cfg.moe_norm_topk, cfg.moe_routed_scale
         self.n_groups, self.topk_groups, self.group_score = cfg.moe_n_groups, cfg.moe_topk_groups, cfg.moe_group_score
-        # Learned when moe_score_bias, else fixed zeros; it moves the choice only, never the weights
-        # (and topk passes it no gradient: DeepSeek-V3 adjusts it outside backprop).
+        # Learned (saved) when moe_score_bias, else fixed zeros. It moves the choice only, never the
+        # weights, so topk passes it no gradient: DeepSeek-V3 adjusts it outside backprop (load
+        # balancing), hence requires_grad=False.
         add_bias(self, "b_score", (cfg.n_experts,), cfg.moe_score_bias)
+        self.b_score.requires_grad_(False)
         if cfg.n_shared_experts:  # every token, unweighted: one dense MLP as wide as the shared experts together
             self.shared_experts = make_expert(cfg.replace(d_mlp=cfg.moe_d_mlp * cfg.n_shared_experts))
         self.hook_router_logits = HookPoint()  # [batch, pos, expert]
