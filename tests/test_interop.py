@@ -42,14 +42,14 @@ HF_CASES = {
     "qwen2": (T.Qwen2Config, dict(num_key_value_heads=2, **SMALL)),
     "mixtral": (T.MixtralConfig, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **SMALL)),
     "gpt_neox": (T.GPTNeoXConfig, dict(**SMALL)),
-    # DeepSeek: MLA; V2 softmax group-limited routing, V3 sigmoid routing with a score bias and query compression
+    # DeepSeek: MLA (expert width 16: transformers' bf16 grouped_mm wants 16-byte strides); V2 softmax group-limited routing, V3 sigmoid routing with a score bias and query compression
     "deepseek_v2": (T.DeepseekV2Config, dict(kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                              v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                                             moe_intermediate_size=12, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                             moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
                                              topk_method="group_limited_greedy", routed_scaling_factor=1.5, **SMALL)),
     "deepseek_v3": (T.DeepseekV3Config, dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                              v_head_dim=6, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
-                                             moe_intermediate_size=12, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                             moe_intermediate_size=16, first_k_dense_replace=1, n_group=4, topk_group=2,
                                              num_key_value_heads=4, **SMALL)),
     "deepseek_v3-halves-bias-dense": (T.DeepseekV3Config, dict(
         kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, rope_interleave=False,
@@ -144,7 +144,7 @@ def test_deepseek_import_within_1e5_and_config_mapping(imported):
     v2, v3, dense = (imported[n][2].cfg for n in ("deepseek_v2", "deepseek_v3", "deepseek_v3-halves-bias-dense"))
     assert (v2.attention, v2.kv_lora_rank, v2.q_lora_rank, v2.rotary_interleaved, v2.moe_router, v2.moe_norm_topk,
             v2.moe_n_groups, v2.moe_group_score, v2.moe_routed_scale, v2.moe_first_dense, v2.moe_d_mlp, v2.d_mlp) == \
-        ("mla", 16, None, True, "softmax", False, 2, "max", 1.5, 1, 12, 40)
+        ("mla", 16, None, True, "softmax", False, 2, "max", 1.5, 1, 16, 40)
     assert (v3.q_lora_rank, v3.d_head, v3.moe_router, v3.moe_score_bias, v3.moe_norm_topk, v3.moe_group_score,
             v3.moe_topk_groups, v3.n_shared_experts, v3.moe_routed_scale) == (12, 6, "sigmoid", True, True, "top2_sum", 2, 2, 2.5)
     assert (dense.ffn, dense.rotary_interleaved, dense.qkv_bias, dense.bias) == ("swiglu", False, True, True)
