@@ -5,6 +5,7 @@ import torch
 
 import workbench as wb
 from factories import tiny
+from workbench.components.mla import ATTENTIONS
 from workbench.components.mlp import FFNS
 from workbench.components.norm import NORMS
 from workbench.components.positional import POS_EMBEDDINGS
@@ -23,6 +24,9 @@ VARIANTS = {
     "qkv-bias-only": dict(bias=False, qkv_bias=True, norm="rmsnorm"),
     "rope-partial-interleaved": dict(positional="rope", rotary_dim=4, rotary_interleaved=True),
     "moe-gqa-top1": dict(ffn="moe", n_experts=3, experts_per_token=1, n_kv_heads=2, moe_expert="gelu"),
+    **{f"attention={k}": dict(attention=k, positional="rope") for k in ATTENTIONS},
+    "mla-qlora-deepseek-moe": dict(attention="mla", positional="rope", q_lora_rank=12, ffn="moe", n_shared_experts=1,
+                                   moe_first_dense=1, moe_router="sigmoid", moe_score_bias=True, moe_n_groups=2),
 }
 
 
@@ -62,7 +66,7 @@ def expected_hooks(cfg):
                 names.add(f"{b}.ln2.hook_scale")
             if not cfg.parallel_residual:
                 names.add(f"{b}.hook_resid_mid")
-            if cfg.ffn == "moe":
+            if cfg.ffn == "moe" and l >= cfg.moe_first_dense:  # DeepSeek's first layers are dense
                 names |= {f"{b}.mlp.hook_router_logits", f"{b}.mlp.hook_expert_weights", f"{b}.mlp.hook_expert_indices"}
             else:
                 names |= {f"{b}.mlp.hook_pre", f"{b}.mlp.hook_post"}
@@ -78,7 +82,11 @@ def test_shapes_and_cache_keys(model):
     h, kv, e, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
     assert cache["blocks.0.attn.hook_pattern"].shape == (2, h, 12, 12)
     assert cache["blocks.1.attn.hook_z"].shape == (2, 12, h, e)
-    assert cache["blocks.1.attn.hook_k"].shape == (2, 12, kv, e)
+    if cfg.attention == "mla":  # every head's key, nope + rope wide; and the latent the cache keeps
+        assert cache["blocks.1.attn.hook_k"].shape == (2, 12, h, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        assert cache["blocks.1.attn.hook_kv_latent"].shape == (2, 12, cfg.kv_lora_rank)
+    else:
+        assert cache["blocks.1.attn.hook_k"].shape == (2, 12, kv, e)
     assert cache["blocks.0.attn.hook_result"].shape == (2, 12, h, d)
     assert cache["blocks.1.hook_resid_post"].shape == (2, 12, d)
     if "hook_pos_embed" in cache:
@@ -163,5 +171,6 @@ def test_every_parameter_gets_a_gradient(model):
     model.train()
     loss = model(tokens(model.cfg), return_type="loss")
     loss.backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    # (requires_grad=False: a weight set outside backprop, such as DeepSeek-V3's router score bias)
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not missing, f"parameters without gradient: {missing}"

@@ -92,6 +92,7 @@ CHOICES = dict(
     bias=[True, False],
     n_kv_heads=[4, 2, 1],
     qk_norm=["none", "head", "projection"],
+    attention=["mha", "mla"],
 )
 
 
@@ -116,7 +117,7 @@ def _random_configs(n: int, seed: int = 0) -> list[ModelConfig]:
     return configs
 
 
-@pytest.mark.parametrize("cfg", _random_configs(32), ids=lambda c: f"{c.norm}-{c.norm_placement}-{c.positional}-{c.ffn}-kv{c.n_kv_heads}-qk{c.qk_norm}")
+@pytest.mark.parametrize("cfg", _random_configs(32), ids=lambda c: f"{c.norm}-{c.norm_placement}-{c.positional}-{c.ffn}-kv{c.n_kv_heads}-qk{c.qk_norm}-{c.attention}")
 def test_random_configs_all_paths_agree_after_edits(cfg, tmp_path):
     model = wb.HookedDecoder(cfg).eval()
     tokens = torch.randint(0, cfg.d_vocab, (2, 9), generator=torch.Generator().manual_seed(cfg.seed))

@@ -37,8 +37,11 @@ def test_experiment_results_make_sense(tmp_path):
     gpt3 = table.set_index("preset").loc["gpt3-175b"]
     assert 174e9 < gpt3.exact < 176e9 and abs(gpt3.relative) < 0.001  # the closed form is GPT-3's count
     kv = importlib.import_module("kv_cache_gqa").main(["--quick", "--out", str(tmp_path / "kv")])
+    mla, kv = kv[kv.kind == "MLA"], kv[kv.kind != "MLA"]
     assert kv.kv_bytes_per_token.is_monotonic_decreasing and kv.n_kv_heads.iloc[-1] == 1
     assert kv.cache_vs_mha.iloc[-1] == pytest.approx(1 / kv.n_heads.iloc[0])
+    # MLA row: 1 layer x (latent 4 * d_head 8 = 32 + RoPE key 4) x bf16 against MHA's 2 x 4 heads x 8 x 2
+    assert mla.kv_bytes_per_token.tolist() == [72] and mla.cache_vs_mha.iloc[0] == pytest.approx(72 / 128)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -42,6 +42,18 @@ HF_CASES = {
     "qwen2": (T.Qwen2Config, dict(num_key_value_heads=2, **SMALL)),
     "mixtral": (T.MixtralConfig, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **SMALL)),
     "gpt_neox": (T.GPTNeoXConfig, dict(**SMALL)),
+    # DeepSeek: MLA (expert width 16: transformers' bf16 grouped_mm wants 16-byte strides); V2 softmax group-limited routing, V3 sigmoid routing with a score bias and query compression
+    "deepseek_v2": (T.DeepseekV2Config, dict(kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                             v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                             moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                             topk_method="group_limited_greedy", routed_scaling_factor=1.5, **SMALL)),
+    "deepseek_v3": (T.DeepseekV3Config, dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                             v_head_dim=6, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
+                                             moe_intermediate_size=16, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                             num_key_value_heads=4, **SMALL)),
+    "deepseek_v3-halves-bias-dense": (T.DeepseekV3Config, dict(
+        kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, rope_interleave=False,
+        attention_bias=True, first_k_dense_replace=2, num_key_value_heads=4, n_group=1, topk_group=1, **SMALL)),
     "gpt_neox-sequential-nobias": (T.GPTNeoXConfig, dict(use_parallel_residual=False, attention_bias=False,
                                                          rope_parameters={"rope_type": "default", "rope_theta": 500.0,
                                                                           "partial_rotary_factor": 0.5}, **SMALL)),
@@ -65,6 +77,9 @@ def build_hf(config_class, **kwargs):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # a weight kept as a buffer (DeepSeek-V3's router bias)
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     return model
 
 
@@ -119,7 +134,54 @@ def test_import_config_mapping(imported):
     assert (seq.parallel_residual, seq.rotary_dim, seq.qkv_bias, seq.bias, seq.rope_base) == (False, 4, False, True, 500.0)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "mixtral", "gpt_neox"])
+def test_deepseek_import_within_1e5_and_config_mapping(imported):
+    """MLA and DeepSeek's MoE reproduce transformers' DeepSeek-V2/V3 to 1e-5 in fp32."""
+    for name in ("deepseek_v2", "deepseek_v3", "deepseek_v3-halves-bias-dense"):
+        hf, _, ours = imported[name]
+        tokens = torch.randint(0, VOCAB, (3, 20))
+        with torch.no_grad():
+            assert max_diff(hf(tokens).logits, ours(tokens)) <= 1e-5, name
+    v2, v3, dense = (imported[n][2].cfg for n in ("deepseek_v2", "deepseek_v3", "deepseek_v3-halves-bias-dense"))
+    assert (v2.attention, v2.kv_lora_rank, v2.q_lora_rank, v2.rotary_interleaved, v2.moe_router, v2.moe_norm_topk,
+            v2.moe_n_groups, v2.moe_group_score, v2.moe_routed_scale, v2.moe_first_dense, v2.moe_d_mlp, v2.d_mlp) == \
+        ("mla", 16, None, True, "softmax", False, 2, "max", 1.5, 1, 16, 40)
+    assert (v3.q_lora_rank, v3.d_head, v3.moe_router, v3.moe_score_bias, v3.moe_norm_topk, v3.moe_group_score,
+            v3.moe_topk_groups, v3.n_shared_experts, v3.moe_routed_scale) == (12, 6, "sigmoid", True, True, "top2_sum", 2, 2, 2.5)
+    assert (dense.ffn, dense.rotary_interleaved, dense.qkv_bias, dense.bias) == ("swiglu", False, True, True)
+    assert hf_family_for(v2) == "deepseek_v2" and hf_family_for(v3) == "deepseek_v3"
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(num_key_value_heads=2), "num_key_value_heads"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                           "mscale_all_dim": 0.707, "original_max_position_embeddings": 8}), "mscale"),
+    (dict(topk_method="noaux_tc"), "topk_method"),
+    (dict(n_shared_experts=0), "n_shared_experts"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_deepseek_unsupported_fields_are_named(change, field):
+    kwargs = {**HF_CASES["deepseek_v2"][1], **change}
+    try:
+        hf_config = T.DeepseekV2Config(**kwargs)
+    except Exception:  # transformers refuses a value itself: set it after construction
+        hf_config = T.DeepseekV2Config(**HF_CASES["deepseek_v2"][1])
+        for key, value in change.items():
+            setattr(hf_config, key, value)
+    with pytest.raises(UnsupportedHFConfig, match=field):
+        config_from_hf(hf_config)
+
+
+def test_deepseek_export_refuses_what_neither_version_has():
+    cfg = tiny(attention="mla", positional="rope", norm="rmsnorm", ffn="moe", moe_expert="swiglu", n_shared_experts=1,
+               bias=False)  # softmax routing renormalised (Mixtral's): neither DeepSeek version routes so
+    with pytest.raises(UnsupportedHFConfig, match="moe_norm_topk=True"):
+        hf_family_for(cfg)
+    with pytest.raises(UnsupportedHFConfig, match="n_shared_experts=0"):
+        hf_family_for(cfg.replace(n_shared_experts=0))
+    assert hf_family_for(cfg.replace(moe_router="sigmoid")) == "deepseek_v3"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "mixtral", "gpt_neox", "deepseek_v2", "deepseek_v3"])
 def test_greedy_generation_matches_hf_generate(imported, name):
     hf, _, ours = imported[name]
     prompt = torch.randint(0, VOCAB, (2, 5))

@@ -175,10 +175,21 @@ def our_routing(model, tokens):
     if model.cfg.ffn != "moe":
         return None
     _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_expert_indices"))
-    return torch.cat([cache[f"blocks.{l}.mlp.hook_expert_indices"].sort(-1).values for l in range(model.cfg.n_layers)], -1)
+    moe_layers = range(model.cfg.moe_first_dense, model.cfg.n_layers)  # DeepSeek's first layers are dense
+    return torch.cat([cache[f"blocks.{l}.mlp.hook_expert_indices"].sort(-1).values for l in moe_layers], -1)
 
 
 def hf_routing(hf, tokens):
+    if hf.config.model_type.startswith("deepseek"):  # grouped/biased choice: read the router's own top-k
+        chosen = []
+        gates = [m for name, m in hf.named_modules() if name.endswith("mlp.gate")]
+        handles = [g.register_forward_hook(lambda mod, args, out: chosen.append(out[2])) for g in gates]
+        try:
+            hf(tokens)
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.cat([c.sort(-1).values.reshape(*tokens.shape, -1) for c in chosen], -1) if chosen else None
     if not getattr(hf.config, "num_local_experts", None):
         return None
     k = hf.config.num_experts_per_tok

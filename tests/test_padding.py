@@ -72,6 +72,11 @@ CASES = {
     "rope-partial-interleaved": dict(positional="rope", rotary_dim=4, rotary_interleaved=True, n_kv_heads=2),
     "alibi-mqa-untied-no-bias": dict(positional="alibi", n_kv_heads=1, tie_embeddings=False, bias=False),
     "moe-top1-relu-experts": dict(ffn="moe", n_experts=3, experts_per_token=1, moe_expert="relu", positional="rope"),
+    # MLA: padded rows through the latent (and, decoding, the latent-only cache with absorbed weights)
+    "mla-interleaved": dict(attention="mla", positional="rope", rotary_interleaved=True, norm="rmsnorm"),
+    "mla-qlora-deepseek-moe": dict(attention="mla", positional="rope", q_lora_rank=12, ffn="moe", n_shared_experts=1,
+                                   moe_first_dense=1, moe_router="sigmoid", moe_score_bias=True, moe_n_groups=2,
+                                   rope_scaling="yarn", rope_scaling_factor=2.0, rope_original_n_ctx=8),
 }
 
 

@@ -28,7 +28,8 @@ import streamlit as st
 import workbench as wb
 from ui import common
 from workbench import viz
-from workbench.config import FFNChoice, MoEExpertChoice, NormChoice, PlacementChoice, PositionalChoice, QKNormChoice
+from workbench.config import (AttentionChoice, FFNChoice, MoEExpertChoice, NormChoice, PlacementChoice,
+                              PositionalChoice, QKNormChoice)
 from workbench.data import describe_tasks, get_task
 from workbench.accounting import training_memory_bytes
 from workbench.training import TrainConfig, train
@@ -37,11 +38,13 @@ TASKS = ("induction", "stories", "modular")  # "text" needs a file; use the comm
 START = "attn-only-2l"
 SIZES = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp", "n_ctx", "n_experts", "experts_per_token")
 CHOICES = {"norm": NormChoice, "norm_placement": PlacementChoice, "positional": PositionalChoice, "ffn": FFNChoice,
-           "qk_norm": QKNormChoice, "moe_expert": MoEExpertChoice}
+           "qk_norm": QKNormChoice, "moe_expert": MoEExpertChoice, "attention": AttentionChoice}
+# Multi-head latent attention's sizes, shown when attention = "mla" (q_lora_rank 0: no query compression).
+MLA_WIDGETS = ("kv_lora_rank", "qk_rope_head_dim", "q_lora_rank")
 FLAGS = ("attn_only", "parallel_residual", "tie_embeddings", "bias")
 # Widget keys kept while another page is shown (app.py re-sets them every run): a model being
 # built, or one training in the background, keeps its settings when the user looks elsewhere.
-PERSISTENT = ("bt_task", "bt_preset", *(f"bt_{n}" for n in (*SIZES, *CHOICES, *FLAGS)),
+PERSISTENT = ("bt_task", "bt_preset", *(f"bt_{n}" for n in (*SIZES, *CHOICES, *FLAGS, *MLA_WIDGETS)),
               "bt_steps", "bt_batch", "bt_seq_len", "bt_lr", "bt_warmup", "bt_name", "bt_replace")
 FFN_WIDGETS = ("d_mlp", "ffn", "moe_expert", "n_experts", "experts_per_token")  # unused by an attention-only model
 MEMORY_SHARE = 0.5  # refuse a run whose estimated training memory exceeds this share of the free memory
@@ -92,14 +95,19 @@ def _config_widgets(d_vocab: int):
     st.subheader("Architecture")
     attn_only = bool(st.session_state.get("bt_attn_only"))
     moe = st.session_state.get("bt_ffn") == "moe" and not attn_only
+    mla = st.session_state.get("bt_attention") == "mla"
     cols = st.columns(4)
     sizes = {}
     for i, name in enumerate(SIZES):
         if name in ("n_experts", "experts_per_token") and not moe:
             continue
         sizes[name] = cols[i % 4].number_input(
-            name, min_value=1, step=1, key=f"bt_{name}", disabled=attn_only and name in FFN_WIDGETS,
-            help="Unused: the model is attention-only." if attn_only and name in FFN_WIDGETS else None)
+            name, min_value=1, step=1, key=f"bt_{name}",
+            disabled=(attn_only and name in FFN_WIDGETS) or (mla and name == "n_kv_heads"),
+            help="Unused: the model is attention-only." if attn_only and name in FFN_WIDGETS
+            else "Unused: MLA caches one latent per token, not KV heads." if mla and name == "n_kv_heads" else None)
+    if mla:
+        sizes.pop("n_kv_heads")
     cols = st.columns(len(CHOICES))
     choices = {}
     for col, (name, literal) in zip(cols, CHOICES.items()):
@@ -107,6 +115,8 @@ def _config_widgets(d_vocab: int):
             continue
         choices[name] = col.selectbox(name, typing.get_args(literal), key=f"bt_{name}",
                                       disabled=attn_only and name in FFN_WIDGETS)
+    if mla:
+        sizes.update(_mla_widgets(sizes))
     cols = st.columns(len(FLAGS))
     flags = {name: col.toggle(name, key=f"bt_{name}") for col, name in zip(cols, FLAGS)}
     try:
@@ -117,6 +127,22 @@ def _config_widgets(d_vocab: int):
     st.caption(f"d_vocab = {d_vocab} (the task's vocabulary), d_head = {cfg.d_head}"
                + (" · attention-only: the FFN widgets are unused." if attn_only else "."))
     return cfg
+
+
+def _mla_widgets(sizes: dict) -> dict:
+    """kv_lora_rank, qk_rope_head_dim and q_lora_rank, first set to MLA's defaults for this width."""
+    d_head = max(1, int(sizes["d_model"]) // max(1, int(sizes["n_heads"])))
+    defaults = dict(kv_lora_rank=4 * d_head, qk_rope_head_dim=max(2, d_head // 2 // 2 * 2), q_lora_rank=0)
+    helps = dict(kv_lora_rank="Width of the cached KV latent (per token and layer, with the RoPE key).",
+                 qk_rope_head_dim="Width of the RoPE key shared by every head (even).",
+                 q_lora_rank="Width of the query latent; 0 projects queries from d_model directly.")
+    out = {}
+    for col, name in zip(st.columns(len(MLA_WIDGETS)), MLA_WIDGETS):
+        st.session_state.setdefault(f"bt_{name}", defaults[name])
+        value = int(col.number_input(name, min_value=0 if name == "q_lora_rank" else 1, step=1, key=f"bt_{name}",
+                                     help=helps[name]))
+        out[name] = value or None
+    return out
 
 
 def _train_widgets(task_name: str, cfg: wb.ModelConfig):

@@ -38,11 +38,10 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         counts.setdefault(key, 0)
     counts["total"] = sum(p.numel() for p in model.parameters())
     counts["non_embedding"] = counts["total"] - counts["embedding"] - counts["positional"] - counts["unembedding"]
-    if cfg.ffn == "moe":
-        expert = counts["ffn"] // cfg.n_layers - cfg.d_model * cfg.n_experts
-        counts["active"] = counts["total"] - cfg.n_layers * expert * (cfg.n_experts - cfg.experts_per_token) // cfg.n_experts
-    else:
-        counts["active"] = counts["total"]
+    # A token runs experts_per_token of each MoE layer's n_experts routed experts (shared experts,
+    # dense first layers and the router always run).
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    counts["active"] = counts["total"] - routed * (cfg.n_experts - cfg.experts_per_token) // cfg.n_experts
     return dict(counts)
 
 
@@ -69,7 +68,10 @@ def forward_flops_per_token(cfg: ModelConfig, context: int | None = None) -> int
     """Forward FLOPs per token: 2 per multiplied weight (multiply-add) plus attention's
     QK^T and AV products over ``context`` positions (n_ctx by default), as in Kaplan et al. (2020)."""
     context = cfg.n_ctx if context is None else check_int("context", context, 0)
-    attention = 2 * 2 * cfg.n_layers * context * cfg.n_heads * cfg.d_head
+    if cfg.attention == "mla":  # QK^T over the query/key width, AV over the value width
+        attention = 2 * cfg.n_layers * context * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.d_head)
+    else:
+        attention = 2 * 2 * cfg.n_layers * context * cfg.n_heads * cfg.d_head
     return 2 * matmul_params(cfg) + attention
 
 
@@ -80,8 +82,15 @@ def training_flops(cfg: ModelConfig, n_tokens: int) -> int:
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
-    """Bytes of keys and values stored per token of context (bf16 by default)."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.d_head * check_int("bytes_per_value", bytes_per_value, 1)
+    """Bytes of keys and values stored per token of context (bf16 by default).
+
+    MHA/GQA/MQA store a key and a value per KV head: 2 n_kv_heads d_head values per layer. MLA
+    stores its latent and its shared RoPE key, kv_lora_rank + qk_rope_head_dim values per layer,
+    whatever the number of heads."""
+    bytes_per_value = check_int("bytes_per_value", bytes_per_value, 1)
+    if cfg.attention == "mla":
+        return cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * bytes_per_value
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.d_head * bytes_per_value
 
 
 def training_memory_bytes(cfg: ModelConfig, batch_size: int, seq_len: int) -> dict[str, int]:

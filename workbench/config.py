@@ -25,6 +25,10 @@ FFNChoice = Literal["relu", "gelu", "gelu_new", "swiglu", "geglu", "moe"]
 MoEExpertChoice = Literal["swiglu", "geglu", "relu", "gelu", "gelu_new"]
 RopeScalingChoice = Literal["none", "linear", "dynamic", "llama3", "yarn"]
 QKNormChoice = Literal["none", "head", "projection"]
+AttentionChoice = Literal["mha", "mla"]
+MoERouterChoice = Literal["softmax", "sigmoid"]
+MoEGroupScoreChoice = Literal["max", "top2_sum"]
+MLA_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 FORMAT_VERSION = 1
 
@@ -88,6 +92,36 @@ class ModelConfig:
     n_experts: int = 4
     experts_per_token: int = 2
     moe_expert: MoEExpertChoice = "swiglu"
+    # DeepSeek-style MoE (all off by default, which is Mixtral's router): experts of their own
+    # width ``moe_d_mlp`` (default d_mlp), ``n_shared_experts`` that every token passes through
+    # (one dense MLP of width n_shared_experts * moe_d_mlp), the first ``moe_first_dense`` layers
+    # dense (width d_mlp), softmax or sigmoid scores, optional renormalisation of the top k and a
+    # scale on them, group-limited routing (the top ``moe_topk_groups`` of ``moe_n_groups`` expert
+    # groups, a group scored by its best expert or by the sum of its best two), and a learned
+    # per-expert bias added to the scores for the choice only (DeepSeek-V3's e_score_correction_bias).
+    moe_d_mlp: Optional[int] = None
+    n_shared_experts: int = 0
+    moe_first_dense: int = 0
+    moe_router: MoERouterChoice = "softmax"
+    moe_norm_topk: bool = True
+    moe_routed_scale: float = 1.0
+    moe_n_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_group_score: MoEGroupScoreChoice = "max"
+    moe_score_bias: bool = False
+
+    # Attention kind: "mha" is MHA/GQA/MQA (by n_kv_heads); "mla" is DeepSeek-V2/V3 multi-head latent
+    # attention: keys and values are read up from one ``kv_lora_rank`` latent per token (RMS-normed),
+    # plus a ``qk_rope_head_dim`` RoPE key shared by every head; queries optionally through a
+    # ``q_lora_rank`` latent. A head's query/key is ``qk_nope_head_dim + qk_rope_head_dim`` wide and its
+    # value ``v_head_dim`` (= d_head: z and W_O use it). None: the MLA defaults (kv_lora_rank = 4 d_head,
+    # qk_nope_head_dim = d_head, qk_rope_head_dim = d_head / 2, no query compression); all None for "mha".
+    attention: AttentionChoice = "mha"
+    kv_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
 
     init_std: float = 0.02
     seed: Optional[int] = None
@@ -103,9 +137,11 @@ class ModelConfig:
             _check_literal(f.name, getattr(self, f.name), _resolved_hints()[f.name])
         for name in ("d_model", "n_layers", "n_heads", "d_vocab", "n_ctx"):
             _check_positive(name, getattr(self, name))
-        for name in ("d_head", "n_kv_heads", "d_mlp", "rotary_dim", "rope_original_n_ctx"):
+        for name in ("d_head", "n_kv_heads", "d_mlp", "rotary_dim", "rope_original_n_ctx", "moe_d_mlp", *MLA_SIZES):
             if getattr(self, name) is not None:  # given explicitly: checked before anything is derived from it
                 _check_positive(name, getattr(self, name))
+        if self.attention == "mla" and self.d_head is None and self.v_head_dim is not None:
+            object.__setattr__(self, "d_head", self.v_head_dim)  # MLA's value head is the d_head of z and W_O
         if self.d_head is None:
             if self.d_model % self.n_heads:
                 raise ValueError(
@@ -117,6 +153,9 @@ class ModelConfig:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.d_mlp is None:
             object.__setattr__(self, "d_mlp", 4 * self.d_model)
+        if self.d_mlp is not None and self.moe_d_mlp is None:
+            object.__setattr__(self, "moe_d_mlp", self.d_mlp)
+        self._check_mla()
         if self.rotary_dim is None:
             object.__setattr__(self, "rotary_dim", self.d_head)
         if self.qkv_bias is None:
@@ -130,7 +169,7 @@ class ModelConfig:
             )
         # Only RoPE rotates: with other positions rotary_dim is inert (it still derives from d_head,
         # so an odd d_head such as d_model=100, n_heads=4 is fine until positional='rope').
-        if self.positional == "rope" and (self.rotary_dim > self.d_head or self.rotary_dim % 2):
+        if self.positional == "rope" and self.attention == "mha" and (self.rotary_dim > self.d_head or self.rotary_dim % 2):
             raise ValueError(
                 f"positional='rope' needs rotary_dim even and at most d_head={self.d_head}, got "
                 f"rotary_dim={self.rotary_dim} (it defaults to d_head: set an even rotary_dim, or a d_head "
@@ -159,6 +198,56 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.name must be a string, got {self.name!r}")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("rope_high_freq_factor must exceed rope_low_freq_factor for llama3 RoPE scaling")
+        self._check_moe()
+
+    def _check_mla(self) -> None:
+        """Derive the MLA sizes (attention='mla') or require them unset (attention='mha')."""
+        if self.attention == "mha":
+            given = [name for name in MLA_SIZES if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"ModelConfig.{given[0]}={getattr(self, given[0])} is a size of multi-head latent "
+                                 "attention: set attention='mla', or leave it None for attention='mha'")
+            return
+        defaults = dict(kv_lora_rank=4 * self.d_head, qk_nope_head_dim=self.d_head,
+                        qk_rope_head_dim=max(2, self.d_head // 2 // 2 * 2), v_head_dim=self.d_head)
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.v_head_dim != self.d_head:
+            raise ValueError(f"attention='mla' uses d_head as the value head size: v_head_dim={self.v_head_dim} "
+                             f"must equal d_head={self.d_head} (set one of them)")
+        if self.positional != "rope":
+            raise ValueError(f"attention='mla' needs positional='rope' (its decoupled RoPE key), got "
+                             f"positional={self.positional!r}")
+        if self.n_kv_heads is not None and self.n_kv_heads != self.n_heads:
+            raise ValueError(f"attention='mla' has no KV heads to group: n_kv_heads={self.n_kv_heads} must equal "
+                             f"n_heads={self.n_heads} (or be left None); its cache is the latent, see kv_lora_rank")
+        if self.qk_norm != "none":
+            raise ValueError(f"attention='mla' normalises its own latents; qk_norm={self.qk_norm!r} applies to "
+                             "MHA/GQA/MQA queries and keys only: set qk_norm='none'")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"ModelConfig.qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.qk_rope_head_dim)
+        elif self.rotary_dim != self.qk_rope_head_dim:
+            raise ValueError(f"attention='mla' rotates exactly the RoPE key: rotary_dim={self.rotary_dim} must equal "
+                             f"qk_rope_head_dim={self.qk_rope_head_dim} (or be left None)")
+
+    def _check_moe(self) -> None:
+        check_int("ModelConfig.n_shared_experts", self.n_shared_experts, 0)
+        check_int("ModelConfig.moe_first_dense", self.moe_first_dense, 0, self.n_layers)
+        check_float("ModelConfig.moe_routed_scale", self.moe_routed_scale, 0, None, lo_open=True)
+        check_int("ModelConfig.moe_n_groups", self.moe_n_groups, 1, self.n_experts)
+        if self.n_experts % self.moe_n_groups:
+            raise ValueError(f"ModelConfig.moe_n_groups={self.moe_n_groups} must divide n_experts={self.n_experts}")
+        check_int("ModelConfig.moe_topk_groups", self.moe_topk_groups, 1, self.moe_n_groups)
+        group = self.n_experts // self.moe_n_groups
+        if self.experts_per_token > self.moe_topk_groups * group:
+            raise ValueError(f"experts_per_token={self.experts_per_token} exceeds the {self.moe_topk_groups * group} "
+                             f"experts of the moe_topk_groups={self.moe_topk_groups} groups a token may use")
+        if self.moe_group_score == "top2_sum" and self.moe_n_groups > 1 and group < 2:
+            raise ValueError("moe_group_score='top2_sum' needs at least 2 experts per group "
+                             f"(n_experts={self.n_experts}, moe_n_groups={self.moe_n_groups})")
 
     # ---- TransformerLens' vocabulary, derived (read-only) -------------------------
     @property
@@ -289,7 +378,12 @@ _DERIVED_DEFAULTS = {
     "d_head": lambda c: c.d_model // c.n_heads if c.d_model % c.n_heads == 0 else -1,
     "n_kv_heads": lambda c: c.n_heads,
     "d_mlp": lambda c: 4 * c.d_model,
-    "rotary_dim": lambda c: c.d_head,
+    "rotary_dim": lambda c: c.qk_rope_head_dim if c.attention == "mla" else c.d_head,
+    "moe_d_mlp": lambda c: c.d_mlp,
+    "kv_lora_rank": lambda c: 4 * c.d_head if c.attention == "mla" else None,
+    "qk_nope_head_dim": lambda c: c.d_head if c.attention == "mla" else None,
+    "qk_rope_head_dim": lambda c: max(2, c.d_head // 2 // 2 * 2) if c.attention == "mla" else None,
+    "v_head_dim": lambda c: c.d_head if c.attention == "mla" else None,
     "qkv_bias": lambda c: c.bias,
 }
 

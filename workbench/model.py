@@ -26,7 +26,7 @@ from transformer_lens import FactoredMatrix, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from workbench.cache import WorkbenchCache
-from workbench.components.attention import KVCacheEntry
+from workbench.components.mla import CACHE_ENTRIES
 from workbench.components.block import Block
 from workbench.components.norm import NORMS
 from workbench.components.positional import POS_EMBEDDINGS
@@ -80,14 +80,15 @@ class KVCache:
         self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, max_len: Optional[int] = None
     ):
         max_len = cfg.n_ctx if max_len is None else min(max_len, cfg.n_ctx)
-        self.entries = [KVCacheEntry(cfg, batch, device, dtype, max_len) for _ in range(cfg.n_layers)]
+        entry = pick(CACHE_ENTRIES, cfg.attention, "attention")  # MLA keeps its latent, not keys and values
+        self.entries = [entry(cfg, batch, device, dtype, max_len) for _ in range(cfg.n_layers)]
         self.attention_mask: Optional[Tensor] = None
 
     @property
     def length(self) -> int:
         return self.entries[0].length
 
-    def __getitem__(self, layer: int) -> KVCacheEntry:
+    def __getitem__(self, layer: int):
         return self.entries[layer]
 
 

@@ -147,21 +147,19 @@ def _fold_norms(cfg: ModelConfig, state: State) -> None:
     for layer in range(cfg.n_layers * (cfg.norm_placement != "reordered")):  # reordered: no norm reads into a layer
         p = f"blocks.{layer}"
         w, b = take(f"{p}.ln1")
-        for weight, bias in (("W_Q", "b_Q"), ("_W_K", "_b_K"), ("_W_V", "_b_V")):
+        for weight, bias in _ln1_readers(cfg):
             _fold_into(state, w, b, f"{p}.attn.{weight}", f"{p}.attn.{bias}", layer_norm)
         if cfg.attn_only:
             continue
         w, b = take(f"{p}.ln2")
-        if cfg.ffn == "moe":
+        if cfg.ffn == "moe" and layer >= cfg.moe_first_dense:
             if b is not None and bool(b.any()):
                 raise ValueError(
                     f"fold_ln cannot fold layer {layer}'s LayerNorm bias into the MoE router: the router has no "
                     "bias, and the per-expert offset b @ W_gate changes which experts are chosen; pass fold_ln=False"
                 )
             _fold_into(state, w, None, f"{p}.mlp.W_gate", None, layer_norm)
-            readers = [f"{p}.mlp.experts.{e}" for e in range(cfg.n_experts)]
-        else:
-            readers = [f"{p}.mlp"]
+        readers = _mlps(cfg, layer)
         for mlp in readers:
             _fold_into(state, w, b, f"{mlp}.W_in", f"{mlp}.b_in", layer_norm)
             if f"{mlp}.W_gate" in state:
@@ -183,13 +181,31 @@ def _center_writing(cfg: ModelConfig, state: State) -> None:
         centre(f"{p}.attn.b_O")
         if cfg.attn_only:
             continue
-        writers = [f"{p}.mlp.experts.{e}" for e in range(cfg.n_experts)] if cfg.ffn == "moe" else [f"{p}.mlp"]
-        for mlp in writers:
+        for mlp in _mlps(cfg, layer):
             centre(f"{mlp}.W_out")
             centre(f"{mlp}.b_out")
 
 
+def _ln1_readers(cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """(weight, bias) of the attention that read ln1's output (MLA: its down-projections)."""
+    if cfg.attention == "mha":
+        return (("W_Q", "b_Q"), ("_W_K", "_b_K"), ("_W_V", "_b_V"))
+    query = (("W_Q", "b_Q"),) if cfg.q_lora_rank is None else (("W_DQ", "b_DQ"),)
+    return query + (("W_DKV", "b_DKV"), ("W_KR", "b_KR"))
+
+
+def _mlps(cfg: ModelConfig, layer: int) -> list[str]:
+    """The dense MLPs of a layer's FFN: itself, or a MoE's routed and shared experts."""
+    p = f"blocks.{layer}.mlp"
+    if cfg.ffn != "moe" or layer < cfg.moe_first_dense:
+        return [p]
+    shared = [f"{p}.shared_experts"] if cfg.n_shared_experts else []
+    return [f"{p}.experts.{e}" for e in range(cfg.n_experts)] + shared
+
+
 def _fold_value_biases(cfg: ModelConfig, state: State) -> None:
+    if cfg.attention == "mla":
+        return  # MLA's values have no bias (they are read from the latent without one)
     group = cfg.n_heads // cfg.n_kv_heads
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}.attn"

@@ -558,3 +558,20 @@ def test_sweeps_tables_filter_and_compare(app, tmp_path, monkeypatch):
     assert not at.exception
     assert "Loss" in " ".join(titles(at))
     assert sweeps.list_runs(runs).keys() == {"head_sweep", "swap"}
+
+
+def test_build_offers_mla_with_its_sizes_and_its_smaller_kv_cache(app):
+    at = app("Build & train")  # the attn-only-2l preset: RoPE, 8 heads of 16
+    kv_mha = at.metric[2].value
+    assert not [w for w in at.number_input if w.key == "bt_kv_lora_rank"], "MLA widgets only for attention='mla'"
+    at.selectbox(key="bt_attention").set_value("mla").run()
+    assert not at.exception and not at.warning, messages(at)
+    assert at.number_input(key="bt_kv_lora_rank").value == 64 and at.number_input(key="bt_q_lora_rank").value == 0
+    assert at.number_input(key="bt_n_kv_heads").disabled
+    # 2 layers x (latent 64 + RoPE key 8) x bf16, against MHA's 2 x 2 x 8 heads x 16 x bf16
+    assert (at.metric[2].value, kv_mha) == ("288 B", "1,024 B")
+    at.number_input(key="bt_qk_rope_head_dim").set_value(3).run()
+    assert "qk_rope_head_dim must be even" in messages(at)
+    at.number_input(key="bt_qk_rope_head_dim").set_value(4)
+    at.number_input(key="bt_q_lora_rank").set_value(16).run()
+    assert not at.warning and at.metric[2].value == "272 B"

@@ -34,8 +34,9 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from workbench.components.attention import Attention, KVCacheEntry
-from workbench.components.mlp import FFNS
+from workbench.components.attention import KVCacheEntry
+from workbench.components.mla import ATTENTIONS
+from workbench.components.mlp import make_ffn
 from workbench.components.norm import NORMS, OUTPUT_NORMS
 from workbench.components.registry import pick
 from workbench.config import ModelConfig
@@ -107,13 +108,13 @@ class Block(nn.Module):
             self.ln1 = norm(cfg)
         if after is not None:
             self.ln1_post = after(cfg)
-        self.attn = Attention(cfg)
+        self.attn = pick(ATTENTIONS, cfg.attention, "attention")(cfg)
         if "mlp_out" in self.sites:
             if before:
                 self.ln2 = norm(cfg)
             if after is not None:
                 self.ln2_post = after(cfg)
-            self.mlp = pick(FFNS, cfg.ffn, "ffn")(cfg)
+            self.mlp = make_ffn(cfg, layer)
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
         for site in self.sites:  # hook_attn_out, hook_resid_mid, hook_mlp_out: [batch, pos, d_model]
             setattr(self, f"hook_{site}", HookPoint())

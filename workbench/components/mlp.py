@@ -3,7 +3,8 @@
 Hook names follow TransformerLens: ``hook_pre`` is the pre-activation (the gate branch for
 gated MLPs, with the linear branch at ``hook_pre_linear``) and ``hook_post`` the hidden
 activation fed to ``W_out``. The MoE router exposes its logits, the chosen experts and
-their weights; each expert is itself a hooked MLP under ``mlp.experts.{e}``.
+their weights; each expert is itself a hooked MLP under ``mlp.experts.{e}`` (and DeepSeek's shared
+experts, when configured, one hooked MLP under ``mlp.shared_experts``).
 
 Every FFN takes an optional ``token_mask`` [batch, pos] (True = real token, from a padded
 batch). A dense MLP acts on each position alone, so it has nothing to do with it; MoE routes
@@ -91,7 +92,18 @@ class MoE(nn.Module):
         self.n_experts = cfg.n_experts
         self.W_gate = nn.Parameter(torch.empty(cfg.d_model, cfg.n_experts))
         make_expert = _dense(cfg.moe_expert)
-        self.experts = nn.ModuleList([make_expert(cfg) for _ in range(cfg.n_experts)])
+        expert_cfg = cfg if cfg.moe_d_mlp == cfg.d_mlp else cfg.replace(d_mlp=cfg.moe_d_mlp)
+        self.experts = nn.ModuleList([make_expert(expert_cfg) for _ in range(cfg.n_experts)])
+        # DeepSeek's options (config.py); with the defaults the routing is Mixtral's, as above.
+        self.router, self.norm_topk, self.routed_scale = cfg.moe_router, cfg.moe_norm_topk, cfg.moe_routed_scale
+        self.n_groups, self.topk_groups, self.group_score = cfg.moe_n_groups, cfg.moe_topk_groups, cfg.moe_group_score
+        # Learned (saved) when moe_score_bias, else fixed zeros. It moves the choice only, never the
+        # weights, so topk passes it no gradient: DeepSeek-V3 adjusts it outside backprop (load
+        # balancing), hence requires_grad=False.
+        add_bias(self, "b_score", (cfg.n_experts,), cfg.moe_score_bias)
+        self.b_score.requires_grad_(False)
+        if cfg.n_shared_experts:  # every token, unweighted: one dense MLP as wide as the shared experts together
+            self.shared_experts = make_expert(cfg.replace(d_mlp=cfg.moe_d_mlp * cfg.n_shared_experts))
         self.hook_router_logits = HookPoint()  # [batch, pos, expert]
         self.hook_expert_weights = HookPoint()  # [batch, pos, k]
         self.hook_expert_indices = HookPoint()  # [batch, pos, k]
@@ -100,9 +112,8 @@ class MoE(nn.Module):
         self, x: Float[Tensor, "batch pos d_model"], token_mask: Optional[Bool[Tensor, "batch pos"]] = None
     ) -> Float[Tensor, "batch pos d_model"]:
         logits = self.hook_router_logits(x @ self.W_gate)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, indices = torch.topk(probs, self.k, dim=-1)
-        weights = self.hook_expert_weights((weights / weights.sum(-1, keepdim=True)).to(x.dtype))
+        weights, indices = self._route(logits)
+        weights = self.hook_expert_weights(weights.to(x.dtype))
         indices = self.hook_expert_indices(indices)
         flat_x = x.reshape(-1, x.shape[-1])
         flat_idx, flat_w = indices.reshape(-1, self.k), weights.reshape(-1, self.k)
@@ -114,7 +125,45 @@ class MoE(nn.Module):
             token, slot = torch.where(flat_idx == e)
             y = expert(flat_x[token][None])[0]  # experts see [1, routed tokens, d_model]
             out.index_add_(0, token, y * flat_w[token, slot, None])
+        if hasattr(self, "shared_experts"):
+            return out.reshape(x.shape) + self.shared_experts(x)
         return out.reshape(x.shape)
+
+    def _route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """(weights, expert indices) [batch, pos, k] in float32 from the router logits.
+
+        Scores are a softmax (Mixtral, DeepSeek-V2) or sigmoids (DeepSeek-V3) of the logits. The
+        choice reads the scores plus ``b_score`` (zeros unless moe_score_bias), limited to the best
+        ``topk_groups`` groups; the weights are the chosen experts' unbiased scores, renormalised
+        to sum to 1 when ``norm_topk``, times ``routed_scale``.
+        """
+        if self.router == "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        else:
+            scores = logits.float().sigmoid()
+        choice = scores + self.b_score.float()
+        if self.n_groups > 1:
+            grouped = choice.unflatten(-1, (self.n_groups, -1))
+            if self.group_score == "max":
+                group_scores = grouped.max(dim=-1).values
+            else:
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            best = torch.topk(group_scores, self.topk_groups, dim=-1).indices
+            allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
+            choice = choice.masked_fill(~allowed.repeat_interleave(grouped.shape[-1], dim=-1), float("-inf"))
+        indices = torch.topk(choice, self.k, dim=-1).indices
+        weights = scores.gather(-1, indices)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.routed_scale, indices
+
+
+def make_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The FFN of block ``layer``: ``cfg.ffn``, except that a MoE model's first ``moe_first_dense``
+    layers are dense MLPs of the experts' kind and width d_mlp (DeepSeek's first_k_dense_replace)."""
+    if cfg.ffn == "moe" and layer < cfg.moe_first_dense:
+        return _dense(cfg.moe_expert)(cfg)
+    return pick(FFNS, cfg.ffn, "ffn")(cfg)
 
 
 FFNS = {

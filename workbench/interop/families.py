@@ -1,7 +1,7 @@
 """Which Hugging Face architecture a model is, as a ``ModelConfig``, and back.
 
 ``config_from_hf`` reads a ``transformers`` config (GPT-2, Llama, Mistral, Qwen2, Mixtral,
-GPT-NeoX, Qwen3, OLMo 2, Phi-3) and returns our family name and ``ModelConfig``; ``hf_config_for`` does the reverse
+GPT-NeoX, Qwen3, OLMo 2, Phi-3, DeepSeek-V2/V3) and returns our family name and ``ModelConfig``; ``hf_config_for`` does the reverse
 for our configs that have an HF equivalent. Anything either side cannot express exactly
 raises ``UnsupportedHFConfig`` naming the field: an imported model either reproduces HF's
 numbers or does not load.
@@ -26,7 +26,9 @@ from typing import Any, Optional
 
 from workbench.config import ModelConfig
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "gpt_neox", "qwen3", "olmo2", "phi3")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "gpt_neox", "qwen3", "olmo2", "phi3", "deepseek_v2",
+            "deepseek_v3")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "olmo2")  # rotate the whole head
 
 # HF ACT2FN names -> our activation names (exact matches only; "gelu_fast" etc. differ).
@@ -72,10 +74,12 @@ def config_from_hf(hf: Any, n_ctx: Optional[int] = None) -> tuple[str, ModelConf
         fields = _gpt2_fields(hf)
     elif family == "gpt_neox":
         fields = _neox_fields(hf)
+    elif family in DEEPSEEK:
+        fields = _deepseek_fields(hf, family)
     else:
         fields = _llama_fields(hf, family)
     if family != "gpt2":
-        fields.update(_rope_fields(hf, family, fields["d_head"]))
+        fields.update(_rope_fields(hf, family, fields.get("qk_rope_head_dim") or fields["d_head"]))
     suggested = fields.pop("n_ctx")
     if n_ctx is not None:
         if n_ctx < 1 or (family == "gpt2" and n_ctx > hf.n_positions):
@@ -147,6 +151,58 @@ def _llama_fields(hf: Any, family: str) -> dict:
             raise _unsupported("hidden_act", act, "Mixtral experts are SwiGLU here (silu)")
         fields.update(ffn="moe", moe_expert="swiglu", n_experts=hf.num_local_experts,
                       experts_per_token=hf.num_experts_per_tok)
+    return fields
+
+
+def _deepseek_fields(hf: Any, family: str) -> dict:
+    """DeepSeek-V2/V3: MLA attention; dense SwiGLU for the first ``first_k_dense_replace`` layers,
+    then MoE with shared experts. V2 (as transformers runs it): softmax scores, top-k greedy or
+    group-limited (a group scored by its best expert), no renormalisation (transformers' V2 never
+    reads ``norm_topk_prob``), times ``routed_scaling_factor``. V3: sigmoid scores, the choice
+    biased by ``e_score_correction_bias`` within the best ``topk_group`` of ``n_group`` groups (a
+    group scored by its best two), optional renormalisation, times ``routed_scaling_factor``."""
+    if hf.hidden_act not in ("silu", "swish"):
+        raise _unsupported("hidden_act", hf.hidden_act, f"{family} MLPs are SwiGLU here (silu)")
+    if hf.num_key_value_heads not in (None, hf.num_attention_heads):
+        raise _unsupported("num_key_value_heads", hf.num_key_value_heads,
+                           "MLA reads every head's key and value from the latent; transformers then repeats them, "
+                           "which only num_key_value_heads = num_attention_heads keeps well-defined")
+    partial = (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise _unsupported("rope_parameters.partial_rotary_factor", partial, "MLA rotates the whole qk_rope_head_dim")
+    attn_bias, mlp_bias = bool(hf.attention_bias), bool(getattr(hf, "mlp_bias", False))
+    n_layers = hf.num_hidden_layers
+    fields = dict(
+        d_model=hf.hidden_size, n_layers=n_layers, n_heads=hf.num_attention_heads, d_vocab=hf.vocab_size,
+        n_ctx=hf.max_position_embeddings, d_mlp=hf.intermediate_size, d_head=hf.v_head_dim, norm="rmsnorm",
+        positional="rope", ffn="swiglu", norm_eps=hf.rms_norm_eps, tie_embeddings=bool(hf.tie_word_embeddings),
+        # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj; our `bias` covers o_proj and the MLPs.
+        bias=attn_bias or mlp_bias, qkv_bias=attn_bias,
+        attention="mla", kv_lora_rank=hf.kv_lora_rank, q_lora_rank=hf.q_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+        # V2 rotates (0,1),(2,3).. pairs (complex multiply); V3 does with rope_interleave (its output
+        # lists the pairs' first then second halves: a permutation of q and k alike, same scores).
+        rotary_interleaved=True if family == "deepseek_v2" else bool(hf.rope_interleave),
+    )
+    first_dense = min(hf.first_k_dense_replace or 0, n_layers)
+    if first_dense == n_layers:
+        return fields
+    if not hf.n_shared_experts:
+        raise _unsupported("n_shared_experts", hf.n_shared_experts, "a zero-width shared MLP is not modelled")
+    n_experts = hf.n_routed_experts
+    fields.update(ffn="moe", moe_expert="swiglu", n_experts=n_experts, experts_per_token=hf.num_experts_per_tok,
+                  moe_d_mlp=hf.moe_intermediate_size, n_shared_experts=hf.n_shared_experts,
+                  moe_first_dense=first_dense, moe_routed_scale=float(hf.routed_scaling_factor))
+    groups = dict(moe_n_groups=hf.n_group or 1, moe_topk_groups=hf.topk_group or 1)
+    if family == "deepseek_v2":
+        if hf.topk_method not in ("greedy", "group_limited_greedy"):
+            raise _unsupported("topk_method", hf.topk_method, "transformers' DeepSeek-V2 routes greedy or group_limited_greedy")
+        if hf.topk_method == "greedy":
+            groups = dict(moe_n_groups=1, moe_topk_groups=1)
+        fields.update(moe_router="softmax", moe_norm_topk=False, moe_group_score="max", **groups)
+    else:
+        fields.update(moe_router="sigmoid", moe_norm_topk=bool(hf.norm_topk_prob), moe_group_score="top2_sum",
+                      moe_score_bias=True, **groups)
     return fields
 
 
@@ -233,6 +289,8 @@ def hf_family_for(cfg: ModelConfig) -> str:
     if cfg.folded_ln and cfg.norm == "layernorm":
         raise no("a folded LayerNorm (process_weights(fold_ln=True))",
                  "the final norm's bias now lives in an unembedding bias b_U, which no family has")
+    if cfg.attention == "mla":
+        return _deepseek_family(cfg, no)
     if cfg.rotary_interleaved:
         raise no("rotary_interleaved=True (GPT-J pairing)", "supported families rotate halves")
     gated = cfg.ffn in ("swiglu", "geglu")
@@ -290,6 +348,30 @@ def _newer_family(cfg: ModelConfig, gated: bool, no) -> Optional[str]:
              "Qwen3 is per-head QK-norm with pre-norm, OLMo 2 QK-norm over the projection with reordered norms")
 
 
+def _deepseek_family(cfg: ModelConfig, no: Any) -> str:
+    """DeepSeek-V2 or V3 for an MLA model (RMSNorm, RoPE, SwiGLU, sequential pre-norm)."""
+    if cfg.norm != "rmsnorm" or cfg.parallel_residual:
+        raise no(f"attention='mla' with norm={cfg.norm!r}, parallel_residual={cfg.parallel_residual}",
+                 "DeepSeek blocks are sequential with RMSNorm")
+    if (cfg.moe_expert if cfg.ffn == "moe" else cfg.ffn) != "swiglu":
+        raise no(f"attention='mla' with ffn={cfg.ffn!r}, moe_expert={cfg.moe_expert!r}", "DeepSeek MLPs are SwiGLU")
+    if cfg.ffn != "moe":
+        return "deepseek_v2" if cfg.rotary_interleaved else "deepseek_v3"
+    if cfg.n_shared_experts == 0:
+        raise no("ffn='moe' with n_shared_experts=0 and attention='mla'", "DeepSeek MoE layers have shared experts")
+    grouped = cfg.moe_n_groups > 1
+    if cfg.moe_router == "sigmoid":
+        if grouped and cfg.moe_group_score != "top2_sum":
+            raise no("moe_router='sigmoid' with moe_group_score='max'", "DeepSeek-V3 scores a group by its best two experts")
+        return "deepseek_v3"
+    if cfg.moe_norm_topk or (grouped and cfg.moe_group_score != "max") or not cfg.rotary_interleaved:
+        raise no(f"moe_router='softmax' with moe_norm_topk={cfg.moe_norm_topk}, moe_group_score={cfg.moe_group_score!r}, "
+                 f"rotary_interleaved={cfg.rotary_interleaved}",
+                 "softmax routing exports as DeepSeek-V2: no renormalisation, groups scored by their best expert, "
+                 "interleaved RoPE")
+    return "deepseek_v2"
+
+
 def _describe(cfg: ModelConfig) -> str:
     return f"positional='learned' with norm={cfg.norm!r}, ffn={cfg.ffn!r}, parallel_residual={cfg.parallel_residual}"
 
@@ -331,6 +413,8 @@ def hf_config_for(cfg: ModelConfig, family: Optional[str] = None) -> Any:
         max_position_embeddings=max_pos, rms_norm_eps=cfg.norm_eps, rope_parameters=rope,
         hidden_act="silu" if cfg.act_fn == "silu" else "gelu", **common,
     )
+    if family in DEEPSEEK:
+        return _deepseek_config(cfg, family, sizes)
     if family == "mixtral":
         return transformers.MixtralConfig(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
                                           sliding_window=None, **sizes)
@@ -344,6 +428,24 @@ def hf_config_for(cfg: ModelConfig, family: Optional[str] = None) -> Any:
         rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.d_head
         return transformers.Phi3Config(sliding_window=None, **sizes)
     return transformers.LlamaConfig(attention_bias=cfg.bias or cfg.qkv_bias, mlp_bias=cfg.bias, **sizes)
+
+
+def _deepseek_config(cfg: ModelConfig, family: str, sizes: dict) -> Any:
+    import transformers
+
+    sizes = {k: v for k, v in sizes.items() if k not in ("head_dim", "num_key_value_heads")}
+    moe = cfg.ffn == "moe"
+    kw = dict(kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+              qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.d_head, num_key_value_heads=cfg.n_heads,
+              attention_bias=cfg.qkv_bias or cfg.bias, first_k_dense_replace=cfg.moe_first_dense if moe else cfg.n_layers,
+              n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+              moe_intermediate_size=cfg.moe_d_mlp, n_shared_experts=max(cfg.n_shared_experts, 1),
+              routed_scaling_factor=cfg.moe_routed_scale, n_group=cfg.moe_n_groups, topk_group=cfg.moe_topk_groups,
+              norm_topk_prob=cfg.moe_norm_topk)
+    if family == "deepseek_v2":
+        return transformers.DeepseekV2Config(
+            mlp_bias=cfg.bias, topk_method="group_limited_greedy" if cfg.moe_n_groups > 1 else "greedy", **kw, **sizes)
+    return transformers.DeepseekV3Config(rope_interleave=cfg.rotary_interleaved, **kw, **sizes)
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict:

@@ -171,7 +171,9 @@ def to_hf(
         dtype = check_placement("cpu", dtype)[1]
     hf_config.dtype = str(dtype or model.embed.W_E.dtype).removeprefix("torch.")
     with torch.device("meta"):  # only the names and shapes the family has: nothing is allocated
-        hf_module = dict(transformers.AutoModelForCausalLM.from_config(hf_config).named_parameters(remove_duplicate=False))
+        built = transformers.AutoModelForCausalLM.from_config(hf_config)
+        # persistent buffers are weights too (DeepSeek-V3's e_score_correction_bias)
+        hf_module = {**built.state_dict(keep_vars=True), **dict(built.named_parameters(remove_duplicate=False))}
     ours = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     entries = plan_export(family, cfg, ours, hf_module, layout="file")
     parse_size(max_shard_size)  # a bad size fails before anything is written

@@ -177,7 +177,7 @@ def _expert_file_rules(cfg: ModelConfig, p: str, o: str) -> list[Rule]:
 
 def _fused_moe_rules(cfg: ModelConfig, p: str, o: str) -> list[Rule]:
     """Mixtral as transformers 5 holds it in memory: every expert's weights in one tensor."""
-    n, m = cfg.n_experts, cfg.d_mlp
+    n, m = cfg.n_experts, cfg.moe_d_mlp
     gates = tuple(f"{o}.mlp.experts.{x}.W_gate" for x in range(n))
     ups = tuple(f"{o}.mlp.experts.{x}.W_in" for x in range(n))
     downs = tuple(f"{o}.mlp.experts.{x}.W_out" for x in range(n))
@@ -191,6 +191,60 @@ def _fused_moe_rules(cfg: ModelConfig, p: str, o: str) -> list[Rule]:
         Rule(downs, f"{p}.mlp.experts.down_proj", lambda t: tuple(t.transpose(1, 2).unbind(0)),
              lambda *ws: torch.stack(ws).transpose(1, 2)),
     ]
+
+
+# ---- DeepSeek-V2 / V3: multi-head latent attention, MoE with shared experts --------------------
+def deepseek_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
+    """DeepSeek's MLA projections onto ours (``workbench.components.mla``): ``kv_a_proj_with_mqa``
+    stacks the latent's down-projection and the RoPE key's, ``kv_b_proj`` holds per head the key
+    rows (qk_nope_head_dim) then the value rows (v_head_dim) read from the latent. Layers from
+    ``moe_first_dense`` on are MoE: router, routed experts (per expert in files, fused in memory as
+    Mixtral's), shared experts, and V3's ``e_score_correction_bias``."""
+    h, e, r = cfg.n_heads, cfg.d_head, cfg.kv_lora_rank
+    nope, qk = cfg.qk_nope_head_dim, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+
+    def split_kv_b(t: Tensor) -> tuple[Tensor, ...]:  # [h * (nope + d_head), rank]
+        w = t.reshape(h, nope + e, r)
+        return w[:, :nope].transpose(1, 2), w[:, nope:].transpose(1, 2)
+
+    def join_kv_b(uk: Tensor, uv: Tensor) -> Tensor:
+        return torch.cat([uk.transpose(1, 2), uv.transpose(1, 2)], dim=1).reshape(h * (nope + e), r)
+
+    rules = _head(cfg, "model.embed_tokens.weight", "lm_head.weight")
+    for l in range(cfg.n_layers):
+        p, o = f"model.layers.{l}", f"blocks.{l}"
+        a, oa = f"{p}.self_attn", f"{o}.attn"
+        rules += _norm(f"{o}.ln1", f"{p}.input_layernorm", False) + _norm(f"{o}.ln2", f"{p}.post_attention_layernorm", False)
+        if cfg.q_lora_rank is None:
+            rules.append(_heads_in(f"{oa}.W_Q", f"{a}.q_proj.weight", h, qk))
+        else:
+            rules += [_transposed(f"{oa}.W_DQ", f"{a}.q_a_proj.weight"), _same(f"{oa}.b_DQ", f"{a}.q_a_proj.bias"),
+                      _same(f"{oa}.q_norm.w", f"{a}.q_a_layernorm.weight"),
+                      _heads_in(f"{oa}.W_UQ", f"{a}.q_b_proj.weight", h, qk)]
+        rules += [
+            Rule((f"{oa}.W_DKV", f"{oa}.W_KR"), f"{a}.kv_a_proj_with_mqa.weight", lambda t: (t[:r].T, t[r:].T),
+                 lambda dkv, kr: torch.cat([dkv.T, kr.T], dim=0)),
+            Rule((f"{oa}.b_DKV", f"{oa}.b_KR"), f"{a}.kv_a_proj_with_mqa.bias", lambda t: (t[:r], t[r:]),
+                 lambda dkv, kr: torch.cat([dkv, kr])),
+            _same(f"{oa}.kv_norm.w", f"{a}.kv_a_layernorm.weight"),
+            Rule((f"{oa}.W_UK", f"{oa}.W_UV"), f"{a}.kv_b_proj.weight", split_kv_b, join_kv_b),
+            _heads_out(f"{oa}.W_O", f"{a}.o_proj.weight", h, e),
+            _same(f"{oa}.b_O", f"{a}.o_proj.bias"),
+        ]
+        if cfg.ffn != "moe" or l < cfg.moe_first_dense:
+            rules += _gated_rules(f"{p}.mlp", f"{o}.mlp")
+            continue
+        if layout == "module":
+            rules += _fused_moe_rules(cfg, p, o)
+        else:
+            rules.append(_transposed(f"{o}.mlp.W_gate", f"{p}.mlp.gate.weight"))
+            for x in range(cfg.n_experts):
+                for ours, hf in (("W_gate", "gate_proj"), ("W_in", "up_proj"), ("W_out", "down_proj")):
+                    rules.append(_transposed(f"{o}.mlp.experts.{x}.{ours}", f"{p}.mlp.experts.{x}.{hf}.weight"))
+        rules.append(_same(f"{o}.mlp.b_score", f"{p}.mlp.gate.e_score_correction_bias"))
+        if cfg.n_shared_experts:
+            rules += _gated_rules(f"{p}.mlp.shared_experts", f"{o}.mlp.shared_experts")
+    return rules + _norm("ln_final", "model.norm", False)
 
 
 # ---- GPT-NeoX / Pythia ---------------------------------------------------------------------
@@ -251,11 +305,13 @@ def phi3_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
 RULES = {"gpt2": gpt2_rules, "llama": llama_rules, "mistral": llama_rules, "qwen2": llama_rules,
          "mixtral": llama_rules, "gpt_neox": neox_rules, "qwen3": llama_rules, "olmo2": llama_rules,
          "phi3": phi3_rules}
+RULES.update(deepseek_v2=deepseek_rules, deepseek_v3=deepseek_rules)
 Layout = Literal["file", "module"]
 
 # The base model's prefix: a checkpoint saved from GPT2Model / LlamaModel / GPTNeoXModel lacks it.
 _BASE_PREFIX = {"gpt2": "transformer.", "gpt_neox": "gpt_neox.", "llama": "model.", "mistral": "model.",
-                "qwen2": "model.", "mixtral": "model.", "qwen3": "model.", "olmo2": "model.", "phi3": "model."}
+                "qwen2": "model.", "mixtral": "model.", "qwen3": "model.", "olmo2": "model.", "phi3": "model.",
+                "deepseek_v2": "model.", "deepseek_v3": "model."}
 _HEADS = ("lm_head.weight", "embed_out.weight")
 # Buffers older checkpoints saved beside the weights: causal masks and RoPE frequencies (we build our own).
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|attention\.bias|attention\.masked_bias|rotary_emb\.inv_freq)$")
@@ -280,6 +336,13 @@ def hf_aliases(family: str, name: str) -> tuple[str, ...]:
     if family == "gpt_neox" and name in _HEADS:
         out += [h for h in _HEADS if h != name]
     return tuple(out)
+
+
+def _is_mtp_layer(family: str, cfg: ModelConfig, name: str) -> bool:
+    """DeepSeek-V3 checkpoints carry their multi-token-prediction layer as ``model.layers.{n_layers}``;
+    the causal LM (transformers' too) never runs it."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return family == "deepseek_v3" and m is not None and int(m.group(1)) >= cfg.n_layers
 
 
 def _is_bias(name: str) -> bool:
@@ -367,7 +430,8 @@ def plan_import(family: str, cfg: ModelConfig, source: TensorSource, ours: Mappi
     if unfed:
         raise HFImportError(f"no Hugging Face tensor maps onto {unfed[0]}")
     leftover = sorted(n for n in available - used
-                      if not _BUFFERS.search(n) and not (cfg.tie_embeddings and n in _HEADS))
+                      if not _BUFFERS.search(n) and not (cfg.tie_embeddings and n in _HEADS)
+                      and not _is_mtp_layer(family, cfg, n))
     if leftover:
         shown = ", ".join(source.where(n) for n in leftover[:3]) + (f" (and {len(leftover) - 3} more)" if len(leftover) > 3 else "")
         raise HFImportError(f"the checkpoint holds {shown}, which the imported {family} config has no place for; "
