@@ -87,7 +87,7 @@ class Block(nn.Module):
         self._layout = getattr(self, spec.method)
         norm = pick(NORMS, cfg.norm, "norm")
         self.ln1 = norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         if "mlp_out" in self.sites:
             self.ln2 = norm(cfg)
             self.mlp = pick(FFNS, cfg.ffn, "ffn")(cfg)

@@ -19,6 +19,8 @@ LNPre (centre, then divide by the scale) and RMSPre (divide by the scale). They 
 ``norm.w`` sees the folded norm's true, identity weight and checkpoints store nothing for it.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float
@@ -66,6 +68,35 @@ class RMSNorm(nn.Module):
         xf = x.float()
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized((xf / scale).to(x.dtype)) * self.w
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the scale is (1 + w_offset), so the learned parameter starts at zero.
+
+    ``w`` is the scale itself (1 + w_offset), so code that reads a norm's weight (folding,
+    ``apply_ln_to_stack``, attributions) sees what multiplies the normalised input. Rounding
+    follows HF's Gemma, not Llama: normalise and scale in float32, round once at the end.
+    ``dim`` (default d_model) is d_head for a QK-norm.
+    """
+
+    def __init__(self, cfg: ModelConfig, dim: Optional[int] = None):
+        super().__init__()
+        self.eps = cfg.norm_eps
+        self.w_offset = nn.Parameter(torch.zeros(cfg.d_model if dim is None else dim))
+        self.hook_scale = HookPoint()  # [batch, pos, 1]
+        self.hook_normalized = HookPoint()  # [batch, pos, d_model]
+
+    @property
+    def w(self) -> Float[Tensor, " d_model"]:
+        return 1.0 + self.w_offset
+
+    def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
+        scale = 1.0 + self.w_offset.float()
+        xf = x.float()
+        if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
+            return (F.rms_norm(xf, scale.shape, None, self.eps) * scale).to(x.dtype)
+        rms = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return (self.hook_normalized(xf / rms) * scale).to(x.dtype)
 
 
 class _Folded(nn.Module):
@@ -132,5 +163,6 @@ def _unless_folded(full: type, folded: type):
 NORMS = {
     "layernorm": _unless_folded(LayerNorm, LayerNormPre),
     "rmsnorm": _unless_folded(RMSNorm, RMSNormPre),
+    "gemma_rmsnorm": _unless_folded(GemmaRMSNorm, RMSNormPre),
     "none": NoNorm,
 }
