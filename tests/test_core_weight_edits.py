@@ -83,7 +83,7 @@ def test_nan_weights_give_nan_on_both_attention_paths(param):
 
 CHOICES = dict(
     norm=["layernorm", "rmsnorm", "gemma_rmsnorm", "none"],
-    norm_placement=["pre", "post"],
+    norm_placement=["pre", "post", "sandwich", "reordered"],
     positional=["learned", "sinusoidal", "rope", "alibi", "none"],
     ffn=["relu", "gelu", "gelu_new", "swiglu", "geglu", "geglu_tanh", "moe"],
     attn_only=[False, True],
@@ -91,6 +91,7 @@ CHOICES = dict(
     tie_embeddings=[True, False],
     bias=[True, False],
     n_kv_heads=[4, 2, 1],
+    qk_norm=["none", "head", "projection"],
     # Gemma's options (rope_local_base needs RoPE and a window: combinations without them are redrawn)
     attn_logit_softcap=[None, 4.0],
     final_logit_softcap=[None, 3.0],
@@ -123,7 +124,7 @@ def _random_configs(n: int, seed: int = 0) -> list[ModelConfig]:
     return configs
 
 
-@pytest.mark.parametrize("cfg", _random_configs(40), ids=lambda c: f"{c.norm}-{c.norm_placement}-{c.positional}-{c.ffn}-kv{c.n_kv_heads}")
+@pytest.mark.parametrize("cfg", _random_configs(40), ids=lambda c: f"{c.norm}-{c.norm_placement}-{c.positional}-{c.ffn}-kv{c.n_kv_heads}-qk{c.qk_norm}")
 def test_random_configs_all_paths_agree_after_edits(cfg, tmp_path):
     model = wb.HookedDecoder(cfg).eval()
     tokens = torch.randint(0, cfg.d_vocab, (2, 9), generator=torch.Generator().manual_seed(cfg.seed))

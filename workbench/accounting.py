@@ -18,7 +18,8 @@ from workbench.utils import check_int
 def _component(name: str) -> str:
     parts = name.split(".")
     if parts[0] == "blocks":
-        return {"attn": "attention", "mlp": "ffn", "ln1": "norms", "ln2": "norms"}.get(parts[2], parts[2])
+        return {"attn": "attention", "mlp": "ffn", "ln1": "norms", "ln2": "norms", "ln1_post": "norms",
+                "ln2_post": "norms"}.get(parts[2], parts[2])
     return {"embed": "embedding", "pos_embed": "positional", "ln_final": "norms", "unembed": "unembedding"}.get(
         parts[0], parts[0]
     )

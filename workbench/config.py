@@ -19,11 +19,12 @@ from typing import Any, Literal, Optional
 from workbench.utils import check_float, check_int, check_seed
 
 NormChoice = Literal["layernorm", "rmsnorm", "gemma_rmsnorm", "none"]
-PlacementChoice = Literal["pre", "post"]
+PlacementChoice = Literal["pre", "post", "sandwich", "reordered"]
 PositionalChoice = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
 FFNChoice = Literal["relu", "gelu", "gelu_new", "swiglu", "geglu", "geglu_tanh", "moe"]
 MoEExpertChoice = Literal["swiglu", "geglu", "relu", "gelu", "gelu_new"]
 RopeScalingChoice = Literal["none", "linear", "dynamic", "llama3", "yarn"]
+QKNormChoice = Literal["none", "head", "projection"]
 
 FORMAT_VERSION = 1
 
@@ -50,6 +51,8 @@ class ModelConfig:
     d_mlp: Optional[int] = None
 
     norm: NormChoice = "layernorm"
+    # "sandwich" (Gemma 2/3): a norm before and after each sublayer, x = x + ln1_post(Attn(ln1(x)));
+    # "reordered" (OLMo 2): only after, x = x + ln1_post(Attn(x)). See components/block.py.
     norm_placement: PlacementChoice = "pre"
     positional: PositionalChoice = "learned"
     ffn: FFNChoice = "gelu"
@@ -75,6 +78,11 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
+
+    # QK-norm: an RMSNorm (its own weight, eps=norm_eps) on queries and keys after the projection,
+    # before RoPE. "head": over each head's d_head, one weight shared by the heads (Qwen3, Gemma 3);
+    # "projection": over the whole projection, n_heads*d_head for q, n_kv_heads*d_head for k (OLMo 2).
+    qk_norm: QKNormChoice = "none"
 
     # Mixture of experts (ffn="moe"): top-k routing over n_experts gated MLPs.
     n_experts: int = 4
@@ -145,14 +153,14 @@ class ModelConfig:
                 f"rotary_dim={self.rotary_dim} (it defaults to d_head: set an even rotary_dim, or a d_head "
                 "that is even)"
             )
-        if self.parallel_residual and self.norm_placement == "post":
+        if self.parallel_residual and self.norm_placement != "pre":
             raise ValueError(
                 "parallel_residual=True needs norm_placement='pre' (GPT-J/NeoX layout); "
-                "a post-norm parallel block has no standard definition"
+                f"a {self.norm_placement}-norm parallel block has no standard definition"
             )
         if self.folded_ln and (self.norm == "none" or self.norm_placement == "post"):
             raise ValueError(
-                f"folded_ln=True needs a pre-norm model with a norm to fold; got norm={self.norm!r}, "
+                f"folded_ln=True needs a pre-norm model (pre, sandwich or reordered) with a norm to fold; got norm={self.norm!r}, "
                 f"norm_placement={self.norm_placement!r}"
             )
         if self.parallel_residual and self.attn_only:

@@ -24,7 +24,10 @@ fold_ln -- a norm's weight (and LayerNorm's bias) moves into the weights that re
     "LNPre"/"RMSPre", and TL's cache methods (which assume a folded norm) are then exact.
     Post-norm cannot be folded: there the norm's output *is* the residual stream, read by the
     next block and by the skip connection alike, so its weight has no single reader to move
-    into. It is refused, as is a LayerNorm bias in front of an MoE router (the router has no
+    into. The output norms of the sandwich and reordered layouts (``ln1_post``, ``ln2_post``)
+    are the same case and keep their weights: a sandwich model folds ln1, ln2 and ln_final, a
+    reordered (OLMo 2) model only ln_final. QK-norm weights stay (RoPE sits between them and
+    the scores). Post-norm is refused, as is a LayerNorm bias in front of an MoE router (the router has no
     bias to absorb ``b @ W_router``, and a per-expert offset changes the routing).
 
 center_writing_weights -- with a LayerNorm in front of every reader, LN(x + s * 1) = LN(x):
@@ -150,7 +153,7 @@ def _fold_norms(cfg: ModelConfig, state: State) -> None:
             state[f"{norm}.b"] = torch.zeros_like(b)
         return w, b
 
-    for layer in range(cfg.n_layers):
+    for layer in range(cfg.n_layers * (cfg.norm_placement != "reordered")):  # reordered: no norm reads into a layer
         p = f"blocks.{layer}"
         w, b = take(f"{p}.ln1")
         for weight, bias in (("W_Q", "b_Q"), ("_W_K", "_b_K"), ("_W_V", "_b_V")):

@@ -30,10 +30,13 @@ def hook_name(layer: int, site: str) -> str:
 
 
 def attn_out_from_z(model, layer: int, z: Float[Tensor, "batch pos head_index d_head"]) -> Float[Tensor, "batch pos d_model"]:
-    """The attention output from per-head values: the same call as the Attention module's final step."""
+    """The attention output from per-head values: the same call as the Attention module's final step,
+    then the block's output norm where its layout has one (sandwich, reordered: ``ln1_post``)."""
     attn = model.blocks[layer].attn
-    return F.linear(rearrange(z, "batch pos head d_head -> batch pos (head d_head)"),
-                    rearrange(attn.W_O, "head d_head d_model -> d_model (head d_head)"), attn.b_O)
+    out = F.linear(rearrange(z, "batch pos head d_head -> batch pos (head d_head)"),
+                   rearrange(attn.W_O, "head d_head d_model -> d_model (head d_head)"), attn.b_O)
+    post = getattr(model.blocks[layer], "ln1_post", None)
+    return out if post is None else post(out)
 
 
 def run_from_site(

@@ -13,6 +13,10 @@ and ALiBi, and a [batch, 1, query, key] visibility mask that keeps pads out of e
 token's attention. Without one (no mask, or an all-ones mask) both paths are exactly what
 they were before padding existed: SDPA with ``is_causal``.
 
+QK-norm (``cfg.qk_norm``, Qwen3 / OLMo 2 / Gemma 3): an RMSNorm on the projected queries and
+keys, per head or over the whole projection, before RoPE; the KV cache holds normalised,
+rotated keys, so decode steps normalise only the new token.
+
 Gemma's options (``workbench.config``): ``attn_logit_softcap`` (cap * tanh(scores / cap) before the
 mask; SDPA has no such step, so a soft-capped layer always runs the explicit path),
 ``query_pre_attn_scalar`` (scores divided by its square root instead of sqrt(d_head), on both
@@ -31,6 +35,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
+from workbench.components.norm import GemmaRMSNorm, QKNorm
 from workbench.components.positional import ATTN_POSITIONS
 from workbench.components.registry import add_bias, pick
 from workbench.config import ModelConfig
@@ -84,6 +89,15 @@ class Attention(nn.Module):
         self.hook_q = HookPoint()  # [batch, pos, head_index, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
+        if cfg.qk_norm != "none":
+            # As TransformerLens' bridge (Qwen3, OLMo 2): hook_q/hook_k are the projections,
+            # hook_q_normed/hook_k_normed the normalised queries/keys that RoPE then rotates.
+            per_head = cfg.qk_norm == "head"
+            qk_norm = GemmaRMSNorm if cfg.norm == "gemma_rmsnorm" else QKNorm  # Gemma 3: (1 + w) here too
+            self.q_norm = qk_norm(cfg, e if per_head else h * e)
+            self.k_norm = qk_norm(cfg, e if per_head else kv * e)
+            self.hook_q_normed = HookPoint()  # [batch, pos, head_index, d_head]
+            self.hook_k_normed = HookPoint()  # [batch, pos, kv_head, d_head]
         if self.position.rotates:
             self.hook_rot_q = HookPoint()
             self.hook_rot_k = HookPoint()
@@ -121,6 +135,9 @@ class Attention(nn.Module):
         offset = kv_cache.length if kv_cache is not None else 0
         q, k, v = self._project_qkv(x, kv_cache)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        if self.cfg.qk_norm != "none":
+            q = self.hook_q_normed(self._qk_normed(self.q_norm, q))
+            k = self.hook_k_normed(self._qk_normed(self.k_norm, k))
         if self.position.rotates:
             positions = padding.positions if padding is not None else None
             q = self.hook_rot_q(self.position.rotate(q, offset, positions))
@@ -147,6 +164,12 @@ class Attention(nn.Module):
             result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
             return result.sum(dim=2) + self.b_O
         return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, self.b_O)
+
+    def _qk_normed(self, norm: QKNorm, x: Tensor) -> Tensor:
+        """QK-norm of [..., head, d_head]: over d_head, or over the flattened projection."""
+        if self.cfg.qk_norm == "head":
+            return norm(x)
+        return norm(x.flatten(-2)).unflatten(-1, x.shape[-2:])
 
     def _project_qkv(self, x: Tensor, kv_cache: Optional[KVCacheEntry] = None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values [batch, pos, head, d_head] from one fused matmul."""

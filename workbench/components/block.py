@@ -2,9 +2,16 @@
 
     pre             x = x + Attn(ln1(x));      x = x + FFN(ln2(x))
     post            x = ln1(x + Attn(x));      x = ln2(x + FFN(x))
+    sandwich        x = x + ln1_post(Attn(ln1(x)));   x = x + ln2_post(FFN(ln2(x)))   (Gemma 2/3)
+    reordered       x = x + ln1_post(Attn(x));        x = x + ln2_post(FFN(x))        (OLMo 2)
     parallel        x = x + Attn(ln1(x)) + FFN(ln2(x))
     attn_only_pre   x = x + Attn(ln1(x))
     attn_only_post  x = ln1(x + Attn(x))
+    attn_only_sandwich, attn_only_reordered: the first half of sandwich / reordered
+
+The output norms ``ln1_post``/``ln2_post`` (TransformerLens' names for Gemma 2 and OLMo 2) sit
+inside the sublayer's write: ``hook_attn_out``/``hook_mlp_out`` are their outputs, what the
+residual stream receives, so ``resid_mid = resid_pre + attn_out`` holds in every layout but post.
 
 The layout is picked once in ``__init__``; every residual-stream write has its
 TransformerLens hook (``hook_resid_pre/mid/post``, ``hook_attn_out``, ``hook_mlp_out``).
@@ -29,7 +36,7 @@ from transformer_lens.hook_points import HookPoint
 
 from workbench.components.attention import Attention, KVCacheEntry
 from workbench.components.mlp import FFNS
-from workbench.components.norm import NORMS
+from workbench.components.norm import NORMS, OUTPUT_NORMS
 from workbench.components.registry import pick
 from workbench.config import ModelConfig
 from workbench.padding import Padding
@@ -62,6 +69,14 @@ LAYOUTS = {
     "parallel": Layout("_parallel", (("attn_only", False), ("parallel_residual", True)), ("attn_out", "mlp_out")),
     "attn_only_pre": Layout("_attn_only_pre", (("attn_only", True), ("norm_placement", "pre")), ("attn_out",)),
     "attn_only_post": Layout("_attn_only_post", (("attn_only", True), ("norm_placement", "post")), ("attn_out",)),
+    "sandwich": Layout("_sandwich", (("attn_only", False), ("parallel_residual", False),
+                                     ("norm_placement", "sandwich")), **_SEQUENTIAL),
+    "reordered": Layout("_reordered", (("attn_only", False), ("parallel_residual", False),
+                                       ("norm_placement", "reordered")), **_SEQUENTIAL),
+    "attn_only_sandwich": Layout("_attn_only_sandwich", (("attn_only", True), ("norm_placement", "sandwich")),
+                                 ("attn_out",)),
+    "attn_only_reordered": Layout("_attn_only_reordered", (("attn_only", True), ("norm_placement", "reordered")),
+                                  ("attn_out",)),
 }
 
 
@@ -86,10 +101,18 @@ class Block(nn.Module):
         self._reads = dict(spec.reads)
         self._layout = getattr(self, spec.method)
         norm = pick(NORMS, cfg.norm, "norm")
-        self.ln1 = norm(cfg)
+        before = cfg.norm_placement != "reordered"  # a norm in front of each sublayer (or, post, after the add)
+        after = pick(OUTPUT_NORMS, cfg.norm, "norm") if cfg.norm_placement in ("sandwich", "reordered") else None
+        if before:
+            self.ln1 = norm(cfg)
+        if after is not None:
+            self.ln1_post = after(cfg)
         self.attn = Attention(cfg, layer)
         if "mlp_out" in self.sites:
-            self.ln2 = norm(cfg)
+            if before:
+                self.ln2 = norm(cfg)
+            if after is not None:
+                self.ln2_post = after(cfg)
             self.mlp = pick(FFNS, cfg.ffn, "ffn")(cfg)
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
         for site in self.sites:  # hook_attn_out, hook_resid_mid, hook_mlp_out: [batch, pos, d_model]
@@ -154,17 +177,39 @@ class Block(nn.Module):
                         mlp_out=None) -> Tensor:
         return self.ln1(x + self._attn_out(x, kv_cache, pad, attn_out))
 
+    def _sandwich(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], attn_out=None, resid_mid=None,
+                  mlp_out=None) -> Tensor:
+        if resid_mid is None:
+            resid_mid = self.hook_resid_mid(x + self._attn_out(x, kv_cache, pad, attn_out, self.ln1, self.ln1_post))
+        return resid_mid + self._mlp_out(resid_mid, pad, mlp_out, self.ln2, self.ln2_post)
+
+    def _reordered(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], attn_out=None, resid_mid=None,
+                   mlp_out=None) -> Tensor:
+        if resid_mid is None:
+            resid_mid = self.hook_resid_mid(x + self._attn_out(x, kv_cache, pad, attn_out, None, self.ln1_post))
+        return resid_mid + self._mlp_out(resid_mid, pad, mlp_out, None, self.ln2_post)
+
+    def _attn_only_sandwich(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], attn_out=None,
+                            resid_mid=None, mlp_out=None) -> Tensor:
+        return x + self._attn_out(x, kv_cache, pad, attn_out, self.ln1, self.ln1_post)
+
+    def _attn_only_reordered(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], attn_out=None,
+                             resid_mid=None, mlp_out=None) -> Tensor:
+        return x + self._attn_out(x, kv_cache, pad, attn_out, None, self.ln1_post)
+
     # ---- the two sublayers, each skipped when its output is given ------------------------------
     def _attn_out(self, x: Tensor, kv_cache: Optional[KVCacheEntry], pad: Optional[Padding], given: Optional[Tensor],
-                  norm=None) -> Tensor:
+                  norm=None, post=None) -> Tensor:
         if given is not None:
             return given
-        return self.hook_attn_out(self.attn(x if norm is None else norm(x), kv_cache, pad))
+        out = self.attn(x if norm is None else norm(x), kv_cache, pad)
+        return self.hook_attn_out(out if post is None else post(out))
 
-    def _mlp_out(self, x: Tensor, pad: Optional[Padding], given: Optional[Tensor], norm=None) -> Tensor:
+    def _mlp_out(self, x: Tensor, pad: Optional[Padding], given: Optional[Tensor], norm=None, post=None) -> Tensor:
         if given is not None:
             return given
-        return self.hook_mlp_out(self.mlp(x if norm is None else norm(x), _real(pad)))
+        out = self.mlp(x if norm is None else norm(x), _real(pad))
+        return self.hook_mlp_out(out if post is None else post(out))
 
 
 def _real(padding: Optional[Padding]) -> Optional[Tensor]:

@@ -53,14 +53,17 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, dim: Optional[int] = None):
         super().__init__()
         self.eps = cfg.norm_eps
-        self.w = nn.Parameter(torch.ones(cfg.d_model))
+        self.w = nn.Parameter(torch.ones(cfg.d_model if dim is None else dim))
         self.hook_scale = HookPoint()  # [batch, pos, 1]
         self.hook_normalized = HookPoint()  # [batch, pos, d_model]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        return self._normalize(x)
+
+    def _normalize(self, x: Tensor) -> Tensor:
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
             if _wide(x):
                 return F.rms_norm(x, self.w.shape, self.w, self.eps)
@@ -90,13 +93,29 @@ class GemmaRMSNorm(nn.Module):
     def w(self) -> Float[Tensor, " d_model"]:
         return 1.0 + self.w_offset
 
-    def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
+    def forward(self, x: Float[Tensor, "*batch dim"]) -> Float[Tensor, "*batch dim"]:
         scale = 1.0 + self.w_offset.float()
         xf = x.float()
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
             return (F.rms_norm(xf, scale.shape, None, self.eps) * scale).to(x.dtype)
         rms = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return (self.hook_normalized(xf / rms) * scale).to(x.dtype)
+
+
+class QKNorm(RMSNorm):
+    """QK-norm: RMSNorm over the last axis of queries or keys (``cfg.qk_norm``), before RoPE.
+
+    ``dim`` is d_head (per head: [batch, pos, head, d_head], one weight shared by the heads) or
+    n_heads * d_head (over the projection: [batch, pos, n_heads * d_head]). In bf16/fp16 it rounds
+    as HF's Qwen3 norm does (before the weight; OLMo 2's rounds after it, one rounding apart). It
+    is never folded: RoPE sits between it and the scores, so its weight has no linear reader.
+    """
+
+    def __init__(self, cfg: ModelConfig, dim: int):
+        super().__init__(cfg, dim)
+
+    def forward(self, x: Float[Tensor, "*batch dim"]) -> Float[Tensor, "*batch dim"]:
+        return self._normalize(x)
 
 
 class _Folded(nn.Module):
@@ -159,6 +178,10 @@ def _unless_folded(full: type, folded: type):
     build.__name__ = full.__name__
     return build
 
+
+# The output norms of the sandwich and reordered layouts (``ln1_post``, ``ln2_post``): their output
+# is written to the residual stream, so no weight folds into a reader and they keep it when folded.
+OUTPUT_NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "gemma_rmsnorm": GemmaRMSNorm, "none": NoNorm}
 
 NORMS = {
     "layernorm": _unless_folded(LayerNorm, LayerNormPre),
