@@ -165,7 +165,7 @@ class Attention(nn.Module):
             return result.sum(dim=2) + self.b_O
         return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, self.b_O)
 
-    def _qk_normed(self, norm: QKNorm, x: Tensor) -> Tensor:
+    def _qk_normed(self, norm: nn.Module, x: Tensor) -> Tensor:
         """QK-norm of [..., head, d_head]: over d_head, or over the flattened projection."""
         if self.cfg.qk_norm == "head":
             return norm(x)
