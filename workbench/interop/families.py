@@ -1,7 +1,7 @@
 """Which Hugging Face architecture a model is, as a ``ModelConfig``, and back.
 
 ``config_from_hf`` reads a ``transformers`` config (GPT-2, Llama, Mistral, Qwen2, Mixtral,
-GPT-NeoX) and returns our family name and ``ModelConfig``; ``hf_config_for`` does the reverse
+GPT-NeoX, Qwen3, OLMo 2, Phi-3) and returns our family name and ``ModelConfig``; ``hf_config_for`` does the reverse
 for our configs that have an HF equivalent. Anything either side cannot express exactly
 raises ``UnsupportedHFConfig`` naming the field: an imported model either reproduces HF's
 numbers or does not load.
@@ -9,6 +9,14 @@ numbers or does not load.
 Biases one side lacks are zero on the other (e.g. GPT-NeoX with ``attention_bias=False`` has
 an MLP bias, so it imports as ``bias=True, qkv_bias=False`` with ``b_O = 0``): exact, not an
 approximation. A bias we learned that the HF family has no slot for is an error.
+
+The newer Llama-shaped families differ by one component each: Qwen3 normalises queries and
+keys per head (``qk_norm="head"``, its ``head_dim`` free of hidden_size / heads), OLMo 2 over
+the whole projection (``qk_norm="projection"``) and puts its norms after each sublayer instead
+of before (``norm_placement="reordered"``), and Phi-3 fuses q/k/v and gate/up into one
+projection each (split on import, ``weights.py``) and may rotate part of each head
+(``partial_rotary_factor``). Phi-3's LongRoPE (``rope_type`` longrope / su) rescales each
+frequency by a learned table and is refused.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from typing import Any, Optional
 
 from workbench.config import ModelConfig
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "gpt_neox", "gemma2", "gemma3_text")
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "gpt_neox", "qwen3", "olmo2", "phi3", "gemma2",
+            "gemma3_text")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "olmo2")  # rotate the whole head
 GEMMA = ("gemma2", "gemma3_text")
 # Gemma's options in our config (off: None, False or 0); no other family may carry one.
 GEMMA_OPTIONS = ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "sliding_window",
@@ -138,6 +147,12 @@ def _llama_fields(hf: Any, family: str) -> dict:
         fields.update(bias=attn_bias or mlp_bias, qkv_bias=attn_bias)
     elif family == "qwen2":
         fields.update(qkv_bias=True)  # Qwen2: q/k/v biases, nothing else
+    elif family in ("qwen3", "olmo2"):
+        # attention_bias: q/k/v and o_proj; the MLP has none (imported as zeros, exact)
+        attn_bias = bool(getattr(hf, "attention_bias", False))
+        fields.update(bias=attn_bias, qkv_bias=attn_bias, qk_norm="head" if family == "qwen3" else "projection")
+        if family == "olmo2":
+            fields.update(norm_placement="reordered")
     elif family == "mixtral":
         if act not in ("silu", "swish"):
             raise _unsupported("hidden_act", act, "Mixtral experts are SwiGLU here (silu)")
@@ -203,10 +218,13 @@ def _rope_fields(hf: Any, family: str, d_head: int, params: Optional[dict] = Non
     params = dict(params if params is not None else (getattr(hf, "rope_parameters", None) or {}))
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("longrope", "su"):  # named before its short_factor/long_factor tables are
+        raise _unsupported("rope_parameters.rope_type", rope_type,
+                           "LongRoPE's per-frequency short_factor/long_factor rescaling is not modelled")
     unknown = sorted(set(params) - _ROPE_KEYS)
     if unknown:
         raise _unsupported(f"rope_parameters.{unknown[0]}", params[unknown[0]], "not a RoPE option the workbench models")
-    rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", 1.0)
     rotary_dim = int(d_head * partial)
     if (family in LLAMA_LIKE or family in GEMMA) and rotary_dim != d_head:
@@ -249,8 +267,8 @@ def _rope_fields(hf: Any, family: str, d_head: int, params: Optional[dict] = Non
 
 def _check_sliding_window(hf: Any, family: str, n_ctx: int, explicit: bool) -> None:
     """A window at least as long as the context never cuts anything; a shorter one would."""
-    window = getattr(hf, "sliding_window", None) if family in ("mistral", "mixtral", "qwen2") else None
-    if family == "qwen2" and "sliding_attention" not in (getattr(hf, "layer_types", None) or []):
+    window = getattr(hf, "sliding_window", None) if family in ("mistral", "mixtral", "qwen2", "qwen3", "phi3") else None
+    if family in ("qwen2", "qwen3") and "sliding_attention" not in (getattr(hf, "layer_types", None) or []):
         window = None
     if window is not None and window < n_ctx:
         hint = "" if explicit else f"; pass n_ctx<={window} to import it with a context the window never cuts"
@@ -268,14 +286,17 @@ def hf_family_for(cfg: ModelConfig) -> str:
     if gemma is not None:
         return gemma
 
-    if cfg.norm_placement == "post":
-        raise no("norm_placement='post' (post-norm)", "every supported family is pre-norm")
+    if cfg.norm_placement in ("post", "sandwich"):
+        raise no(f"norm_placement={cfg.norm_placement!r}", "supported families are pre-norm, or reordered (OLMo 2)")
     if cfg.positional in ("alibi", "sinusoidal", "none"):
         raise no(f"positional={cfg.positional!r}", "supported families use learned positions or RoPE")
     if cfg.norm == "none":
         raise no("norm='none'", "every supported family normalises")
     if cfg.attn_only:
         raise no("attn_only=True", "every supported family has an FFN")
+    if (cfg.qk_norm != "none" or cfg.norm_placement == "reordered") and cfg.norm != "rmsnorm":
+        raise no(f"qk_norm={cfg.qk_norm!r}, norm_placement={cfg.norm_placement!r} with norm={cfg.norm!r}",
+                 "Qwen3 and OLMo 2 use RMSNorm")
     if cfg.folded_ln and cfg.norm == "layernorm":
         raise no("a folded LayerNorm (process_weights(fold_ln=True))",
                  "the final norm's bias now lives in an unembedding bias b_U, which no family has")
@@ -294,6 +315,9 @@ def hf_family_for(cfg: ModelConfig) -> str:
         return "gpt_neox"
     if cfg.parallel_residual:
         raise no("parallel_residual=True with RMSNorm", "only GPT-NeoX (LayerNorm) has a parallel block")
+    newer = _newer_family(cfg, gated, no)
+    if newer is not None:
+        return newer
     if cfg.rotary_dim != cfg.d_head:
         raise no("rotary_dim < d_head with RMSNorm", "Llama-family models rotate the whole head")
     if cfg.ffn == "moe":
@@ -312,7 +336,7 @@ def _gemma_family_for(cfg: ModelConfig) -> Optional[str]:
     """gemma2 or gemma3_text for a Gemma-style config; None for a config with nothing of Gemma's;
     ``UnsupportedHFConfig`` naming the component for a mix no family has."""
     used = [name for name in GEMMA_OPTIONS if getattr(cfg, name) not in (None, False, 0)]
-    if cfg.norm != "gemma_rmsnorm" and cfg.norm_placement != "sandwich" and not used:
+    if cfg.norm != "gemma_rmsnorm" and not used:  # (a sandwich of plain norms is refused by the caller)
         return None
 
     def no(component: str, why: str) -> UnsupportedHFConfig:
@@ -339,6 +363,31 @@ def _gemma_family_for(cfg: ModelConfig) -> Optional[str]:
     if cfg.rope_local_base is None and cfg.sliding_window is not None and cfg.rope_scaling != "none":
         raise no("rope_scaling on local layers", "Gemma 3's local layers rotate with plain RoPE: set rope_local_base")
     return "gemma3_text"
+
+
+def _newer_family(cfg: ModelConfig, gated: bool, no) -> Optional[str]:
+    """Qwen3 (per-head QK-norm), OLMo 2 (QK-norm over the projection, reordered norms) or Phi-3
+    (partial rotary with RMSNorm); None for a config that is none of them."""
+    qk, reordered, partial = cfg.qk_norm != "none", cfg.norm_placement == "reordered", cfg.rotary_dim != cfg.d_head
+    if not (qk or reordered or partial):
+        return None
+    if not gated or cfg.ffn == "moe":
+        raise no(f"ffn={cfg.ffn!r} with qk_norm={cfg.qk_norm!r}, norm_placement={cfg.norm_placement!r}",
+                 "Qwen3, OLMo 2 and Phi-3 have a gated MLP")
+    if partial and (qk or reordered):
+        raise no("rotary_dim < d_head with QK-norm or reordered norms", "Qwen3 and OLMo 2 rotate the whole head")
+    if partial:
+        if cfg.rope_scaling != "none":
+            raise no(f"rope_scaling={cfg.rope_scaling!r} with rotary_dim < d_head", "Phi-3 has only default RoPE here")
+        if cfg.bias or cfg.qkv_bias:
+            raise no("biases with rotary_dim < d_head", "partial rotary with RMSNorm exports as Phi-3, which has no biases")
+        return "phi3"
+    if cfg.qk_norm == "head" and not reordered:
+        return "qwen3"
+    if cfg.qk_norm == "projection" and reordered:
+        return "olmo2"
+    raise no(f"qk_norm={cfg.qk_norm!r} with norm_placement={cfg.norm_placement!r}",
+             "Qwen3 is per-head QK-norm with pre-norm, OLMo 2 QK-norm over the projection with reordered norms")
 
 
 def _describe(cfg: ModelConfig) -> str:
@@ -389,6 +438,13 @@ def hf_config_for(cfg: ModelConfig, family: Optional[str] = None) -> Any:
                                           sliding_window=None, **sizes)
     if family == "qwen2":
         return transformers.Qwen2Config(use_sliding_window=False, **sizes)
+    if family == "qwen3":
+        return transformers.Qwen3Config(use_sliding_window=False, attention_bias=cfg.bias or cfg.qkv_bias, **sizes)
+    if family == "olmo2":
+        return transformers.Olmo2Config(attention_bias=cfg.bias or cfg.qkv_bias, **sizes)
+    if family == "phi3":
+        rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.d_head
+        return transformers.Phi3Config(sliding_window=None, **sizes)
     return transformers.LlamaConfig(attention_bias=cfg.bias or cfg.qkv_bias, mlp_bias=cfg.bias, **sizes)
 
 

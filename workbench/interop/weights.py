@@ -122,7 +122,7 @@ def llama_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
     for l in range(cfg.n_layers):
         p, o = f"model.layers.{l}", f"blocks.{l}"
         a = f"{p}.self_attn"
-        rules += _norm(f"{o}.ln1", f"{p}.input_layernorm", False) + _norm(f"{o}.ln2", f"{p}.post_attention_layernorm", False)
+        rules += _llama_norms(cfg, p, o) + _qk_norm_rules(cfg, a, o)
         rules += _projection_rules(cfg, o, a)
         if cfg.ffn != "moe":
             rules += _gated_rules(f"{p}.mlp", f"{o}.mlp")
@@ -144,6 +144,21 @@ def _projection_rules(cfg: ModelConfig, o: str, a: str) -> list[Rule]:
         _heads_out(f"{o}.attn.W_O", f"{a}.o_proj.weight", h, e),
         _same(f"{o}.attn.b_O", f"{a}.o_proj.bias"),
     ]
+
+
+def _llama_norms(cfg: ModelConfig, p: str, o: str) -> list[Rule]:
+    """The block's two norms: in front of each sublayer, or (OLMo 2, reordered) after it."""
+    if cfg.norm_placement == "reordered":
+        return _norm(f"{o}.ln1_post", f"{p}.post_attention_layernorm", False) + \
+            _norm(f"{o}.ln2_post", f"{p}.post_feedforward_layernorm", False)
+    return _norm(f"{o}.ln1", f"{p}.input_layernorm", False) + _norm(f"{o}.ln2", f"{p}.post_attention_layernorm", False)
+
+
+def _qk_norm_rules(cfg: ModelConfig, a: str, o: str) -> list[Rule]:
+    """Qwen3's [d_head] / OLMo 2's [n_heads * d_head] q_norm and k_norm weights: ours as they are."""
+    if cfg.qk_norm == "none":
+        return []
+    return [_same(f"{o}.attn.q_norm.w", f"{a}.q_norm.weight"), _same(f"{o}.attn.k_norm.w", f"{a}.k_norm.weight")]
 
 
 def _gated_rules(p: str, o: str) -> list[Rule]:
@@ -230,13 +245,41 @@ def neox_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
     return rules + _norm("ln_final", "gpt_neox.final_layer_norm", True)
 
 
+# ---- Phi-3 ---------------------------------------------------------------------------------
+def phi3_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
+    """Llama's layout with q/k/v fused in ``qkv_proj`` ([(h + 2 kv) * d_head, d_model], q rows, then
+    k, then v) and gate/up in ``gate_up_proj`` ([2 * d_mlp, d_model], gate rows first); no biases."""
+    h, kv, e, m = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp
+
+    def split_qkv(t: Tensor) -> tuple[Tensor, ...]:
+        return tuple(w.reshape(n, e, -1).transpose(1, 2) for w, n in zip(t.split([h * e, kv * e, kv * e]), (h, kv, kv)))
+
+    def join_qkv(*ws: Tensor) -> Tensor:
+        return torch.cat([w.transpose(1, 2).reshape(-1, w.shape[1]) for w in ws])
+
+    rules = _head(cfg, "model.embed_tokens.weight", "lm_head.weight")
+    for l in range(cfg.n_layers):
+        p, o = f"model.layers.{l}", f"blocks.{l}"
+        rules += _llama_norms(cfg, p, o)
+        rules += [
+            Rule((f"{o}.attn.W_Q", f"{o}.attn._W_K", f"{o}.attn._W_V"), f"{p}.self_attn.qkv_proj.weight", split_qkv, join_qkv),
+            _heads_out(f"{o}.attn.W_O", f"{p}.self_attn.o_proj.weight", h, e),
+            Rule((f"{o}.mlp.W_gate", f"{o}.mlp.W_in"), f"{p}.mlp.gate_up_proj.weight",
+                 lambda t: (t[:m].T, t[m:].T), lambda g, u: torch.cat([g.T, u.T])),
+            _transposed(f"{o}.mlp.W_out", f"{p}.mlp.down_proj.weight"),
+        ]
+    return rules + _norm("ln_final", "model.norm", False)
+
+
 RULES = {"gpt2": gpt2_rules, "llama": llama_rules, "mistral": llama_rules, "qwen2": llama_rules,
-         "mixtral": llama_rules, "gpt_neox": neox_rules, "gemma2": gemma_rules, "gemma3_text": gemma_rules}
+         "mixtral": llama_rules, "gpt_neox": neox_rules, "qwen3": llama_rules, "olmo2": llama_rules,
+         "phi3": phi3_rules, "gemma2": gemma_rules, "gemma3_text": gemma_rules}
 Layout = Literal["file", "module"]
 
 # The base model's prefix: a checkpoint saved from GPT2Model / LlamaModel / GPTNeoXModel lacks it.
 _BASE_PREFIX = {"gpt2": "transformer.", "gpt_neox": "gpt_neox.", "llama": "model.", "mistral": "model.",
-                "qwen2": "model.", "mixtral": "model.", "gemma2": "model.", "gemma3_text": "model."}
+                "qwen2": "model.", "mixtral": "model.", "qwen3": "model.", "olmo2": "model.", "phi3": "model.",
+                "gemma2": "model.", "gemma3_text": "model."}
 _HEADS = ("lm_head.weight", "embed_out.weight")
 # Buffers older checkpoints saved beside the weights: causal masks and RoPE frequencies (we build our own).
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|attention\.bias|attention\.masked_bias|rotary_emb\.inv_freq)$")
