@@ -195,3 +195,13 @@ def test_bad_choices_name_the_field():
         _cfg("sandwich", "none", parallel_residual=True)
     with pytest.raises(ValueError, match="folded_ln=True needs a pre-norm model"):
         _cfg("post", "none", folded_ln=True)
+
+
+@pytest.mark.parametrize("placement", ["sandwich", "reordered"])
+def test_direct_logit_attribution_is_refused_with_output_norms(placement):
+    """Heads are summed before ln1_post normalises them: a per-head share would be made up."""
+    from workbench.analysis import direct_logit_attribution
+
+    model = _randomised(_cfg(placement, "none"))
+    with pytest.raises(ValueError, match=f"needs norm_placement='pre'.*\\({placement}\\)"):
+        direct_logit_attribution(model, torch.zeros(1, 3, dtype=torch.long), 1)

@@ -169,3 +169,28 @@ def test_our_configs_export_to_the_new_families(tmp_path):
         tokens = torch.randint(0, 50, (2, 10))
         with torch.no_grad():
             assert max_diff(back(tokens).logits, model(tokens)) <= TOL
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("qwen3", ("attn.hook_q_normed", "attn.hook_k_normed", "attn.q_norm.hook_scale", "ln1.hook_scale")),
+    ("olmo2", ("attn.hook_q_normed", "attn.hook_k_normed", "ln1_post.hook_scale", "ln2_post.hook_scale")),
+])
+def test_run_with_cache_matches_transformer_bridge(imported, name, extra):
+    """TransformerLens' bridge names the same things the same way: hook_q is the projection,
+    hook_q_normed the QK-normed query, hook_attn_out the output norm's output (OLMo 2)."""
+    from test_interop import _shared_hook_diffs, bridge_and_our_runs
+
+    bridge_logits, bridge_cache, our_logits, our_cache = bridge_and_our_runs(*imported[name])
+    # The bridge's QK-normed tensors keep HF's layout ([batch, head, pos, d_head] for Qwen3, the flat
+    # [batch, pos, n_heads * d_head] projection for OLMo 2); ours are [batch, pos, head, d_head] as hook_q.
+    theirs = {k: v for k, v in bridge_cache.items()}
+    for k in [k for k in theirs if k in our_cache and (k.endswith("_normed") or "_norm.hook_" in k)]:
+        v, target = theirs[k], our_cache[k].shape
+        if v.shape != target:
+            theirs[k] = v.transpose(1, 2) if v.ndim == 4 else v.reshape(target)
+    diffs = _shared_hook_diffs(theirs, our_cache, 0)
+    for hook in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post",
+                 "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_pattern", "attn.hook_z", *extra):
+        assert f"blocks.1.{hook}" in diffs, hook
+    assert all(d <= TOL for d in diffs.values()), {k: v for k, v in diffs.items() if v > TOL}
+    assert max_diff(bridge_logits, our_logits) <= TOL

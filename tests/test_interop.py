@@ -396,19 +396,23 @@ def _shared_hook_diffs(bridge_cache, our_cache, n_experts):
     return diffs
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "mixtral", "gpt_neox"])
-def test_run_with_cache_matches_transformer_bridge(imported, name):
+def bridge_and_our_runs(hf, directory, ours):
+    """(bridge logits, bridge cache, our logits, our cache) of TransformerLens' bridge on ``hf`` and ours."""
     from transformer_lens.model_bridge import TransformerBridge
 
-    hf, directory, ours = imported[name]
     _llama_style_tokenizer().save_pretrained(directory)  # the bridge wants a tokenizer; give it a local one
     bridge = TransformerBridge.boot_transformers(
         str(directory), hf_model=hf, tokenizer=T.AutoTokenizer.from_pretrained(directory), device="cpu"
     )
     tokens = torch.randint(0, VOCAB, (2, 9))
     with torch.no_grad():
-        bridge_logits, bridge_cache = bridge.run_with_cache(tokens)
-        our_logits, our_cache = ours.run_with_cache(tokens)
+        return (*bridge.run_with_cache(tokens), *ours.run_with_cache(tokens))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "mixtral", "gpt_neox"])
+def test_run_with_cache_matches_transformer_bridge(imported, name):
+    hf, directory, ours = imported[name]
+    bridge_logits, bridge_cache, our_logits, our_cache = bridge_and_our_runs(hf, directory, ours)
     diffs = _shared_hook_diffs(bridge_cache, our_cache, ours.cfg.n_experts)
     worst = max(diffs, key=diffs.get)
     print(f"\n[interop] bridge {name}: {len(diffs)} shared hooks, worst {worst} = {diffs[worst]:.2e}; "

@@ -190,8 +190,8 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference, target: common.T
 
 def _dla_change(ckpt: common.Checkpoint, ids, ablation, reference, target: common.Target) -> None:
     st.subheader("Direct logit attribution, clean and ablated")
-    if ckpt.cfg.norm_placement == "post":
-        st.info("Direct logit attribution needs a pre-norm model; this one is post-norm.")
+    if ckpt.cfg.norm_placement != "pre":
+        st.info(f"Direct logit attribution needs a pre-norm model; this one is {ckpt.cfg.norm_placement}-norm.")
         return
     runs = [common.analysis(direct_logit_attribution, ckpt.key, ids, ablation=abl, reference=ref,
                             answer=target.answer, wrong=target.wrong, pos=target.pos)

@@ -28,7 +28,7 @@ import streamlit as st
 import workbench as wb
 from ui import common
 from workbench import viz
-from workbench.config import FFNChoice, MoEExpertChoice, NormChoice, PlacementChoice, PositionalChoice
+from workbench.config import FFNChoice, MoEExpertChoice, NormChoice, PlacementChoice, PositionalChoice, QKNormChoice
 from workbench.data import describe_tasks, get_task
 from workbench.accounting import training_memory_bytes
 from workbench.training import TrainConfig, train
@@ -37,7 +37,7 @@ TASKS = ("induction", "stories", "modular")  # "text" needs a file; use the comm
 START = "attn-only-2l"
 SIZES = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp", "n_ctx", "n_experts", "experts_per_token")
 CHOICES = {"norm": NormChoice, "norm_placement": PlacementChoice, "positional": PositionalChoice, "ffn": FFNChoice,
-           "moe_expert": MoEExpertChoice}
+           "qk_norm": QKNormChoice, "moe_expert": MoEExpertChoice}
 FLAGS = ("attn_only", "parallel_residual", "tie_embeddings", "bias", "scale_embeddings")
 # Gemma 2/3's options: empty is off (None), except global_every (0: every layer local)
 GEMMA = {"attn_logit_softcap": float, "final_logit_softcap": float, "query_pre_attn_scalar": float,

@@ -116,8 +116,8 @@ def layout_caption(layout: dict) -> str:
 
 def _attribution(ckpt: common.Checkpoint, ids) -> None:
     st.subheader("Direct logit attribution")
-    if ckpt.cfg.norm_placement == "post":
-        st.info("Direct logit attribution needs a pre-norm model; this one is post-norm.")
+    if ckpt.cfg.norm_placement != "pre":
+        st.info(f"Direct logit attribution needs a pre-norm model; this one is {ckpt.cfg.norm_placement}-norm.")
         return
     target = common.target_picker(ckpt, ids, key="dla", kinds=False)
     if target is None:

@@ -463,6 +463,17 @@ def test_build_greys_out_the_ffn_when_attention_only_and_refuses_what_cannot_fit
     assert not [b for b in at.button if b.key == "bt_train"], "no Train button for a run that cannot fit"
 
 
+def test_build_offers_qk_norm_and_the_output_norm_placements(app):
+    at = app("Build & train")
+    assert {"none", "head", "projection"} == set(at.selectbox(key="bt_qk_norm").options)
+    assert {"sandwich", "reordered"} <= set(at.selectbox(key="bt_norm_placement").options)
+    params = at.metric[0].value
+    at.selectbox(key="bt_qk_norm").set_value("projection").run()
+    at.selectbox(key="bt_norm_placement").set_value("sandwich").run()
+    assert not at.exception and "not a valid model" not in messages(at)
+    assert at.metric[0].value != params  # the q/k norm and output norm weights are counted
+
+
 def test_training_runs_in_the_background_and_can_be_cancelled(app, checkpoints_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_CHECKPOINTS", str(tmp_path))
     at = app("Build & train")

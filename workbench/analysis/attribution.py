@@ -64,9 +64,11 @@ def direct_logit_attribution(
     norm bias and unembedding bias), and each sums to ``total`` (the model's own value).
     Columns: batch, granularity, component, kind, layer, head, attribution, total.
     """
-    if model.cfg.norm_placement == "post":
+    if model.cfg.norm_placement != "pre":
         raise ValueError("direct logit attribution needs norm_placement='pre': in a post-norm model "
-                         "the final residual stream is not a sum of component outputs")
+                         "the final residual stream is not a sum of component outputs, and with output norms "
+                         f"({model.cfg.norm_placement}) each attention output is normalised after its heads are "
+                         "summed, so no head has a linear share of it")
     tokens = as_tokens(model, tokens)
     batch, n_pos = tokens.shape
     pos = check_index("pos", pos, n_pos, negative=True, of=f"a prompt of {n_pos} tokens")

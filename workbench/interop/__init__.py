@@ -1,5 +1,5 @@
-"""Hugging Face interop: open GPT-2 / Llama / Mistral / Qwen2 / Mixtral / GPT-NeoX checkpoints (local
-directories or hub ids) as ``HookedDecoder`` models (``from_hf``) and write ours back out (``to_hf``)."""
+"""Hugging Face interop: open GPT-2 / Llama / Mistral / Qwen2 / Mixtral / GPT-NeoX / Qwen3 / OLMo 2 /
+Phi-3 checkpoints (local directories or hub ids) as ``HookedDecoder`` models (``from_hf``) and write ours back out (``to_hf``)."""
 
 from workbench.interop.families import UnsupportedHFConfig, config_from_hf, hf_config_for, hf_family_for
 from workbench.interop.hf import from_hf, looks_like_hf_dir, to_hf

@@ -287,7 +287,8 @@ def hf_family_for(cfg: ModelConfig) -> str:
         return gemma
 
     if cfg.norm_placement in ("post", "sandwich"):
-        raise no(f"norm_placement={cfg.norm_placement!r}", "supported families are pre-norm, or reordered (OLMo 2)")
+        raise no(f"norm_placement={cfg.norm_placement!r} ({cfg.norm_placement}-norm)",
+                 "supported families are pre-norm, or reordered (OLMo 2)")
     if cfg.positional in ("alibi", "sinusoidal", "none"):
         raise no(f"positional={cfg.positional!r}", "supported families use learned positions or RoPE")
     if cfg.norm == "none":

@@ -1,8 +1,9 @@
 """Weight maps between Hugging Face state dicts and ours, one table of rules per family.
 
 A ``Rule`` ties one HF tensor to one or more of ours (GPT-2's fused ``c_attn`` holds Q, K
-and V; GPT-NeoX's ``query_key_value`` interleaves them per head; Mixtral's ``gate_up_proj``
-stacks gate and up for every expert) with ``split`` (HF -> ours) and ``join`` (ours -> HF).
+and V; GPT-NeoX's ``query_key_value`` interleaves them per head; Phi-3's ``qkv_proj`` stacks
+them and its ``gate_up_proj`` stacks gate and up; Mixtral's ``gate_up_proj`` stacks gate and up
+for every expert) with ``split`` (HF -> ours) and ``join`` (ours -> HF).
 ``split`` only reshapes, slices and transposes, so its outputs are views: an imported weight
 keeps HF's memory layout and nothing is copied.
 The same table drives import and export, so the round trip is the identity by construction
