@@ -82,10 +82,10 @@ def test_nan_weights_give_nan_on_both_attention_paths(param):
 
 
 CHOICES = dict(
-    norm=["layernorm", "rmsnorm", "none"],
+    norm=["layernorm", "rmsnorm", "gemma_rmsnorm", "none"],
     norm_placement=["pre", "post", "sandwich", "reordered"],
     positional=["learned", "sinusoidal", "rope", "alibi", "none"],
-    ffn=["relu", "gelu", "gelu_new", "swiglu", "geglu", "moe"],
+    ffn=["relu", "gelu", "gelu_new", "swiglu", "geglu", "geglu_tanh", "moe"],
     attn_only=[False, True],
     parallel_residual=[False, True],
     tie_embeddings=[True, False],
@@ -93,6 +93,14 @@ CHOICES = dict(
     n_kv_heads=[4, 2, 1],
     qk_norm=["none", "head", "projection"],
     attention=["mha", "mla"],
+    # Gemma's options (rope_local_base needs RoPE and a window: combinations without them are redrawn)
+    attn_logit_softcap=[None, 4.0],
+    final_logit_softcap=[None, 3.0],
+    query_pre_attn_scalar=[None, 5.0],
+    sliding_window=[None, 3],
+    global_every=[0, 2],
+    rope_local_base=[None, 100.0],
+    scale_embeddings=[False, True],
 )
 
 
@@ -117,7 +125,7 @@ def _random_configs(n: int, seed: int = 0) -> list[ModelConfig]:
     return configs
 
 
-@pytest.mark.parametrize("cfg", _random_configs(32), ids=lambda c: f"{c.norm}-{c.norm_placement}-{c.positional}-{c.ffn}-kv{c.n_kv_heads}-qk{c.qk_norm}-{c.attention}")
+@pytest.mark.parametrize("cfg", _random_configs(40), ids=lambda c: f"{c.norm}-{c.norm_placement}-{c.positional}-{c.ffn}-kv{c.n_kv_heads}-qk{c.qk_norm}-{c.attention}")
 def test_random_configs_all_paths_agree_after_edits(cfg, tmp_path):
     model = wb.HookedDecoder(cfg).eval()
     tokens = torch.randint(0, cfg.d_vocab, (2, 9), generator=torch.Generator().manual_seed(cfg.seed))

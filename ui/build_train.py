@@ -41,10 +41,13 @@ CHOICES = {"norm": NormChoice, "norm_placement": PlacementChoice, "positional": 
            "qk_norm": QKNormChoice, "moe_expert": MoEExpertChoice, "attention": AttentionChoice}
 # Multi-head latent attention's sizes, shown when attention = "mla" (q_lora_rank 0: no query compression).
 MLA_WIDGETS = ("kv_lora_rank", "qk_rope_head_dim", "q_lora_rank")
-FLAGS = ("attn_only", "parallel_residual", "tie_embeddings", "bias")
+FLAGS = ("attn_only", "parallel_residual", "tie_embeddings", "bias", "scale_embeddings")
+# Gemma 2/3's options: empty is off (None), except global_every (0: every layer local)
+GEMMA = {"attn_logit_softcap": float, "final_logit_softcap": float, "query_pre_attn_scalar": float,
+         "sliding_window": int, "global_every": int, "rope_local_base": float}
 # Widget keys kept while another page is shown (app.py re-sets them every run): a model being
 # built, or one training in the background, keeps its settings when the user looks elsewhere.
-PERSISTENT = ("bt_task", "bt_preset", *(f"bt_{n}" for n in (*SIZES, *CHOICES, *FLAGS, *MLA_WIDGETS)),
+PERSISTENT = ("bt_task", "bt_preset", *(f"bt_{n}" for n in (*SIZES, *CHOICES, *FLAGS, *MLA_WIDGETS, *GEMMA)),
               "bt_steps", "bt_batch", "bt_seq_len", "bt_lr", "bt_warmup", "bt_name", "bt_replace")
 FFN_WIDGETS = ("d_mlp", "ffn", "moe_expert", "n_experts", "experts_per_token")  # unused by an attention-only model
 MEMORY_SHARE = 0.5  # refuse a run whose estimated training memory exceeds this share of the free memory
@@ -89,6 +92,8 @@ def _apply_preset() -> None:
         st.session_state[f"bt_{name}"] = getattr(cfg, name)
     for name in FLAGS:
         st.session_state[f"bt_{name}"] = bool(getattr(cfg, name))
+    for name in GEMMA:
+        st.session_state[f"bt_{name}"] = getattr(cfg, name)
 
 
 def _config_widgets(d_vocab: int):
@@ -119,8 +124,12 @@ def _config_widgets(d_vocab: int):
         sizes.update(_mla_widgets(sizes))
     cols = st.columns(len(FLAGS))
     flags = {name: col.toggle(name, key=f"bt_{name}") for col, name in zip(cols, FLAGS)}
+    with st.expander("Soft-capping, sliding window, local RoPE base (Gemma 2/3; empty = off)"):
+        cols = st.columns(len(GEMMA))
+        gemma = {name: col.number_input(name, min_value=kind(0), step=kind(1), key=f"bt_{name}")
+                 for col, (name, kind) in zip(cols, GEMMA.items())}
     try:
-        cfg = wb.ModelConfig(d_vocab=d_vocab, seed=0, **sizes, **choices, **flags)
+        cfg = wb.ModelConfig(d_vocab=d_vocab, seed=0, **sizes, **choices, **flags, **gemma)
     except ValueError as e:
         st.warning(f"This combination is not a valid model: {e}")
         return None

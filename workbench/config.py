@@ -18,10 +18,10 @@ from typing import Any, Literal, Optional
 
 from workbench.utils import check_float, check_int, check_seed
 
-NormChoice = Literal["layernorm", "rmsnorm", "none"]
+NormChoice = Literal["layernorm", "rmsnorm", "gemma_rmsnorm", "none"]
 PlacementChoice = Literal["pre", "post", "sandwich", "reordered"]
 PositionalChoice = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
-FFNChoice = Literal["relu", "gelu", "gelu_new", "swiglu", "geglu", "moe"]
+FFNChoice = Literal["relu", "gelu", "gelu_new", "swiglu", "geglu", "geglu_tanh", "moe"]
 MoEExpertChoice = Literal["swiglu", "geglu", "relu", "gelu", "gelu_new"]
 RopeScalingChoice = Literal["none", "linear", "dynamic", "llama3", "yarn"]
 QKNormChoice = Literal["none", "head", "projection"]
@@ -132,6 +132,23 @@ class ModelConfig:
     # scale; TransformerLens calls these "LNPre" / "RMSPre" (``normalization_type``).
     folded_ln: bool = False
 
+    # Gemma 2/3 (each off by default, each usable alone). Soft-capping: cap * tanh(x / cap) on the
+    # attention scores before the mask (this forces the explicit attention path: SDPA cannot do
+    # it) and on the logits. ``query_pre_attn_scalar``: scores are divided by its square root
+    # instead of sqrt(d_head). ``sliding_window``: a local layer's query sees itself and the
+    # window - 1 positions before it; ``global_every`` = k makes layers k-1, 2k-1, ... global (full
+    # context; Gemma 2: 2, Gemma 3: 6), 0 makes every layer local (Mistral). ``rope_local_base``:
+    # local layers rotate with this base and no RoPE scaling (Gemma 3); None: every layer uses
+    # rope_base and rope_scaling. ``scale_embeddings``: the embedding is multiplied by sqrt(d_model),
+    # rounded to the weights' dtype first, as HF's Gemma does.
+    attn_logit_softcap: Optional[float] = None
+    final_logit_softcap: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None
+    sliding_window: Optional[int] = None
+    global_every: int = 0
+    rope_local_base: Optional[float] = None
+    scale_embeddings: bool = False
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_literal(f.name, getattr(self, f.name), _resolved_hints()[f.name])
@@ -198,6 +215,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.name must be a string, got {self.name!r}")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("rope_high_freq_factor must exceed rope_low_freq_factor for llama3 RoPE scaling")
+        _check_gemma_fields(self)
         self._check_moe()
 
     def _check_mla(self) -> None:
@@ -222,6 +240,9 @@ class ModelConfig:
         if self.n_kv_heads is not None and self.n_kv_heads != self.n_heads:
             raise ValueError(f"attention='mla' has no KV heads to group: n_kv_heads={self.n_kv_heads} must equal "
                              f"n_heads={self.n_heads} (or be left None); its cache is the latent, see kv_lora_rank")
+        for name in ("attn_logit_softcap", "query_pre_attn_scalar", "sliding_window", "rope_local_base"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"attention='mla' has no {name} (a Gemma attention option): leave it None")
         if self.qk_norm != "none":
             raise ValueError(f"attention='mla' normalises its own latents; qk_norm={self.qk_norm!r} applies to "
                              "MHA/GQA/MQA queries and keys only: set qk_norm='none'")
@@ -249,16 +270,22 @@ class ModelConfig:
             raise ValueError("moe_group_score='top2_sum' needs at least 2 experts per group "
                              f"(n_experts={self.n_experts}, moe_n_groups={self.moe_n_groups})")
 
+    def layer_is_local(self, layer: int) -> bool:
+        """Whether ``layer`` attends through the sliding window (False for every layer without one)."""
+        if self.sliding_window is None:
+            return False
+        return self.global_every == 0 or (layer + 1) % self.global_every != 0
+
     # ---- TransformerLens' vocabulary, derived (read-only) -------------------------
     @property
     def normalization_type(self) -> Optional[str]:
         if self.folded_ln:
-            return {"layernorm": "LNPre", "rmsnorm": "RMSPre"}[self.norm]
-        return {"layernorm": "LN", "rmsnorm": "RMS", "none": None}[self.norm]
+            return {"layernorm": "LNPre", "rmsnorm": "RMSPre", "gemma_rmsnorm": "RMSPre"}[self.norm]
+        return {"layernorm": "LN", "rmsnorm": "RMS", "gemma_rmsnorm": "RMS", "none": None}[self.norm]
 
     @property
     def final_rms(self) -> bool:
-        return self.norm == "rmsnorm"
+        return self.norm in ("rmsnorm", "gemma_rmsnorm")
 
     @property
     def positional_embedding_type(self) -> str:
@@ -273,11 +300,11 @@ class ModelConfig:
     @property
     def act_fn(self) -> str:
         act = self.moe_expert if self.ffn == "moe" else self.ffn
-        return {"swiglu": "silu", "geglu": "gelu"}.get(act, act)
+        return {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh"}.get(act, act)
 
     @property
     def gated_mlp(self) -> bool:
-        return self.ffn in ("swiglu", "geglu") or (self.ffn == "moe" and self.moe_expert in ("swiglu", "geglu"))
+        return self.ffn in ("swiglu", "geglu", "geglu_tanh") or (self.ffn == "moe" and self.moe_expert in ("swiglu", "geglu"))
 
     @property
     def n_key_value_heads(self) -> Optional[int]:
@@ -417,6 +444,26 @@ def _check_literal(name: str, value: Any, hint: Any) -> None:
     if hint is bool and not isinstance(value, bool):
         raise ValueError(f"ModelConfig.{name} must be true or false, got {value!r}")
     # int and float fields are checked with their ranges in __post_init__.
+
+
+def _check_gemma_fields(cfg: ModelConfig) -> None:
+    """The soft-caps, attention scalar, sliding window and local RoPE base: ranges and the fields they need."""
+    for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "rope_local_base"):
+        if getattr(cfg, name) is not None:
+            check_float(f"ModelConfig.{name}", getattr(cfg, name), 0, None, lo_open=True)
+    if cfg.sliding_window is not None:
+        _check_positive("sliding_window", cfg.sliding_window)
+    check_int("ModelConfig.global_every", cfg.global_every, 0)
+    if cfg.global_every and cfg.sliding_window is None:
+        raise ValueError(f"global_every={cfg.global_every} needs sliding_window (it picks which layers are local)")
+    if cfg.rope_local_base is not None:
+        if cfg.positional != "rope" or cfg.sliding_window is None:
+            raise ValueError(
+                f"rope_local_base={cfg.rope_local_base} needs positional='rope' and a sliding_window (it is the RoPE "
+                f"base of the local layers); got positional={cfg.positional!r}, sliding_window={cfg.sliding_window}"
+            )
+        if cfg.rope_local_base <= 1:
+            raise ValueError(f"ModelConfig.rope_local_base must be a finite number > 1, got {cfg.rope_local_base!r}")
 
 
 def _check_positive(name: str, value: Any) -> None:

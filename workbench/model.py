@@ -43,9 +43,14 @@ class Embed(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+        # Gemma: the embedding times sqrt(d_model), the factor rounded to the weights' dtype first
+        # (in bf16 sqrt(3072) = 55.43 becomes 55.5), as HF's Gemma does.
+        self.scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else None
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
-        return self.W_E[tokens]
+        if self.scale is None:
+            return self.W_E[tokens]
+        return self.W_E[tokens] * torch.tensor(self.scale, dtype=self.W_E.dtype)
 
 
 class Unembed(nn.Module):
@@ -60,13 +65,15 @@ class Unembed(nn.Module):
         # A learned bias only once a LayerNorm is folded in (b_U += ln_final.b @ W_U); else fixed zeros.
         add_bias(self, "b_U", (cfg.d_vocab,), cfg.folded_ln and cfg.norm == "layernorm")
         self.tied = cfg.tie_embeddings
+        self.softcap = cfg.final_logit_softcap  # Gemma 2: logits = cap * tanh(logits / cap)
 
     @property
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
         return self._embed[0].W_E.T if self.tied else self.W_U_param
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
-        return x @ self.W_U + self.b_U
+        logits = x @ self.W_U + self.b_U
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
 
 class KVCache:

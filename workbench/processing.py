@@ -12,6 +12,7 @@ fold_ln -- a norm's weight (and LayerNorm's bias) moves into the weights that re
       RMSNorm    norm(x) = xhat * w,  xhat = x / sqrt(mean(x^2) + eps)
                  y = xhat @ (w[:, None] * W); no centring (xhat does not have zero mean).
                  What remains is "RMSPre": divide by the scale.
+                 Gemma's RMSNorm (norm='gemma_rmsnorm') scales by 1 + w_offset: that is its w.
       none       nothing to fold; the switch does nothing.
     The readers: ln1 -> W_Q, W_K, W_V (keys and values as stored, once per KV head);
     ln2 -> W_in, W_gate of the MLP, or of MoE the router and every expert (all read ln2's
@@ -37,7 +38,8 @@ center_writing_weights -- with a LayerNorm in front of every reader, LN(x + s * 
 
 center_unembed -- W_U and b_U lose their mean over the vocabulary: every logit at a position
     shifts by the same amount, so softmax, log-probabilities and logit differences are
-    unchanged (logits themselves are not).
+    unchanged (logits themselves are not). Refused with ``final_logit_softcap``: cap * tanh(l / cap)
+    is not shift-invariant, so the centred logits would predict differently.
 
 fold_value_biases -- attention rows sum to one, so a head's value bias reaches the output as
     the constant b_V[h] @ W_O[h]: b_O += sum_h b_V[h] @ W_O[h] and b_V = 0. With grouped
@@ -93,6 +95,11 @@ def process_state(
             "single reader to fold into; pass fold_ln=False"
         )
     centring_valid = cfg.norm == "layernorm" and cfg.norm_placement == "pre"
+    if center_unembed and cfg.final_logit_softcap is not None:
+        raise ValueError(
+            f"center_unembed=True changes the logits of a model with final_logit_softcap={cfg.final_logit_softcap}: "
+            "the soft-cap's tanh is not shift-invariant as the softmax is; pass center_unembed=False"
+        )
     if center_writing_weights is None:
         center_writing_weights = centring_valid
     elif center_writing_weights and not centring_valid:
@@ -137,6 +144,8 @@ def _fold_norms(cfg: ModelConfig, state: State) -> None:
     layer_norm = cfg.norm == "layernorm"
 
     def take(norm: str) -> tuple[Tensor, Optional[Tensor]]:
+        if f"{norm}.w_offset" in state:  # Gemma's RMSNorm scales by 1 + w_offset
+            state[f"{norm}.w"] = 1.0 + state.pop(f"{norm}.w_offset")
         w = state[f"{norm}.w"]
         b = state.get(f"{norm}.b") if layer_norm else None
         state[f"{norm}.w"] = torch.ones_like(w)

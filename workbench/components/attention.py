@@ -16,6 +16,14 @@ they were before padding existed: SDPA with ``is_causal``.
 QK-norm (``cfg.qk_norm``, Qwen3 / OLMo 2 / Gemma 3): an RMSNorm on the projected queries and
 keys, per head or over the whole projection, before RoPE; the KV cache holds normalised,
 rotated keys, so decode steps normalise only the new token.
+
+Gemma's options (``workbench.config``): ``attn_logit_softcap`` (cap * tanh(scores / cap) before the
+mask; SDPA has no such step, so a soft-capped layer always runs the explicit path),
+``query_pre_attn_scalar`` (scores divided by its square root instead of sqrt(d_head), on both
+paths), and a per-layer sliding window (``cfg.layer_is_local(layer)``): the visibility mask also
+hides keys ``window`` or more positions back, on both paths, padded or not, and in KV-cache decode
+steps (the cache keeps every key; the mask alone narrows what a step sees). Gemma 3's local layers
+rotate with their own RoPE base (``rope_local_base``).
 """
 
 import math
@@ -27,7 +35,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from workbench.components.norm import QKNorm
+from workbench.components.norm import GemmaRMSNorm, QKNorm
 from workbench.components.positional import ATTN_POSITIONS
 from workbench.components.registry import add_bias, pick
 from workbench.config import ModelConfig
@@ -56,7 +64,7 @@ class KVCacheEntry:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.cfg = cfg
         h, kv, d, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head
@@ -69,8 +77,14 @@ class Attention(nn.Module):
         add_bias(self, "_b_K", (kv, e), cfg.qkv_bias)
         add_bias(self, "_b_V", (kv, e), cfg.qkv_bias)
         add_bias(self, "b_O", (d,), cfg.bias)
-        self.attn_scale = math.sqrt(e)
-        self.position = pick(ATTN_POSITIONS, cfg.positional, "positional")(cfg)
+        self.attn_scale = math.sqrt(e if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar)
+        self.sdpa_scale = None if cfg.query_pre_attn_scalar is None else 1 / self.attn_scale  # None: SDPA's 1/sqrt(d_head)
+        self.softcap = cfg.attn_logit_softcap
+        self.window = cfg.sliding_window if cfg.layer_is_local(layer) else None
+        pos_cfg = cfg
+        if self.window is not None and cfg.rope_local_base is not None:  # Gemma 3's local layers
+            pos_cfg = cfg.replace(rope_base=cfg.rope_local_base, rope_scaling="none")
+        self.position = pick(ATTN_POSITIONS, cfg.positional, "positional")(pos_cfg)
 
         self.hook_q = HookPoint()  # [batch, pos, head_index, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -79,8 +93,9 @@ class Attention(nn.Module):
             # As TransformerLens' bridge (Qwen3, OLMo 2): hook_q/hook_k are the projections,
             # hook_q_normed/hook_k_normed the normalised queries/keys that RoPE then rotates.
             per_head = cfg.qk_norm == "head"
-            self.q_norm = QKNorm(cfg, e if per_head else h * e)
-            self.k_norm = QKNorm(cfg, e if per_head else kv * e)
+            qk_norm = GemmaRMSNorm if cfg.norm == "gemma_rmsnorm" else QKNorm  # Gemma 3: (1 + w) here too
+            self.q_norm = qk_norm(cfg, e if per_head else h * e)
+            self.k_norm = qk_norm(cfg, e if per_head else kv * e)
             self.hook_q_normed = HookPoint()  # [batch, pos, head_index, d_head]
             self.hook_k_normed = HookPoint()  # [batch, pos, kv_head, d_head]
         if self.position.rotates:
@@ -108,7 +123,8 @@ class Attention(nn.Module):
         return self._b_V.repeat_interleave(self.group, dim=0)
 
     def _explicit_needed(self) -> bool:
-        return self.hook_attn_scores.has_hooks() or self.hook_pattern.has_hooks()
+        # SDPA has no soft-capping of the scores: a soft-capped layer always runs the explicit path
+        return self.softcap is not None or self.hook_attn_scores.has_hooks() or self.hook_pattern.has_hooks()
 
     def forward(
         self,
@@ -136,6 +152,8 @@ class Attention(nn.Module):
         n_query, n_key = q.shape[2], k.shape[2]
         bias = self.position.score_bias(n_query, n_key, offset, padding)
         visible = padding.visible if padding is not None else None
+        if self.window is not None:
+            visible = self._windowed(visible, padding, n_query, n_key, offset, q.device)
         if self._explicit_needed():
             z = self._explicit(q, k, v, bias, offset, visible)
         else:
@@ -147,7 +165,7 @@ class Attention(nn.Module):
             return result.sum(dim=2) + self.b_O
         return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, self.b_O)
 
-    def _qk_normed(self, norm: QKNorm, x: Tensor) -> Tensor:
+    def _qk_normed(self, norm: nn.Module, x: Tensor) -> Tensor:
         """QK-norm of [..., head, d_head]: over d_head, or over the flattened projection."""
         if self.cfg.qk_norm == "head":
             return norm(x)
@@ -180,6 +198,23 @@ class Attention(nn.Module):
             kv_cache.fused_qkv = (weight, bias)
         return weight, bias
 
+    def _windowed(
+        self, visible: Optional[Tensor], padding: Optional[Padding], n_query: int, n_key: int, offset: int,
+        device: torch.device,
+    ) -> Optional[Tensor]:
+        """``visible`` (None: causal) narrowed to the sliding window: a query sees the keys fewer than
+        ``window`` positions back, counted in real tokens for a padded row (as its prompt alone).
+        The KV cache keeps every key; the mask alone limits what a decode step sees."""
+        if offset + n_query <= self.window:  # no query reaches back past the window: nothing to cut
+            return visible
+        if padding is None:
+            q_pos = torch.arange(offset, offset + n_query, device=device)[:, None]
+            k_pos = torch.arange(n_key, device=device)[None, :]
+            return (k_pos <= q_pos) & (q_pos - k_pos < self.window)  # [query, key]
+        k_pos = padding.key_positions
+        distance = k_pos[:, offset:, None] - k_pos[:, None, :]  # [batch, query, key]
+        return visible & (distance < self.window)[:, None]
+
     def _causal_mask(self, n_query: int, n_key: int, offset: int, device: torch.device) -> Tensor:
         q_pos = torch.arange(offset, offset + n_query, device=device)
         return torch.arange(n_key, device=device)[None, :] <= q_pos[:, None]  # [query, key], True = visible
@@ -202,15 +237,15 @@ class Attention(nn.Module):
         gqa = self.group > 1
         if visible is not None:  # a padded batch: [batch, 1, query, key], pads never visible
             mask = visible if bias is None else bias.to(q.dtype).masked_fill(~visible, float("-inf"))
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.sdpa_scale)
         if bias is None and offset == 0 and n_query == n_key:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.sdpa_scale)
         if bias is None and n_query == 1:  # one decode step sees every cached key
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=self.sdpa_scale)
         mask = self._causal_mask(n_query, n_key, offset, q.device)
         if bias is not None:
             mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.sdpa_scale)
 
     def _explicit(
         self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int, visible: Optional[Tensor] = None
@@ -218,6 +253,8 @@ class Attention(nn.Module):
         if self.group > 1:
             k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
         scores = q @ k.transpose(-1, -2) / self.attn_scale  # [batch, head, query, key]
+        if self.softcap is not None:  # Gemma 2: before the mask, as HF's eager attention
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if bias is not None:
             scores = scores + bias
         mask = self._causal_mask(q.shape[2], k.shape[2], offset, q.device) if visible is None else visible

@@ -108,7 +108,7 @@ class Block(nn.Module):
             self.ln1 = norm(cfg)
         if after is not None:
             self.ln1_post = after(cfg)
-        self.attn = pick(ATTENTIONS, cfg.attention, "attention")(cfg)
+        self.attn = pick(ATTENTIONS, cfg.attention, "attention")(cfg, layer)
         if "mlp_out" in self.sites:
             if before:
                 self.ln2 = norm(cfg)

@@ -80,7 +80,7 @@ def _latent_norm(cfg: ModelConfig, width: int) -> RMSNorm:
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):  # layer: as Attention takes it (MLA has no per-layer options)
         super().__init__()
         self.cfg = cfg
         h, d, e = cfg.n_heads, cfg.d_model, cfg.d_head

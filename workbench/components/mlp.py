@@ -1,4 +1,4 @@
-"""Feed-forward boxes: plain (ReLU, GELU, GELU-tanh), gated (SwiGLU, GeGLU), and MoE.
+"""Feed-forward boxes: plain (ReLU, GELU, GELU-tanh), gated (SwiGLU, GeGLU, GeGLU-tanh), and MoE.
 
 Hook names follow TransformerLens: ``hook_pre`` is the pre-activation (the gate branch for
 gated MLPs, with the linear branch at ``hook_pre_linear``) and ``hook_post`` the hidden
@@ -74,8 +74,9 @@ class GatedMLP(nn.Module):
 
 
 def _dense(kind: str):
-    gated = kind in ("swiglu", "geglu")
-    act = {"swiglu": "silu", "geglu": "gelu"}.get(kind, kind)
+    gated = kind in ("swiglu", "geglu", "geglu_tanh")
+    # geglu_tanh: GeGLU with the tanh approximation of GELU (HF's gelu_pytorch_tanh, Gemma's MLP)
+    act = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_new"}.get(kind, kind)
     return lambda cfg: (GatedMLP if gated else MLP)(cfg, act)
 
 
@@ -172,5 +173,6 @@ FFNS = {
     "gelu_new": _dense("gelu_new"),
     "swiglu": _dense("swiglu"),
     "geglu": _dense("geglu"),
+    "geglu_tanh": _dense("geglu_tanh"),
     "moe": MoE,
 }

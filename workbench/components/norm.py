@@ -73,6 +73,35 @@ class RMSNorm(nn.Module):
         return self.hook_normalized((xf / scale).to(x.dtype)) * self.w
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the scale is (1 + w_offset), so the learned parameter starts at zero.
+
+    ``w`` is the scale itself (1 + w_offset), so code that reads a norm's weight (folding,
+    ``apply_ln_to_stack``, attributions) sees what multiplies the normalised input. Rounding
+    follows HF's Gemma, not Llama: normalise and scale in float32, round once at the end.
+    ``dim`` (default d_model) is d_head for a QK-norm.
+    """
+
+    def __init__(self, cfg: ModelConfig, dim: Optional[int] = None):
+        super().__init__()
+        self.eps = cfg.norm_eps
+        self.w_offset = nn.Parameter(torch.zeros(cfg.d_model if dim is None else dim))
+        self.hook_scale = HookPoint()  # [batch, pos, 1]
+        self.hook_normalized = HookPoint()  # [batch, pos, d_model]
+
+    @property
+    def w(self) -> Float[Tensor, " d_model"]:
+        return 1.0 + self.w_offset
+
+    def forward(self, x: Float[Tensor, "*batch dim"]) -> Float[Tensor, "*batch dim"]:
+        scale = 1.0 + self.w_offset.float()
+        xf = x.float()
+        if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
+            return (F.rms_norm(xf, scale.shape, None, self.eps) * scale).to(x.dtype)
+        rms = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return (self.hook_normalized(xf / rms) * scale).to(x.dtype)
+
+
 class QKNorm(RMSNorm):
     """QK-norm: RMSNorm over the last axis of queries or keys (``cfg.qk_norm``), before RoPE.
 
@@ -152,10 +181,11 @@ def _unless_folded(full: type, folded: type):
 
 # The output norms of the sandwich and reordered layouts (``ln1_post``, ``ln2_post``): their output
 # is written to the residual stream, so no weight folds into a reader and they keep it when folded.
-OUTPUT_NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "none": NoNorm}
+OUTPUT_NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "gemma_rmsnorm": GemmaRMSNorm, "none": NoNorm}
 
 NORMS = {
     "layernorm": _unless_folded(LayerNorm, LayerNormPre),
     "rmsnorm": _unless_folded(RMSNorm, RMSNormPre),
+    "gemma_rmsnorm": _unless_folded(GemmaRMSNorm, RMSNormPre),
     "none": NoNorm,
 }

@@ -26,10 +26,16 @@ from typing import Any, Optional
 
 from workbench.config import ModelConfig
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "gpt_neox", "qwen3", "olmo2", "phi3", "deepseek_v2",
-            "deepseek_v3")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "gpt_neox", "qwen3", "olmo2", "phi3", "gemma2",
+            "gemma3_text", "deepseek_v2", "deepseek_v3")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "olmo2")  # rotate the whole head
+GEMMA = ("gemma2", "gemma3_text")
+# Gemma's options in our config (off: None, False or 0); no other family may carry one.
+GEMMA_OPTIONS = ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "sliding_window",
+                 "global_every", "rope_local_base", "scale_embeddings")
+_GEMMA_ACTS = {"gelu_pytorch_tanh": "geglu_tanh", "gelu": "geglu"}
+_HF_FIELDS_OF_GEMMA = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
 
 # HF ACT2FN names -> our activation names (exact matches only; "gelu_fast" etc. differ).
 _ACTS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -68,6 +74,8 @@ def config_from_hf(hf: Any, n_ctx: Optional[int] = None) -> tuple[str, ModelConf
     if getattr(hf, "add_cross_attention", False) or getattr(hf, "is_encoder_decoder", False):
         raise _unsupported("add_cross_attention", True, "the workbench builds decoder-only models")
     for field in _FOREIGN_FIELDS:
+        if family in GEMMA and field in _HF_FIELDS_OF_GEMMA:
+            continue  # read by _gemma_fields
         if getattr(hf, field, None) not in (None, False):
             raise _unsupported(field, getattr(hf, field), f"the {family} blocks here have no such option")
     if family == "gpt2":
@@ -76,10 +84,13 @@ def config_from_hf(hf: Any, n_ctx: Optional[int] = None) -> tuple[str, ModelConf
         fields = _neox_fields(hf)
     elif family in DEEPSEEK:
         fields = _deepseek_fields(hf, family)
+    elif family in GEMMA:
+        fields = _gemma_fields(hf, family)
     else:
         fields = _llama_fields(hf, family)
     if family != "gpt2":
-        fields.update(_rope_fields(hf, family, fields.get("qk_rope_head_dim") or fields["d_head"]))
+        fields.update(_rope_fields(hf, family, fields.get("qk_rope_head_dim") or fields["d_head"],
+                                   _global_rope_parameters(hf, family)))
     suggested = fields.pop("n_ctx")
     if n_ctx is not None:
         if n_ctx < 1 or (family == "gpt2" and n_ctx > hf.n_positions):
@@ -206,8 +217,61 @@ def _deepseek_fields(hf: Any, family: str) -> dict:
     return fields
 
 
-def _rope_fields(hf: Any, family: str, d_head: int) -> dict:
-    params = dict(getattr(hf, "rope_parameters", None) or {})
+def _gemma_fields(hf: Any, family: str) -> dict:
+    """Gemma 2 and Gemma 3 (text): sandwich norms with (1 + w) scales, scaled embeddings, soft-caps
+    (Gemma 2), QK-norm and a RoPE base of their own for the local layers (Gemma 3)."""
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
+    if act not in _GEMMA_ACTS:
+        raise _unsupported("hidden_activation", act, f"supported for {family}: {sorted(_GEMMA_ACTS)}")
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise _unsupported("use_bidirectional_attention", True, "the workbench builds causal decoders")
+    attn_bias = bool(getattr(hf, "attention_bias", False))
+    n_layers = hf.num_hidden_layers
+    fields = dict(
+        d_model=hf.hidden_size, n_layers=n_layers, n_heads=hf.num_attention_heads,
+        n_kv_heads=hf.num_key_value_heads or hf.num_attention_heads, d_vocab=hf.vocab_size,
+        n_ctx=hf.max_position_embeddings, d_mlp=hf.intermediate_size, d_head=hf.head_dim,
+        norm="gemma_rmsnorm", norm_placement="sandwich", positional="rope", ffn=_GEMMA_ACTS[act],
+        norm_eps=hf.rms_norm_eps, tie_embeddings=bool(hf.tie_word_embeddings), bias=attn_bias, qkv_bias=attn_bias,
+        final_logit_softcap=hf.final_logit_softcapping, query_pre_attn_scalar=hf.query_pre_attn_scalar,
+        scale_embeddings=True,
+    )
+    # HF's Gemma 3 attention never passes attn_logit_softcapping on (its eager attention gets no softcap):
+    # reproducing its numbers means leaving it out, as it does.
+    if family == "gemma2":
+        fields.update(attn_logit_softcap=hf.attn_logit_softcapping)
+    else:
+        fields.update(qk_norm="head")
+    types = list(getattr(hf, "layer_types", None) or ["full_attention"] * n_layers)
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != n_layers:
+        raise _unsupported("layer_types", types, f"one of sliding_attention/full_attention per layer ({n_layers})")
+    if "sliding_attention" not in types:
+        return fields
+    if not getattr(hf, "sliding_window", None):
+        raise _unsupported("sliding_window", getattr(hf, "sliding_window", None), "sliding_attention layers need a window")
+    for every in (0, *range(2, n_layers + 1)):  # 0: every layer local; k: layers k-1, 2k-1, ... global
+        if types == ["sliding_attention" if every == 0 or (i + 1) % every else "full_attention" for i in range(n_layers)]:
+            fields.update(sliding_window=int(hf.sliding_window), global_every=every)
+            break
+    else:
+        raise _unsupported("layer_types", types, "only a periodic pattern (every k-th layer global) is modelled")
+    if family == "gemma3_text":
+        local = dict(hf.rope_parameters.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default" or set(local) - {"rope_type", "rope_theta"}:
+            raise _unsupported("rope_parameters.sliding_attention", local, "local layers rotate with plain RoPE here")
+        fields.update(rope_local_base=float(local["rope_theta"]))
+    return fields
+
+
+def _global_rope_parameters(hf: Any, family: str) -> Optional[dict]:
+    """Gemma 3 keeps RoPE per layer type; its full-attention entry is the model's RoPE (None: the flat one)."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    return dict(params.get("full_attention") or {}) if family == "gemma3_text" else None
+
+
+def _rope_fields(hf: Any, family: str, d_head: int, params: Optional[dict] = None) -> dict:
+    params = dict(params if params is not None else (getattr(hf, "rope_parameters", None) or {}))
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -219,7 +283,7 @@ def _rope_fields(hf: Any, family: str, d_head: int) -> dict:
         raise _unsupported(f"rope_parameters.{unknown[0]}", params[unknown[0]], "not a RoPE option the workbench models")
     partial = params.get("partial_rotary_factor", 1.0)
     rotary_dim = int(d_head * partial)
-    if family in LLAMA_LIKE and rotary_dim != d_head:
+    if (family in LLAMA_LIKE or family in GEMMA) and rotary_dim != d_head:
         raise _unsupported("rope_parameters.partial_rotary_factor", partial, f"{family} rotates the whole head")
     max_pos = hf.max_position_embeddings
     out = dict(rope_base=float(params["rope_theta"]), rotary_dim=rotary_dim, n_ctx=max_pos)
@@ -274,6 +338,10 @@ def hf_family_for(cfg: ModelConfig) -> str:
     def no(component: str, why: str) -> UnsupportedHFConfig:
         return UnsupportedHFConfig(f"{component} has no Hugging Face equivalent among {list(FAMILIES)}: {why}")
 
+    gemma = _gemma_family_for(cfg)
+    if gemma is not None:
+        return gemma
+
     if cfg.norm_placement in ("post", "sandwich"):
         raise no(f"norm_placement={cfg.norm_placement!r} ({cfg.norm_placement}-norm)",
                  "supported families are pre-norm, or reordered (OLMo 2)")
@@ -321,6 +389,39 @@ def hf_family_for(cfg: ModelConfig) -> str:
     if cfg.qkv_bias and not cfg.bias:
         return "qwen2" if cfg.ffn == "swiglu" else "llama"
     return "llama"
+
+
+def _gemma_family_for(cfg: ModelConfig) -> Optional[str]:
+    """gemma2 or gemma3_text for a Gemma-style config; None for a config with nothing of Gemma's;
+    ``UnsupportedHFConfig`` naming the component for a mix no family has."""
+    used = [name for name in GEMMA_OPTIONS if getattr(cfg, name) not in (None, False, 0)]
+    if cfg.norm != "gemma_rmsnorm" and not used:  # (a sandwich of plain norms is refused by the caller)
+        return None
+
+    def no(component: str, why: str) -> UnsupportedHFConfig:
+        return UnsupportedHFConfig(f"{component} has no Hugging Face equivalent among {list(FAMILIES)}: {why}")
+
+    wanted = dict(norm="gemma_rmsnorm", norm_placement="sandwich", positional="rope", scale_embeddings=True,
+                  parallel_residual=False, attn_only=False, rotary_interleaved=False, folded_ln=False)
+    for name, value in wanted.items():
+        if getattr(cfg, name) != value:
+            why = f"only Gemma 2/3 have {', '.join(used) or 'these options'}, and Gemma needs {name}={value!r}"
+            raise no(f"{name}={getattr(cfg, name)!r}", why)
+    if cfg.ffn not in ("geglu_tanh", "geglu"):
+        raise no(f"ffn={cfg.ffn!r} in a Gemma-style model", "Gemma's MLP is GeGLU (geglu_tanh or geglu)")
+    if cfg.rotary_dim != cfg.d_head:
+        raise no("rotary_dim < d_head in a Gemma-style model", "Gemma rotates the whole head")
+    if cfg.qk_norm == "projection":
+        raise no("qk_norm='projection' in a Gemma-style model", "Gemma 3's QK-norm is per head")
+    if cfg.qk_norm == "none":
+        if cfg.rope_local_base is not None:
+            raise no("rope_local_base without qk_norm='head'", "only Gemma 3 (with its per-head QK-norm) has a local RoPE base")
+        return "gemma2"
+    if cfg.attn_logit_softcap is not None:
+        raise no("attn_logit_softcap with qk_norm='head'", "HF's Gemma 3 does not soft-cap attention (Gemma 2 has no QK-norm)")
+    if cfg.rope_local_base is None and cfg.sliding_window is not None and cfg.rope_scaling != "none":
+        raise no("rope_scaling on local layers", "Gemma 3's local layers rotate with plain RoPE: set rope_local_base")
+    return "gemma3_text"
 
 
 def _newer_family(cfg: ModelConfig, gated: bool, no) -> Optional[str]:
@@ -415,6 +516,8 @@ def hf_config_for(cfg: ModelConfig, family: Optional[str] = None) -> Any:
     )
     if family in DEEPSEEK:
         return _deepseek_config(cfg, family, sizes)
+    if family in GEMMA:
+        return _gemma_config(cfg, family, sizes, rope)
     if family == "mixtral":
         return transformers.MixtralConfig(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
                                           sliding_window=None, **sizes)
@@ -460,3 +563,20 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
     if cfg.rope_scaling == "yarn":
         rope.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
     return rope
+
+
+def _gemma_config(cfg: ModelConfig, family: str, sizes: dict, rope: dict) -> Any:
+    import transformers
+
+    sizes = {k: v for k, v in sizes.items() if k not in ("hidden_act", "rope_parameters")}
+    layer_types = ["sliding_attention" if cfg.layer_is_local(i) else "full_attention" for i in range(cfg.n_layers)]
+    common = dict(
+        hidden_activation="gelu_pytorch_tanh" if cfg.ffn == "geglu_tanh" else "gelu", attention_bias=cfg.qkv_bias or cfg.bias,
+        query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.d_head, final_logit_softcapping=cfg.final_logit_softcap,
+        sliding_window=cfg.sliding_window or cfg.n_ctx, layer_types=layer_types, **sizes,
+    )
+    if family == "gemma2":
+        return transformers.Gemma2Config(attn_logit_softcapping=cfg.attn_logit_softcap, rope_parameters=rope, **common)
+    local = {"rope_type": "default", "rope_theta": cfg.rope_local_base or cfg.rope_base}
+    return transformers.Gemma3TextConfig(attn_logit_softcapping=None, **common,
+                                         rope_parameters={"full_attention": rope, "sliding_attention": local})

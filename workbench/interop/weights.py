@@ -119,27 +119,32 @@ def gpt2_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
 
 # ---- Llama, Mistral, Qwen2, Mixtral ------------------------------------------------------
 def llama_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
-    h, kv, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
     rules = _head(cfg, "model.embed_tokens.weight", "lm_head.weight")
     for l in range(cfg.n_layers):
         p, o = f"model.layers.{l}", f"blocks.{l}"
         a = f"{p}.self_attn"
         rules += _llama_norms(cfg, p, o) + _qk_norm_rules(cfg, a, o)
-        rules += [
-            _heads_in(f"{o}.attn.W_Q", f"{a}.q_proj.weight", h, e),
-            _heads_in(f"{o}.attn._W_K", f"{a}.k_proj.weight", kv, e),
-            _heads_in(f"{o}.attn._W_V", f"{a}.v_proj.weight", kv, e),
-            _heads_bias(f"{o}.attn.b_Q", f"{a}.q_proj.bias", h, e),
-            _heads_bias(f"{o}.attn._b_K", f"{a}.k_proj.bias", kv, e),
-            _heads_bias(f"{o}.attn._b_V", f"{a}.v_proj.bias", kv, e),
-            _heads_out(f"{o}.attn.W_O", f"{a}.o_proj.weight", h, e),
-            _same(f"{o}.attn.b_O", f"{a}.o_proj.bias"),
-        ]
+        rules += _projection_rules(cfg, o, a)
         if cfg.ffn != "moe":
             rules += _gated_rules(f"{p}.mlp", f"{o}.mlp")
         else:
             rules += _fused_moe_rules(cfg, p, o) if layout == "module" else _expert_file_rules(cfg, p, o)
     return rules + _norm("ln_final", "model.norm", False)
+
+
+def _projection_rules(cfg: ModelConfig, o: str, a: str) -> list[Rule]:
+    """q/k/v/o_proj (weights and biases) of an HF self_attn ``a`` <-> our block ``o``'s attention."""
+    h, kv, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    return [
+        _heads_in(f"{o}.attn.W_Q", f"{a}.q_proj.weight", h, e),
+        _heads_in(f"{o}.attn._W_K", f"{a}.k_proj.weight", kv, e),
+        _heads_in(f"{o}.attn._W_V", f"{a}.v_proj.weight", kv, e),
+        _heads_bias(f"{o}.attn.b_Q", f"{a}.q_proj.bias", h, e),
+        _heads_bias(f"{o}.attn._b_K", f"{a}.k_proj.bias", kv, e),
+        _heads_bias(f"{o}.attn._b_V", f"{a}.v_proj.bias", kv, e),
+        _heads_out(f"{o}.attn.W_O", f"{a}.o_proj.weight", h, e),
+        _same(f"{o}.attn.b_O", f"{a}.o_proj.bias"),
+    ]
 
 
 def _llama_norms(cfg: ModelConfig, p: str, o: str) -> list[Rule]:
@@ -247,6 +252,25 @@ def deepseek_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
     return rules + _norm("ln_final", "model.norm", False)
 
 
+# ---- Gemma 2, Gemma 3 (text) -----------------------------------------------------------------
+def gemma_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
+    """Llama's projections and MLP; four (1 + w) norms per layer (the sandwich), whose HF weight is
+    our ``w_offset`` as it is (both store the offset from 1); Gemma 3's per-head q_norm/k_norm."""
+    rules = _head(cfg, "model.embed_tokens.weight", "lm_head.weight")
+    for l in range(cfg.n_layers):
+        p, o = f"model.layers.{l}", f"blocks.{l}"
+        a = f"{p}.self_attn"
+        for ours, hf in (("ln1", "input_layernorm"), ("ln1_post", "post_attention_layernorm"),
+                         ("ln2", "pre_feedforward_layernorm"), ("ln2_post", "post_feedforward_layernorm")):
+            rules.append(_same(f"{o}.{ours}.w_offset", f"{p}.{hf}.weight"))
+        if cfg.qk_norm == "head":
+            rules += [_same(f"{o}.attn.q_norm.w_offset", f"{a}.q_norm.weight"),
+                      _same(f"{o}.attn.k_norm.w_offset", f"{a}.k_norm.weight")]
+        rules += _projection_rules(cfg, o, a)
+        rules += _gated_rules(f"{p}.mlp", f"{o}.mlp")
+    return rules + [_same("ln_final.w_offset", "model.norm.weight")]
+
+
 # ---- GPT-NeoX / Pythia ---------------------------------------------------------------------
 def neox_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
     h, e = cfg.n_heads, cfg.d_head
@@ -304,14 +328,14 @@ def phi3_rules(cfg: ModelConfig, layout: str = "file") -> list[Rule]:
 
 RULES = {"gpt2": gpt2_rules, "llama": llama_rules, "mistral": llama_rules, "qwen2": llama_rules,
          "mixtral": llama_rules, "gpt_neox": neox_rules, "qwen3": llama_rules, "olmo2": llama_rules,
-         "phi3": phi3_rules}
+         "phi3": phi3_rules, "gemma2": gemma_rules, "gemma3_text": gemma_rules}
 RULES.update(deepseek_v2=deepseek_rules, deepseek_v3=deepseek_rules)
 Layout = Literal["file", "module"]
 
 # The base model's prefix: a checkpoint saved from GPT2Model / LlamaModel / GPTNeoXModel lacks it.
 _BASE_PREFIX = {"gpt2": "transformer.", "gpt_neox": "gpt_neox.", "llama": "model.", "mistral": "model.",
                 "qwen2": "model.", "mixtral": "model.", "qwen3": "model.", "olmo2": "model.", "phi3": "model.",
-                "deepseek_v2": "model.", "deepseek_v3": "model."}
+                "gemma2": "model.", "gemma3_text": "model.", "deepseek_v2": "model.", "deepseek_v3": "model."}
 _HEADS = ("lm_head.weight", "embed_out.weight")
 # Buffers older checkpoints saved beside the weights: causal masks and RoPE frequencies (we build our own).
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|attention\.bias|attention\.masked_bias|rotary_emb\.inv_freq)$")
