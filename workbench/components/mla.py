@@ -106,6 +106,8 @@ class MLA(nn.Module):
         self.W_O = nn.Parameter(torch.empty(h, e, d))
         add_bias(self, "b_O", (d,), cfg.bias)
         self.attn_scale = qk**0.5
+        # What the borrowed Attention paths read: no Gemma soft-cap or sliding window (config refuses them)
+        self.sdpa_scale, self.softcap, self.window = 1 / self.attn_scale, None, None
         self.position = pick(ATTN_POSITIONS, cfg.positional, "positional")(cfg)
 
         self.hook_kv_latent = HookPoint()  # [batch, pos, kv_lora_rank], normed
