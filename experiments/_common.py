@@ -85,6 +85,33 @@ def interval_bars(numbers: pd.DataFrame, x: str, value: str, title: str = ""):
     return fig
 
 
+# ---- prompt files ------------------------------------------------------------------------
+def read_prompts(path: Path):
+    """A ``--prompts`` file as a ``workbench.PromptSet``: .csv or .jsonl, by its suffix."""
+    import workbench as wb
+
+    if not path.is_file():
+        raise SystemExit(f"--prompts {path}: no such file")
+    if path.suffix.lower() == ".csv":
+        return wb.PromptSet.from_csv(path)
+    if path.suffix.lower() in (".jsonl", ".json"):
+        return wb.PromptSet.from_jsonl(path)
+    raise SystemExit(f"--prompts {path}: give a .csv or a .jsonl file")
+
+
+def word_model(prompts, seed: int):
+    """A random tiny model with a word tokenizer of the prompt set's own words (``--quick`` without a
+    checkpoint: it runs the whole pipeline over the file; its numbers mean nothing)."""
+    import workbench as wb
+    from workbench.tokenizer import WordTokenizer
+
+    texts = [*prompts.clean, *(prompts.corrupted or []), *(prompts.answers or []), *(prompts.wrong or [])]
+    tok = WordTokenizer.from_text(" ".join(texts))
+    longest = max(len(tok.encode(t)) for t in texts)
+    cfg = wb.ModelConfig(d_model=32, n_layers=2, n_heads=4, d_vocab=tok.vocab_size, n_ctx=max(32, longest), seed=seed)
+    return wb.HookedDecoder(cfg, tokenizer=tok)
+
+
 # ---- splitting a grid across torchrun ranks ------------------------------------------------
 def rank_and_world() -> tuple[int, int]:
     """This script's place in a torchrun launch (read here, at the entry point; never by the library)."""
