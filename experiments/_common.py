@@ -112,6 +112,20 @@ def word_model(prompts, seed: int):
     return wb.HookedDecoder(cfg, tokenizer=tok)
 
 
+def model_for_prompts(args: argparse.Namespace, prompts, default: Path):
+    """(model, source) for a prompt-file run: ``--checkpoint`` (else ``default``); with ``--quick``
+    and no ``--checkpoint``, ``word_model`` of the prompts (a checkpoint's vocabulary may lack their words)."""
+    import workbench as wb
+
+    if args.checkpoint is None and args.quick:
+        return word_model(prompts, args.seed), "random tiny model"
+    args.checkpoint = args.checkpoint or default
+    if not (args.checkpoint / "config.json").exists():
+        raise SystemExit(f"no checkpoint at {args.checkpoint}; build it (scripts/make_checkpoints.py) or pass "
+                         "--checkpoint")
+    return wb.load_checkpoint(args.checkpoint)[0], str(args.checkpoint)
+
+
 # ---- splitting a grid across torchrun ranks ------------------------------------------------
 def rank_and_world() -> tuple[int, int]:
     """This script's place in a torchrun launch (read here, at the entry point; never by the library)."""

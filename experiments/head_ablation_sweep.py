@@ -28,11 +28,14 @@ import _common
 import pandas as pd
 
 NAME = "head_ablation_sweep"
+DEFAULT_CHECKPOINT = _common.REPO / "checkpoints" / "induction-attn2l"
 
 
 def main(argv=None) -> pd.DataFrame:
     p = _common.parser(NAME, __doc__)
-    p.add_argument("--checkpoint", type=_common.Path, default=_common.REPO / "checkpoints" / "induction-attn2l")
+    p.add_argument("--checkpoint", type=_common.Path, default=None,
+                   help="default: checkpoints/induction-attn2l (with --prompts and --quick: a random tiny model "
+                        "reading the file's words)")
     p.add_argument("--task", default=None, help="task of the tokens (default: the checkpoint's training task)")
     p.add_argument("--methods", default="zero,mean,resample")
     p.add_argument("--batch", type=int, default=32)
@@ -49,6 +52,7 @@ def main(argv=None) -> pd.DataFrame:
     from workbench.checkpoint import read_meta
     from workbench.data import get_task
 
+    args.checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
     if (args.checkpoint / "config.json").exists():
         model, _ = wb.load_checkpoint(args.checkpoint)
         meta = read_meta(args.checkpoint)
@@ -112,18 +116,11 @@ def main(argv=None) -> pd.DataFrame:
 
 def _over_prompts(args) -> pd.DataFrame:
     """The sweep over a prompt file: per-prompt effects, summarised with intervals over the prompts."""
-    import workbench as wb
     from workbench import viz
     from workbench.analysis import ablation_sweep, sweep_specs
 
     prompts = _common.read_prompts(args.prompts)
-    if (args.checkpoint / "config.json").exists():
-        model, _ = wb.load_checkpoint(args.checkpoint)
-        source = str(args.checkpoint)
-    elif args.quick:  # a random tiny model that reads the file's words: the pipeline, not a finding
-        model, source = _common.word_model(prompts, args.seed), "random tiny model"
-    else:
-        raise SystemExit(f"no checkpoint at {args.checkpoint}; build it (scripts/make_checkpoints.py) or pass --checkpoint")
+    model, source = _common.model_for_prompts(args, prompts, DEFAULT_CHECKPOINT)
     model.eval()
     specs = sweep_specs(model, "head", [m.strip() for m in args.methods.split(",")])
     results = ablation_sweep(model, prompts, specs=specs, batch_size=args.batch, per_prompt=True, progress=True)

@@ -35,7 +35,8 @@ QUICK = [
 
 def main(argv=None) -> pd.DataFrame:
     p = _common.parser(NAME, __doc__)
-    p.add_argument("--checkpoint", type=_common.Path, default=_common.REPO / "checkpoints" / "stories-2026")
+    p.add_argument("--checkpoint", type=_common.Path, default=None,
+                   help="default: checkpoints/stories-2026 (--quick: a random tiny model reading the file's words)")
     p.add_argument("--prompts", type=_common.Path, default=None, help="the prompt pairs (.csv or .jsonl)")
     p.add_argument("--positions", default=None,
                    help="comma-separated positions: ints from the start (0) or end (-1), or names (S2, IO, END); "
@@ -56,13 +57,7 @@ def main(argv=None) -> pd.DataFrame:
         raise SystemExit("--prompts FILE is needed (a .csv or .jsonl of prompt, corrupted, answer, wrong)")
     if prompts.corrupted is None or prompts.answers is None or prompts.wrong is None:
         raise SystemExit(f"--prompts {args.prompts}: patching needs the columns corrupted, answer and wrong")
-    if (args.checkpoint / "config.json").exists():
-        model, _ = wb.load_checkpoint(args.checkpoint)
-        source = str(args.checkpoint)
-    elif args.quick:
-        model, source = _common.word_model(prompts, args.seed), "random tiny model"
-    else:
-        raise SystemExit(f"no checkpoint at {args.checkpoint}; build it (scripts/make_checkpoints.py) or pass --checkpoint")
+    model, source = _common.model_for_prompts(args, prompts, _common.REPO / "checkpoints" / "stories-2026")
     model.eval()
     positions = _positions(args, prompts, model)
     patched = activation_patching(model, prompts, sites=("resid_pre", "head"), positions=positions,

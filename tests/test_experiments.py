@@ -81,7 +81,7 @@ def test_prompt_patching_over_a_prompt_file_aligns_positions_per_row(tmp_path):
     path = _prompt_file(tmp_path, ".csv")
     module = importlib.import_module("prompt_patching")
     results = module.main(["--quick", "--out", str(tmp_path / "run"), "--threads", "1", "--prompts", str(path),
-                           "--positions", "-2,END", "--batch", "2"])
+                           "--positions=-2,END", "--batch", "2"])
     assert set(results[results.site == "resid_pre"].pos) == {-2, "END"}  # positions named in the table
     heads = results[results.site == "head"]
     assert heads.attribution.notna().all() and set(heads.prompt) == {0, 1, 2}
