@@ -16,6 +16,7 @@ prompt has are patched.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import streamlit as st
@@ -106,7 +107,9 @@ def _pairs(ckpt: common.Checkpoint):
     if target.kind == "loss":
         st.info("Patching scores an answer: pick one of the answer metrics.")
         return None
-    return (clean,), (corrupted,), target.metric(), _labels(ckpt, (clean,), (corrupted,))
+    # the scored position counted from the end, so it is the same token of a corrupted prompt of another length
+    metric = dataclasses.replace(target.metric(), pos=target.pos - len(clean))
+    return (clean,), (corrupted,), metric, _labels(ckpt, (clean,), (corrupted,))
 
 
 def _labels(ckpt: common.Checkpoint, clean, corrupted) -> list[str]:

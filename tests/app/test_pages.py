@@ -324,7 +324,9 @@ def test_ablate_averages_over_a_prompt_set_with_each_prompts_spread(app):
     assert not at.exception, at.exception
     spread = figure(at, "per prompt (16 prompts)")
     assert [trace["name"] for trace in spread["data"]] == ["L0H0 (zero)", "L1 mlp (zero)"]
-    assert all(len(trace["y"]) == 16 for trace in spread["data"])  # every prompt a point
+    assert all(trace["boxpoints"] == "all" for trace in spread["data"])  # every prompt a point
+    summary = next(d.value for d in at.dataframe if "delta" in d.value.columns and "n" in d.value.columns)
+    assert summary.n.tolist() == [16, 16] and summary.label.tolist() == ["L0H0 (zero)", "L1 mlp (zero)"]
     at.radio(key="ablate_set_source").set_value("typed").run()
     at.text_area(key="ablate_set_text").set_value("Mary and John went to the park .\nTom went home .").run()
     assert not at.exception and "per prompt (2 prompts)" in " ".join(titles(at))
