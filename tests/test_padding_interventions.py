@@ -34,9 +34,8 @@ MEAN_REFERENCE = ["the park , Tom gave a cup to Mary and John went home", "Anna 
 RESAMPLE_REFERENCE = ["John gave a book to Tom and Anna went to the park , so"]  # one row: every prompt draws it
 VARIANTS = {
     "learned": dict(positional="learned"),
-    "rope-gqa": dict(positional="rope", n_kv_heads=2),
-    "alibi": dict(positional="alibi"),
-    "moe": dict(ffn="moe", n_experts=3, experts_per_token=2, positional="rope"),
+    "alibi-gqa": dict(positional="alibi", n_kv_heads=2),
+    "rope-moe": dict(ffn="moe", n_experts=3, experts_per_token=2, positional="rope"),
 }
 SPECS = [AblationSpec("head", 0, head=1), AblationSpec("attn", 1, method="mean"),
          AblationSpec("mlp", 0, method="mean", positions=[0, 2])]
@@ -68,15 +67,15 @@ def setup(request):
         pair = (one, model.to_tokens(corrupted))
         if len(pair[0][0]) != len(pair[1][0]):
             named = [-2, "END"]  # the pair alone cannot carry IO over; checked on the dataset with its column
-        table = activation_patching(model, *pair, metric, sites=("resid_pre", "head_by_pos"), positions=named)
+        table = activation_patching(model, *pair, metric, sites=("resid_pre", "head"), positions=named)
         alone["patch"].append((named, table))
         alone["attr"].append(attribution_patching(model, *pair, metric, by_pos=True, positions=[-2, -1]))
     return model, ds, alone
 
 
 def _sides_and_sizes():
-    """Each side with every prompt in one batch, and batches of 1 and 2 (one side each: the cost stays small)."""
-    return [("left", 1), ("right", 2), ("left", len(ROWS)), ("right", len(ROWS))]
+    """Left and right padding, batches of 1, 2 and all (not every combination: the cost stays small)."""
+    return [("left", 1), ("right", 2), ("left", len(ROWS))]
 
 
 def test_ablation_equals_each_prompt_alone(setup):
@@ -126,17 +125,21 @@ def test_the_mean_reference_counts_real_tokens_only(setup):
 def test_activation_patching_equals_each_pair_alone(setup):
     model, ds, alone = setup
     for side, size in _sides_and_sizes():
-        table = activation_patching(model, ds, sites=("resid_pre", "head_by_pos"),
+        table = activation_patching(model, ds, sites=("resid_pre", "head"),
                                     positions=POSITIONS, batch_size=size, padding_side=side, per_prompt=True)
-        assert set(table.pos) == set(POSITIONS)  # positions named by role in the output
+        assert set(table[table.site == "resid_pre"].pos) == set(POSITIONS)  # positions named by role
         for i, (named, theirs) in enumerate(alone["patch"]):
-            mine = table[table.prompt == i]
+            mine, theirs_resid = table[table.prompt == i], theirs[theirs.site == "resid_pre"]
             for label, their_label in zip(POSITIONS, [p if p != "IO" else ROWS[i][4] for p in POSITIONS]):
                 if their_label not in named:
                     continue
-                a, b = mine[mine.pos == label], theirs[theirs.pos == their_label]
+                a = mine[(mine.site == "resid_pre") & (mine.pos == label)]
+                b = theirs_resid[theirs_resid.pos == their_label]
                 np.testing.assert_allclose(a.metric, b.metric, **TOL)
                 np.testing.assert_allclose(a.corrupted, b.corrupted, **TOL)
+            if len(named) == len(POSITIONS):  # each head patched at all three positions together
+                np.testing.assert_allclose(mine[mine.site == "head"].metric, theirs[theirs.site == "head"].metric,
+                                           **TOL)
         assert (table.kind == [f"k{p % 2}" for p in table.prompt]).all()
 
 
