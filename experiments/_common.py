@@ -85,6 +85,47 @@ def interval_bars(numbers: pd.DataFrame, x: str, value: str, title: str = ""):
     return fig
 
 
+# ---- prompt files ------------------------------------------------------------------------
+def read_prompts(path: Path):
+    """A ``--prompts`` file as a ``workbench.PromptSet``: .csv or .jsonl, by its suffix."""
+    import workbench as wb
+
+    if not path.is_file():
+        raise SystemExit(f"--prompts {path}: no such file")
+    if path.suffix.lower() == ".csv":
+        return wb.PromptSet.from_csv(path)
+    if path.suffix.lower() in (".jsonl", ".json"):
+        return wb.PromptSet.from_jsonl(path)
+    raise SystemExit(f"--prompts {path}: give a .csv or a .jsonl file")
+
+
+def word_model(prompts, seed: int):
+    """A random tiny model with a word tokenizer of the prompt set's own words (``--quick`` without a
+    checkpoint: it runs the whole pipeline over the file; its numbers mean nothing)."""
+    import workbench as wb
+    from workbench.tokenizer import WordTokenizer
+
+    texts = [*prompts.clean, *(prompts.corrupted or []), *(prompts.answers or []), *(prompts.wrong or [])]
+    tok = WordTokenizer.from_text(" ".join(texts))
+    longest = max(len(tok.encode(t)) for t in texts)
+    cfg = wb.ModelConfig(d_model=32, n_layers=2, n_heads=4, d_vocab=tok.vocab_size, n_ctx=max(32, longest), seed=seed)
+    return wb.HookedDecoder(cfg, tokenizer=tok)
+
+
+def model_for_prompts(args: argparse.Namespace, prompts, default: Path):
+    """(model, source) for a prompt-file run: ``--checkpoint`` (else ``default``); with ``--quick``
+    and no ``--checkpoint``, ``word_model`` of the prompts (a checkpoint's vocabulary may lack their words)."""
+    import workbench as wb
+
+    if args.checkpoint is None and args.quick:
+        return word_model(prompts, args.seed), "random tiny model"
+    args.checkpoint = args.checkpoint or default
+    if not (args.checkpoint / "config.json").exists():
+        raise SystemExit(f"no checkpoint at {args.checkpoint}; build it (scripts/make_checkpoints.py) or pass "
+                         "--checkpoint")
+    return wb.load_checkpoint(args.checkpoint)[0], str(args.checkpoint)
+
+
 # ---- splitting a grid across torchrun ranks ------------------------------------------------
 def rank_and_world() -> tuple[int, int]:
     """This script's place in a torchrun launch (read here, at the entry point; never by the library)."""

@@ -10,6 +10,16 @@ reference activations from a second, independent batch of the same kind.
 With ``--seeds N`` the sweep runs on N independent token batches (seed ``s`` draws batches
 ``s + 1`` and ``s + 2``); the heatmap shows the mean loss increase and the summary each top
 head's mean and 95% interval over the batches.
+
+With ``--prompts FILE`` (CSV or JSONL: a ``prompt`` column, optional ``answer``/``wrong``, any
+other columns) the sweep runs over that prompt set instead, ``--batch`` prompts at a time,
+padded (the prompts may have any lengths): each prompt is scored as if it ran alone (the
+answer's logit difference against ``wrong`` at its last token when the file gives answers,
+else its mean next-token loss), mean and resample ablations draw from the prompt set itself
+(over real tokens only), and the summary gives each head's mean effect with its 95% interval
+over the prompts. results.csv has one row per (head, method, prompt), with the file's columns.
+
+    python experiments/head_ablation_sweep.py --checkpoint checkpoints/stories-2026 --prompts ioi.csv
 """
 
 from __future__ import annotations
@@ -18,23 +28,31 @@ import _common
 import pandas as pd
 
 NAME = "head_ablation_sweep"
+DEFAULT_CHECKPOINT = _common.REPO / "checkpoints" / "induction-attn2l"
 
 
 def main(argv=None) -> pd.DataFrame:
     p = _common.parser(NAME, __doc__)
-    p.add_argument("--checkpoint", type=_common.Path, default=_common.REPO / "checkpoints" / "induction-attn2l")
+    p.add_argument("--checkpoint", type=_common.Path, default=None,
+                   help="default: checkpoints/induction-attn2l (with --prompts and --quick: a random tiny model "
+                        "reading the file's words)")
     p.add_argument("--task", default=None, help="task of the tokens (default: the checkpoint's training task)")
     p.add_argument("--methods", default="zero,mean,resample")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's n_ctx)")
+    p.add_argument("--prompts", type=_common.Path, default=None,
+                   help="a prompt set (.csv or .jsonl: prompt, answer, wrong, + any columns) to sweep over")
     args = p.parse_args(argv)
     _common.setup(args)
+    if args.prompts is not None:
+        return _over_prompts(args)
     import workbench as wb
     from workbench import viz
     from workbench.analysis import ablation_sweep, repeated_random_tokens, sweep_specs
     from workbench.checkpoint import read_meta
     from workbench.data import get_task
 
+    args.checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
     if (args.checkpoint / "config.json").exists():
         model, _ = wb.load_checkpoint(args.checkpoint)
         meta = read_meta(args.checkpoint)
@@ -93,6 +111,29 @@ def main(argv=None) -> pd.DataFrame:
                                  "tokens_shape": [args.batch, seq_len]}, results, {"head_ablation": fig}, summary,
                       title=f"top heads by loss increase ({source}): mean [95% interval] over {len(seeds)} batch(es)",
                       tables={"summary": numbers})
+    return results
+
+
+def _over_prompts(args) -> pd.DataFrame:
+    """The sweep over a prompt file: per-prompt effects, summarised with intervals over the prompts."""
+    from workbench import viz
+    from workbench.analysis import ablation_sweep, sweep_specs
+
+    prompts = _common.read_prompts(args.prompts)
+    model, source = _common.model_for_prompts(args, prompts, DEFAULT_CHECKPOINT)
+    model.eval()
+    specs = sweep_specs(model, "head", [m.strip() for m in args.methods.split(",")])
+    results = ablation_sweep(model, prompts, specs=specs, batch_size=args.batch, per_prompt=True, progress=True)
+    what = "logit difference" if prompts.answers is not None else "mean loss"
+    numbers, readable = _common.with_intervals(results, ["label", "method", "layer", "head"], ["delta", "clean"])
+    fig = viz.layer_head_figure(numbers, "delta_mean", facet="method",
+                                title=f"Change in {what} when each head is ablated ({source}; mean over "
+                                      f"{len(prompts)} prompts)")
+    order = numbers["delta_mean"].abs().sort_values(ascending=False).index[:10]
+    _common.write_run(args.out, {"experiment": NAME, **vars(args), "source": source, "n_prompts": len(prompts)},
+                      results, {"head_ablation": fig}, readable.loc[order].reset_index(drop=True),
+                      title=f"top heads by |change in {what}| ({source}): mean [95% interval] over "
+                            f"{len(prompts)} prompts", tables={"summary": numbers})
     return results
 
 

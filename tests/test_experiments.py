@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ["param_table", "kv_cache_gqa", "head_ablation_sweep", "lens_comparison", "norm_placement_depth",
-               "component_swap", "steering_sweep", "circuit_benchmark"]
+               "component_swap", "steering_sweep", "circuit_benchmark", "prompt_patching"]
 sys.path.insert(0, str(REPO / "experiments"))
 
 
@@ -42,6 +42,54 @@ def test_experiment_results_make_sense(tmp_path):
     assert kv.cache_vs_mha.iloc[-1] == pytest.approx(1 / kv.n_heads.iloc[0])
     # MLA row: 1 layer x (latent 4 * d_head 8 = 32 + RoPE key 4) x bf16 against MHA's 2 x 4 heads x 8 x 2
     assert mla.kv_bytes_per_token.tolist() == [72] and mla.cache_vs_mha.iloc[0] == pytest.approx(72 / 128)
+
+
+PROMPTS = [  # IOI-like prompts of different lengths; the corrupted prompts differ in length too
+    ("When Mary and John went to the store , John gave a drink to", "When Mary and John went to the store , "
+     "the tall Anna gave a drink to", "Mary", "John", 0),
+    ("Then Anne and Bob talked ; Bob handed a book to", "Then Anne and Bob talked ; Tom handed a book to",
+     "Anne", "Bob", 1),
+    ("Tom and Kate met ; Kate gave a cup to", "Tom and Kate met ; Sam gave a cup to", "Tom", "Kate", 0),
+]
+
+
+def _prompt_file(tmp_path, suffix):
+    frame = pd.DataFrame(PROMPTS, columns=["prompt", "corrupted", "answer", "wrong", "group"])
+    path = tmp_path / f"prompts{suffix}"
+    frame.to_csv(path, index=False) if suffix == ".csv" else frame.to_json(path, orient="records", lines=True)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_head_ablation_sweep_over_a_prompt_file_reports_each_head_over_the_prompts(tmp_path, suffix):
+    import workbench as wb
+    from workbench.analysis import ablation_sweep
+
+    path = _prompt_file(tmp_path, suffix)
+    module = importlib.import_module("head_ablation_sweep")
+    results = module.main(["--quick", "--out", str(tmp_path / "run"), "--threads", "1", "--prompts", str(path),
+                           "--methods", "zero,mean", "--batch", "2"])
+    assert set(results.prompt) == {0, 1, 2} and results.group.tolist()[:3] == [0, 1, 0]  # the file's columns
+    summary = pd.read_csv(tmp_path / "run" / "summary.csv")
+    assert summary.n.eq(3).all() and len(summary) == 2 * 2 * 4
+    # the same sweep by hand: each head's mean over the prompts, each prompt scored alone
+    prompts = wb.PromptSet.from_csv(path) if suffix == ".csv" else wb.PromptSet.from_jsonl(path)
+    model = module._common.word_model(prompts, 0).eval()
+    alone = [ablation_sweep(model, prompts[[i]], methods=("zero",)).delta.to_numpy() for i in range(3)]
+    zero = summary[summary.method == "zero"]
+    assert zero.delta_mean.to_numpy() == pytest.approx(sum(alone) / 3, abs=1e-5)
+
+
+def test_prompt_patching_over_a_prompt_file_aligns_positions_per_row(tmp_path):
+    path = _prompt_file(tmp_path, ".csv")
+    module = importlib.import_module("prompt_patching")
+    results = module.main(["--quick", "--out", str(tmp_path / "run"), "--threads", "1", "--prompts", str(path),
+                           "--positions=-2,END", "--batch", "2"])
+    assert set(results[results.site == "resid_pre"].pos) == {-2, "END"}  # positions named in the table
+    heads = results[results.site == "head"]
+    assert heads.attribution.notna().all() and set(heads.prompt) == {0, 1, 2}
+    summary = pd.read_csv(tmp_path / "run" / "summary.csv")
+    assert summary.n.eq(3).all()
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -8,6 +8,11 @@ prediction at each position, the logit lens, the attention of the head whose pat
 changed most and direct logit attribution, each also as clean − ablated. A button runs
 the ablation sweep over every head (one library call reporting its progress) and draws
 the layer x head heatmap; clicking a cell ablates that head.
+
+"Over a prompt set" ablates the chosen units on many prompts at once (the task's IOI
+prompts, scored by each one's own answer, or prompts typed one per line, scored by their
+mean loss; they may have any lengths): each unit's mean change with its 95% interval over
+the prompts, and every prompt's change as a point.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ui import common
 from workbench import viz
 from workbench.analysis import (
     AblationSpec,
+    AnswerMetric,
     ablation_sweep,
     answer_change,
     answer_table,
@@ -33,8 +39,10 @@ from workbench.analysis import (
     pattern_difference,
     token_loss_change,
     token_losses,
+    task_pairs,
     unit_label,
 )
+from workbench.stats import interval_cells, summarize
 
 KINDS = {"zero": "zero", "mean (over reference text)": "mean", "resample (from reference text)": "resample"}
 # The parts of a layer the unit picker offers, and the targets each ablates.
@@ -61,6 +69,7 @@ def render() -> None:
     if ablation is not None:
         if ablation:
             _compare(ckpt, ids, ablation, reference, target)
+            _over_prompt_set(ckpt, ablation)
         else:
             st.info("Choose units to ablate above, or run the head sweep below and click a cell.")
     _head_sweep(ckpt, ids, kind, reference, target)
@@ -201,6 +210,59 @@ def _dla_change(ckpt: common.Checkpoint, ids, ablation, reference, target: commo
     st.caption(f"What each component writes directly into {what} at position {target.pos}; the ablated run's "
                "components read an ablated stream, so later ones change too.")
     common.show(viz.dla_difference_figure(dla_difference(*runs), granularity=granularity), key="ablate_dla")
+
+
+SET_SOURCES = {"ioi": "the task's IOI prompts (each scored by its own answer)",
+               "typed": "prompts typed here, one per line (scored by their mean loss)"}
+
+
+def sweep_over_prompts(model, prompts: tuple[str, ...], specs: tuple, answer: Optional[tuple] = None,
+                       wrong: Optional[tuple] = None):
+    """Each of ``specs`` ablated on every prompt: the per-prompt table of ``ablation_sweep``
+    (answers: the logit difference at each prompt's last token; none: each prompt's mean loss)."""
+    metric = None if answer is None else AnswerMetric("logit_diff", answer, wrong, -1)
+    return ablation_sweep(model, list(prompts), specs=list(specs), metric=metric, per_prompt=True, batch_size=16)
+
+
+def _over_prompt_set(ckpt: common.Checkpoint, ablation) -> None:
+    st.subheader("Over a prompt set")
+    if not st.toggle("Average the ablation over a prompt set", key="ablate_set_on"):
+        return
+    sources = [k for k in SET_SOURCES if k != "ioi" or _ioi(ckpt, 2) is not None]
+    source = st.radio("Prompts", sources, format_func=SET_SOURCES.get, horizontal=True, key="ablate_set_source")
+    answer = wrong = None
+    if source == "ioi":
+        pairs = _ioi(ckpt, st.slider("Prompts", 2, 64, 16, key="ablate_set_n"))
+        prompts, answer, wrong = pairs.prompts, pairs.answer, pairs.wrong
+        what = "logit difference (answer − wrong) at the last token"
+    else:
+        common.follow_default("ablate_set_text", common.default_prompt(ckpt), ckpt.path)
+        text = st.text_area("Prompts, one per line", key="ablate_set_text", height=120)
+        prompts = tuple(line.strip() for line in text.splitlines() if line.strip())
+        what = "mean loss"
+        if not prompts:
+            st.info("Type one prompt per line.")
+            return
+    try:
+        per_prompt = common.analysis(sweep_over_prompts, ckpt.key, None, prompts=prompts, specs=ablation,
+                                     answer=answer, wrong=wrong)
+    except ValueError as e:
+        st.warning(str(e))
+        return
+    summary = summarize(per_prompt, "label", ["delta", "clean"])
+    st.caption(f"Change in each prompt's {what} (ablated − clean), over {len(prompts)} prompts of any length; "
+               "mean and resample ablations draw from the prompts themselves, over real tokens only.")
+    common.table(interval_cells(summary, ["delta", "clean"], digits=4))
+    common.show(viz.prompt_spread_figure(per_prompt, "delta", units=f"Δ {what}",
+                                         title=f"Change in {what} per prompt ({len(prompts)} prompts)"),
+                key="ablate_set_spread")
+
+
+def _ioi(ckpt: common.Checkpoint, n: int):
+    try:
+        return common.analysis(task_pairs, ckpt.key, None, meta=ckpt.meta, n=n, kind="ioi")
+    except ValueError:
+        return None
 
 
 def _head_sweep(ckpt: common.Checkpoint, ids, kind: str, reference, target: common.Target) -> None:

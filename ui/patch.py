@@ -7,16 +7,24 @@ default the logit difference between the answer and the wrong token at the last
 position). Each clean activation is patched into the corrupted run by layer x position
 (residual stream, attention output, MLP output) and by head; attribution patching's
 one-pass estimate of every head sits beside the exact head patching, with their correlation.
+
+Everything is averaged over the pairs, each scored on its own answer as if it ran alone. A
+clean and a corrupted prompt may differ in length: positions are then counted from each
+prompt's end (the last position is every prompt's last token), and only the positions every
+prompt has are patched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import streamlit as st
 
 from ui import common
 from workbench import viz
+from workbench.analysis.per_prompt import default_positions
+from workbench.padding import TokenBatch
 from workbench.analysis import (
     TASK_PAIRS,
     AnswerMetric,
@@ -49,8 +57,7 @@ def render() -> None:
     chosen = a.multiselect("Patch by layer and position", sites, default=sites, key="patch_sites",
                            format_func=lambda s: SITES[s])
     value = VALUES[b.radio("Show", list(VALUES), key="patch_value")]
-    rows = common.TokenRows(corrupted)
-    patched = common.analysis(activation_patching, ckpt.key, clean, corrupted_tokens=rows, metric=metric,
+    patched = common.analysis(patch_pairs, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric,
                               sites=tuple(chosen) + ("head",))
     first = patched.iloc[0]
     c1, c2, c3 = st.columns(3)
@@ -63,7 +70,7 @@ def render() -> None:
     for site in chosen:
         common.show(viz.patching_figure(patched, site, value=value, tokens=labels, units=metric.units),
                     key=f"patch_{site}")
-    _heads(ckpt, clean, rows, metric, patched, value)
+    _heads(ckpt, clean, corrupted, metric, patched, value)
 
 
 def _pairs(ckpt: common.Checkpoint):
@@ -74,36 +81,64 @@ def _pairs(ckpt: common.Checkpoint):
     if source != TYPED:
         n = st.slider("Pairs", 2, 32, 8, key="patch_n")
         pairs = _task_pairs(ckpt, source, n)
-        st.caption(f"{pairs.description}; {n} pairs of {len(pairs.clean[0])} tokens. The metric is averaged over "
-                   "them, each scored on its own answer at the last position.")
+        st.caption(f"{pairs.description}; {n} pairs. The metric is averaged over them, each scored on its own "
+                   "answer at its last position.")
         with st.expander("The pairs"):
             common.table({"clean": list(pairs.prompts), "corrupted": list(pairs.corrupted_prompts)})
         kind = TASK_KINDS[st.selectbox("Metric", list(TASK_KINDS), key="patch_task_kind")]
         metric = AnswerMetric(kind, pairs.answer, pairs.wrong if kind == "logit_diff" else None, -1)
-        labels = [ckpt.tokenizer.token_str(i) for i in pairs.clean[0]]
-        return pairs.clean, pairs.corrupted, metric, labels
+        return pairs.clean, pairs.corrupted, metric, _labels(ckpt, pairs.clean, pairs.corrupted)
     default = _task_pairs(ckpt, sources[0], 1) if sources else None
     left, right = st.columns(2)
     common.follow_default("patch_clean", default.prompts[0] if default else common.default_prompt(ckpt), ckpt.path)
     common.follow_default("patch_corrupted", default.corrupted_prompts[0] if default else "", ckpt.path)
     clean_text = left.text_area("Clean prompt", key="patch_clean", height=80)
-    corrupted_text = right.text_area("Corrupted prompt (as many tokens)", key="patch_corrupted", height=80)
+    corrupted_text = right.text_area("Corrupted prompt", key="patch_corrupted", height=80)
     clean = common.prompt_ids(ckpt, clean_text, where=left)
     corrupted = common.prompt_ids(ckpt, corrupted_text, where=right)
     if clean is None or corrupted is None:
         return None
     if len(clean) != len(corrupted):
-        st.warning(f"The clean prompt is {len(clean)} tokens and the corrupted one {len(corrupted)}: patching "
-                   "swaps activations position by position, so they must be equally long.")
-        return None
+        st.caption(f"The clean prompt is {len(clean)} tokens and the corrupted one {len(corrupted)}: positions "
+                   "are counted from each prompt's end, and heads are patched at those positions.")
     target = common.target_picker(ckpt, clean, key="patch_target")
     if target is None:
         return None
     if target.kind == "loss":
         st.info("Patching scores an answer: pick one of the answer metrics.")
         return None
-    labels = [ckpt.tokenizer.token_str(i) for i in clean]
-    return (clean,), (corrupted,), target.metric(), labels
+    # the scored position counted from the end, so it is the same token of a corrupted prompt of another length
+    metric = dataclasses.replace(target.metric(), pos=target.pos - len(clean))
+    return (clean,), (corrupted,), metric, _labels(ckpt, (clean,), (corrupted,))
+
+
+def _labels(ckpt: common.Checkpoint, clean, corrupted) -> list[str]:
+    """Labels of the patched positions: the first clean prompt's tokens at them."""
+    positions = _positions(clean, corrupted) or range(len(clean[0]))
+    return [ckpt.tokenizer.token_str(clean[0][p]) for p in positions]
+
+
+def _positions(clean, corrupted) -> Optional[list[int]]:
+    """None when every prompt is equally long (every position, heads at all of them), else the
+    positions from the end that every prompt has."""
+    positions = default_positions([len(c) for c in clean], [len(c) for c in corrupted])
+    return None if positions[0] >= 0 else positions
+
+
+def _batch(model, rows) -> TokenBatch:
+    return TokenBatch.from_ids([list(r) for r in rows], getattr(model.tokenizer, "pad_id", 0), "left", model.device)
+
+
+def patch_pairs(model, clean, corrupted, metric, sites):
+    """``activation_patching`` over the pairs (token ids as tuples: a cache key), padded as needed."""
+    return activation_patching(model, _batch(model, clean), _batch(model, corrupted), metric, sites=sites,
+                               positions=_positions(clean, corrupted))
+
+
+def attribute_pairs(model, clean, corrupted, metric):
+    """``attribution_patching`` over the same pairs and positions."""
+    return attribution_patching(model, _batch(model, clean), _batch(model, corrupted), metric,
+                                positions=_positions(clean, corrupted))
 
 
 def _task_pairs(ckpt: common.Checkpoint, kind: str, n: int):
@@ -113,8 +148,7 @@ def _task_pairs(ckpt: common.Checkpoint, kind: str, n: int):
         return None
 
 
-def _heads(ckpt: common.Checkpoint, clean, rows: common.TokenRows, metric: AnswerMetric, patched,
-           value: str) -> None:
+def _heads(ckpt: common.Checkpoint, clean, corrupted, metric: AnswerMetric, patched, value: str) -> None:
     st.subheader("Heads: exact patching and attribution patching")
     left, right = st.columns(2)
     with left:
@@ -123,7 +157,7 @@ def _heads(ckpt: common.Checkpoint, clean, rows: common.TokenRows, metric: Answe
         if not metric.differentiable:
             st.info("Attribution patching follows the metric's gradient; a rank has none. Pick another metric.")
             return
-        attribution = common.analysis(attribution_patching, ckpt.key, clean, corrupted_tokens=rows, metric=metric)
+        attribution = common.analysis(attribute_pairs, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric)
         fig = viz.layer_head_figure(attribution, value="attribution", units=f"estimated Δ {metric.units}",
                                     title="Attribution patching: each head's estimated effect")
         common.show(fig, key="patch_attribution")

@@ -359,6 +359,24 @@ def patching_figure(frame: pd.DataFrame, site: str, value: str = "metric", token
     return fig
 
 
+def prompt_spread_figure(frame: pd.DataFrame, value: str = "delta", by: str = "label", title: str = "",
+                         units: str = "", theme: Optional[str] = "default") -> go.Figure:
+    """The spread over prompts of a per-prompt table (``ablation_sweep(..., per_prompt=True)``):
+    one box per ``by`` group with every prompt as a point (hover names the prompt), in the order
+    the groups first appear."""
+    for column in (by, value, "prompt"):
+        if column not in frame:
+            raise ValueError(f"the table has no column {column!r}; it has {list(frame.columns)}")
+    fig = go.Figure()
+    for name, part in frame.groupby(by, sort=False):
+        fig.add_trace(go.Box(y=part[value], name=str(name), boxpoints="all", jitter=0.4, pointpos=0,
+                             customdata=part["prompt"],
+                             hovertemplate="%{x}<br>prompt %{customdata}: %{y:.4f}<extra></extra>"))
+    fig.update_layout(title=title or f"{value} per prompt", yaxis_title=units or value, showlegend=False,
+                      template=_template(theme), height=380)
+    return fig
+
+
 def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = "",
                       facet: Optional[str] = None, theme: Optional[str] = "default", units: Optional[str] = None,
                       clickable: bool = False, text: Optional[bool] = None, columns: Optional[int] = None) -> go.Figure:

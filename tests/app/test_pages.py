@@ -347,6 +347,24 @@ def test_ablate_changes_the_loss_and_the_sweep_draws_the_heatmap(app):
     assert heatmap["data"][0]["y"] == ["L0", "L1", "L2"][: len(heatmap["data"][0]["y"])]
 
 
+def test_ablate_averages_over_a_prompt_set_with_each_prompts_spread(app):
+    at = app("Ablate")
+    at.multiselect(key="ablate_units").set_value(["L0H0", "L1 mlp"]).run()
+    at.toggle(key="ablate_set_on").set_value(True).run()
+    assert not at.exception, at.exception
+    spread = figure(at, "per prompt (16 prompts)")
+    assert [trace["name"] for trace in spread["data"]] == ["L0H0 (zero)", "L1 mlp (zero)"]
+    assert all(trace["boxpoints"] == "all" for trace in spread["data"])  # every prompt a point
+    summary = next(d.value for d in at.dataframe if "delta" in d.value.columns and "n" in d.value.columns)
+    assert summary.n.tolist() == [16, 16] and summary.label.tolist() == ["L0H0 (zero)", "L1 mlp (zero)"]
+    at.radio(key="ablate_set_source").set_value("typed").run()
+    at.text_area(key="ablate_set_text").set_value("Mary and John went to the park .\nTom went home .").run()
+    assert not at.exception and "per prompt (2 prompts)" in " ".join(titles(at))
+    at.radio(key="ablate_kind").set_value("mean (over reference text)").run()
+    at.text_area(key="ablate_set_text").set_value("Tom went home .").run()
+    assert "single sequence" in messages(at)  # one prompt is its own reference: refused, not silently zero
+
+
 def test_a_sweep_cell_click_event_names_the_head():
     from ui import ablate
 
@@ -434,7 +452,11 @@ def test_patch_runs_on_the_tasks_abc_pairs_and_on_typed_pairs(app):
     at.radio(key="patch_source").set_value("typed here").run()
     assert not at.exception and at.text_area(key="patch_corrupted").value
     at.text_area(key="patch_corrupted").set_value("Mary and John went home .").run()
-    assert "must be equally long" in messages(at)
+    # pairs of different lengths: patched at the positions from the end that both prompts have
+    assert not at.exception and "counted from each prompt's end" in " ".join(c.value for c in at.caption)
+    resid = figure(at, "Patching resid_pre")["data"][0]
+    n_clean = len(at.text_area(key="patch_clean").value.split())
+    assert len(resid["x"]) < n_clean and resid["x"][-1].endswith(": to")
 
 
 # ---- Build & train ------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@
                     batches with their row numbers; the conventions of dataset-scale analyses
     tokens.py       per-position tables of a prompt: next-token losses (and their change), residual norms
     resume.py       the engine both use: replace one activation, run only what follows (Block.resume)
+    per_prompt.py   what both need over a dataset: scores per prompt, positions aligned per row (from the
+                    end, or named per row: IO, S2, END), clean/corrupted pairs in batches
     common.py       token and unit labels (L1H4), metrics, argument checks
     directions.py   Direction (a vector at a hook), steering_vector, steering hooks, project
     probes.py       train_probe: a linear probe per layer, accuracy and AUC with intervals
@@ -74,6 +76,7 @@ from workbench.analysis.patching import (
     patching_agreement,
     task_pairs,
 )
+from workbench.analysis.per_prompt import END, PromptScorer
 from workbench.analysis.reference import reference_batch, task_from_meta
 from workbench.analysis.tokens import loss_summary, residual_norms, token_loss_change, token_losses
 from workbench.analysis.directions import (
@@ -125,6 +128,7 @@ __all__ = [
     "pattern_difference", "suggest_answer", "task_answer",
     "PATCH_SITES", "TASK_PAIRS", "PatchingPairs", "activation_patching", "attribution_patching",
     "patching_agreement", "task_pairs",
+    "END", "PromptScorer",
     "reference_batch", "task_from_meta",
     "loss_summary", "residual_norms", "token_loss_change", "token_losses",
     "Direction", "edit_comparison", "model_fingerprint", "project", "read_activations", "steered_generate",

@@ -19,21 +19,21 @@ from typing import Callable, Literal, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Int
 from torch import Tensor
 
+from workbench.analysis.batching import DataLike, as_token_batch, iter_batches, n_rows, real_positions
 from workbench.analysis.common import (
     Metric,
     Progress,
-    as_tokens,
     check_choice,
     check_head,
     check_layer,
     check_positions,
-    loss_metric,
     unit_label,
 )
+from workbench.analysis.per_prompt import PromptScorer, data_lengths, to_start, with_meta
 from workbench.analysis.resume import hook_name, needed_hooks, run_from_site
+from workbench.padding import TokenBatch
 from workbench.utils import check_index, check_int, eval_mode
 
 TARGETS = ("head", "attn", "mlp", "neurons", "resid", "direction")
@@ -128,49 +128,165 @@ class AblationSpec:
         return f"{where} ({self.method})"
 
 
-def replacement(spec: AblationSpec, act: Tensor, ref_act: Optional[Tensor]) -> Tensor:
-    """``act`` with the spec's part ablated (a new tensor; ``act`` is left alone)."""
-    batch, n_pos = act.shape[:2]
-    if spec.method == "zero":
-        source = torch.zeros_like(act)
-    elif spec.method == "mean":
-        if ref_act.shape[1] < n_pos:
-            raise ValueError(f"the reference has {ref_act.shape[1]} positions, fewer than the input's {n_pos}")
-        source = ref_act[:, :n_pos].mean(0, keepdim=True).expand_as(act)
-    else:
-        if ref_act.shape[1] < n_pos:
-            raise ValueError(f"the reference has {ref_act.shape[1]} positions, fewer than the input's {n_pos}")
-        source = ref_act[_resample_rows(spec, batch, ref_act.shape[0], ref_act.device), :n_pos]
-    out = act.clone()
-    pos = slice(None) if spec.positions is None else torch.as_tensor(list(spec.positions), device=act.device)
-    if spec.target == "head":
-        out[:, pos, spec.head] = source[:, pos, spec.head]
-    elif spec.target == "neurons":
-        idx = torch.as_tensor(list(spec.neurons), device=act.device)
-        # Two index tensors would pair up one-to-one (advanced indexing); a column of positions
-        # against a row of neurons broadcasts to every (position, neuron) combination instead.
-        pos = pos if spec.positions is None else pos[:, None]
-        out[:, pos, ..., idx] = source[:, pos, ..., idx]
-    elif spec.target == "direction":
-        direction = torch.tensor(spec.direction, dtype=torch.float64)
-        unit = (direction / direction.norm()).to(act)
-        along = (act[:, pos] @ unit)[..., None] * unit
-        out[:, pos] = act[:, pos] - along + (source[:, pos] @ unit)[..., None] * unit
-    else:
-        out[:, pos] = source[:, pos]
+class Reference:
+    """A reference run's activations at some hooks, in real-position space (index ``k`` = each
+    reference prompt's ``k``-th real token; pads never stored, so they never enter a mean).
+
+    ``mean`` ablation keeps only the per-position sum and count of real tokens (memory bounded
+    by one prompt, whatever the reference's size); ``resample`` keeps every row, since each
+    ablated prompt draws a whole reference prompt."""
+
+    def __init__(self, keep_rows: bool):
+        self.keep_rows = keep_rows
+        self.sums: dict[str, Tensor] = {}
+        self.counts: Optional[Tensor] = None
+        self.parts: dict[str, list[Tensor]] = {}
+        self.lengths: list[Tensor] = []
+
+    def add(self, acts: dict, mask: Tensor) -> None:
+        mask = mask.bool()
+        lengths = mask.sum(1)
+        width = int(lengths.max())
+        real = to_start(mask.long(), mask)[:, :width].bool()
+        counts = real.sum(0).double().cpu()
+        self.counts = counts if self.counts is None else _add_padded(self.counts, counts)
+        for name, act in acts.items():
+            aligned = to_start(act, mask)[:, :width]
+            if self.keep_rows:
+                self.parts.setdefault(name, []).append(aligned)
+            else:
+                masked = aligned.double() * real.view(real.shape + (1,) * (act.ndim - 2))
+                total = masked.sum(0)
+                self.sums[name] = total if name not in self.sums else _add_padded(self.sums[name], total)
+        self.lengths.append(lengths.cpu())
+
+    def mean(self, name: str) -> tuple[Tensor, Tensor]:
+        """[L, ...] mean per real position, and how many reference tokens each holds."""
+        counts = self.counts.to(self.sums[name].device)
+        return self.sums[name] / counts.clamp(min=1).view((-1,) + (1,) * (self.sums[name].ndim - 1)), counts
+
+    def rows(self, name: str) -> tuple[Tensor, Tensor]:
+        """[n_ref, L, ...] every reference prompt in real-position space, and their lengths."""
+        parts = self.parts[name]
+        width = max(p.shape[1] for p in parts)
+        padded = [torch.nn.functional.pad(p, (0, 0) * (p.ndim - 2) + (0, width - p.shape[1])) for p in parts]
+        return torch.cat(padded), torch.cat(self.lengths)
+
+    @property
+    def n(self) -> int:
+        return int(sum(len(x) for x in self.lengths))
+
+
+def _add_padded(a: Tensor, b: Tensor) -> Tensor:
+    """a + b along a first axis of possibly different lengths (the shorter counts as zeros)."""
+    if a.shape[0] < b.shape[0]:
+        a, b = b, a
+    out = a.clone()
+    out[: b.shape[0]] += b.to(out.device)
     return out
 
 
-def _resample_rows(spec: AblationSpec, batch: int, ref_batch: int, device) -> Tensor:
-    if spec.seed < 0:  # the input is its own reference: every row takes the next row's activation
-        if batch < 2:
-            raise ValueError("resample ablation without a reference needs a batch of at least 2 sequences")
-        return (torch.arange(batch) + 1) % batch
-    gen = torch.Generator().manual_seed(spec.seed)
-    return torch.randint(0, ref_batch, (batch,), generator=gen).to(device)
+def references(model, data: DataLike, reference: Optional[DataLike], specs: Sequence[AblationSpec],
+               batch_size: int, padding_side: str) -> dict[str, Reference]:
+    """The ``Reference`` of every method the specs use (the data itself when ``reference`` is None),
+    run in batches at the hooks those specs ablate."""
+    needed = {s.method for s in specs} - {"zero"}
+    if not needed:
+        return {}
+    source = data if reference is None else reference
+    names = {s.hook for s in specs if s.method != "zero"}
+    refs = {m: Reference(keep_rows=m == "resample") for m in needed}
+    for batch in iter_batches(model, source, batch_size, padding_side):
+        _, cache = model.run_with_cache(batch, names_filter=lambda name: name in names)
+        for method, ref in refs.items():
+            ref.add({name: cache[name] for name in names if any(s.hook == name and s.method == method for s in specs)},
+                    batch.attention_mask)
+    return refs
 
 
-def check_reference(tokens: Tensor, reference: Optional[Tensor], methods) -> None:
+def ablated_positions(spec: AblationSpec, mask: Tensor, rows: Tensor) -> Tensor:
+    """[batch, pos] bool: the real tokens ``spec`` ablates (``positions`` count within each prompt;
+    one a row lacks is a ValueError naming the row)."""
+    mask = mask.bool()
+    if spec.positions is None:
+        return mask
+    lengths = mask.sum(1)
+    short = (lengths <= max(spec.positions)).nonzero().flatten()
+    if len(short):
+        i = int(short[0])
+        raise ValueError(f"row {int(rows[i])}: positions={list(spec.positions)} include position "
+                         f"{max(spec.positions)}, but the prompt has {int(lengths[i])} tokens")
+    within = real_positions(mask)
+    return mask & torch.isin(within, torch.tensor(spec.positions, device=mask.device))
+
+
+def source_activations(spec: AblationSpec, act: Tensor, mask: Tensor, rows: Tensor, refs: dict,
+                       own: bool, n_data: int) -> Tensor:
+    """What replaces ``act`` (the activation of one batch at ``spec.hook``) at each real token:
+    zeros, the reference's mean at the token's position within its prompt, or a drawn reference
+    prompt's activation at that position. ``own``: the data is its own reference (resample then
+    takes the next prompt of the data: prompt i gets prompt i + 1, the last gets the first)."""
+    if spec.method == "zero":
+        return torch.zeros_like(act)
+    mask = mask.bool()
+    within = real_positions(mask)
+    sel = ablated_positions(spec, mask, rows)
+    ref = refs[spec.method]
+    what = "the data" if own else "the reference"
+    if spec.method == "mean":
+        mean, counts = ref.mean(spec.hook)
+        need = int(within[sel].max()) + 1 if bool(sel.any()) else 0
+        if need > mean.shape[0]:
+            row = int(rows[int((sel & (within >= mean.shape[0])).any(1).nonzero()[0])])
+            raise ValueError(f"mean ablation: row {row} has a token at position {need - 1}, but no prompt of "
+                             f"{what} is that long (the longest has {mean.shape[0]} tokens); pass a longer reference")
+        return mean[within.clamp(0, mean.shape[0] - 1)].to(act.dtype)
+    values, lengths = ref.rows(spec.hook)
+    if own:
+        src = (rows.cpu() + 1) % n_data
+    else:
+        gen = torch.Generator().manual_seed(spec.seed)
+        src = torch.randint(0, len(lengths), (n_data,), generator=gen)[rows.cpu()]
+    need = torch.where(sel, within, torch.full_like(within, -1)).max(1).values.cpu() + 1
+    short = (lengths[src] < need).nonzero().flatten()
+    if len(short):
+        i = int(short[0])
+        raise ValueError(f"resample ablation: row {int(rows[i])} is ablated at position {int(need[i]) - 1}, but the "
+                         f"prompt of {what} it draws from (row {int(src[i])}) has {int(lengths[src[i]])} tokens; "
+                         "pass a reference of prompts at least as long")
+    src = src.to(values.device)
+    return values[src[:, None], within.clamp(0, values.shape[1] - 1)].to(act.dtype)
+
+
+def replacement(spec: AblationSpec, act: Tensor, source: Tensor, sel: Tensor) -> Tensor:
+    """``act`` with the spec's part replaced by ``source`` at the tokens ``sel`` (a new tensor)."""
+    keep = sel.view(sel.shape + (1,))
+    if spec.target == "head":
+        out = act.clone()
+        out[:, :, spec.head] = torch.where(keep, source[:, :, spec.head], act[:, :, spec.head])
+        return out
+    if spec.target == "neurons":
+        idx = torch.as_tensor(list(spec.neurons), device=act.device)
+        out = act.clone()
+        out[..., idx] = torch.where(keep, source[..., idx], act[..., idx])
+        return out
+    if spec.target == "direction":
+        direction = torch.tensor(spec.direction, dtype=torch.float64)
+        unit = (direction / direction.norm()).to(act)
+        changed = act - (act @ unit)[..., None] * unit + (source @ unit)[..., None] * unit
+        return torch.where(keep, changed, act)
+    return torch.where(keep, source, act)
+
+
+def ablated(spec: AblationSpec, act: Tensor, batch: TokenBatch, refs: dict, own: bool, n_data: int) -> Tensor:
+    """``act`` (one batch's activation at ``spec.hook``) with ``spec`` applied."""
+    rows = getattr(batch, "rows", None)
+    rows = torch.arange(len(batch)) if rows is None else rows.cpu()
+    source = source_activations(spec, act, batch.attention_mask, rows, refs, own, n_data)
+    return replacement(spec, act, source, ablated_positions(spec, batch.attention_mask, rows))
+
+
+def check_reference(n: int, reference: Optional[DataLike], methods) -> None:
     """Refuse mean/resample ablation of a single sequence with no reference: it would change nothing.
 
     Without ``reference`` the input is its own reference, and the mean of one row (or the
@@ -178,7 +294,7 @@ def check_reference(tokens: Tensor, reference: Optional[Tensor], methods) -> Non
     clean one and look like "this part does not matter".
     """
     needs_other_rows = sorted(set(methods) & {"mean", "resample"})
-    if needs_other_rows and reference is None and tokens.shape[0] < 2:
+    if needs_other_rows and reference is None and n < 2:
         raise ValueError(
             f"method={needs_other_rows[0]!r} ablation of a single sequence with no reference would change "
             "nothing (the input is its own reference); pass reference=a batch of other inputs "
@@ -186,45 +302,51 @@ def check_reference(tokens: Tensor, reference: Optional[Tensor], methods) -> Non
         )
 
 
-def _reference_acts(model, tokens: Tensor, reference: Optional[Tensor], names: set[str], method: str):
-    """The reference run's activations at ``names`` (the input itself when no reference)."""
-    if method == "zero":
-        return {}
-    ref = tokens if reference is None else as_tokens(model, reference)
-    _, cache = model.run_with_cache(ref, names_filter=lambda name: name in names)
-    return cache.cache_dict
+def _hooks(spec: AblationSpec, batch: TokenBatch, refs: dict, own: bool, n_data: int) -> list:
+    return [(spec.hook, lambda act, hook: ablated(spec, act, batch, refs, own, n_data))]
 
 
-def _effective(spec: AblationSpec, reference: Optional[Tensor]) -> AblationSpec:
-    if spec.method == "resample" and reference is None:
-        return replace(spec, seed=-1)
-    return spec
-
-
-def ablation_hooks(model, tokens: Tensor, spec: AblationSpec, reference: Optional[Tensor] = None) -> list:
-    """``fwd_hooks`` for ``run_with_hooks`` that apply ``spec`` (reference activations precomputed)."""
-    spec = spec.validate(model, tokens.shape[1])
-    check_reference(tokens, reference, [spec.method])
-    refs = {spec.method: _reference_acts(model, tokens, reference, {spec.hook}, spec.method)}
-    return _spec_hook(spec, refs, reference)
+def ablation_hooks(model, tokens: DataLike, spec: AblationSpec, reference: Optional[DataLike] = None) -> list:
+    """``fwd_hooks`` for ``run_with_hooks`` on ``tokens`` (a token tensor, a padded ``TokenBatch``,
+    texts) that apply ``spec``; the reference activations are computed here, once."""
+    batch = as_token_batch(model, tokens)
+    spec = spec.validate(model, batch.shape[1])
+    check_reference(len(batch), reference, [spec.method])
+    refs = references(model, batch, reference, [spec], max(len(batch), 1), "left")
+    return _hooks(spec, batch, refs, reference is None, len(batch))
 
 
 @torch.no_grad()
 def ablate(
     model,
-    tokens: Union[str, Int[Tensor, "batch pos"]],
+    tokens: DataLike,
     spec: AblationSpec,
-    reference: Optional[Int[Tensor, "ref_batch ref_pos"]] = None,
+    reference: Optional[DataLike] = None,
     return_type: str = "logits",
-) -> Tensor:
-    """The model's output (logits, or loss) with ``spec`` ablated, via one hooked forward.
+    *,
+    metric: Optional[Metric] = None,
+    batch_size: int = 32,
+    padding_side: str = "left",
+    progress: bool = False,
+) -> Union[Tensor, pd.DataFrame]:
+    """The model's output with ``spec`` ablated, via one hooked forward.
 
-    ``mean`` and ``resample`` draw from ``reference`` (default: the input batch itself, so a
-    single sequence needs a ``reference``; ValueError otherwise).
+    ``tokens``: a token tensor, text(s), a padded ``TokenBatch`` or a ``PromptSet``. ``mean`` and
+    ``resample`` draw from ``reference`` (any of those kinds; default: the input itself, so a
+    single sequence needs a ``reference``; ValueError otherwise), over real tokens only.
+
+    ``return_type``: ``logits`` or ``loss`` of the whole input as one (padded) batch; or
+    ``"metric"``: a table with one row per prompt (prompt, clean, metric, delta, and a
+    PromptSet's meta columns), streamed in batches of ``batch_size`` with a tqdm bar when
+    ``progress``; ``metric`` scores each prompt (``workbench.analysis.per_prompt``).
     """
-    tokens = as_tokens(model, tokens)
-    hooks = ablation_hooks(model, tokens, spec, reference)
-    return model.run_with_hooks(tokens, fwd_hooks=hooks, return_type=return_type)
+    if return_type == "metric":
+        table = ablation_sweep(model, tokens, specs=[spec], metric=metric, reference=reference,
+                               batch_size=batch_size, padding_side=padding_side, progress=progress, per_prompt=True)
+        return table[["prompt", "clean", "metric", "delta", *table.columns[table.columns.get_loc("delta") + 1:]]]
+    batch = as_token_batch(model, tokens, padding_side)
+    hooks = ablation_hooks(model, batch, spec, reference)
+    return model.run_with_hooks(batch, fwd_hooks=hooks, return_type=return_type)
 
 
 def sweep_specs(model, unit: str, methods: Sequence[str], positions=None) -> list[AblationSpec]:
@@ -247,74 +369,108 @@ def sweep_specs(model, unit: str, methods: Sequence[str], positions=None) -> lis
 @torch.no_grad()
 def ablation_sweep(
     model,
-    tokens: Union[str, Int[Tensor, "batch pos"]],
+    tokens: DataLike,
     unit: str = "head",
     methods: Sequence[str] = ("zero",),
     metric: Optional[Metric] = None,
-    reference: Optional[Int[Tensor, "ref_batch ref_pos"]] = None,
+    reference: Optional[DataLike] = None,
     positions: Optional[Sequence[int]] = None,
     specs: Optional[Sequence[AblationSpec]] = None,
     stack: Optional[int] = None,
     naive: bool = False,
     progress: Union[bool, Callable[[int, int], object]] = False,
+    *,
+    batch_size: int = 32,
+    padding_side: str = "left",
+    per_prompt: bool = False,
 ) -> pd.DataFrame:
-    """Ablate every head or layer in turn; one row per ablation.
+    """Ablate every head or layer in turn; one row per ablation, averaged over the prompts.
 
-    ``metric`` maps logits to a scalar (default: the mean next-token loss of ``tokens``).
-    ``stack`` ablations share one forward (default: 1 on CPU, where a forward already fills
-    the cores, 16 on a GPU). ``progress``: True for a tqdm bar, or a callable
-    ``progress(done, total)`` called as ablations finish (an app's own progress bar).
-    Columns: target, layer, head, method, label, metric, clean, delta.
+    ``tokens``: a token tensor, text(s) of any lengths, a padded ``TokenBatch`` or a
+    ``PromptSet``, run ``batch_size`` prompts at a time (memory bounded by the batch).
+    ``metric`` scores each prompt as if it ran alone (``workbench.analysis.per_prompt``: by
+    default the answer's logit difference at each prompt's last token for a PromptSet with
+    answers, else the prompt's mean next-token loss); the table reports the mean over prompts.
+    A plain ``metric(logits)`` on a token tensor sees the whole batch's logits, as before.
+    ``positions`` count within each prompt (0 = its first real token). ``stack`` ablations
+    share one forward (default: 1 on CPU, where a forward already fills the cores, 16 on a
+    GPU). ``progress``: True for a tqdm bar, or a callable ``progress(done, total)`` called as
+    ablations finish (an app's own progress bar).
+
+    Columns: target, layer, head, method, label, metric, clean, delta (means over prompts),
+    delta_std (the spread of delta over prompts; NaN for one), n_prompts. ``per_prompt=True``:
+    one row per (ablation, prompt) instead, with a ``prompt`` column and a PromptSet's meta.
     """
-    tokens = as_tokens(model, tokens)
-    metric = loss_metric(tokens) if metric is None else metric
-    specs = [s.validate(model, tokens.shape[1]) for s in (specs or sweep_specs(model, unit, methods, positions))]
-    check_reference(tokens, reference, [s.method for s in specs])
+    scorer = PromptScorer(model, metric, tokens)
+    n_data = n_rows(tokens)
+    if scorer.whole:
+        batch_size = n_data
+    specs = [s.validate(model, max(data_lengths(model, tokens)))
+             for s in (specs or sweep_specs(model, unit, methods, positions))]
+    check_reference(n_data, reference, [s.method for s in specs])
     stack = (16 if model.device.type == "cuda" else 1) if stack is None else check_int("stack", stack, 1)
     with eval_mode(model):
-        clean, values = _sweep_values(model, tokens, specs, metric, reference, stack, naive, progress)
-    rows = [(s.target, s.layer, -1 if s.head is None else s.head, s.method, s.label, values[i], clean, values[i] - clean)
-            for i, s in enumerate(specs)]
-    return pd.DataFrame(rows, columns=["target", "layer", "head", "method", "label", "metric", "clean", "delta"])
+        clean, values = _sweep_values(model, tokens, specs, scorer, reference, stack, naive, progress,
+                                      batch_size, padding_side)
+    info = [(s.target, s.layer, -1 if s.head is None else s.head, s.method, s.label) for s in specs]
+    info_columns = ["target", "layer", "head", "method", "label"]
+    if per_prompt:
+        if scorer.whole:
+            raise ValueError("per_prompt=True needs a metric that scores each prompt (None, an AnswerMetric, or "
+                             "data other than a plain token tensor): a plain metric of a tensor scores the batch")
+        rows = [(*info[i], p, values[i, p], clean[p], values[i, p] - clean[p])
+                for i in range(len(specs)) for p in range(scorer.n)]
+        frame = pd.DataFrame(rows, columns=info_columns + ["prompt", "metric", "clean", "delta"])
+        return with_meta(frame, tokens)
+    delta = values - clean[None]
+    spread = delta.std(axis=1, ddof=1) if scorer.n > 1 else np.full(len(specs), np.nan)
+    rows = [(*info[i], values[i].mean(), clean.mean(), delta[i].mean(), spread[i], scorer.n) for i in range(len(specs))]
+    return pd.DataFrame(rows, columns=info_columns + ["metric", "clean", "delta", "delta_std", "n_prompts"])
 
 
-def _sweep_values(model, tokens, specs, metric, reference, stack, naive, progress) -> tuple[float, dict[int, float]]:
-    """The clean metric and the metric of every spec's ablated run."""
+def _sweep_values(model, data, specs, scorer, reference, stack, naive, progress, batch_size,
+                  padding_side) -> tuple[np.ndarray, np.ndarray]:
+    """Every prompt's clean score [n] and its score under every spec [n_specs, n]."""
+    n_data = n_rows(data)
+    refs = references(model, data, reference, specs, batch_size, padding_side)
+    own = reference is None
     sites = needed_hooks(model)
-    clean_logits, cache = model.run_with_cache(tokens, names_filter=lambda name: name in sites)
-    clean = float(metric(clean_logits))
-    ref_names = {s.hook for s in specs}
-    refs = {m: _reference_acts(model, tokens, reference, ref_names, m) for m in {s.method for s in specs}}
-
-    values: dict[int, float] = {}
-    bar = Progress(progress, len(specs), "ablation sweep")
-    if naive:
-        for i, spec in enumerate(specs):
-            values[i] = float(metric(ablate(model, tokens, spec, reference)))
-            bar.update()
-    else:
-        # Group the edits that resume at the same place, then run them `stack` at a time.
-        groups: dict[tuple, list[int]] = {}
-        for i, spec in enumerate(specs):
-            groups.setdefault((spec.layer, _HOOKS[spec.target][1] or "hooked", spec.hook), []).append(i)
+    clean = np.zeros(scorer.n)
+    values = np.zeros((len(specs), scorer.n))
+    n_batches = -(-n_data // batch_size)
+    bar = Progress(progress, len(specs) * n_batches, "ablation sweep")
+    # Group the edits that resume at the same place, then run them `stack` at a time.
+    groups: dict[tuple, list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault((spec.layer, _HOOKS[spec.target][1] or "hooked", spec.hook), []).append(i)
+    for batch in iter_batches(model, data, batch_size, padding_side):
+        rows = scorer.rows(batch)
+        mask = batch.attention_mask
+        if naive:
+            clean[rows] = scorer.scores(model(batch), batch).float().cpu().numpy()
+            for i, spec in enumerate(specs):
+                logits = model.run_with_hooks(batch, fwd_hooks=_hooks(spec, batch, refs, own, n_data))
+                values[i, rows] = scorer.scores(logits, batch).float().cpu().numpy()
+                bar.update()
+            continue
+        clean_logits, cache = model.run_with_cache(batch, names_filter=lambda name: name in sites)
+        clean[rows] = scorer.scores(clean_logits, batch).float().cpu().numpy()
         for (layer, site, hook), members in groups.items():
             for start in range(0, len(members), stack):
                 chunk = members[start : start + stack]
                 if site == "hooked":  # neurons: resume at the block, with the hook inside its MLP
                     logits = [model.run_with_hooks(cache[hook_name(layer, "resid_pre")], start_at_layer=layer,
-                                                   fwd_hooks=_spec_hook(specs[i], refs, reference)) for i in chunk]
+                                                   attention_mask=mask,
+                                                   fwd_hooks=_hooks(specs[i], batch, refs, own, n_data))
+                              for i in chunk]
                 else:
-                    edits = [replacement(_effective(specs[i], reference), cache[hook], refs[specs[i].method].get(hook))
-                             for i in chunk]
-                    logits = run_from_site(model, layer, site, torch.cat(edits), cache.cache_dict).chunk(len(chunk))
+                    edits = [ablated(specs[i], cache[hook], batch, refs, own, n_data) for i in chunk]
+                    logits = run_from_site(model, layer, site, torch.cat(edits), cache.cache_dict,
+                                           attention_mask=mask).chunk(len(chunk))
                 for i, lg in zip(chunk, logits):
-                    values[i] = float(metric(lg))
+                    values[i, rows] = scorer.scores(lg, batch).float().cpu().numpy()
                 bar.update(len(chunk))
     bar.close()
     return clean, values
 
 
-def _spec_hook(spec: AblationSpec, refs: dict, reference) -> list:
-    eff = _effective(spec, reference)
-    ref_act = refs[spec.method].get(spec.hook)
-    return [(spec.hook, lambda act, hook: replacement(eff, act, ref_act))]

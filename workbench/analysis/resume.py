@@ -10,6 +10,11 @@ from the edited ``z``. This module only picks the site and reads the cache; the 
 decides what the replacement leaves unchanged (``Block.unaffected_by``), so the result
 equals a hooked full forward to the last bit when the batch is the same (tests check it
 on every layout in ``workbench.components.block.LAYOUTS``).
+
+A padded batch resumes with its ``attention_mask``: the rest of the block (MoE routing skips
+pads) and every later layer (no query sees a pad key; positions come from the mask) then
+compute what the full forward of the padded batch computes, so each row is still its prompt
+alone. Without the mask the later layers would attend to pads and count them as positions.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
+
+from workbench.padding import Padding, check_attention_mask
 
 SITES = ("resid_pre", "z", "attn_out", "resid_mid", "mlp_out")
 CACHE_HOOKS = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_resid_mid", "hook_mlp_out")
@@ -47,17 +54,23 @@ def run_from_site(
     cached: dict,
     return_type: str = "logits",
     tokens: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Logits (or loss) with activation ``site`` of block ``layer`` replaced by ``value``.
 
     ``cached`` maps hook names to this run's activations at ``layer`` (batch may be a
-    multiple of the cached batch when several edits run stacked: they are tiled).
+    multiple of the cached batch when several edits run stacked: they are tiled, and so is
+    ``attention_mask``, the cached run's [batch, pos] mask when it was padded).
     """
     if site not in SITES:
         raise ValueError(f"site={site!r} is not valid; choose one of {list(SITES)}")
-    if site == "resid_pre":
-        return model(value, start_at_layer=layer, tokens=tokens, return_type=return_type)
     repeat = value.shape[0] // cached[hook_name(layer, "resid_pre")].shape[0]
+    mask = None
+    if attention_mask is not None:
+        mask = check_attention_mask(attention_mask, cached[hook_name(layer, "resid_pre")].shape[:2]).to(value.device)
+        mask = mask.repeat(repeat, 1) if repeat > 1 else mask
+    if site == "resid_pre":
+        return model(value, start_at_layer=layer, tokens=tokens, return_type=return_type, attention_mask=mask)
 
     def get(s: str) -> Tensor:
         t = cached[hook_name(layer, s)]
@@ -67,8 +80,9 @@ def run_from_site(
     if site == "z":
         site, value = "attn_out", attn_out_from_z(model, layer, value)
     unchanged = {s: get(s) for s in block.unaffected_by(site)}
-    resid = block.resume(get("resid_pre"), **unchanged, **{site: value})
-    return model(resid, start_at_layer=layer + 1, tokens=tokens, return_type=return_type)
+    padding = None if mask is None or bool(mask.all()) else Padding(mask)
+    resid = block.resume(get("resid_pre"), **unchanged, **{site: value}, padding=padding)
+    return model(resid, start_at_layer=layer + 1, tokens=tokens, return_type=return_type, attention_mask=mask)
 
 
 def needed_hooks(model) -> set[str]:

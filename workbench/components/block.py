@@ -135,8 +135,10 @@ class Block(nn.Module):
         attn_out: Optional[Float[Tensor, "batch pos d_model"]] = None,
         resid_mid: Optional[Float[Tensor, "batch pos d_model"]] = None,
         mlp_out: Optional[Float[Tensor, "batch pos d_model"]] = None,
+        padding: Optional[Padding] = None,
     ) -> Float[Tensor, "batch pos d_model"]:
-        """The block's output (after ``hook_resid_post``) from a mid-block site on.
+        """The block's output (after ``hook_resid_post``) from a mid-block site on (``padding``:
+        the padded batch's, so the FFN skips pads as in ``forward``).
 
         Activations given are used as they are (their hooks do not run again); the others
         are computed from them by the layout method ``forward`` runs, so with the clean
@@ -147,7 +149,7 @@ class Block(nn.Module):
         extra = [site for site, value in given.items() if value is not None and site not in self.sites]
         if extra:
             raise ValueError(f"the {self.layout} layout has no {extra[0]}; its sites are {list(self.sites)}")
-        return self.hook_resid_post(self._layout(resid_pre, None, None, **given))
+        return self.hook_resid_post(self._layout(resid_pre, None, padding, **given))
 
     def unaffected_by(self, site: str) -> tuple[str, ...]:
         """The other mid-block sites whose values do not change when ``site`` is replaced."""
