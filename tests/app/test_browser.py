@@ -138,10 +138,12 @@ def test_patch_page_draws_patching_and_attribution(page):
     slider.focus()
     slider.press("ArrowRight")  # a slider: 8 -> 9 pairs
     wait_idle(page)
-    sync_api.expect(page.get_by_text("9 pairs of 15 tokens")).to_be_visible()
+    sync_api.expect(page.get_by_text("; 9 pairs.")).to_be_visible()
     radio(page, "two prompts typed here")
+    # a corrupted prompt of another length: positions are aligned from each prompt's end
     type_into(page, "Corrupted prompt", "Mary and John went home .", testid="stTextArea")
-    sync_api.expect(page.get_by_text("must be equally long")).to_be_visible()
+    sync_api.expect(page.get_by_text("positions are counted from each prompt's end")).to_be_visible()
+    assert_drawn(figure(page, "Patching each head"), "head patching of a pair of different lengths")
     no_exception(page)
     shot(page, "patch")
 
