@@ -64,3 +64,14 @@ def test_bad_input_is_named(model):
         token_neighbours(model, model.cfg.d_vocab)
     with pytest.raises(ValueError, match="space"):
         token_neighbours(model, 0, space="middle")
+
+
+def test_the_figures_draw_the_tables(model):
+    from workbench import viz
+
+    path = direct_path(model, "Mary", k=3)
+    fig = viz.direct_path_figure(path, "Mary")
+    assert sorted(fig.data[0].x) == sorted(path.centred_logit)
+    near = token_neighbours(model, "Mary", k=4, space="unembed")
+    fig = viz.neighbours_figure(near, "Mary", "unembed")
+    assert list(fig.data[0].x) == sorted(near.cosine) and "unembedding" in fig.layout.title.text

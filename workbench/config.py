@@ -356,14 +356,26 @@ class ModelConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def identity_dict(self) -> dict:
-        """The fields that differ from their defaults: what makes this architecture what it is.
+        """The fields that differ from their defaults (and are not derived from others, as d_head is
+        from d_model / n_heads): what makes this architecture what it is.
 
         Hashes of a model (the fingerprints stores, directions and dictionaries record) take this
         rather than ``to_dict``: a field added to ModelConfig later, with a default that keeps old
         models as they were, must not change every recorded fingerprint.
         """
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != (f.default if f.default is not dataclasses.MISSING else object())}
+        identity = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.default is not dataclasses.MISSING and value == f.default:
+                continue
+            if f.default is None:  # derived when left None (d_head, d_mlp, moe_d_mlp, ...): skip it when it was
+                try:
+                    if self.replace(**{f.name: None}) == self:
+                        continue
+                except ValueError:  # needed as given (e.g. an MLA size another field was checked against)
+                    pass
+            identity[f.name] = value
+        return identity
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -1029,6 +1029,7 @@ def neighbours_figure(neighbours: pd.DataFrame, token: str = "", space: str = "e
     fig.update_layout(title=f"Nearest tokens to {token!r} ({space}ding)", template=_template(theme),
                       xaxis_title="cosine similarity", yaxis_title="token", xaxis_range=[min(0.0, float(frame.cosine.min())), 1],
                       height=max(300, 22 * len(frame) + 120), margin=dict(l=10))
+    return fig
 
 
 # ---- the Training and Circuit pages (a step marked on any figure, runs compared, clickable circuits) ----
