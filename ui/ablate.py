@@ -50,9 +50,7 @@ PARTS = {"attn": ("attn",), "mlp": ("mlp",), "block (attn + mlp)": ("attn", "mlp
 
 
 def render() -> None:
-    st.header("Ablate")
-    ckpt = common.checkpoint_picker("Checkpoint", key="ckpt")
-    common.upload_widget()
+    ckpt = common.page_checkpoint("Ablate")
     if ckpt is None:
         return
     text = common.prompt_box(ckpt)

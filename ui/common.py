@@ -196,6 +196,15 @@ def experiment_run(path: Path) -> Optional[str]:
     return None
 
 
+def page_checkpoint(title: str) -> Optional[Checkpoint]:
+    """A page's header, the sidebar's checkpoint picker (shared by the pages) and upload box: the
+    loaded checkpoint, or None when there is none (the picker has said why)."""
+    st.header(title)
+    ckpt = checkpoint_picker("Checkpoint", key="ckpt")
+    upload_widget()
+    return ckpt
+
+
 def checkpoint_picker(label: str, key: str, where=None, default: Optional[str] = None) -> Optional[Checkpoint]:
     """A selectbox over the known checkpoints plus 'Another directory…'; returns the loaded one."""
     where = where or st.sidebar

@@ -52,9 +52,7 @@ MAX_OPTIONS = 2000  # the feature picker lists at most this many (the sorted lis
 
 
 def render() -> None:
-    st.header("Features")
-    ckpt = common.checkpoint_picker("Checkpoint", key="ckpt")
-    common.upload_widget()
+    ckpt = common.page_checkpoint("Features")
     if ckpt is None:
         return
     folders = dictionaries(ckpt.path)

@@ -34,9 +34,7 @@ LENS_VALUES = {
 
 
 def render() -> None:
-    st.header("Inspect")
-    ckpt = common.checkpoint_picker("Checkpoint", key="ckpt")
-    common.upload_widget()
+    ckpt = common.page_checkpoint("Inspect")
     if ckpt is None:
         return
     st.caption(f"**{ckpt.name}** · `{ckpt.path}`")

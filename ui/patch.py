@@ -43,9 +43,7 @@ TASK_KINDS = {k: v for k, v in common.METRICS.items() if v in ("logit_diff", "pr
 
 
 def render() -> None:
-    st.header("Patch")
-    ckpt = common.checkpoint_picker("Checkpoint", key="ckpt")
-    common.upload_widget()
+    ckpt = common.page_checkpoint("Patch")
     if ckpt is None:
         return
     pairs = _pairs(ckpt)

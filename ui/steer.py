@@ -57,9 +57,7 @@ DEFAULT_WORDS = "Mary, John, Tom, Lily, Max, Sara, Sam, Nick, Emma, Ben, Amy, Le
 
 
 def render() -> None:
-    st.header("Steer")
-    ckpt = common.checkpoint_picker("Checkpoint", key="ckpt")
-    common.upload_widget()
+    ckpt = common.page_checkpoint("Steer")
     if ckpt is None:
         return
     text = common.prompt_box(ckpt)
