@@ -9,3 +9,45 @@ def tiny(**overrides):
     base = dict(d_model=32, n_layers=2, n_heads=4, d_vocab=50, n_ctx=24, seed=0)
     base.update(overrides)
     return wb.ModelConfig(**base)
+
+
+class Trap:
+    """A permanent hook that raises (Ctrl-C) or poisons the residual stream (NaN) at the n-th forward."""
+
+    def __init__(self, at_call, action):
+        self.calls, self.at_call, self.action = 0, at_call, action
+
+    def __call__(self, resid, hook):
+        self.calls += 1
+        if self.calls == self.at_call:
+            if self.action == "interrupt":
+                raise KeyboardInterrupt
+            return resid * float("nan")
+        return resid
+
+
+def run_torchrun(args, timeout: int = 300) -> None:
+    """``torchrun --nproc_per_node=2 -m workbench *args`` from the repo root; fails the test on a
+    non-zero exit (with its stderr) or a hang (killing torchrun and its workers)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "workbench",
+           *args]
+    # Its own session, so a hang kills torchrun *and* its workers instead of orphaning them.
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"torchrun with 2 processes did not finish in {timeout} s")
+    assert proc.returncode == 0, stderr[-3000:]

@@ -4,16 +4,12 @@ feature tables against brute force; the train-sae command; every bad input."""
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from factories import tiny
+from factories import run_torchrun, tiny
 from safetensors.torch import load_file, save_file
 
 import workbench as wb
@@ -509,18 +505,7 @@ def test_ddp_two_processes_match_one_process(checkpoint, model, tmp_path):
     args = ["train-sae", str(checkpoint), "--hook", SAE_HOOK, "--d-sae", "32", "--k", "4", "--steps", "4",
             "--batch-size", "64", "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "1", "--threads", "1",
             "--store", str(tmp_path / "acts"), "--tokens", "1200", "--eval-sequences", "0", "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "workbench",
-           *args, "--out", str(tmp_path / "ddp")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("torchrun with 2 processes did not finish in 300 s")
-    assert proc.returncode == 0, stderr[-3000:]
+    run_torchrun([*args, "--out", str(tmp_path / "ddp")])
     single = train_sae(store, hook=SAE_HOOK, d_sae=32, k=4, steps=4, batch_size=64, lr=3e-3, warmup_steps=1,
                        log_every=1, progress=False)
     ddp = load_dictionary(tmp_path / "ddp")

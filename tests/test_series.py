@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import workbench as wb
-from factories import tiny
+from factories import Trap, tiny
 from workbench import snapshots as snap
 from workbench import viz
 from workbench.analysis import head_scores, over_training
@@ -82,24 +82,11 @@ def test_fp16_snapshots_are_half_the_size_and_load_as_float32(tmp_path):
         torch.testing.assert_close(b.state_dict()[name], value.half().float(), rtol=0, atol=0)
 
 
-class _Trap:
-    def __init__(self, at_call, action):
-        self.calls, self.at_call, self.action = 0, at_call, action
-
-    def __call__(self, resid, hook):
-        self.calls += 1
-        if self.calls == self.at_call:
-            if self.action == "interrupt":
-                raise KeyboardInterrupt
-            return resid * float("nan")
-        return resid
-
-
 def test_resume_keeps_the_snapshots_and_continues_them_bit_exactly(tmp_path):
     cfg, config = setup(snapshots="every:2", eval_every=0, save_every=2)
     train(config, cfg, tmp_path / "straight", progress=False)
     model = wb.HookedDecoder(cfg)
-    model.add_hook("hook_embed", _Trap(at_call=4, action="interrupt"), is_permanent=True)  # in step 4
+    model.add_hook("hook_embed", Trap(at_call=4, action="interrupt"), is_permanent=True)  # in step 4
     interrupted = train(config, model=model, out_dir=tmp_path / "resumed", progress=False)
     assert interrupted.interrupted and interrupted.step == 3
     assert wb.load_series(tmp_path / "resumed").steps == [2]
@@ -127,7 +114,7 @@ def test_a_fresh_run_in_the_folder_starts_a_new_series_and_a_diverged_run_keeps_
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
 
     model = wb.HookedDecoder(cfg)
-    model.add_hook("blocks.0.hook_resid_pre", _Trap(at_call=5, action="nan"), is_permanent=True)  # step 5
+    model.add_hook("blocks.0.hook_resid_pre", Trap(at_call=5, action="nan"), is_permanent=True)  # step 5
     with pytest.raises(TrainingDiverged, match=r"last good checkpoint .* \(step 4\)"):
         train(config.replace(save_every=4, snapshots="every:1"), model=model, out_dir=tmp_path / "nan", progress=False)
     assert wb.load_series(tmp_path / "nan").steps == [1, 2, 3, 4]

@@ -2,10 +2,6 @@
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import workbench as wb
-from factories import tiny
+from factories import Trap, run_torchrun, tiny
 from workbench.data import get_task
 from workbench.distributed import DistInfo
 from workbench.training import METRIC_COLUMNS, TrainConfig, TrainingDiverged, read_metrics, train
@@ -85,27 +81,12 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
         TrainConfig.from_dict({"learning_rate": 1})
 
 
-class _Trap:
-    """A permanent hook that raises (Ctrl-C) or poisons the residual stream (NaN) at the n-th forward."""
-
-    def __init__(self, at_call, action):
-        self.calls, self.at_call, self.action = 0, at_call, action
-
-    def __call__(self, resid, hook):
-        self.calls += 1
-        if self.calls == self.at_call:
-            if self.action == "interrupt":
-                raise KeyboardInterrupt
-            return resid * float("nan")
-        return resid
-
-
 def test_interrupted_then_resumed_run_equals_an_uninterrupted_one(tmp_path):
     task, cfg, config = stories_setup(grad_accum=2)
     straight = train(config, cfg, tmp_path / "straight", progress=False)
 
     model = wb.HookedDecoder(cfg)
-    model.add_hook("hook_embed", _Trap(at_call=2 * 3 + 2, action="interrupt"), is_permanent=True)  # in step 4
+    model.add_hook("hook_embed", Trap(at_call=2 * 3 + 2, action="interrupt"), is_permanent=True)  # in step 4
     interrupted = train(config, model=model, out_dir=tmp_path / "resumed", progress=False)
     assert interrupted.interrupted and interrupted.step == 3
     assert json.loads((tmp_path / "resumed" / "meta.json").read_text())["step"] == 3
@@ -123,7 +104,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     task, cfg, config = stories_setup(save_every=2)
     config = config.replace(eval_every=0)  # so the n-th forward is the n-th training step
     model = wb.HookedDecoder(cfg)
-    model.add_hook("blocks.0.hook_resid_pre", _Trap(at_call=4, action="nan"), is_permanent=True)  # step 4's forward
+    model.add_hook("blocks.0.hook_resid_pre", Trap(at_call=4, action="nan"), is_permanent=True)  # step 4's forward
     with pytest.raises(TrainingDiverged, match=r"stopped at step 3: the loss is nan.*last good checkpoint .* \(step 2\)"):
         train(config, model=model, out_dir=tmp_path / "run", progress=False)
     assert all(torch.isfinite(p).all() for p in model.parameters())  # the poisoned step was not applied
@@ -188,19 +169,7 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path
                       "--set", "d_model=32", "--set", "n_heads=4", "--set", "n_ctx=24", "--steps", "4",
                       "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "1", "--eval-every", "0",
                       "--log-every", "1", "--threads", "1", "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "workbench", "train",
-           *args, "--out", str(tmp_path / "ddp")]
-    # Its own session, so a hang kills torchrun *and* its workers instead of orphaning them.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("torchrun with 2 processes did not finish in 300 s")
-    assert proc.returncode == 0, stderr[-3000:]
+    run_torchrun(["train", *args, "--out", str(tmp_path / "ddp")])
 
     config = TrainConfig(task="induction", task_options={"vocab": 32}, steps=steps, batch_size=8, lr=3e-3,
                          warmup_steps=1, eval_every=0, log_every=1, threads=1)
