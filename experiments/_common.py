@@ -11,6 +11,11 @@ A single run is an anecdote: ``--seeds N`` runs every cell with seeds ``seed .. 
 cell's mean and 95% t-interval (``workbench.stats``), with "no difference detected" wherever
 the interval of a difference covers zero.
 
+A long grid loses nothing when it stops: every finished item's rows are appended to
+``<out>/grid.rank<r>.jsonl`` as they come, and the same command run again (same flags, same
+number of ranks) takes those items from the journal and runs only the rest. The journal is
+removed once the run directory is written.
+
 ``--out`` must be new, empty, or a run directory (``workbench.json`` lists the files the runs
 wrote; older runs are known by ``config.json``'s ``experiment``): any other folder is refused
 before the grid runs, and a run never overwrites a file it did not write.
@@ -48,10 +53,15 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
+_JOURNAL: dict = {}  # set by setup: the run directory and the flags a journal must match to be resumed
+
+
 def setup(args: argparse.Namespace) -> None:
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     check_run_dir(args.out)  # now, not after an hour of grid
+    _JOURNAL.clear()
+    _JOURNAL.update(out=args.out, key={k: str(v) for k, v in sorted(vars(args).items()) if k not in ("threads",)})
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -142,11 +152,21 @@ def run_grid(items: list, run_one: Callable[[Any], Iterable[dict]], desc: str = 
 
     rank, world = rank_and_world()
     mine = list(range(rank, len(items), world))
+    journal = _open_journal(rank, world, len(items))
+    done = journal.done if journal else {}
+    if done and rank == 0:
+        print(f"resuming: {len(done)} of {len(mine)} items of rank 0 read from {journal.path}")
     rows = []
     # Each rank's items are different models, trained single-process: ``train`` is data-parallel
     # only when handed a ``dist``, which no experiment passes.
     for index in tqdm(mine, desc=desc, disable=rank != 0):
-        rows += [{"_item": index, **row} for row in run_one(items[index])]
+        if index in done:
+            item_rows = done[index]
+        else:
+            item_rows = list(run_one(items[index]))
+            if journal:
+                journal.append(index, item_rows)
+        rows += [{"_item": index, **row} for row in item_rows]
     if world > 1:
         import torch.distributed as dist
 
@@ -166,6 +186,51 @@ def run_grid(items: list, run_one: Callable[[Any], Iterable[dict]], desc: str = 
 
 # ---- the run directory -------------------------------------------------------------------
 RUN_FORMAT = "workbench.run"
+JOURNAL_PREFIX = "grid.rank"
+
+
+class _Journal:
+    """One rank's finished grid items, one JSON line each, after a first line naming the run's flags."""
+
+    def __init__(self, path: Path, key: dict):
+        self.path, self.key, self.done = path, key, {}
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            lines = []
+        try:
+            if lines and json.loads(lines[0]) == {"key": key}:
+                for line in lines[1:]:
+                    entry = json.loads(line)
+                    self.done[int(entry["item"])] = entry["rows"]
+        except (ValueError, KeyError, TypeError):  # a line cut short by the stop: keep what parsed before it
+            pass
+        if not self.done:
+            path.write_text(json.dumps({"key": key}) + "\n")
+
+    def append(self, index: int, rows: list[dict]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"item": index, "rows": rows}, default=_json_scalar) + "\n")
+
+
+def _json_scalar(value):
+    return value.item() if hasattr(value, "item") else str(value)
+
+
+def _open_journal(rank: int, world: int, n_items: int) -> Optional[_Journal]:
+    """This rank's journal under the run directory ``setup`` checked (None when no setup ran)."""
+    from workbench.checkpoint import MANIFEST_FILE
+
+    out = _JOURNAL.get("out")
+    if out is None:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{JOURNAL_PREFIX}{rank}.jsonl"
+    ours = run_files(out) or set()
+    if name not in ours:  # listed before it is written, so the folder stays a run directory
+        manifest = {"format": RUN_FORMAT, "files": sorted((ours | {name}) - {MANIFEST_FILE})}
+        (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return _Journal(out / name, {**_JOURNAL["key"], "world": world, "items": n_items})
 
 
 def run_files(out: Path) -> Optional[set[str]]:
@@ -225,7 +290,10 @@ def write_run(out: Path, config: dict, results: pd.DataFrame, figures: dict, sum
         # plotly.min.js written once next to the figures: they open offline, and stay small
         fig.write_html(out / f"{name}.html", include_plotlyjs="directory")
     written = set(names) | (set() if had_plotly else {"plotly.min.js"})
-    manifest = {"format": RUN_FORMAT, "files": sorted((ours | written) - {MANIFEST_FILE})}
+    journals = {n for n in ours if n.startswith(JOURNAL_PREFIX) and n.endswith(".jsonl")}
+    for name in journals:  # every rank's rows are in results.csv now
+        (out / name).unlink(missing_ok=True)
+    manifest = {"format": RUN_FORMAT, "files": sorted((ours | written) - {MANIFEST_FILE} - journals)}
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     table = results if summary is None else summary
     print(f"\n{title or out.name}: {len(results)} rows -> {out}")

@@ -147,3 +147,38 @@ def test_grid_split_across_two_ranks_matches_one_process(tmp_path):
     two = pd.read_csv(tmp_path / "two" / "results.csv")
     pd.testing.assert_frame_equal(two, pd.read_csv(tmp_path / "one" / "results.csv"))
     assert len(one) == len(two)
+
+
+def test_a_stopped_grid_resumes_from_its_journal_and_the_journal_goes_once_written(tmp_path):
+    import argparse
+
+    import _common
+
+    args = argparse.Namespace(out=tmp_path / "run", seeds=1, seed=0, threads=0, quick=True, steps=3)
+    calls, fail_at = [], {2}
+
+    def one(item):
+        calls.append(item)
+        if item in fail_at:
+            raise RuntimeError("stopped")  # the machine went away mid-grid
+        yield {"item": item, "square": item * item, "half": item / 2}
+
+    _common.setup(args)
+    with pytest.raises(RuntimeError):
+        _common.run_grid(list(range(4)), one)
+    assert calls == [0, 1, 2] and (args.out / "grid.rank0.jsonl").exists()
+    assert _common.run_files(args.out) is not None  # still a run directory: the same --out is accepted again
+    fail_at.clear()
+    calls.clear()
+    _common.setup(args)
+    frame = _common.run_grid(list(range(4)), one)
+    assert calls == [2, 3]  # items 0 and 1 came from the journal
+    assert frame.to_dict("records") == [{"item": i, "square": i * i, "half": i / 2} for i in range(4)]
+    args.steps = 4  # other flags: the journal is not theirs, every item runs again
+    calls.clear()
+    _common.setup(args)
+    _common.run_grid(list(range(4)), one)
+    assert calls == [0, 1, 2, 3]
+    _common.write_run(args.out, {"experiment": "x"}, frame, {})
+    assert not (args.out / "grid.rank0.jsonl").exists()
+    assert "grid.rank0.jsonl" not in _common.run_files(args.out)
