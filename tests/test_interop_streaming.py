@@ -137,6 +137,30 @@ def test_weights_keep_hf_layout_and_same_dtype_cpu_imports_map_the_file(models, 
     assert not any(in_mapping(p, directory / "model.safetensors") for p in converted.parameters())
 
 
+def test_imported_attention_reads_its_weights_in_place_and_equals_the_concatenated_path(models, tmp_path, monkeypatch):
+    """Q/K/V weights in HF's layout are multiplied where they lie (three matmuls, no concatenated
+    copy per call); the same weights made contiguous take the one-matmul path: same logits, and an
+    edit through ``.data`` is seen by the next forward on both paths."""
+    from workbench.components.attention import Attention
+
+    mapped = wb.from_hf(save(models["llama"], tmp_path))
+    copied = wb.from_hf(tmp_path)
+    for block in copied.blocks:
+        for name in ("W_Q", "_W_K", "_W_V"):
+            getattr(block.attn, name).data = getattr(block.attn, name).data.contiguous()
+    tokens = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        expected = copied(tokens)
+        calls = []
+        monkeypatch.setattr(Attention, "_fused_qkv_weight", lambda self, *a: calls.append(1) or 1 / 0)
+        assert max_diff(mapped(tokens), expected) < 1e-5 and not calls  # in place: never concatenated
+        monkeypatch.undo()
+        for model in (mapped, copied):
+            model.blocks[1].attn._W_V.data.mul_(0.5)
+        assert max_diff(mapped(tokens), copied(tokens)) < 1e-5
+        assert max_diff(mapped(tokens), expected) > 1e-3
+
+
 def in_mapping(tensor, path: Path) -> bool:
     """Whether ``tensor``'s memory lies in a mapping of the file ``path`` (Linux's /proc/self/maps)."""
     if not Path("/proc/self/maps").exists():
