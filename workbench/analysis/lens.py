@@ -255,8 +255,12 @@ class TunedLens(nn.Module):
         return self.weight.shape[0]
 
     def translate(self, resid: Float[Tensor, "layer batch pos d_model"]) -> Float[Tensor, "layer batch pos d_model"]:
-        """Translate a stack of n_layers + 1 streams; the last (final) one passes through."""
-        moved = torch.einsum("lbpd,led->lbpe", resid[:-1], self.weight) + self.bias[:, None, None]
+        """Translate a stack of n_layers + 1 streams; the last (final) one passes through.
+
+        The translators stay float32 whatever the model's dtype (a bf16 lens could not learn its
+        small updates to the identity): bf16/fp16 streams are translated in float32 and cast back."""
+        moved = torch.einsum("lbpd,led->lbpe", resid[:-1].to(self.weight.dtype), self.weight)
+        moved = (moved + self.bias[:, None, None]).to(resid.dtype)
         return torch.cat([moved, resid[-1:]], dim=0)
 
     def check_fits(self, model) -> None:
