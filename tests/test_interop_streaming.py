@@ -31,7 +31,7 @@ from test_interop import HF_CASES, VOCAB, build_hf, max_diff
 
 import workbench as wb
 from workbench.interop import HFImportError, UnsupportedHFConfig
-from workbench.interop.streaming import check_placement
+from workbench.interop.streaming import check_placement, float32_weights
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4
@@ -241,7 +241,8 @@ def test_low_precision_matches_transformers_in_the_same_dtype(name, dtype, tmp_p
     save(hf32, tmp_path)
     hf_low = T.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).to(device).eval()
     ours, ours32 = wb.from_hf(tmp_path, dtype=dtype, device=device), wb.from_hf(tmp_path, device=device)
-    assert {p.dtype for p in ours.parameters()} == {dtype} and ours.device.type == device.type
+    kept = float32_weights(ours)  # DeepSeek's router weights stay float32, as transformers keeps them
+    assert {p.dtype for n, p in ours.named_parameters() if n not in kept} == {dtype} and ours.device.type == device.type
     tokens = torch.randint(0, VOCAB, (3, 20), device=device)
     with torch.no_grad():
         reference = hf32.to(device)(tokens).logits.float()

@@ -447,7 +447,8 @@ def load_checkpoint(
     switches (all off: the weights as saved) run ``model.process_weights`` after loading, in
     float32 before the cast to ``dtype``.
     """
-    from workbench.interop.streaming import ShardedSafetensors, check_placement, fill_model, prefetched, unfilled_model
+    from workbench.interop.streaming import (
+        ShardedSafetensors, check_placement, fill_model, float32_weights, prefetched, unfilled_model)
     from workbench.tokenizer import load_tokenizer
 
     device, dtype = check_placement(device, dtype)
@@ -481,9 +482,12 @@ def load_checkpoint(
     load_dtype = torch.float32 if processing else dtype
     not_finite: list[str] = []
 
+    wide = float32_weights(model)  # DeepSeek's router: float32 whatever the dtype
+
     def tensors():  # (name, tensor), each read once onto the target device and dtype
         names = list(expected)
-        for name, tensor in zip(names, prefetched(lambda n: source.tensor(n, device, load_dtype), names)):
+        read = prefetched(lambda n: source.tensor(n, device, torch.float32 if n in wide else load_dtype), names)
+        for name, tensor in zip(names, read):
             _check_finite(name, tensor, not_finite)
             yield name, tensor
 

@@ -109,6 +109,11 @@ class ModelConfig:
     moe_topk_groups: int = 1
     moe_group_score: MoEGroupScoreChoice = "max"
     moe_score_bias: bool = False
+    # Router precision in a bf16/fp16 model. False (Mixtral's): the logits in the model's dtype, the
+    # softmax in float32. True (DeepSeek-V2/V3's): the logits from a float32 input and a float32
+    # W_gate, and W_gate and b_score stay float32 whatever the model's dtype (transformers keeps
+    # DeepSeek's gate.weight and e_score_correction_bias in float32). No effect in float32.
+    moe_router_fp32: bool = False
 
     # Attention kind: "mha" is MHA/GQA/MQA (by n_kv_heads); "mla" is DeepSeek-V2/V3 multi-head latent
     # attention: keys and values are read up from one ``kv_lora_rank`` latent per token (RMS-normed),

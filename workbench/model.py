@@ -489,9 +489,14 @@ class HookedDecoder(HookedRootModule):
     def _stack(self, get) -> Tensor:
         return torch.stack([get(block) for block in self.blocks], dim=0)
 
-    W_Q = property(lambda self: self._stack(lambda b: b.attn.W_Q))
-    W_K = property(lambda self: self._stack(lambda b: b.attn.W_K))
-    W_V = property(lambda self: self._stack(lambda b: b.attn.W_V))
+    W_Q = property(lambda self: self._stack(lambda b: b.attn.W_Q if hasattr(b.attn, "W_Q") else self._no_mla("W_Q")))
+    W_K = property(lambda self: self._stack(lambda b: b.attn.W_K if hasattr(b.attn, "W_K") else self._no_mla("W_K")))
+
+    @property
+    def W_V(self) -> Float[Tensor, "n_layers head_index d_model d_head"]:
+        """Per-head value weights. MLA: W_DKV diag(kv_norm.w) W_UV, acting on the ln1-normed stream,
+        exact up to the KV latent's per-token 1/rms (``MLA.effective_W_V``)."""
+        return self._stack(lambda b: b.attn.effective_W_V() if hasattr(b.attn, "effective_W_V") else b.attn.W_V)
     W_O = property(lambda self: self._stack(lambda b: b.attn.W_O))
     b_Q = property(lambda self: self._stack(lambda b: b.attn.b_Q))
     b_K = property(lambda self: self._stack(lambda b: b.attn.b_K))
@@ -505,11 +510,44 @@ class HookedDecoder(HookedRootModule):
 
     @property
     def QK(self) -> FactoredMatrix:
+        if self.cfg.attention == "mla":
+            self._no_mla("QK")
         return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
 
     @property
     def OV(self) -> FactoredMatrix:
+        """W_V W_O per head; for MLA through ``W_V``'s effective product (up to the latent's 1/rms)."""
         return FactoredMatrix(self.W_V, self.W_O)
+
+    # MLA (attention="mla"): the content (no-RoPE) part of the QK circuit, which has fixed weights.
+    @property
+    def W_Q_nope(self) -> Float[Tensor, "n_layers head_index d_model qk_nope"]:
+        return self._stack(lambda b: self._mla(b).effective_W_Q_nope())
+
+    @property
+    def W_K_nope(self) -> Float[Tensor, "n_layers head_index d_model qk_nope"]:
+        return self._stack(lambda b: self._mla(b).effective_W_K_nope())
+
+    @property
+    def QK_nope(self) -> FactoredMatrix:
+        """MLA's content scores q_nope . k_nope per head, W_Q_nope W_K_nope^T (up to the latents' 1/rms)."""
+        return FactoredMatrix(self.W_Q_nope, self.W_K_nope.transpose(-2, -1))
+
+    def _mla(self, block):
+        if self.cfg.attention != "mla":
+            raise NotImplementedError("W_Q_nope, W_K_nope and QK_nope are multi-head latent attention's (attention='mla'); "
+                                 f"this model has attention={self.cfg.attention!r}: use W_Q, W_K and QK")
+        return block.attn
+
+    def _no_mla(self, name: str):
+        # Not AttributeError: raised in a property, nn.Module's __getattr__ would replace its message
+        raise NotImplementedError(
+            f"{name} does not exist for multi-head latent attention (attention='mla'): a key is [k_nope, k_rope], "
+            "where k_rope = RoPE(x W_KR) is rotated by its position (no fixed matrix gives it) and k_nope is read from "
+            "the RMS-normed KV latent"
+            + ("" if name != "W_Q" else ", and with query compression the query is read from a normed latent too")
+            + ": use W_K_nope / W_Q_nope / QK_nope for the content (no-RoPE) part, or the raw W_DKV, kv_norm.w, W_UK, "
+            "W_KR of blocks[l].attn")
 
     def tokens_to_residual_directions(self, tokens: Union[str, int, Tensor]) -> Tensor:
         """The unembedding direction(s) of tokens: [d_model], or [..., d_model] for a tensor."""

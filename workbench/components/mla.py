@@ -164,6 +164,29 @@ class MLA(nn.Module):
             return result.sum(dim=2) + self.b_O
         return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, self.b_O)
 
+    # ---- TransformerLens-style effective weights (HookedDecoder.W_V, OV, W_Q_nope, W_K_nope, QK_nope) ----
+    # Keys and values are read from c = RMSNorm(x W_DKV) = (x W_DKV / rms) * w: linear in the
+    # (ln1-normed) stream except for the latent's per-token 1/rms, a positive scalar per source
+    # token that, like TransformerLens' LayerNorm scale, no weight matrix can hold. The products
+    # are therefore taken after the latent norm's weight w and before its 1/rms: v = (x W_V) / rms,
+    # exactly, for every head. No bias enters them (b_DKV, zero in DeepSeek, as TL's W_ never do).
+    def effective_W_V(self) -> Float[Tensor, "head_index d_model d_head"]:
+        """W_DKV diag(kv_norm.w) W_UV[h]: head h's value is (x W_V[h]) / rms(x W_DKV + b_DKV)."""
+        return torch.einsum("dr,r,hre->hde", self.W_DKV, self.kv_norm.w, self.W_UV)
+
+    def effective_W_K_nope(self) -> Float[Tensor, "head_index d_model qk_nope"]:
+        """W_DKV diag(kv_norm.w) W_UK[h]: the no-RoPE part of head h's key, up to the latent's 1/rms.
+
+        The RoPE part of every key is RoPE(x W_KR), rotated by its position: no fixed matrix."""
+        return torch.einsum("dr,r,hre->hde", self.W_DKV, self.kv_norm.w, self.W_UK)
+
+    def effective_W_Q_nope(self) -> Float[Tensor, "head_index d_model qk_nope"]:
+        """The no-RoPE part of the query map: W_Q[..., :nope], or with query compression
+        W_DQ diag(q_norm.w) W_UQ[..., :nope] (up to the query latent's per-token 1/rms)."""
+        if self.cfg.q_lora_rank is None:
+            return self.W_Q[..., : self.nope]
+        return torch.einsum("dr,r,hre->hde", self.W_DQ, self.q_norm.w, self.W_UQ[..., : self.nope])
+
     def _query(self, x: Tensor) -> Tensor:
         """Queries [batch, pos, head, qk] before RoPE, through the query latent when there is one."""
         if self.cfg.q_lora_rank is None:

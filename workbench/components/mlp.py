@@ -103,6 +103,11 @@ class MoE(nn.Module):
         # balancing), hence requires_grad=False.
         add_bias(self, "b_score", (cfg.n_experts,), cfg.moe_score_bias)
         self.b_score.requires_grad_(False)
+        # DeepSeek's router runs in float32 on float32 weights whatever the model's dtype (config.py):
+        # these stay float32 under model.to(dtype) (_apply) and the loaders read them as float32
+        # (interop.streaming.float32_weights). Mixtral's rounds its logits to the model's dtype.
+        self.router_fp32 = cfg.moe_router_fp32
+        self.float32_weights = ("W_gate", "b_score") if cfg.moe_router_fp32 else ()
         if cfg.n_shared_experts:  # every token, unweighted: one dense MLP as wide as the shared experts together
             self.shared_experts = make_expert(cfg.replace(d_mlp=cfg.moe_d_mlp * cfg.n_shared_experts))
         self.hook_router_logits = HookPoint()  # [batch, pos, expert]
@@ -112,23 +117,38 @@ class MoE(nn.Module):
     def forward(
         self, x: Float[Tensor, "batch pos d_model"], token_mask: Optional[Bool[Tensor, "batch pos"]] = None
     ) -> Float[Tensor, "batch pos d_model"]:
-        logits = self.hook_router_logits(x @ self.W_gate)
+        logits = self.hook_router_logits(x.float() @ self.W_gate.float() if self.router_fp32 else x @ self.W_gate)
         weights, indices = self._route(logits)
-        weights = self.hook_expert_weights(weights.to(x.dtype))
+        # kept float32: the references multiply the expert outputs by the float32 weights
+        weights = self.hook_expert_weights(weights)
         indices = self.hook_expert_indices(indices)
         flat_x = x.reshape(-1, x.shape[-1])
         flat_idx, flat_w = indices.reshape(-1, self.k), weights.reshape(-1, self.k)
         if token_mask is not None:  # pads go to no expert
             flat_idx = flat_idx.masked_fill(~token_mask.reshape(-1, 1), -1)
-        out = torch.zeros_like(flat_x)
+        # float32 products summed in float32, rounded once to x's dtype: what transformers' default
+        # experts path (grouped_mm) does in bf16/fp16, for Mixtral and DeepSeek alike
+        out = torch.zeros_like(flat_x, dtype=torch.promote_types(x.dtype, torch.float32))
         for e, expert in enumerate(self.experts):
             # An expert with no tokens still runs (on zero rows) so every parameter gets a grad.
             token, slot = torch.where(flat_idx == e)
             y = expert(flat_x[token][None])[0]  # experts see [1, routed tokens, d_model]
             out.index_add_(0, token, y * flat_w[token, slot, None])
+        out = out.to(x.dtype).reshape(x.shape)
         if hasattr(self, "shared_experts"):
-            return out.reshape(x.shape) + self.shared_experts(x)
-        return out.reshape(x.shape)
+            return out + self.shared_experts(x)
+        return out
+
+    def _apply(self, fn, recurse: bool = True):
+        # model.to(bfloat16) must not round the float32 router weights: keep their float32 values
+        # (the tensors from before the cast), on the new device.
+        before = {name: getattr(self, name).data for name in self.float32_weights}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            now = getattr(self, name)
+            if now.dtype != torch.float32 and not now.is_meta:
+                now.data = old.to(device=now.device, dtype=torch.float32)
+        return self
 
     def _route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """(weights, expert indices) [batch, pos, k] in float32 from the router logits.

@@ -203,7 +203,7 @@ def _deepseek_fields(hf: Any, family: str) -> dict:
     n_experts = hf.n_routed_experts
     fields.update(ffn="moe", moe_expert="swiglu", n_experts=n_experts, experts_per_token=hf.num_experts_per_tok,
                   moe_d_mlp=hf.moe_intermediate_size, n_shared_experts=hf.n_shared_experts,
-                  moe_first_dense=first_dense, moe_routed_scale=float(hf.routed_scaling_factor))
+                  moe_first_dense=first_dense, moe_routed_scale=float(hf.routed_scaling_factor), moe_router_fp32=True)
     groups = dict(moe_n_groups=hf.n_group or 1, moe_topk_groups=hf.topk_group or 1)
     if family == "deepseek_v2":
         if hf.topk_method not in ("greedy", "group_limited_greedy"):

@@ -30,6 +30,7 @@ from workbench.interop.streaming import (
     DEFAULT_MAX_SHARD_SIZE,
     check_placement,
     fill_model,
+    float32_weights,
     load_hf_weights,
     model_shapes,
     parse_size,
@@ -132,7 +133,7 @@ def _from_state_dict(hf_state: dict, family: str, cfg: Any, device: torch.device
     ours, persistent = model_shapes(model)
     source = DictSource(hf_state)
     plan = plan_import(family, cfg, source, ours, persistent, layout=layout_of(hf_state))
-    tensors = import_tensors(plan, source, persistent, device, dtype)  # copies: nothing shared with the HF model
+    tensors = import_tensors(plan, source, persistent, device, dtype, float32_weights(model))  # copies: nothing shared with the HF model
     return fill_model(model, tensors, plan.zero_biases, device, dtype)
 
 

@@ -277,6 +277,13 @@ def model_shapes(model) -> tuple[dict[str, Tensor], set[str]]:
     return ours, set(model.state_dict())
 
 
+def float32_weights(model) -> frozenset[str]:
+    """Names of the weights ``model`` keeps in float32 whatever its dtype (a module's
+    ``float32_weights``: DeepSeek's router), which the loaders read as float32."""
+    return frozenset(f"{prefix}.{leaf}" if prefix else leaf
+                     for prefix, module in model.named_modules() for leaf in getattr(module, "float32_weights", ()))
+
+
 def fill_model(model, tensors: Iterator[tuple[str, Tensor]], zero_biases: Iterable[str],
                device: torch.device, dtype: torch.dtype):
     """Make ``tensors`` (already on ``device`` in ``dtype``) the parameters of ``model`` without
@@ -312,7 +319,7 @@ def load_hf_weights(directory: Union[str, Path], family: str, cfg: ModelConfig, 
         model = unfilled_model(cfg)
         ours, persistent = model_shapes(model)
         plan = plan_import(family, cfg, source, ours, persistent, layout="file")
-        tensors = import_tensors(plan, source, persistent, device, dtype)
+        tensors = import_tensors(plan, source, persistent, device, dtype, float32_weights(model))
         return fill_model(model, tensors, plan.zero_biases, device, dtype)
 
 

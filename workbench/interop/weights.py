@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Literal, Optional, Protocol, runtime_checkable
 
 import torch
@@ -464,8 +464,9 @@ def plan_import(family: str, cfg: ModelConfig, source: TensorSource, ours: Mappi
 
 
 def import_tensors(plan: ImportPlan, source: TensorSource, persistent: Iterable[str], device: torch.device,
-                   dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
-    """(our name, tensor on ``device`` in ``dtype``) for every weight, one source tensor at a time.
+                   dtype: torch.dtype, float32: Container[str] = ()) -> Iterator[tuple[str, Tensor]]:
+    """(our name, tensor on ``device`` in ``dtype``) for every weight, one source tensor at a time;
+    in float32 instead for a source tensor that fills a name in ``float32`` (DeepSeek's router).
 
     Each source tensor arrives in the target dtype and device (``source.tensor``) and our
     weights are the rule's views of it: HF's memory layout is kept (``W_in`` is
@@ -477,7 +478,9 @@ def import_tensors(plan: ImportPlan, source: TensorSource, persistent: Iterable[
 
     persistent = set(persistent)
     steps = [(rule, name) for rule, name in plan.steps if name is not None]
-    tensors = prefetched(lambda name: source.tensor(name, device, dtype), [name for _, name in steps])
+    wide = {name for rule, name in steps if any(ours in float32 for ours in rule.ours)}
+    tensors = prefetched(lambda name: source.tensor(name, device, torch.float32 if name in wide else dtype),
+                         [name for _, name in steps])
     for (rule, name), tensor in zip(steps, tensors):
         for ours, part in zip(rule.ours, rule.split(tensor)):
             if ours in persistent:
