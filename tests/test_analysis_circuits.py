@@ -31,6 +31,16 @@ LAYOUTS = {
 }
 
 
+# Attention options the node-by-node runner must reproduce (each was silently off before: up to 0.08 logits).
+ATTENTION_OPTIONS = {
+    "gqa": dict(n_kv_heads=2, positional="rope"),
+    "qk-norm-per-head": dict(qk_norm="head", positional="rope", norm="rmsnorm"),
+    "qk-norm-projection-gqa": dict(qk_norm="projection", n_kv_heads=2, positional="rope", norm="rmsnorm"),
+    "window-softcap-scalar": dict(sliding_window=3, attn_logit_softcap=0.5, query_pre_attn_scalar=2,
+                                  positional="rope", norm="gemma_rmsnorm"),
+}
+
+
 def _model(**overrides):
     return wb.HookedDecoder(tiny(**overrides)).eval()
 
@@ -100,7 +110,7 @@ def test_graph_has_an_edge_from_every_earlier_writer_to_every_reader(name):
     model = _model(n_layers=3, **LAYOUTS[name])
     g = ComputationGraph(model)
     L, H = 3, 4
-    mlp = "attn_only" not in LAYOUTS[name]
+    mlp = not model.cfg.attn_only
     assert len(g.senders) == 1 + L * H + (L if mlp else 0)
     assert len(g.receivers) == L * 3 * H + (L if mlp else 0) + 1
     table = g.edges
@@ -122,6 +132,11 @@ def test_post_norm_layouts_are_refused_by_name(placement):
         ComputationGraph(_model(**placement))
 
 
+def test_mla_is_refused_by_name():
+    with pytest.raises(ValueError, match="MLA"):
+        ComputationGraph(_model(attention="mla", positional="rope", norm="rmsnorm"))
+
+
 def test_bad_edges_and_nodes_are_named():
     g = ComputationGraph(_model())
     with pytest.raises(ValueError, match="edge L1H0 -> L0H3.k does not exist"):
@@ -137,13 +152,13 @@ def test_bad_edges_and_nodes_are_named():
 
 
 # ---- exact edge patching -------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", [*LAYOUTS, "qk-norm-per-head", "window-softcap-scalar"])
 def test_exact_edge_patch_equals_a_hand_written_hooked_patch(name):
-    model = _model(**LAYOUTS[name])
+    model = _model(**(LAYOUTS[name] if name in LAYOUTS else ATTENTION_OPTIONS[name]))
     clean, corrupted = _pair()
     metric = _weighted_logits()
     g = ComputationGraph(model)
-    mlp = "attn_only" not in LAYOUTS[name]
+    mlp = not model.cfg.attn_only
     edges = ["embed -> L0H1.q", "embed -> L1H2.k", "L0H3 -> L1H0.v", "L0H0 -> L1H1.k", "L1H2 -> logits",
              "embed -> logits"] + (["L0H2 -> L0 mlp", "L0 mlp -> L1H3.q", "L1 mlp -> logits"] if mlp else [])
     if name == "parallel":
@@ -159,9 +174,9 @@ def test_exact_edge_patch_equals_a_hand_written_hooked_patch(name):
     assert (ours.score.abs() > 1e-7).all()  # every one of these patches changes something
 
 
-@pytest.mark.parametrize("name", [*LAYOUTS, "gqa"])
+@pytest.mark.parametrize("name", [*LAYOUTS, *ATTENTION_OPTIONS])
 def test_runner_keeping_every_edge_is_clean_and_none_is_corrupted(name):
-    model = _model(**(LAYOUTS.get(name) or dict(n_kv_heads=2, positional="rope")))
+    model = _model(**(LAYOUTS[name] if name in LAYOUTS else ATTENTION_OPTIONS[name]))
     runner = EdgeRunner(model, _pair())
     g = runner.graph
     with torch.no_grad():

@@ -28,7 +28,6 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from einops import einsum
 from jaxtyping import Float
 from torch import Tensor
@@ -86,30 +85,46 @@ def kl_metric(clean_logits: Float[Tensor, "batch pos d_vocab"]) -> Callable[[Ten
 def project(block, x: Float[Tensor, "batch pos head_index d_model"], kind: str,
             heads: Sequence[int]) -> Float[Tensor, "batch pos head_index d_head"]:
     """The ``kind`` (q, k or v) projection of ``heads`` of ``block``, each head reading its own
-    pre-norm stream (normed on its own, as the block's ``ln1`` does)."""
+    pre-norm stream (normed on its own, as the block's ``ln1`` does), QK-normed as the attention
+    does (before the rotation). A projection-wide QK-norm (OLMo 2) normalises every head's
+    projection of the stream together: here, of the stream the head reads."""
     attn, heads = block.attn, list(heads)
     weight, bias = {"q": (attn.W_Q, attn.b_Q), "k": (attn.W_K, attn.b_K), "v": (attn.W_V, attn.b_V)}[kind]
     normed = block.ln1(x.flatten(1, 2)).view_as(x)
-    return einsum(normed, weight[heads], "b p h d, h d e -> b p h e") + bias[heads]
+    if kind == "v" or attn.cfg.qk_norm == "none":
+        return einsum(normed, weight[heads], "b p h d, h d e -> b p h e") + bias[heads]
+    norm = attn.q_norm if kind == "q" else attn.k_norm
+    if attn.cfg.qk_norm == "head":
+        return norm(einsum(normed, weight[heads], "b p h d, h d e -> b p h e") + bias[heads])
+    own, own_bias = (attn.W_Q, attn.b_Q) if kind == "q" else (attn._W_K, attn._b_K)  # the projection's own heads
+    every = einsum(normed, own, "b p s d, g d e -> b p s g e") + own_bias
+    every = norm(every.flatten(-2)).unflatten(-1, every.shape[-2:])
+    index = torch.tensor(heads) // (1 if kind == "q" else attn.group)
+    return every[:, :, torch.arange(len(heads)), index]
 
 
 def attend(block, q: Float[Tensor, "batch pos head_index d_head"], k: Float[Tensor, "batch pos head_index d_head"],
            v: Float[Tensor, "batch pos head_index d_head"], heads: Sequence[int]
            ) -> Float[Tensor, "batch pos head_index d_head"]:
-    """``z`` of ``heads`` from their (unrotated) queries, keys and values: the block's rotation and
-    score bias, and the causal SDPA its attention runs."""
+    """``z`` of ``heads`` from their (unrotated) queries, keys and values, as the block's attention
+    computes it: its rotation, score scale (Gemma's query_pre_attn_scalar), soft-cap, score bias
+    (ALiBi), causal mask narrowed to its sliding window, and a float32 softmax."""
     attn, heads = block.attn, list(heads)
     if attn.position.rotates:
         q, k = attn.position.rotate(q, 0), attn.position.rotate(k, 0)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, pos, d_head]
     n = q.shape[2]
+    scores = q @ k.transpose(-1, -2) / attn.attn_scale
+    if attn.softcap is not None:
+        scores = torch.tanh(scores / attn.softcap) * attn.softcap
     bias = attn.position.score_bias(n, n, 0)
-    if bias is None:
-        z = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        z = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[heads].to(q.dtype).masked_fill(~causal, float("-inf")))
-    return z.transpose(1, 2)
+    if bias is not None:
+        scores = scores + bias[heads]
+    pos = torch.arange(n, device=q.device)
+    back = pos[:, None] - pos[None, :]  # query - key
+    visible = (back >= 0) if attn.window is None else (back >= 0) & (back < attn.window)
+    pattern = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1, dtype=torch.float32)
+    return (pattern.to(v.dtype) @ v).transpose(1, 2)
 
 
 def head_z(
@@ -306,11 +321,9 @@ def edge_effects(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], edges: 
             _, layer, head, kind = node
             block = model.blocks[layer]
             x = cache[f"blocks.{layer}.hook_resid_pre"]
-            weights = {k: (getattr(block.attn, f"W_{k.upper()}")[head], getattr(block.attn, f"b_{k.upper()}")[head])
-                       for k in ("q", "k", "v")}
 
             def projected(stream: Tensor, k: str) -> Tensor:  # [batch, pos, 1, d_head]
-                return (block.ln1(stream) @ weights[k][0] + weights[k][1])[:, :, None]  # noqa: B023 (called within this iteration)
+                return project(block, stream[:, :, None], k, [head])  # noqa: B023 (called within this iteration)
 
             clean_qkv = {k: projected(x, k) for k in ("q", "k", "v")}
             clean_z = attend(block, clean_qkv["q"], clean_qkv["k"], clean_qkv["v"], [head])[:, :, 0]

@@ -96,6 +96,9 @@ class ComputationGraph:
                              f"layout normalises after each write, so it has no edges (supported layouts: "
                              f"{list(_SUPPORTED)})")
         cfg = model.cfg
+        if cfg.attention == "mla":
+            raise ValueError("circuits do not support MLA attention yet: a head's keys and values come from a "
+                             "latent shared by every head, so its q/k/v inputs are not separate edges here")
         self.n_layers, self.n_heads = cfg.n_layers, cfg.n_heads
         self.layout = layout
         self.has_mlp = "mlp_out" in model.blocks[0].sites
