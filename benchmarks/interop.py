@@ -63,11 +63,12 @@ def build(directory: Path):
     return load(), load(attn_implementation="eager"), load(), wb.from_hf(directory)
 
 
-def _word_tokenizer():
+def _word_tokenizer(vocab: int = 4096):
+    """A local word-level tokenizer ("w0 w1 ..."): the bridge and nnsight want one beside the weights."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(4096)}, unk_token="w0"))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
 
@@ -128,6 +129,7 @@ SIZES = {  # Llama-shaped; "1b" is TinyLlama-1.1B's shape
     "300m": dict(d_model=1024, n_layers=24, n_heads=16, n_kv_heads=8, d_mlp=2816, d_vocab=32000),
     "1b": dict(d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_mlp=5632, d_vocab=32000),
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=128, d_vocab=256),
+    "small": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_mlp=1408, d_vocab=8192),  # 33M
 }
 LLAMA = dict(n_ctx=2048, norm="rmsnorm", positional="rope", ffn="swiglu", bias=False, tie_embeddings=False)
 
