@@ -10,11 +10,13 @@ from workbench.analysis import direct_path, token_neighbours, vocabulary_table
 from workbench.tokenizer import WordTokenizer
 
 
-@pytest.fixture(params=["layernorm", "rmsnorm"])
+@pytest.fixture(params=["layernorm", "rmsnorm", "rmsnorm-scaled"])
 def model(request):
     tok = WordTokenizer.from_text("Mary John gave a drink to the store went and")
-    model = wb.HookedDecoder(tiny(d_vocab=tok.vocab_size, norm=request.param, tie_embeddings=False, seed=3),
-                             tokenizer=tok).eval()
+    # Gemma's sqrt(d_model) embedding scale, with an epsilon large enough for the scale to matter
+    scaled = dict(scale_embeddings=True, norm_eps=0.05) if request.param.endswith("scaled") else {}
+    model = wb.HookedDecoder(tiny(d_vocab=tok.vocab_size, norm=request.param.split("-")[0], tie_embeddings=False,
+                                  seed=3, **scaled), tokenizer=tok).eval()
     with torch.no_grad():  # a final norm that is not the identity at init
         for p in model.ln_final.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -23,6 +25,8 @@ def model(request):
 
 def _reference(model):
     W_E, W_U = model.embed.W_E.detach(), model.unembed.W_U.detach()
+    if model.cfg.scale_embeddings:
+        W_E = W_E * model.cfg.d_model ** 0.5
     if model.cfg.norm == "layernorm":
         x = torch.nn.functional.layer_norm(W_E, (W_E.shape[-1],), model.ln_final.w.detach(), model.ln_final.b.detach(),
                                            eps=model.cfg.norm_eps)

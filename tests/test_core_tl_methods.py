@@ -207,3 +207,13 @@ def test_stories_2026_per_head_dla_through_logit_attrs():
         _, cache = folded.run_with_cache(prompts.tokens)
     stack = cache.stack_head_results(pos_slice=-1)
     np.testing.assert_allclose(attrs(ActivationCache(cache.cache_dict, folded), stack), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_apply_ln_to_a_layer_without_an_input_norm_is_named():
+    """OLMo 2's reordered block normalises after each sublayer: no norm reads layer l's input."""
+    model = wb.HookedDecoder(tiny(norm="rmsnorm", norm_placement="reordered")).eval()
+    _, cache = model.run_with_cache(torch.randint(0, 50, (1, 5)))
+    stack = cache.decompose_resid(layer=1, apply_ln=False)
+    with pytest.raises(ValueError, match="reordered"):
+        cache.apply_ln_to_stack(stack, layer=1)
+    assert cache.apply_ln_to_stack(stack).shape == stack.shape  # the final norm is there

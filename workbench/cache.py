@@ -50,6 +50,12 @@ class WorkbenchCache(ActivationCache):
         """TL's ``apply_ln_to_stack``, then times the target norm's weight (see the module docstring)."""
         n_layers = self.model.cfg.n_layers
         target = n_layers if layer is None or layer == -1 else layer
+        if target < n_layers and self.model.cfg.normalization_type is not None:
+            block = self.model.blocks[target]
+            if not hasattr(block, "ln2" if mlp_input else "ln1"):  # OLMo 2's reordered block: norms after
+                raise ValueError(f"layer {target}'s {'MLP' if mlp_input else 'attention'} reads the residual stream "
+                                 f"un-normalised in the {block.layout!r} block layout (its norms follow the "
+                                 "sublayer): there is no norm to apply; use the stack as it is")
         out = super().apply_ln_to_stack(
             residual_stack, layer, mlp_input, pos_slice, batch_slice, has_batch_dim, recompute_ln
         )

@@ -30,7 +30,8 @@ def _direct_logits(model) -> Tensor:
     """[d_vocab, d_vocab] fp32: the logits the direct path gives after each token (row), computed
     in the model's own dtype through its final norm and unembedding."""
     with torch.no_grad():
-        resid = model.embed.W_E.detach()[:, None, :]  # [vocab, 1, d_model]: every token, one position
+        # [vocab, 1, d_model]: every token, one position, as the stream holds it (Gemma's scale included)
+        resid = model.embed(torch.arange(model.cfg.d_vocab, device=model.embed.W_E.device)[:, None])
         return model.unembed(model.ln_final(resid))[:, 0].float()
 
 
