@@ -1,7 +1,8 @@
 """What Gemma's options cost in the forward pass, as ratios against the same model without them.
 
 Attention soft-capping has no SDPA form, so a soft-capped layer materialises the
-[batch, head, query, key] scores (the explicit path); a sliding window only changes SDPA's mask.
+[batch, head, query, key] scores (the explicit path); a sliding window only changes SDPA's mask,
+and shrinks the KV cache (printed after the timings).
 Contenders run interleaved (``_timing.interleaved``), medians:
 
     python benchmarks/gemma.py [--repeats 7] [--batch 8] [--seq 256]
@@ -48,6 +49,12 @@ def main() -> None:
     print(f"forward, batch {args.batch} x {args.seq} tokens, d_model 256, 4 layers, {torch.get_num_threads()} threads")
     for name, t in times.items():
         print(f"  {name:36s} {t * 1e3:8.1f} ms  {t / plain:5.2f}x")
+    # a sliding layer's KV cache holds the window, not the context (the cache allocates exactly this)
+    print(f"KV cache for batch {args.batch} x {args.seq} positions (bf16)")
+    full = wb.kv_cache_bytes(base, args.seq, args.batch)
+    for name, cfg in variants.items():
+        size = wb.kv_cache_bytes(cfg, args.seq, args.batch)
+        print(f"  {name:36s} {size / 2**20:8.2f} MiB {size / full:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers as T
 from factories import tiny
-from test_interop import SMALL, VOCAB, _no_network, build_hf, max_diff  # noqa: F401 (_no_network: autouse fixture)
+from test_interop import SMALL, VOCAB, _no_network, build_hf, import_saved, max_diff  # noqa: F401 (_no_network: autouse fixture)
 
 import workbench as wb
 from workbench.interop import UnsupportedHFConfig, config_from_hf, hf_family_for
@@ -35,13 +35,7 @@ EXPORTED_AS = {"qwen3": "Qwen3ForCausalLM", "qwen3-bias-tied": "Qwen3ForCausalLM
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    out = {}
-    for name, (config_class, kwargs) in CASES.items():
-        hf = build_hf(config_class, **kwargs)
-        directory = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(directory, max_shard_size="20KB")  # several shards and an index
-        out[name] = (hf, directory, wb.from_hf(directory))
-    return out
+    return import_saved(CASES, tmp_path_factory, max_shard_size="20KB")  # several shards and an index
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -119,8 +113,8 @@ def _with_rope(config, **rope):
     (lambda: _with_rope(T.Phi3Config(**SMALL), rope_type="longrope", short_factor=[1.0] * 4, long_factor=[2.0] * 4),
      "rope_parameters.rope_type='longrope'"),
     (lambda: _with_rope(T.Phi3Config(**SMALL), rope_type="su"), "rope_parameters.rope_type='su'"),
-    (lambda: T.Phi3Config(sliding_window=16, **SMALL), "sliding_window=16"),
-    (lambda: T.Qwen3Config(use_sliding_window=True, sliding_window=8, max_window_layers=0, **SMALL), "sliding_window=8"),
+    # Qwen3's default pattern, full below max_window_layers and sliding from it (windows: test_families_sliding)
+    (lambda: T.Qwen3Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **SMALL), "max_window_layers=1"),
     (lambda: _with_rope(T.Olmo2Config(**SMALL), partial_rotary_factor=0.5), "rope_parameters.partial_rotary_factor=0.5"),
     (lambda: _with_rope(T.Qwen3Config(head_dim=8, **SMALL), partial_rotary_factor=0.5),
      "rope_parameters.partial_rotary_factor=0.5"),

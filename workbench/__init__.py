@@ -3,6 +3,7 @@
 from workbench.accounting import (
     count_params,
     forward_flops_per_token,
+    kv_cache_bytes,
     kv_cache_bytes_per_token,
     seed_param_formula,
     training_flops,
@@ -29,6 +30,7 @@ __all__ = [
     "forward_flops_per_token",
     "training_flops",
     "kv_cache_bytes_per_token",
+    "kv_cache_bytes",
     "save_checkpoint",
     "load_checkpoint",
     "CheckpointError",

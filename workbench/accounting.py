@@ -81,16 +81,37 @@ def training_flops(cfg: ModelConfig, n_tokens: int) -> int:
     return 6 * matmul_params(cfg) * check_int("n_tokens", n_tokens, 0)
 
 
+def _kv_values_per_position(cfg: ModelConfig) -> int:
+    """Values one layer's KV cache stores per position."""
+    if cfg.attention == "mla":
+        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return 2 * cfg.n_kv_heads * cfg.d_head
+
+
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
-    """Bytes of keys and values stored per token of context (bf16 by default).
+    """Bytes of keys and values stored per token of context (bf16 by default), in the layers
+    that keep every token.
 
     MHA/GQA/MQA store a key and a value per KV head: 2 n_kv_heads d_head values per layer. MLA
     stores its latent and its shared RoPE key, kv_lora_rank + qk_rope_head_dim values per layer,
-    whatever the number of heads."""
+    whatever the number of heads. A sliding-window layer holds at most ``window`` positions
+    whatever the context, so it adds nothing per token: it counts in ``kv_cache_bytes`` only
+    (with every layer local, as Mistral's, this is 0)."""
     bytes_per_value = check_int("bytes_per_value", bytes_per_value, 1)
-    if cfg.attention == "mla":
-        return cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * bytes_per_value
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.d_head * bytes_per_value
+    global_layers = sum(not cfg.layer_is_local(layer) for layer in range(cfg.n_layers))
+    return global_layers * _kv_values_per_position(cfg) * bytes_per_value
+
+
+def kv_cache_bytes(cfg: ModelConfig, context: int | None = None, batch: int = 1, bytes_per_value: int = 2) -> int:
+    """Bytes the KV cache holds for ``batch`` sequences of ``context`` positions (n_ctx by
+    default), what ``make_kv_cache(batch, context)`` allocates: ``context`` positions in a layer
+    that keeps every token, min(window, context) in a sliding-window layer."""
+    context = cfg.n_ctx if context is None else check_int("context", context, 1)
+    batch = check_int("batch", batch, 1)
+    bytes_per_value = check_int("bytes_per_value", bytes_per_value, 1)
+    positions = sum(min(cfg.sliding_window, context) if cfg.layer_is_local(layer) else context
+                    for layer in range(cfg.n_layers))
+    return batch * positions * _kv_values_per_position(cfg) * bytes_per_value
 
 
 def training_memory_bytes(cfg: ModelConfig, batch_size: int, seq_len: int) -> dict[str, int]:

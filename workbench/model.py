@@ -34,7 +34,8 @@ from workbench.components.registry import add_bias, pick
 from workbench.config import ModelConfig
 from workbench.utils import check_float, check_int, check_seed, check_token_ids, eval_mode
 from workbench.padding import (
-    PAD_STR, Padding, TokenBatch, check_attention_mask, cut_after_stop, forward_padding, left_padded_mask, unpack,
+    PAD_STR, Padding, TokenBatch, check_attention_mask, cut_after_stop, forward_padding, left_padded_mask, positions_from_mask,
+    unpack,
 )
 
 
@@ -81,6 +82,8 @@ class KVCache:
 
     ``attention_mask`` [batch, length] (bool) is kept once a padded batch was fed, so later
     steps continue each row's positions and keep its pads out of sight; None: nothing padded.
+    A sliding-window layer's entry holds only the latest positions (``KVCacheEntry``); setting
+    the mask tells it how many a later query of some row can still see.
     """
 
     def __init__(
@@ -88,12 +91,41 @@ class KVCache:
     ):
         max_len = cfg.n_ctx if max_len is None else min(max_len, cfg.n_ctx)
         entry = pick(CACHE_ENTRIES, cfg.attention, "attention")  # MLA keeps its latent, not keys and values
-        self.entries = [entry(cfg, batch, device, dtype, max_len) for _ in range(cfg.n_layers)]
-        self.attention_mask: Optional[Tensor] = None
+        # the window goes only to a sliding layer's entry (MLA has none: the config refuses it)
+        self.entries = [
+            entry(cfg, batch, device, dtype, max_len, **({"window": cfg.sliding_window} if cfg.layer_is_local(i) else {}))
+            for i in range(cfg.n_layers)
+        ]
+        self.window = cfg.sliding_window
+        self._attention_mask: Optional[Tensor] = None
 
     @property
     def length(self) -> int:
         return self.entries[0].length
+
+    @property
+    def attention_mask(self) -> Optional[Tensor]:
+        return self._attention_mask
+
+    @attention_mask.setter
+    def attention_mask(self, mask: Optional[Tensor]) -> None:
+        self._attention_mask = mask
+        if self.window is None:
+            return
+        hold = self.window - 1 if mask is None else self._window_hold(mask, self.window)
+        for entry in self.entries:
+            if getattr(entry, "window", None) is not None:
+                entry.hold = hold
+
+    @staticmethod
+    def _window_hold(mask: Tensor, window: int) -> int:
+        """Columns (the latest) a later query can still see in a sliding layer: each row's last
+        window - 1 real keys. Left padding: the last window - 1 columns; a row with pads after real
+        tokens reaches further back."""
+        real = mask.sum(dim=1, keepdim=True)
+        needed = mask & (real - positions_from_mask(mask) < window)  # a later query sits at position >= real
+        cols = needed.any(dim=0).nonzero()
+        return 0 if len(cols) == 0 else mask.shape[1] - int(cols[0])
 
     def __getitem__(self, layer: int):
         return self.entries[layer]

@@ -22,8 +22,16 @@ mask; SDPA has no such step, so a soft-capped layer always runs the explicit pat
 ``query_pre_attn_scalar`` (scores divided by its square root instead of sqrt(d_head), on both
 paths), and a per-layer sliding window (``cfg.layer_is_local(layer)``): the visibility mask also
 hides keys ``window`` or more positions back, on both paths, padded or not, and in KV-cache decode
-steps (the cache keeps every key; the mask alone narrows what a step sees). Gemma 3's local layers
-rotate with their own RoPE base (``rope_local_base``).
+steps. Gemma 3's local layers rotate with their own RoPE base (``rope_local_base``).
+
+The KV cache (``KVCacheEntry``) holds a layer's keys and values in position order, rotated at
+their absolute positions. A global layer's entry is preallocated to max_len; a sliding layer's
+holds ``window`` positions at most, whatever the context: after each step it keeps the last
+``window - 1`` (what a later query can see beside its own key, as transformers'
+``DynamicSlidingWindowLayer`` keeps), so a decode step attends over the held keys and its own,
+and the keys of a cached step are the last ``n_key`` positions (column ``first = offset +
+n_query - n_key`` on): the padding mask and ALiBi's bias are cut to those columns, and
+``hook_attn_scores`` / ``hook_pattern`` of a sliding layer's decode step have ``n_key`` columns.
 """
 
 import math
@@ -43,24 +51,56 @@ from workbench.padding import Padding
 
 
 class KVCacheEntry:
-    """Keys and values of one layer for the positions seen so far, preallocated to max_len."""
+    """Keys and values of one layer, in position order: every position so far (preallocated to
+    max_len), or in a sliding-window layer only the latest ones, ``window`` positions of storage.
 
-    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, max_len: int):
-        shape = (batch, cfg.n_kv_heads, max_len, cfg.d_head)
+    ``length`` counts the positions seen, ``held`` those stored (the last ``held`` of them, at
+    [0, held)). After an append a sliding layer keeps the last ``hold`` positions: ``window - 1``,
+    unless the model's ``KVCache`` raises it for a row with pads after real tokens (its last
+    window - 1 real keys then span more columns; the storage grows for them).
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, max_len: int,
+        window: Optional[int] = None,
+    ):
+        room = max_len if window is None else min(window, max_len)
+        shape = (batch, cfg.n_kv_heads, room, cfg.d_head)
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.max_len, self.window = max_len, window
+        self.hold = max_len if window is None else window - 1
         self.length = 0
+        self.held = 0
         self.fused_qkv: Optional[tuple[Tensor, Tensor]] = None  # set by Attention on first use
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store [batch, kv_head, new, d_head] keys/values; return all keys/values so far."""
-        end = self.length + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"KV cache full: {end} positions exceed its capacity of {self.k.shape[2]}")
-        self.k[:, :, self.length : end] = k
-        self.v[:, :, self.length : end] = v
+        """Store [batch, kv_head, new, d_head] keys/values; return the held and the new ones, in
+        position order: every position so far, or in a sliding layer the last ``n_key`` of them."""
+        n, end = k.shape[2], self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} positions exceed its capacity of {self.max_len}")
         self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+        room = self.k.shape[2]
+        if self.held + n <= room:  # room after what is held: written in place, nothing copied
+            self.k[:, :, self.held : self.held + n] = k
+            self.v[:, :, self.held : self.held + n] = v
+            self.held += n
+            return self.k[:, :, : self.held], self.v[:, :, : self.held]
+        # A sliding layer past its storage: this step attends over the held keys and its own, then the
+        # last ``hold`` are kept. Storage of ``window`` for a hold of window - 1 leaves room for the next
+        # one-token step, so decoding copies the held keys every other step only.
+        if self.held:
+            k = torch.cat([self.k[:, :, : self.held], k], dim=2)
+            v = torch.cat([self.v[:, :, : self.held], v], dim=2)
+        keep = min(self.hold, k.shape[2])
+        if keep > room:  # a row with pads after real tokens needs more columns than the window
+            self.k = self.k.new_empty(self.k.shape[:2] + (keep, self.k.shape[3]))
+            self.v = self.v.new_empty(self.k.shape)
+        self.k[:, :, :keep] = k[:, :, k.shape[2] - keep :]
+        self.v[:, :, :keep] = v[:, :, v.shape[2] - keep :]
+        self.held = keep
+        return k, v
 
 
 class Attention(nn.Module):
@@ -150,8 +190,12 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
         n_query, n_key = q.shape[2], k.shape[2]
-        bias = self.position.score_bias(n_query, n_key, offset, padding)
+        first = offset + n_query - n_key  # > 0: a sliding layer's cache holds only the latest keys
+        bias = self.position.score_bias(n_query, offset + n_query, offset, padding)
         visible = padding.visible if padding is not None else None
+        if first:
+            bias = bias[..., first:] if bias is not None else None
+            visible = visible[..., first:] if visible is not None else None
         if self.window is not None:
             visible = self._windowed(visible, padding, n_query, n_key, offset, q.device)
         if self._explicit_needed():
@@ -213,20 +257,23 @@ class Attention(nn.Module):
     ) -> Optional[Tensor]:
         """``visible`` (None: causal) narrowed to the sliding window: a query sees the keys fewer than
         ``window`` positions back, counted in real tokens for a padded row (as its prompt alone).
-        The KV cache keeps every key; the mask alone limits what a decode step sees."""
-        if offset + n_query <= self.window:  # no query reaches back past the window: nothing to cut
+        The keys are the last ``n_key`` positions (a sliding layer's KV cache holds no more)."""
+        if n_key <= self.window:  # the last query and the first key are fewer than window apart: nothing to cut
             return visible
+        first = offset + n_query - n_key
         if padding is None:
             q_pos = torch.arange(offset, offset + n_query, device=device)[:, None]
-            k_pos = torch.arange(n_key, device=device)[None, :]
+            k_pos = torch.arange(first, first + n_key, device=device)[None, :]
             return (k_pos <= q_pos) & (q_pos - k_pos < self.window)  # [query, key]
         k_pos = padding.key_positions
-        distance = k_pos[:, offset:, None] - k_pos[:, None, :]  # [batch, query, key]
+        distance = k_pos[:, offset:, None] - k_pos[:, None, first:]  # [batch, query, key]
         return visible & (distance < self.window)[:, None]
 
     def _causal_mask(self, n_query: int, n_key: int, offset: int, device: torch.device) -> Tensor:
+        """[query, key], True = visible; the keys are the last ``n_key`` positions."""
         q_pos = torch.arange(offset, offset + n_query, device=device)
-        return torch.arange(n_key, device=device)[None, :] <= q_pos[:, None]  # [query, key], True = visible
+        k_pos = torch.arange(offset + n_query - n_key, offset + n_query, device=device)
+        return k_pos[None, :] <= q_pos[:, None]
 
     def _fused(
         self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int, visible: Optional[Tensor] = None

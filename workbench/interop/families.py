@@ -17,6 +17,13 @@ of before (``norm_placement="reordered"``), and Phi-3 fuses q/k/v and gate/up in
 projection each (split on import, ``weights.py``) and may rotate part of each head
 (``partial_rotary_factor``). Phi-3's LongRoPE (``rope_type`` longrope / su) rescales each
 frequency by a learned table and is refused.
+
+Sliding windows: Mistral, Mixtral and Phi-3 slide every layer by ``sliding_window``; Qwen2 and
+Qwen3 slide the layers ``layer_types`` names ``sliding_attention`` (by default, with
+``use_sliding_window``, those from ``max_window_layers`` on), Gemma 2/3 likewise. Our config
+models every layer local or every k-th layer global (``global_every``); another pattern is
+refused naming the field. A window at least as long as the context never cuts and imports as
+none.
 """
 
 from __future__ import annotations
@@ -31,9 +38,12 @@ FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "gpt_neox", "qwen3",
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "olmo2")  # rotate the whole head
 GEMMA = ("gemma2", "gemma3_text")
-# Gemma's options in our config (off: None, False or 0); no other family may carry one.
-GEMMA_OPTIONS = ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "sliding_window",
-                 "global_every", "rope_local_base", "scale_embeddings")
+# Gemma's options in our config (off: None, False or 0); no other family may carry one. (The
+# sliding window and global_every are shared: Mistral, Mixtral, Phi-3, Qwen2 and Qwen3 slide too.)
+GEMMA_OPTIONS = ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "rope_local_base",
+                 "scale_embeddings")
+SLIDING_EVERY_LAYER = ("mistral", "mixtral", "phi3")  # sliding_window applies to every layer
+SLIDING_BY_LAYER_TYPES = ("qwen2", "qwen3")  # layer_types names the sliding layers
 _GEMMA_ACTS = {"gelu_pytorch_tanh": "geglu_tanh", "gelu": "geglu"}
 _HF_FIELDS_OF_GEMMA = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
 
@@ -96,7 +106,8 @@ def config_from_hf(hf: Any, n_ctx: Optional[int] = None) -> tuple[str, ModelConf
         if n_ctx < 1 or (family == "gpt2" and n_ctx > hf.n_positions):
             raise ValueError(f"n_ctx={n_ctx} must be between 1 and the model's {suggested} positions")
         suggested = n_ctx
-    _check_sliding_window(hf, family, suggested, n_ctx is not None)
+    if family in SLIDING_EVERY_LAYER + SLIDING_BY_LAYER_TYPES:
+        fields.update(_window_fields(hf, family, suggested))
     name = getattr(hf, "_name_or_path", "") or family
     return family, ModelConfig(n_ctx=suggested, name=str(name), **fields)
 
@@ -250,12 +261,7 @@ def _gemma_fields(hf: Any, family: str) -> dict:
         return fields
     if not getattr(hf, "sliding_window", None):
         raise _unsupported("sliding_window", getattr(hf, "sliding_window", None), "sliding_attention layers need a window")
-    for every in (0, *range(2, n_layers + 1)):  # 0: every layer local; k: layers k-1, 2k-1, ... global
-        if types == ["sliding_attention" if every == 0 or (i + 1) % every else "full_attention" for i in range(n_layers)]:
-            fields.update(sliding_window=int(hf.sliding_window), global_every=every)
-            break
-    else:
-        raise _unsupported("layer_types", types, "only a periodic pattern (every k-th layer global) is modelled")
+    fields.update(_periodic_window(types, int(hf.sliding_window)))
     if family == "gemma3_text":
         local = dict(hf.rope_parameters.get("sliding_attention") or {})
         if local.get("rope_type", "default") != "default" or set(local) - {"rope_type", "rope_theta"}:
@@ -321,14 +327,35 @@ def _rope_fields(hf: Any, family: str, d_head: int, params: Optional[dict] = Non
     return out
 
 
-def _check_sliding_window(hf: Any, family: str, n_ctx: int, explicit: bool) -> None:
-    """A window at least as long as the context never cuts anything; a shorter one would."""
-    window = getattr(hf, "sliding_window", None) if family in ("mistral", "mixtral", "qwen2", "qwen3", "phi3") else None
-    if family in ("qwen2", "qwen3") and "sliding_attention" not in (getattr(hf, "layer_types", None) or []):
-        window = None
-    if window is not None and window < n_ctx:
-        hint = "" if explicit else f"; pass n_ctx<={window} to import it with a context the window never cuts"
-        raise _unsupported("sliding_window", window, f"the workbench has no sliding-window attention and the context is {n_ctx}{hint}")
+def _periodic_window(types: list, window: int, field: str = "layer_types", value: Any = None) -> dict:
+    """``sliding_window`` and ``global_every`` for per-layer ``types`` (sliding_attention / full_attention);
+    ``UnsupportedHFConfig`` naming ``field`` for a pattern our config cannot express."""
+    n_layers = len(types)
+    for every in (0, *range(2, n_layers + 1)):  # 0: every layer local; k: layers k-1, 2k-1, ... global
+        if types == ["sliding_attention" if every == 0 or (i + 1) % every else "full_attention" for i in range(n_layers)]:
+            return dict(sliding_window=window, global_every=every)
+    raise _unsupported(field, types if value is None else value,
+                       f"sliding layers {types}: only every layer local or every k-th layer global is modelled")
+
+
+def _window_fields(hf: Any, family: str, n_ctx: int) -> dict:
+    """The sliding window of Mistral, Mixtral, Phi-3 (every layer) or Qwen2/Qwen3 (the layers
+    ``layer_types`` names, as transformers' attention reads them); none when it never cuts the context."""
+    window = getattr(hf, "sliding_window", None)  # Qwen: None unless use_sliding_window
+    n_layers = hf.num_hidden_layers
+    if family in SLIDING_EVERY_LAYER:
+        types = ["sliding_attention"] * n_layers
+    else:
+        types = list(getattr(hf, "layer_types", None) or ["full_attention"] * n_layers)
+        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise _unsupported("layer_types", types, f"one of sliding_attention/full_attention per layer ({n_layers})")
+    if window is None or window >= n_ctx or "sliding_attention" not in types:
+        return {}
+    if family in SLIDING_BY_LAYER_TYPES:  # the default pattern: full below max_window_layers, sliding from it on
+        mwl = getattr(hf, "max_window_layers", None)
+        if mwl is not None and types == ["sliding_attention" if i >= mwl else "full_attention" for i in range(n_layers)]:
+            return _periodic_window(types, int(window), "max_window_layers", mwl)
+    return _periodic_window(types, int(window))
 
 
 # ---- ours -> HF -----------------------------------------------------------------------
@@ -359,6 +386,13 @@ def hf_family_for(cfg: ModelConfig) -> str:
                  "the final norm's bias now lives in an unembedding bias b_U, which no family has")
     if cfg.attention == "mla":
         return _deepseek_family(cfg, no)
+    if cfg.sliding_window is not None:
+        return _windowed_family(cfg, _plain_family(cfg, no), no)
+    return _plain_family(cfg, no)
+
+
+def _plain_family(cfg: ModelConfig, no: Any) -> str:
+    """The family of a RoPE or learned-position, non-Gemma, non-MLA config, its window aside."""
     if cfg.rotary_interleaved:
         raise no("rotary_interleaved=True (GPT-J pairing)", "supported families rotate halves")
     gated = cfg.ffn in ("swiglu", "geglu")
@@ -449,6 +483,23 @@ def _newer_family(cfg: ModelConfig, gated: bool, no) -> Optional[str]:
              "Qwen3 is per-head QK-norm with pre-norm, OLMo 2 QK-norm over the projection with reordered norms")
 
 
+def _windowed_family(cfg: ModelConfig, family: str, no: Any) -> str:
+    """The family for a non-Gemma config with a sliding window: every layer local exports as Mistral
+    (Llama without biases), Mixtral, Phi-3, Qwen2 or Qwen3; every k-th layer global as Qwen2 or
+    Qwen3 (their layer_types)."""
+    if cfg.global_every == 0 and family == "llama":
+        if cfg.bias or cfg.qkv_bias:
+            raise no(f"sliding_window={cfg.sliding_window} with bias={cfg.bias}, qkv_bias={cfg.qkv_bias}",
+                     "Llama has no sliding window; Mistral has one and no biases (Qwen2: q/k/v biases only)")
+        return "mistral"
+    allowed = SLIDING_EVERY_LAYER + SLIDING_BY_LAYER_TYPES if cfg.global_every == 0 else SLIDING_BY_LAYER_TYPES
+    if family not in allowed:
+        what = "every layer local" if cfg.global_every == 0 else f"global_every={cfg.global_every}"
+        raise no(f"sliding_window={cfg.sliding_window} ({what}) in a {family}-shaped model",
+                 f"of the non-Gemma families only {', '.join(allowed)} slide that way")
+    return family
+
+
 def _deepseek_family(cfg: ModelConfig, no: Any) -> str:
     """DeepSeek-V2 or V3 for an MLA model (RMSNorm, RoPE, SwiGLU, sequential pre-norm)."""
     if cfg.norm != "rmsnorm" or cfg.parallel_residual:
@@ -520,16 +571,21 @@ def hf_config_for(cfg: ModelConfig, family: Optional[str] = None) -> Any:
         return _gemma_config(cfg, family, sizes, rope)
     if family == "mixtral":
         return transformers.MixtralConfig(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
-                                          sliding_window=None, **sizes)
+                                          sliding_window=cfg.sliding_window, **sizes)
+    if family == "mistral":
+        return transformers.MistralConfig(sliding_window=cfg.sliding_window, **sizes)
+    # Qwen: the window applies where layer_types says sliding_attention (max_window_layers is then unused)
+    qwen = dict(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window, max_window_layers=0,
+                layer_types=["sliding_attention" if cfg.layer_is_local(i) else "full_attention" for i in range(cfg.n_layers)])
     if family == "qwen2":
-        return transformers.Qwen2Config(use_sliding_window=False, **sizes)
+        return transformers.Qwen2Config(**qwen, **sizes)
     if family == "qwen3":
-        return transformers.Qwen3Config(use_sliding_window=False, attention_bias=cfg.bias or cfg.qkv_bias, **sizes)
+        return transformers.Qwen3Config(attention_bias=cfg.bias or cfg.qkv_bias, **qwen, **sizes)
     if family == "olmo2":
         return transformers.Olmo2Config(attention_bias=cfg.bias or cfg.qkv_bias, **sizes)
     if family == "phi3":
         rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.d_head
-        return transformers.Phi3Config(sliding_window=None, **sizes)
+        return transformers.Phi3Config(sliding_window=cfg.sliding_window, **sizes)
     return transformers.LlamaConfig(attention_bias=cfg.bias or cfg.qkv_bias, mlp_bias=cfg.bias, **sizes)
 
 
