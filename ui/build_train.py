@@ -182,7 +182,9 @@ def _costs(cfg: wb.ModelConfig, config) -> bool:
     cols = st.columns(5)
     cols[0].metric("Parameters", f"{counts['total']:,}", help=f"Counted with the task's vocabulary of {cfg.d_vocab} tokens.")
     cols[1].metric("Forward FLOPs / token", f"{wb.forward_flops_per_token(cfg):,}")
-    cols[2].metric("KV cache / token (bf16)", f"{wb.kv_cache_bytes_per_token(cfg):,} B")
+    cols[2].metric(f"KV cache at {cfg.n_ctx} tokens (bf16)", f"{wb.kv_cache_bytes(cfg):,} B",
+                   help=f"{wb.kv_cache_bytes_per_token(cfg):,} B per token of context in the layers that keep every "
+                        "token; a sliding-window layer holds at most its window")
     parts = pd.DataFrame([{"component": k, "parameters": v} for k, v in counts.items()
                           if k not in ("total", "non_embedding", "active")])
     with st.expander("Parameters by component"):

@@ -590,10 +590,12 @@ def test_build_offers_mla_with_its_sizes_and_its_smaller_kv_cache(app):
     assert not at.exception and not at.warning, messages(at)
     assert at.number_input(key="bt_kv_lora_rank").value == 64 and at.number_input(key="bt_q_lora_rank").value == 0
     assert at.number_input(key="bt_n_kv_heads").disabled
-    # 2 layers x (latent 64 + RoPE key 8) x bf16, against MHA's 2 x 2 x 8 heads x 16 x bf16
-    assert (at.metric[2].value, kv_mha) == ("288 B", "1,024 B")
+    n_ctx = int(at.metric[2].label.split(" at ")[1].split()[0])  # "KV cache at 128 tokens (bf16)"
+    # per token: 2 layers x (latent 64 + RoPE key 8) x bf16, against MHA's 2 x 2 x 8 heads x 16 x bf16
+    assert (at.metric[2].value, kv_mha) == (f"{288 * n_ctx:,} B", f"{1024 * n_ctx:,} B")
+    assert "288 B per token" in at.metric[2].help
     at.number_input(key="bt_qk_rope_head_dim").set_value(3).run()
     assert "qk_rope_head_dim must be even" in messages(at)
     at.number_input(key="bt_qk_rope_head_dim").set_value(4)
     at.number_input(key="bt_q_lora_rank").set_value(16).run()
-    assert not at.warning and at.metric[2].value == "272 B"
+    assert not at.warning and at.metric[2].value == f"{272 * n_ctx:,} B"
