@@ -221,3 +221,20 @@ def test_feature_ablation_comparison_matches_generation_under_the_edit(model):
     assert out["tokens"].query("run == 'ablated'").token_id.tolist() == edited.tolist()
     assert out["tokens"].query("run == 'clean'").token_id.tolist() == model.generate(prompt, max_new_tokens=5)[0].tolist()
     assert "projection" not in out["tokens"]
+
+
+@pytest.mark.parametrize("placement", ["sandwich", "reordered"])
+def test_features_behind_an_output_norm_have_no_fixed_direction(placement):
+    """Gemma's sandwich and OLMo 2's reordered blocks normalise a sublayer's output before the
+    stream receives it: hook_z / mlp.hook_post features cannot be mapped through W_O / W_out."""
+    from workbench.analysis.features import decoder_directions
+
+    model = wb.HookedDecoder(tiny(d_vocab=40, norm="rmsnorm", norm_placement=placement)).eval()
+    per_head = make_dictionary(DictionaryConfig(kind="relu", d_in=32, d_sae=8, hook_name="blocks.0.attn.hook_z",
+                                                hook_shape=(4, 8)))
+    with pytest.raises(ValueError, match="output norm"):
+        decoder_directions(model, per_head)
+    plain = wb.HookedDecoder(tiny(d_vocab=40)).eval()  # the pre-norm block: through W_O, head by head
+    W = per_head.W_dec.detach().view(8, 4, 8)
+    expected = torch.einsum("fhd,hdm->fm", W, plain.blocks[0].attn.W_O.detach())
+    assert torch.allclose(decoder_directions(plain, per_head), expected, atol=1e-6)

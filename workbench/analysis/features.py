@@ -155,6 +155,11 @@ def decoder_directions(model, sae) -> Float[Tensor, "d_sae d_model"]:
                               "hook_mlp_out")) or name in ("hook_embed", "hook_pos_embed")
     if residual and W.shape[1] == model.cfg.d_model:
         return W.to(model.device)
+    if layer is not None and name.endswith(("mlp.hook_post", "attn.hook_z")) and model.cfg.norm_placement in (
+            "sandwich", "reordered"):
+        raise ValueError(f"features at {name} reach the residual stream through the {model.cfg.norm_placement} "
+                         "block's output norm (ln1_post / ln2_post), which is not linear: no fixed direction; "
+                         "use a dictionary at hook_attn_out / hook_mlp_out or the residual stream")
     if layer is not None and name.endswith("mlp.hook_post"):
         return W.to(model.device) @ model.blocks[layer].mlp.W_out
     if layer is not None and name.endswith("attn.hook_z"):
