@@ -205,3 +205,34 @@ def test_direct_logit_attribution_is_refused_with_output_norms(placement):
     model = _randomised(_cfg(placement, "none"))
     with pytest.raises(ValueError, match=f"needs norm_placement='pre'.*\\({placement}\\)"):
         direct_logit_attribution(model, torch.zeros(1, 3, dtype=torch.long), 1)
+
+
+@pytest.mark.parametrize("mode,kv", [("head", 4), ("projection", 2)])
+def test_qk_circuit_includes_the_qk_norm_gains(mode, kv):
+    """The scores equal ln1(x) QK ln1(x)^T / sqrt(d_head), each query's and key's 1/rms applied by
+    hand (no rotation here: positional='none'), for random non-unit gains."""
+    model = wb.HookedDecoder(tiny(qk_norm=mode, n_kv_heads=kv, positional="none", norm="rmsnorm")).eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for block in model.blocks:
+            for norm in (block.attn.q_norm, block.attn.k_norm):
+                norm.w.copy_(1 + 0.5 * torch.randn(norm.w.shape, generator=gen))
+            block.attn.b_Q.zero_()  # the QK circuit is the weights' (TransformerLens' convention)
+            block.attn._b_K.zero_()
+    tokens = torch.randint(0, 50, (1, 6), generator=gen)
+    _, cache = model.run_with_cache(tokens)
+    layer, eps = 1, model.cfg.norm_eps
+    x = model.blocks[layer].ln1(cache[f"blocks.{layer}.hook_resid_pre"])[0]  # [pos, d_model]
+    q, k = cache[f"blocks.{layer}.attn.hook_q"][0], cache[f"blocks.{layer}.attn.hook_k"][0]  # [pos, heads, d_head]
+    if mode == "projection":
+        q, k = q.flatten(-2)[:, None], k.flatten(-2)[:, None]
+    inv_q = q.pow(2).mean(-1).add(eps).rsqrt()  # [pos, 1 or heads]
+    inv_k = k.pow(2).mean(-1).add(eps).rsqrt()
+    if mode == "head" and kv != model.cfg.n_heads:
+        inv_k = inv_k.repeat_interleave(model.cfg.n_heads // kv, dim=1)
+    QK = model.QK[layer].AB  # [heads, d_model, d_model]
+    bilinear = torch.einsum("qd,hde,ke->hqk", x, QK, x)
+    expected = bilinear * inv_q.T[:, :, None] * inv_k.T[:, None, :] / model.cfg.d_head ** 0.5
+    scores = cache[f"blocks.{layer}.attn.hook_attn_scores"][0]
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    torch.testing.assert_close(scores[:, causal], expected.expand_as(scores)[:, causal], atol=1e-4, rtol=1e-4)

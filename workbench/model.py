@@ -542,9 +542,23 @@ class HookedDecoder(HookedRootModule):
 
     @property
     def QK(self) -> FactoredMatrix:
+        """W_Q W_K^T per head (before any rotation, as TransformerLens'). With QK-norm the query and
+        key norms' gains are included: the scores are then exactly q_hat QK k_hat^T scaled by each
+        query's and key's 1/rms, a positive number per token that no matrix can hold."""
         if self.cfg.attention == "mla":
             self._no_mla("QK")
-        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+        if self.cfg.qk_norm == "none":
+            return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+
+        def gains(block, kind: str) -> Tensor:  # [head_index, d_head]
+            attn = block.attn
+            w = (attn.q_norm if kind == "q" else attn.k_norm).w
+            heads = self.cfg.n_heads if kind == "q" else self.cfg.n_kv_heads
+            w = w.expand(heads, -1) if self.cfg.qk_norm == "head" else w.view(heads, -1)
+            return w if kind == "q" else w.repeat_interleave(attn.group, dim=0)
+
+        q_gain, k_gain = self._stack(lambda b: gains(b, "q")), self._stack(lambda b: gains(b, "k"))
+        return FactoredMatrix(self.W_Q * q_gain[:, :, None], (self.W_K * k_gain[:, :, None]).transpose(-2, -1))
 
     @property
     def OV(self) -> FactoredMatrix:
