@@ -79,6 +79,40 @@ def test_every_decode_step_is_steered_at_its_absolute_position(positional, mode)
     assert changed.tolist() == [p >= 2 for p in range(9)]  # untouched before the first steered position
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("per_position", [False, True])
+def test_chosen_positions_in_a_padded_batch_are_each_prompts_own(side, per_position):
+    """Steering positions [1, 3] (or a per-position direction) of prompts of different lengths,
+    padded together: each row's logits and greedy tokens (KV cache and recompute) equal its prompt
+    steered alone; on the left-padded side the pads shift the slots, not the positions."""
+    from workbench.padding import TokenBatch
+
+    model = _model("rope")
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 50, (n,), generator=gen) for n in (6, 3, 5)]
+    if per_position:
+        direction = an.Direction(torch.randn(9, 32, generator=gen), HOOK)  # one row per position
+        positions = "all"
+    else:
+        direction, positions = an.Direction(torch.randn(32, generator=gen), HOOK), [1, 3]
+    batch = TokenBatch.from_ids([p.tolist() for p in prompts], 0, side)
+    with model.steer(direction, 3.0, "add", positions):
+        padded = model(batch)
+        alone = [model(p[None])[0] for p in prompts]
+        if side == "left":  # generation continues left-padded batches
+            generated = model.generate(batch, max_new_tokens=3, use_kv_cache=True)
+            recomputed = model.generate(batch, max_new_tokens=3, use_kv_cache=False)
+            generated_alone = [model.generate(p[None], max_new_tokens=3)[0] for p in prompts]
+    mask = batch.attention_mask.bool()
+    for i, (p, want) in enumerate(zip(prompts, alone)):
+        torch.testing.assert_close(padded[i][mask[i]], want, rtol=1e-5, atol=1e-5)
+    assert model.row_positions is None  # nothing left for a later run to read
+    if side == "left":
+        assert torch.equal(generated.tokens, recomputed.tokens)
+        for i, want in enumerate(generated_alone):
+            assert generated.tokens[i][generated.attention_mask[i].bool()].tolist() == want.tolist()
+
+
 def test_steered_logits_equal_a_direct_edit_and_the_hook_list():
     model = _model()
     direction = an.Direction(torch.randn(32), HOOK)

@@ -14,7 +14,9 @@ Steering edits the activation ``x`` at the hook, at chosen absolute positions:
 
 "Absolute" is what makes KV-cache generation equal the recompute: in a decode step the hook
 sees ``[batch, 1, width]``, and reads where that token sits from ``model.pos_offset`` (the
-cache's length, set by ``forward``). A list of scales steers a scale-major batch (rows
+cache's length, set by ``forward``); in a padded batch it reads each row's positions within
+its own prompt (``model.row_positions``), so a left-padded row is steered where its prompt
+alone would be. A list of scales steers a scale-major batch (rows
 ``i * B .. (i + 1) * B - 1`` get ``scales[i]``), so a scale sweep is one batched run
 (``steered_generate``, ``steering_sweep``).
 
@@ -306,18 +308,24 @@ def _steering_hook(direction: Direction, scales: Tensor, mode: str, positions: O
         keep = None  # every position: no mask to build in each decode step
         if pos_set is not None or direction.per_position:
             offset = model.pos_offset if model is not None else 0
-            where = torch.arange(offset, offset + n, device=act.device)
-            keep = torch.ones(n, dtype=torch.bool, device=act.device) if pos_set is None else torch.isin(where, pos_set)
+            own = getattr(model, "row_positions", None)
+            if own is not None and tuple(own.shape) == (rows, n):  # a padded batch: each row's own positions
+                where = own.to(act.device)
+            else:
+                where = torch.arange(offset, offset + n, device=act.device)
+            keep = torch.ones_like(where, dtype=torch.bool) if pos_set is None else torch.isin(where, pos_set)
             if direction.per_position:
                 keep &= where < n_rows
-                v, u = v[where.clamp(max=n_rows - 1)], u[where.clamp(max=n_rows - 1)]
+                v, u = v[where.clamp(min=0, max=n_rows - 1)], u[where.clamp(min=0, max=n_rows - 1)]
         if mode == "add":
             steered = act + s * v
         elif mode == "ablate":
             steered = act - s * (act * u).sum(-1, keepdim=True) * u
         else:
             steered = act - (act * u).sum(-1, keepdim=True) * u + s * v
-        return steered if keep is None else torch.where(keep[None, :, None], steered, act)
+        if keep is None:
+            return steered
+        return torch.where((keep[None] if keep.ndim == 1 else keep)[..., None], steered, act)
 
     return hook
 

@@ -81,7 +81,12 @@ def run_from_site(
         site, value = "attn_out", attn_out_from_z(model, layer, value)
     unchanged = {s: get(s) for s in block.unaffected_by(site)}
     padding = None if mask is None or bool(mask.all()) else Padding(mask)
-    resid = block.resume(get("resid_pre"), **unchanged, **{site: value}, padding=padding)
+    # hooks on this block's later sites read each row's own positions, as in a full forward
+    model.row_positions = None if padding is None else padding.key_positions[:, padding.offset:]
+    try:
+        resid = block.resume(get("resid_pre"), **unchanged, **{site: value}, padding=padding)
+    finally:
+        model.row_positions = None
     return model(resid, start_at_layer=layer + 1, tokens=tokens, return_type=return_type, attention_mask=mask)
 
 
