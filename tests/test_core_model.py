@@ -174,3 +174,19 @@ def test_every_parameter_gets_a_gradient(model):
     # (requires_grad=False: a weight set outside backprop, such as DeepSeek-V3's router score bias)
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not missing, f"parameters without gradient: {missing}"
+
+
+def test_start_and_stop_layers_are_checked_and_count_from_the_end():
+    import workbench as wb
+    from factories import tiny
+
+    model = wb.HookedDecoder(tiny(n_layers=3)).eval()
+    tokens = torch.randint(0, 50, (1, 5))
+    with torch.no_grad():
+        mid = model(tokens, stop_at_layer=-1)  # entering the last block
+        torch.testing.assert_close(mid, model(tokens, stop_at_layer=2))
+        torch.testing.assert_close(model(mid, start_at_layer=-1), model(tokens))
+        torch.testing.assert_close(model(mid, start_at_layer=2), model(tokens))
+        for bad in (dict(stop_at_layer=4), dict(stop_at_layer=-4), dict(start_at_layer=7), dict(start_at_layer=-4)):
+            with pytest.raises(ValueError, match=next(iter(bad))):
+                model(mid if "start_at_layer" in bad else tokens, **bad)

@@ -207,6 +207,12 @@ class HookedDecoder(HookedRootModule):
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
+        n = self.cfg.n_layers  # as TransformerLens: a negative layer counts from the end
+        if start_at_layer is not None:
+            start_at_layer = check_int("start_at_layer", start_at_layer, -n, n)
+            start_at_layer += n if start_at_layer < 0 else 0
+        if stop_at_layer is not None:
+            stop_at_layer = check_int("stop_at_layer", stop_at_layer, -n, n)
         offset = kv_cache.length if kv_cache is not None else 0
         self.pos_offset = offset
         input, attention_mask = unpack(input, attention_mask)
