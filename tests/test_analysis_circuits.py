@@ -349,6 +349,27 @@ def test_discovery_by_scores_keeps_the_top_edges(hand):
     assert set(kl.edges) <= set(ComputationGraph(model).edge_labels) and faithfulness(model, kl, ds, metric) > 0.9
 
 
+def test_top_k_keeps_the_largest_scores_with_ties_in_edge_order(hand, hand_exact):
+    model, ds, metric = hand
+    g = ComputationGraph(model)
+    circuit = discover_circuit(model, ds, metric, "exact", top_k=len(TRUTH) + 1)
+    # By hand from the exact scores: |score| descending, equal scores in the graph's edge order.
+    # Only the 5 planted edges score non-zero, so the 6th is the first zero-scored edge.
+    scores = dict(zip(hand_exact.edge, hand_exact.score))
+    ranked = sorted(range(g.n_edges), key=lambda i: (-abs(scores[g.edge_labels[i]]), i))
+    expected = {g.edge_labels[i] for i in ranked[:len(TRUTH) + 1]}
+    first_zero = next(e for e in g.edge_labels if scores[e] == 0.0)
+    assert expected == set(TRUTH) | {first_zero} and first_zero == "embed -> L0H0.q"
+    assert set(circuit.edges) == expected  # each of them is fed and read, so pruning keeps all six
+    assert circuit.meta["top_k"] == len(TRUTH) + 1
+    assert discover_circuit(model, ds, metric, "eap", top_k=g.n_edges).meta["top_k"] == g.n_edges  # the bound
+    for bad in (0, g.n_edges + 1):
+        with pytest.raises(ValueError, match=f"top_k must be an integer in \\[1, {g.n_edges}\\], got {bad}"):
+            discover_circuit(model, ds, metric, "exact", top_k=bad)
+    with pytest.raises(ValueError, match="top_k applies to the scoring methods.*top_k=None with method='acdc'"):
+        discover_circuit(model, ds, metric, "acdc", top_k=3)
+
+
 def test_circuit_figure_draws_every_edge_coloured_by_input(hand):
     from workbench import viz
 

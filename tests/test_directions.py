@@ -218,6 +218,52 @@ def test_save_and_load_round_trip_exactly(tmp_path):
         an.Direction.load(tmp_path / "nothing")
 
 
+def test_one_file_bytes_round_trip_and_hold_what_save_writes(tmp_path):
+    import io
+    import json
+    import zipfile
+
+    from safetensors.torch import load_file
+
+    model = _model()
+    d = an.steering_vector(model, torch.randint(0, 50, (3, 5)), torch.randint(0, 50, (3, 5)), HOOK)
+    data = d.to_bytes("names")
+    back = an.Direction.from_bytes(data)
+    assert torch.equal(back.vector, d.vector) and back.hook == d.hook and back.provenance == d.provenance
+    back.check(model)
+    # The zip holds the two files Direction.save writes, byte for byte in the JSON, equal tensors.
+    stem = d.save(tmp_path / "names")
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        assert sorted(archive.namelist()) == ["names.json", "names.safetensors"]
+        assert archive.read("names.json") == (tmp_path / "names.json").read_bytes()
+        (tmp_path / "zipped.safetensors").write_bytes(archive.read("names.safetensors"))
+    assert torch.equal(load_file(str(tmp_path / "zipped.safetensors"))["vector"], load_file(f"{stem}.safetensors")["vector"])
+    rows = an.Direction(torch.randn(4, 32), HOOK, {"kind": "prompt_diff", "plus": [1, 2], "minus": [3, 4]})
+    assert torch.equal(an.Direction.from_bytes(rows.to_bytes()).vector, rows.vector)  # a per-position direction
+
+    def zipped(files: dict) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            for name, content in files.items():
+                archive.writestr(name, content)
+        return buffer.getvalue()
+
+    with pytest.raises(ValueError, match="not a direction file: not a zip"):
+        an.Direction.from_bytes(b"{}")
+    with pytest.raises(ValueError, match="exactly one .json and one .safetensors.*'a.json'"):
+        an.Direction.from_bytes(zipped({"a.json": "{}"}))
+    (tmp_path / "names.json").write_text(json.dumps({**json.loads((tmp_path / "names.json").read_text()), "shape": [31]}))
+    with pytest.raises(ValueError, match="names.safetensors does not hold the vector its JSON describes"):
+        an.Direction.from_bytes(zipped({"names.json": (tmp_path / "names.json").read_text(),
+                                        "names.safetensors": (tmp_path / "zipped.safetensors").read_bytes()}))
+    with pytest.raises(ValueError, match="a.json is not valid JSON"):
+        an.Direction.from_bytes(zipped({"a.json": "{", "a.safetensors": (tmp_path / "zipped.safetensors").read_bytes()}))
+    with pytest.raises(ValueError, match="the direction zip cannot be read"):
+        an.Direction.from_bytes(zipped({"a.json": "{}", "a.safetensors": b"not safetensors"}))
+    with pytest.raises(ValueError, match="name must be a plain file name"):
+        d.to_bytes("../up")
+
+
 def test_bad_input_is_refused_clearly():
     model = _model()
     with pytest.raises(ValueError, match="zero vector"):

@@ -8,7 +8,10 @@ layered graph (edge width = |score|, colour = the input it feeds). Clicking a no
 attention pattern and direct logit attribution on the first prompt. A second method runs
 beside the first, with their agreement. For a model whose circuit is known (the planted
 models, and induction-attn2l's shipped circuit.json) the known circuit is drawn and each
-method's edge AUROC against it is given.
+method's edge AUROC against it is given. The scoring methods keep the top k edges by |score|
+(the default: a threshold often keeps none on a small model) or the edges whose |score|
+reaches a threshold; ACDC always prunes at the threshold. A method that keeps no edges says
+why instead of drawing an empty graph.
 
 Results are kept in the shared store of ``common.analysis_with_progress`` (the progress
 callback never enters a cached function) and in the session, so a click redraws without
@@ -40,10 +43,14 @@ METHODS = {"exact": "exact edge patching", "eap": "EAP (edge attribution patchin
            "eap-ig": "EAP-IG (integrated gradients)", "acdc": "ACDC (greedy pruning)"}
 NONE = "(none)"
 DEFAULT = "planted-iit-induction"
+# How the scoring methods (exact, EAP, EAP-IG) choose their edges; ACDC prunes at the threshold either way.
+KEEP = {"top_k": "top k edges", "threshold": "score threshold"}
+TOP_K = 20
 
 # Kept when the user visits another page and comes back (app.py re-sets them every run).
 PERSISTENT = ("circuit_ckpt", "circuit_ckpt_dir", "circuit_metric", "circuit_source", "circuit_n", "circuit_seed",
-              "circuit_method", "circuit_method_b", "circuit_threshold", "circuit_steps")
+              "circuit_method", "circuit_method_b", "circuit_threshold", "circuit_steps", "circuit_keep",
+              "circuit_top_k")
 
 
 def render() -> None:
@@ -52,7 +59,7 @@ def render() -> None:
     if ckpt is None:
         return
     try:
-        ComputationGraph(ckpt.model)
+        n_edges = ComputationGraph(ckpt.model).n_edges
     except ValueError as e:
         st.error(f"**{ckpt.name}** has no circuit graph: {e}")
         return
@@ -66,7 +73,7 @@ def render() -> None:
         return
     metric = st.selectbox("Metric", prompts.metrics, key="circuit_metric", format_func=METRIC_LABELS.get)
     known = _known(ckpt)
-    settings = _settings(known)
+    settings = _settings(n_edges)
     runs = _runs(ckpt, prompts, metric, settings)
     if runs:
         _results(ckpt, prompts, runs, known)
@@ -106,23 +113,36 @@ def _known(ckpt: common.Checkpoint) -> Optional[Circuit]:
     return circuit
 
 
-def _settings(known: Optional[Circuit]) -> dict:
-    a, b, c, d = st.columns(4)
+def _settings(n_edges: int) -> dict:
+    a, b, c, d, e, f = st.columns([3, 3, 2, 2, 3, 2])
     method = a.selectbox("Method", list(METHODS), key="circuit_method", format_func=METHODS.get, index=3)
     other = b.selectbox("Compare with", [NONE, *METHODS], key="circuit_method_b",
                         format_func=lambda m: METHODS.get(m, m))
-    threshold = c.number_input("Keep edges with |score| ≥ (fraction of the gap; nats for KL)", 0.0, 10.0, 0.05,
-                               step=0.01, format="%.3f", key="circuit_threshold",
-                               help="ACDC prunes an edge whose removal moves the metric by less than this; the "
-                                    "scoring methods keep edges whose |score| reaches it.")
-    steps = d.number_input("EAP-IG steps", 1, 64, 8, key="circuit_steps")
-    return {"methods": [method] + ([other] if other not in (NONE, method) else []), "threshold": float(threshold),
-            "steps": int(steps)}
+    methods = [method] + ([other] if other not in (NONE, method) else [])
+    keep = c.radio("Keep", list(KEEP), key="circuit_keep", format_func=KEEP.get,
+                   help="How exact patching, EAP and EAP-IG choose their edges. ACDC prunes at the threshold "
+                        "either way.")
+    top_k = None
+    if keep == "top_k":
+        if st.session_state.get("circuit_top_k", 0) > n_edges:  # kept from a checkpoint with more edges
+            st.session_state["circuit_top_k"] = n_edges
+        top_k = int(d.number_input("Top k edges", 1, n_edges, min(TOP_K, n_edges), key="circuit_top_k",
+                                   help=f"The k edges of largest |score| (1 to {n_edges}, this graph's edge count); "
+                                        "edges that then connect to nothing are pruned, so a few may go."))
+    threshold = 0.05
+    if keep == "threshold" or "acdc" in methods:
+        threshold = e.number_input("Threshold (fraction of the gap; nats for KL)", 0.0, 10.0, 0.05, step=0.01,
+                                   format="%.3f", key="circuit_threshold",
+                                   help="ACDC prunes an edge whose removal moves the metric by less than this; "
+                                        "with *score threshold* the scoring methods keep edges whose |score| "
+                                        "reaches it.")
+    steps = f.number_input("EAP-IG steps", 1, 64, 8, key="circuit_steps")
+    return {"methods": methods, "threshold": float(threshold), "top_k": top_k, "steps": int(steps)}
 
 
 def _runs(ckpt: common.Checkpoint, prompts, metric: str, settings: dict) -> dict:
     """method -> MethodRun for the current settings: run on the button, kept in the session."""
-    state = (ckpt.key, prompts, metric, settings["threshold"], settings["steps"])
+    state = (ckpt.key, prompts, metric, settings["threshold"], settings["top_k"], settings["steps"])
     kept = st.session_state.get("circuit_runs")
     if kept is None or kept[0] != state:
         kept = (state, {})
@@ -133,6 +153,7 @@ def _runs(ckpt: common.Checkpoint, prompts, metric: str, settings: dict) -> dict
                 kept[1][method] = common.analysis_with_progress(
                     run_method, ckpt.key, None, prompts=prompts, metric=metric, method=method,
                     threshold=settings["threshold"], steps=settings["steps"],
+                    top_k=None if method == "acdc" else settings["top_k"],
                     progress=_reporter(bar, METHODS[method]))
             except ValueError as e:
                 st.warning(f"{METHODS[method]} cannot run here: {e}")
@@ -187,6 +208,9 @@ def _results(ckpt: common.Checkpoint, prompts, runs: dict, known: Optional[Circu
                 unscored = known.meta.get("unscored", [])
                 st.caption(f"Edge AUROC against the known circuit: **{edge_auroc(run.table, known.edges, unscored):.3f}** "
                            "(1: every known edge scored above every other).")
+            if not len(run.circuit):
+                st.info(_empty_message(method, run.circuit.meta))
+                continue
             fig = viz.circuit_graph_figure(run.circuit.to_frame(), title=f"{METHODS[method]}: {len(run.circuit)} edges",
                                            selected=selected)
             common.show(fig, key=f"circuit_graph_{method}", selection_mode="points",
@@ -202,6 +226,18 @@ def _results(ckpt: common.Checkpoint, prompts, runs: dict, known: Optional[Circu
         common.table(first.table.sort_values("abs_score", ascending=False)[["edge", "input", "score"]], height=300)
     if selected is not None:
         _node(ckpt, prompts, selected)
+
+
+def _empty_message(method: str, meta: dict) -> str:
+    """Why a method kept no edges, and what to change (instead of an empty graph)."""
+    if method == "acdc":
+        return (f"{METHODS[method]} pruned every edge at threshold {meta['threshold']:g}: no edge's removal moved "
+                "the metric by that much. Lower the **Threshold** to keep some.")
+    if meta.get("top_k") is not None:
+        return (f"{METHODS[method]}'s top {meta['top_k']} edges connect to nothing once pruned (none is both fed "
+                "from the embedding and read towards the logits). Raise **Top k edges**.")
+    return (f"{METHODS[method]} kept 0 edges: no edge's |score| reaches the threshold {meta['threshold']:g} of the "
+            "clean-corrupted gap. Choose **Keep: top k edges** to see the strongest edges, or lower the threshold.")
 
 
 def _node(ckpt: common.Checkpoint, prompts, label: str) -> None:

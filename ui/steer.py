@@ -3,8 +3,10 @@
 The direction comes from contrastive prompts typed here (``steering_vector``: the mean
 activation over the positive lines minus that over the negative ones), from a saved direction
 file (``Direction.load``: the checkpoint's ``directions/`` folder, $WORKBENCH_DIRECTIONS, or an
-upload of its .json and .safetensors), or from a linear probe trained here on a few lines of
-text whose listed tokens get label 1 (``train_probe`` with ``TokenIn``). The steering edit
+upload of its .json and .safetensors, or of the .zip this page downloads), or from a linear probe
+trained here on a few lines of text whose listed tokens get label 1 (``train_probe`` with
+``TokenIn``). A direction made here (prompts or probe) downloads as one .zip of the two files
+``Direction.save`` writes (``Direction.to_bytes``), which the upload takes back. The steering edit
 (``model.steer``: add, ablate or clamp, at a scale) runs on the prompt's greedy continuation;
 clean and steered sit side by side with each text's projection along the direction
 (``steering_comparison``). Every number comes from the library; a direction that does not fit
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -70,6 +73,8 @@ def render() -> None:
     if direction is None:
         return
     st.caption(f"{direction.provenance['kind']} direction at `{direction.hook}`, |v| = {direction.vector.norm():.3f}")
+    if source != "file":
+        _download(ckpt, direction)
     st.subheader("Steering")
     steer(ckpt, ids, direction, key="steer")
 
@@ -137,6 +142,15 @@ def compare(key: tuple[str, int], ids: tuple[int, ...], direction: Direction, sc
     with lock, torch.no_grad():
         return steering_comparison(model, torch.tensor([ids], device=model.device), direction, scale, mode,
                                    max_new_tokens=max_new_tokens)
+
+
+def _download(ckpt: common.Checkpoint, direction: Direction) -> None:
+    """A button that downloads the direction as the one .zip the upload takes back."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{ckpt.name}-{direction.provenance['kind']}-{direction.hook}").lstrip(".-")
+    st.download_button("Download this direction (.zip)", direction.to_bytes(name), file_name=f"{name}.zip",
+                       mime="application/zip", key="steer_download", on_click="ignore",
+                       help="Its .json and .safetensors (what Direction.save writes), zipped: upload the .zip under "
+                            "*a saved direction*, or unzip it and Direction.load the pair.")
 
 
 # ---- where the direction comes from ---------------------------------------------------------------
@@ -243,8 +257,8 @@ def _stamp(stem: str) -> int:
 def _from_file(ckpt: common.Checkpoint) -> Optional[Direction]:
     folders = direction_folders(ckpt)
     round_ = st.session_state.get("steer_upload_round", 0)
-    st.file_uploader("Upload a direction: its .json and .safetensors (what Direction.save writes)",
-                     type=["json", "safetensors"], accept_multiple_files=True, key=f"steer_upload_{round_}",
+    st.file_uploader("Upload a direction: its .json and .safetensors (what Direction.save writes), or the .zip "
+                     "this page downloads", type=["json", "safetensors", "zip"], accept_multiple_files=True, key=f"steer_upload_{round_}",
                      on_change=_on_upload, args=(f"steer_upload_{round_}",))
     if st.session_state.get("steer_upload_error"):
         st.error(st.session_state["steer_upload_error"])
@@ -286,12 +300,21 @@ def _on_upload(key: str) -> None:
 def _save_upload(files) -> None:
     by_suffix = {Path(f.name).suffix: f for f in files}
     names = ", ".join(f.name for f in files)
+    if len(files) == 1 and ".zip" in by_suffix:
+        data = files[0].getvalue()
+        try:
+            direction = Direction.from_bytes(data)
+        except ValueError as e:  # not a zip, the wrong members, a zero or NaN vector
+            raise ValueError(f"{names} is not a usable direction: {e}") from None
+        folder = common.upload_root() / "directions" / hashlib.sha256(data).hexdigest()[:12]
+        _register_upload(direction.save(folder / Path(files[0].name).stem))
+        return
     if set(by_suffix) != {".json", ".safetensors"} or len(files) != 2:
         raise ValueError(f"Upload of {names}: a direction is two files, its .json and its .safetensors "
-                         "(Direction.save writes both); upload them together.")
+                         "(Direction.save writes both), or the one .zip this page downloads; upload the pair "
+                         "together, or the .zip alone.")
     data = {suffix: f.getvalue() for suffix, f in by_suffix.items()}
-    digest = hashlib.sha256(data[".json"] + data[".safetensors"]).hexdigest()[:12]
-    folder = common.upload_root() / "directions" / digest
+    folder = common.upload_root() / "directions" / hashlib.sha256(data[".json"] + data[".safetensors"]).hexdigest()[:12]
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / Path(by_suffix[".json"].name).stem
     for suffix, content in data.items():
@@ -300,6 +323,12 @@ def _save_upload(files) -> None:
         Direction.load(stem)
     except Exception as e:  # bad JSON, a corrupt safetensors file, a zero or NaN vector
         raise ValueError(f"{names} is not a usable direction: {e}") from None
+    _register_upload(stem)
+
+
+def _register_upload(stem: Path) -> None:
+    """Offer the saved upload in the picker and select it."""
+    digest = stem.parent.name
     label = f"upload: {stem.name} ({digest[:6]})"
     st.session_state.setdefault("steer_uploaded", {})[label] = str(stem)
     st.session_state["steer_file"] = label

@@ -98,6 +98,32 @@ def test_steer_with_a_probe_and_an_uploaded_direction(page, server, tmp_path):
     shot(page, "steer-uploaded")
 
 
+@pytest.mark.page("Steer")
+def test_steer_downloads_a_built_direction_and_uploads_it_back(page, server, tmp_path):
+    import workbench as wb
+    from workbench import analysis as an
+
+    button = page.get_by_role("button", name="Download this direction (.zip)")
+    button.scroll_into_view_if_needed()
+    with page.expect_download() as download:  # a real click: the browser receives the file
+        button.click()
+    path = tmp_path / download.value.suggested_filename
+    download.value.save_as(path)
+    assert path.name == "stories-2026-contrastive-blocks.1.hook_resid_post.zip"
+    model, _ = wb.load_checkpoint(server["checkpoints"] / "stories-2026")
+    direction = an.Direction.from_bytes(path.read_bytes()).check(model)
+    assert direction.hook == "blocks.1.hook_resid_post" and direction.provenance["kind"] == "contrastive"
+    radio(page, "a saved direction")  # then the same file through the page's own upload
+    uploader = page.locator("[data-testid=stMain] [data-testid=stFileUploader] input[type=file]")
+    uploader.set_input_files([str(path)])
+    wait_idle(page)
+    sync_api.expect(widget(page, "stSelectbox", "Saved direction").get_by_role("combobox")).to_have_value(
+        re.compile(r"^upload: stories-2026-contrastive-blocks\.1\.hook_resid_post \("), timeout=60_000)
+    assert_drawn(figure(page, "Projection on the direction"), "projection of the downloaded direction, uploaded")
+    sync_api.expect(page.get_by_text("contrastive direction at").first).to_be_visible()
+    no_exception(page)
+    shot(page, "steer-download-upload")
+
 @pytest.mark.page("Features")
 def test_features_card_search_and_interventions(page):
     for title in ("max-activating contexts", "activations when firing", "logit effects", "activation along the prompt",

@@ -76,6 +76,28 @@ def test_circuit_run_draws_both_methods_and_a_node_click_opens_it(page):
 
 
 @pytest.mark.page("Circuit")
+def test_circuit_top_k_draws_edges_where_a_threshold_keeps_none(page):
+    choose(page, "Method", "EAP (edge attribution patching)")  # top k edges is the default
+    page.get_by_role("button", name="Run", exact=True).click()
+    wait_idle(page)
+    eap = figure(page, "EAP (edge attribution patching): ")
+    assert_drawn(eap, "EAP's top-k circuit")
+    title = eap.locator(".gtitle").first.text_content()
+    assert 0 < int(title.split(": ")[1].split(" ")[0]) <= 20, title
+    page.locator("[data-testid=stMain] [data-testid=stRadio] label", has_text="score threshold").first.click()
+    wait_idle(page)
+    box = widget(page, "stNumberInput", "Threshold").locator("input").first
+    box.fill("10")
+    box.press("Enter")
+    wait_idle(page)
+    page.get_by_role("button", name="Run", exact=True).click()
+    wait_idle(page)
+    sync_api.expect(page.get_by_text("kept 0 edges", exact=False).first).to_be_visible(timeout=60_000)
+    assert page.locator(".js-plotly-plot", has=page.locator(".gtitle", has_text="EAP (edge")).count() == 0
+    no_exception(page)
+    shot(page, "circuit-top-k")
+
+@pytest.mark.page("Circuit")
 def test_circuit_on_the_hand_built_model_and_induction_attn2l(page):
     choose(page, "Checkpoint", "planted-hand-induction")
     choose(page, "Method", "EAP-IG (integrated gradients)")

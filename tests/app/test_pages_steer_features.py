@@ -103,6 +103,35 @@ def test_steer_widgets_change_the_run_but_never_reload_the_model(app, shipped):
     assert sum(common.LOADS.values()) == loads, "a widget change reloaded the model"
 
 
+def test_steer_downloads_the_direction_it_built_as_a_zip_the_library_reads(app, shipped, monkeypatch):
+    import streamlit as st
+
+    sent = {}  # what the page hands to the download button, by file name
+    original = st.download_button
+
+    def spy(label, data, file_name=None, *args, **kwargs):
+        sent[file_name] = data
+        return original(label, data, file_name, *args, **kwargs)
+
+    monkeypatch.setattr(st, "download_button", spy)
+    model, tok = shipped
+    at = app("Steer")
+    assert not at.exception
+    name = f"{DEFAULT}-contrastive-blocks.1.hook_resid_post.zip"
+    assert list(sent) == [name] and at.get("download_button")[0].label == "Download this direction (.zip)"
+    back = an.Direction.from_bytes(sent[name])
+    direction = an.steering_vector(model, _ids(tok, DEFAULT_POSITIVE), _ids(tok, DEFAULT_NEGATIVE),
+                                   "blocks.1.hook_resid_post")
+    torch.testing.assert_close(back.vector, direction.vector)
+    assert back.hook == direction.hook and back.provenance == json.loads(json.dumps(direction.provenance))
+    back.check(model)  # made on this model: the page takes it back
+    sent.clear()
+    at.radio(key="steer_source").set_value("a probe trained here").run()
+    assert [n for n in sent if "-probe-" in n] and an.Direction.from_bytes(next(iter(sent.values()))).check(model)
+    sent.clear()
+    at.radio(key="steer_source").set_value("a saved direction").run()
+    assert not sent and not at.get("download_button")  # nothing made here to download
+
 def test_steer_refuses_a_zero_direction_and_unreadable_lines(app):
     at = app("Steer")
     at.text_area(key="steer_negative").set_value(DEFAULT_POSITIVE).run()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ui import circuit, training
+from workbench.checkpoint import read_meta
 
 
 def figures(at) -> dict[str, dict]:
@@ -166,6 +167,42 @@ def test_circuit_shows_the_shipped_circuit_of_induction_attn2l_and_refuses_eap_w
     assert not at.exception
     assert "cannot run here" in messages(at) and "KL" in messages(at)
 
+
+def test_circuit_keeps_the_top_k_edges_by_default_and_says_when_a_threshold_keeps_none(app, checkpoints_dir):
+    import workbench as wb
+    from workbench.analysis.circuits import ComputationGraph, circuit_prompts, run_method
+
+    at = app("Circuit")
+    assert at.radio(key="circuit_keep").value == "top_k" and at.number_input(key="circuit_top_k").value == 20
+    at.selectbox(key="circuit_method").set_value("eap")
+    at.button(key="circuit_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    path = checkpoints_dir / "planted-iit-induction"
+    model, _ = wb.load_checkpoint(path)
+    n_edges = ComputationGraph(model).n_edges
+    prompts = circuit_prompts(model, read_meta(str(path)), at.selectbox(key="circuit_source").value, n=8, seed=0,
+                              path=path)
+    library = run_method(model, prompts, at.selectbox(key="circuit_metric").value, "eap", top_k=20)
+    assert 0 < len(library.circuit) <= 20
+    shown = titled(at, f"EAP (edge attribution patching): {len(library.circuit)} edges")
+    assert len([t for t in shown["data"] if t.get("mode") == "lines"]) == len(library.circuit)
+    assert [m.value for m in at.metric if m.label == "Edges kept"] == [f"{len(library.circuit)} of {n_edges}"]
+    # A threshold no edge reaches: a message naming it and pointing at top k, not an empty graph.
+    at.radio(key="circuit_keep").set_value("threshold").run()
+    at.number_input(key="circuit_threshold").set_value(10.0)
+    at.button(key="circuit_run").click().run()
+    assert "kept 0 edges" in messages(at) and "threshold 10" in messages(at) and "top k edges" in messages(at)
+    assert not any(t.startswith("EAP") for t in figures(at))
+    # The choice is kept when the user visits another page and comes back; k is bounded by the edge count.
+    at.radio(key="circuit_keep").set_value("top_k").run()
+    at.number_input(key="circuit_top_k").set_value(7).run()
+    at.session_state["page"] = "Inspect"
+    at.run()
+    at.session_state["page"] = "Circuit"
+    at.run()
+    assert at.radio(key="circuit_keep").value == "top_k" and at.number_input(key="circuit_top_k").value == 7
+    assert at.number_input(key="circuit_top_k").max == n_edges
+    assert not at.exception
 
 @pytest.mark.parametrize("name", ["stories-2020"])
 def test_circuit_on_a_stories_model_offers_ioi_pairs_and_answer_metrics(app, name):

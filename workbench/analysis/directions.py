@@ -28,6 +28,7 @@ slot in without changing the results.
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import numbers
@@ -48,6 +49,7 @@ from workbench.analysis.common import check_choice
 KINDS = ("contrastive", "probe", "sae_feature", "prompt_diff", "weight_row", "custom")
 MODES = ("add", "ablate", "clamp")
 FORMAT_VERSION = 1
+MAX_MEMBER_BYTES = 1 << 30  # a direction zip's members, before inflating (a zip bomb stops here)
 Prompts = Union[str, Sequence[str], Tensor, Sequence[Sequence[int]], Any]
 
 
@@ -205,9 +207,7 @@ class Direction:
 
         stem = _stem(path)
         stem.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"format_version": FORMAT_VERSION, "hook": self.hook, "shape": list(self.vector.shape),
-                "provenance": self.provenance}
-        text = json.dumps(meta, indent=2, default=_json_default) + "\n"
+        text = self._meta_text()
         for suffix, write in ((".safetensors", lambda p: save_file({"vector": self.vector}, str(p))),
                               (".json", lambda p: p.write_text(text))):
             tmp = stem.with_name(f".{stem.name}{suffix}.tmp-{os.getpid()}")
@@ -224,13 +224,74 @@ class Direction:
         missing = [str(f) for f in files if not f.exists()]
         if missing:
             raise FileNotFoundError(f"no saved direction at {stem}: missing {missing}")
-        meta = json.loads(files[0].read_text())
+        return cls._from_parts(files[0].read_text(), load_file(str(files[1])), *map(str, files))
+
+    # ---- one file, for a download or an upload ---------------------------------------------
+    def to_bytes(self, name: str = "direction") -> bytes:
+        """The direction as one zip file holding ``<name>.json`` and ``<name>.safetensors``,
+        the two files ``save`` writes (``from_bytes`` reads it back)."""
+        import zipfile
+
+        from safetensors.torch import save
+
+        if not name or "/" in name or "\\" in name or name.startswith("."):
+            raise ValueError(f"name must be a plain file name (no folders, not hidden), got {name!r}")
+        buffer = io.BytesIO()
+        # Stored, not deflated: float32 vectors barely compress.
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+            archive.writestr(f"{name}.json", self._meta_text())
+            archive.writestr(f"{name}.safetensors", save({"vector": self.vector}))
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Direction":
+        """The direction in a zip file made by ``to_bytes`` (one ``.json`` and one ``.safetensors``);
+        ValueError saying what is wrong with any other bytes."""
+        import zipfile
+
+        from safetensors.torch import load
+
+        try:
+            archive = zipfile.ZipFile(io.BytesIO(data))
+        except zipfile.BadZipFile:
+            raise ValueError("not a direction file: not a zip (Direction.to_bytes writes a zip of the "
+                             ".json and .safetensors that Direction.save writes)") from None
+        with archive:
+            members = [i for i in archive.infolist() if not i.is_dir()]
+            by_suffix = {Path(i.filename).suffix: i for i in members}
+            if len(members) != 2 or set(by_suffix) != {".json", ".safetensors"}:
+                raise ValueError("a direction zip holds exactly one .json and one .safetensors, this one holds "
+                                 f"{[i.filename for i in members]}")
+            big = [i.filename for i in members if i.file_size > MAX_MEMBER_BYTES]
+            if big:  # the sizes a zip declares, checked before anything is inflated
+                raise ValueError(f"{big} in the direction zip is larger than {MAX_MEMBER_BYTES >> 20} MiB")
+            try:
+                text = archive.read(by_suffix[".json"]).decode()
+                tensors = load(archive.read(by_suffix[".safetensors"]))
+            except Exception as e:  # a corrupt member, undecodable text, bad safetensors header
+                raise ValueError(f"the direction zip cannot be read: {e}") from None
+        return cls._from_parts(text, tensors, by_suffix[".json"].filename, by_suffix[".safetensors"].filename)
+
+    def _meta_text(self) -> str:
+        meta = {"format_version": FORMAT_VERSION, "hook": self.hook, "shape": list(self.vector.shape),
+                "provenance": self.provenance}
+        return json.dumps(meta, indent=2, default=_json_default) + "\n"
+
+    @classmethod
+    def _from_parts(cls, text: str, tensors: dict, json_name: str, tensors_name: str) -> "Direction":
+        """The direction in ``text`` (the JSON) and ``tensors`` (the safetensors), named in errors."""
+        try:
+            meta = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{json_name} is not valid JSON: {e}") from None
+        missing = [k for k in ("hook", "shape", "provenance") if not isinstance(meta, dict) or k not in meta]
+        if missing:
+            raise ValueError(f"{json_name} is not a direction's JSON: missing {missing}")
         if meta.get("format_version", 0) > FORMAT_VERSION:
-            raise ValueError(f"{files[0]} has format_version {meta['format_version']}; "
+            raise ValueError(f"{json_name} has format_version {meta['format_version']}; "
                              f"this library reads {FORMAT_VERSION}")
-        tensors = load_file(str(files[1]))
         if set(tensors) != {"vector"} or list(tensors["vector"].shape) != meta["shape"]:
-            raise ValueError(f"{files[1]} does not hold the vector its JSON describes (shape {meta['shape']})")
+            raise ValueError(f"{tensors_name} does not hold the vector its JSON describes (shape {meta['shape']})")
         return cls(tensors["vector"], meta["hook"], meta["provenance"])
 
 

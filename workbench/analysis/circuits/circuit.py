@@ -264,15 +264,21 @@ def discover_circuit(
 
     ``acdc``: greedy pruning at ``threshold`` (see ``workbench.analysis.circuits.acdc``).
     ``exact``, ``eap``, ``eap-ig``: the edges whose |score| is at least ``threshold`` of the
-    clean-corrupted gap of the metric (of the corrupted run's KL with the KL metric), or the
-    ``top_k`` edges by |score| when given. ``circuit.scores`` keeps every edge's score;
-    ``circuit.meta`` the settings and the time taken.
+    clean-corrupted gap of the metric (of the corrupted run's KL with the KL metric), or, when
+    ``top_k`` is given (1 .. the graph's edge count), the ``top_k`` edges of largest |score|,
+    equal scores taken in the graph's edge order; pruning may then drop some of them.
+    ``circuit.scores`` keeps every edge's score; ``circuit.meta`` the settings and the time taken.
     """
     check_choice("method", method, DISCOVERY_METHODS)
     threshold = check_float("threshold", threshold, 0)
-    top_k = None if top_k is None else check_int("top_k", top_k, 0)
+    graph = ComputationGraph(model)
+    if top_k is not None:
+        if method == "acdc":  # its pruning decides edge by edge; there is no ranking to cut at k
+            raise ValueError("top_k applies to the scoring methods (exact, eap, eap-ig); acdc keeps the edges "
+                             "its greedy pruning at threshold keeps: pass top_k=None with method='acdc'")
+        top_k = check_int("top_k", top_k, 1, graph.n_edges)
     started = time.perf_counter()
-    runner = EdgeRunner(model, ds)
+    runner = EdgeRunner(model, ds, graph)
     g = runner.graph
     kl = metric is None or (isinstance(metric, str) and metric == "kl")
     fn = runner.resolve_metric(metric)
