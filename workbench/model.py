@@ -222,7 +222,6 @@ class HookedDecoder(HookedRootModule):
                 input, attention_mask = unpack(self.to_tokens(input), attention_mask)
             tokens = self._check_tokens(input, offset)
             padding, real = self._padding(attention_mask, tokens.shape, kv_cache)
-            self.row_positions = None if padding is None else padding.key_positions[:, padding.offset:]
             if padding is not None and kv_cache is None and stop_at_layer is None and not self._hooks_attached():
                 padding.packed = True  # nobody looks: pads are dropped from every per-token step
             ids = padding.pack(tokens) if padding is not None and padding.packed else tokens
@@ -234,9 +233,9 @@ class HookedDecoder(HookedRootModule):
         else:
             resid = input.to(self.device)
             padding, real = self._padding(attention_mask, resid.shape[:2], kv_cache)
-            self.row_positions = None if padding is None else padding.key_positions[:, padding.offset:]
             if tokens is not None:
                 tokens = self._check_tokens(tokens, offset)
+        self.row_positions = None if padding is None else padding.key_positions[:, padding.offset:]
         for block in self.blocks[start_at_layer:stop_at_layer]:
             resid = block(resid, kv_cache[block.layer] if kv_cache is not None else None, padding)
         if stop_at_layer is not None:
@@ -433,7 +432,7 @@ class HookedDecoder(HookedRootModule):
                 step_input = next_token[:, None] if use_kv_cache else tokens
                 # The KV cache remembers the prompt's mask; a recompute passes the whole mask again.
                 logits = self(step_input, kv_cache=cache, attention_mask=None if use_kv_cache else mask)[:, -1]
-        self.pos_offset, self.row_positions = 0, None
+        self.pos_offset = 0
         if as_string:
             return self.to_string(tokens[0])
         full_mask = mask if mask is not None else torch.ones_like(tokens, dtype=torch.bool)

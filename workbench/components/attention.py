@@ -308,13 +308,16 @@ class Attention(nn.Module):
     ) -> Tensor:
         if self.group > 1:
             k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
-        scores = q @ k.transpose(-1, -2) / self.attn_scale  # [batch, head, query, key]
-        if self.softcap is not None:  # Gemma 2: before the mask, as HF's eager attention
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        if bias is not None:
-            scores = scores + bias
         mask = self._causal_mask(q.shape[2], k.shape[2], offset, q.device) if visible is None else visible
-        scores = self.hook_attn_scores(scores.masked_fill(~mask, float("-inf")))
+        scores = self.hook_attn_scores(self.scores(q, k, bias).masked_fill(~mask, float("-inf")))
         # float32 softmax, rounded after (HF's eager attention does the same in bf16/fp16)
         pattern = self.hook_pattern(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype))
         return pattern @ v
+
+    def scores(self, q: Tensor, k: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """Unmasked scores [batch, head, query, key] of queries and keys with as many heads: this
+        layer's scale, soft-cap and score bias (what the circuits' head-by-head runner reuses)."""
+        scores = q @ k.transpose(-1, -2) / self.attn_scale
+        if self.softcap is not None:  # Gemma 2: before the mask, as HF's eager attention
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        return scores if bias is None else scores + bias

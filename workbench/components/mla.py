@@ -127,6 +127,7 @@ class MLA(nn.Module):
     _fused = Attention._fused
     _sdpa = Attention._sdpa
     _explicit = Attention._explicit
+    scores = Attention.scores
 
     def forward(
         self,

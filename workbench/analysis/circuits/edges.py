@@ -114,15 +114,11 @@ def attend(block, q: Float[Tensor, "batch pos head_index d_head"], k: Float[Tens
         q, k = attn.position.rotate(q, 0), attn.position.rotate(k, 0)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, pos, d_head]
     n = q.shape[2]
-    scores = q @ k.transpose(-1, -2) / attn.attn_scale
-    if attn.softcap is not None:
-        scores = torch.tanh(scores / attn.softcap) * attn.softcap
     bias = attn.position.score_bias(n, n, 0)
-    if bias is not None:
-        scores = scores + bias[heads]
-    pos = torch.arange(n, device=q.device)
-    back = pos[:, None] - pos[None, :]  # query - key
-    visible = (back >= 0) if attn.window is None else (back >= 0) & (back < attn.window)
+    scores = attn.scores(q, k, None if bias is None else bias[heads])
+    visible = attn._windowed(None, None, n, n, 0, q.device) if attn.window is not None else None
+    if visible is None:
+        visible = attn._causal_mask(n, n, 0, q.device)
     pattern = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1, dtype=torch.float32)
     return (pattern.to(v.dtype) @ v).transpose(1, 2)
 
