@@ -13,7 +13,6 @@ every checkpoint picker.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import threading
@@ -33,6 +32,7 @@ from workbench.config import (AttentionChoice, FFNChoice, MoEExpertChoice, NormC
 from workbench.data import describe_tasks, get_task
 from workbench.accounting import training_memory_bytes
 from workbench.training import TrainConfig, train
+from workbench.utils import available_memory_bytes
 
 TASKS = ("induction", "stories", "modular")  # "text" needs a file; use the command line for it
 START = "attn-only-2l"
@@ -215,16 +215,7 @@ def _size(n: float) -> str:
 
 def free_memory_bytes() -> Optional[int]:
     """Memory the system reports free (MemAvailable); None where it does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return available_memory_bytes("cpu")
 
 
 @dataclass
@@ -336,13 +327,16 @@ def save_trained(source: Path, root: Path, name: str, replace: bool = False) -> 
     if not name or name.startswith(".") or "/" in name or "\\" in name:
         raise ValueError(f"{name!r} is not a usable checkpoint name: use letters, digits, '-' and '_'.")
     target = root / name
-    if target.exists() and not replace:
-        raise ValueError(f"A checkpoint named {name!r} already exists in {root}: pick another name, "
-                         "or tick 'Replace if it exists'.")
-    from workbench.checkpoint import atomic_write_dir
+    from workbench.checkpoint import CheckpointError, atomic_write_dir
 
     def write(tmp: Path) -> None:
         for f in source.iterdir():
             shutil.copy2(f, tmp / f.name)
 
-    return atomic_write_dir(target, write)
+    try:  # the existence test runs under the write's lock: two sessions saving one new name cannot both win
+        return atomic_write_dir(target, write, replace=replace)
+    except CheckpointError:
+        if not replace and target.exists():
+            raise ValueError(f"A checkpoint named {name!r} already exists in {root}: pick another name, "
+                             "or tick 'Replace if it exists'.") from None
+        raise

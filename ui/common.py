@@ -731,6 +731,9 @@ def training_curve(path, where=st) -> Optional[pd.DataFrame]:
     except ValueError as e:
         where.warning(f"Cannot draw the training curve: {e}")
         return None
+    if metrics.attrs.get("skipped_rows"):
+        where.warning(f"metrics.csv has {metrics.attrs['skipped_rows']} malformed row(s) (not numbers); "
+                      "they are left out of the curve.")
     return None if metrics.empty or "step" not in metrics else metrics
 
 

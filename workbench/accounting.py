@@ -25,12 +25,17 @@ def _component(name: str) -> str:
     )
 
 
-def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Exact parameter counts: ``total``, ``non_embedding`` and one entry per component."""
+def meta_model(cfg: ModelConfig):
+    """The model ``cfg`` describes, on the meta device: every shape, no memory."""
     from workbench.model import HookedDecoder
 
     with torch.device("meta"):
-        model = HookedDecoder(cfg)
+        return HookedDecoder(cfg)
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Exact parameter counts: ``total``, ``non_embedding`` and one entry per component."""
+    model = meta_model(cfg)
     counts: dict[str, int] = defaultdict(int)
     for name, p in model.named_parameters():
         counts[_component(name)] += p.numel()

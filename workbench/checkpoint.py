@@ -250,7 +250,7 @@ def _clean_leftovers(path: Path) -> None:
 
 # ---- writing -------------------------------------------------------------------------------
 def atomic_write_dir(path: Union[str, Path], write: Any, *, marker: Optional[str] = None,
-                     lock_timeout: Optional[float] = None) -> Path:
+                     lock_timeout: Optional[float] = None, replace: bool = True) -> Path:
     """Call ``write(tmp_dir)`` then move ``tmp_dir`` to ``path``; the old contents survive a failure.
 
     ``marker`` (e.g. ``"workbench.hf_export"``) makes this write a ``workbench.json`` manifest of
@@ -259,13 +259,21 @@ def atomic_write_dir(path: Union[str, Path], write: Any, *, marker: Optional[str
     as ours, and only the files its marker lists go: other files in it are carried into the new
     version (``--out notes/`` must never wipe a folder of the user's files), and a write that
     would overwrite one of them raises CheckpointError.
+
+    ``replace=False`` refuses (CheckpointError) a ``path`` that exists and is not an empty folder.
+    That test runs under the same lock as the write: two writers racing for one new name cannot
+    both pass it, so one of them fails instead of silently replacing the other's output.
     """
     from workbench import __version__
 
     path = check_replaceable(path)  # before taking the lock: a foreign folder fails fast
+    if not replace:
+        _refuse_existing(path)
     with locked(path, lock_timeout):
         _clean_leftovers(path)
         path = check_replaceable(path)  # again: another writer may have changed it meanwhile
+        if not replace:
+            _refuse_existing(path)  # again, under the lock: it may have appeared since the test above
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))
         try:
             write(tmp)
@@ -292,6 +300,14 @@ def atomic_write_dir(path: Union[str, Path], write: Any, *, marker: Optional[str
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return path
+
+
+def _refuse_existing(path: Path) -> None:
+    if path.is_dir() and not any(path.iterdir()):
+        return
+    if os.path.lexists(path):
+        raise CheckpointError(f"{path} already exists (another save may have written it a moment ago); choose "
+                              "another name, or ask for it to be replaced (replace=True)")
 
 
 def _carry_foreign(old: Path, new: Path) -> None:
@@ -351,6 +367,7 @@ def save_checkpoint(
     metrics: Optional[dict] = None,
     meta: Optional[dict] = None,
     extra_files: Optional[dict[str, Union[str, bytes, Path]]] = None,
+    replace: bool = True,
 ) -> Path:
     """Write ``model`` (and its tokenizer) to the directory ``path``, replacing it atomically.
 
@@ -361,7 +378,9 @@ def save_checkpoint(
 
     ``path`` must be absent, empty, or a checkpoint the workbench wrote (else CheckpointError,
     naming the files found). Replacing a checkpoint replaces the files its ``meta.json`` lists;
-    files someone else put in the folder stay, untouched, in the new version.
+    files someone else put in the folder stay, untouched, in the new version. With
+    ``replace=False`` a ``path`` that exists (even one that appeared while this save ran) raises
+    CheckpointError and nothing is written.
     """
     from workbench import __version__
 
@@ -400,7 +419,7 @@ def save_checkpoint(
         # Last, so its list of files (what a later save may replace) is complete.
         (tmp / META_FILE).write_text(json.dumps({**info, "files": _files_in(tmp)}, indent=2, default=str) + "\n")
 
-    return atomic_write_dir(path, write)
+    return atomic_write_dir(path, write, replace=replace)
 
 
 def read_meta(path: Union[str, Path]) -> dict:
@@ -467,19 +486,13 @@ def load_checkpoint(
     if not weights.exists():
         raise CheckpointError(f"{path} is not a complete checkpoint: {WEIGHTS_FILE} is missing")
     source = ShardedSafetensors(path, error=CheckpointError)  # reads the header: a broken file fails here
-    model = unfilled_model(cfg)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    got = {k: source.shape(k) for k in source.names()}
-    problems = [f"missing {k}" for k in sorted(set(expected) - set(got))]
-    problems += [f"unexpected {k}" for k in sorted(set(got) - set(expected))]
-    problems += [
-        f"{k}: config expects {expected[k]}, file has {got[k]}" for k in sorted(set(expected) & set(got)) if expected[k] != got[k]
-    ]
-    if problems:
-        shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems)" if len(problems) > 6 else "")
-        raise CheckpointError(f"{path}: weights do not match {CONFIG_FILE}: {shown}")
     processing = fold_ln or center_writing_weights or center_unembed or fold_value_biases
     load_dtype = torch.float32 if processing else dtype
+    # On the CPU a tensor already in the file's dtype is the file's mapped pages, not a new allocation.
+    mapped = frozenset(k for k in source.names() if device.type == "cpu" and source.dtype(k) == load_dtype)
+    expected = check_config_matches_weights(path, cfg, {k: source.shape(k) for k in source.names()},
+                                            load_dtype, device, mapped)
+    model = unfilled_model(cfg)  # only now: the sizes are those of the file, and they fit
     not_finite: list[str] = []
 
     wide = float32_weights(model)  # DeepSeek's router: float32 whatever the dtype
@@ -504,6 +517,60 @@ def load_checkpoint(
         model.to(dtype=dtype)
     model.eval()
     return model, model.tokenizer
+
+
+def check_config_matches_weights(path: Path, cfg: ModelConfig, got: dict[str, tuple[int, ...]],
+                                 dtype: torch.dtype, device: torch.device,
+                                 mapped: frozenset[str] = frozenset()) -> dict[str, tuple[int, ...]]:
+    """The state-dict shapes ``cfg`` implies, checked against the safetensors header ``got``
+    (name -> shape) and against the memory free on ``device``, before anything is allocated
+    (``mapped``: tensors that will be the file's pages, not new memory).
+
+    A config.json that lies about its sizes (n_layers = 10^6 beside a 2-layer file) must fail
+    here with a message naming the field, not build the model it describes: the layer count and
+    the embedding are read from the header first (no model built), then the model is built on
+    the meta device (as ``count_params`` does: shapes, no memory) and compared tensor by tensor.
+    """
+    from workbench.accounting import meta_model
+    from workbench.utils import available_memory_bytes
+
+    def refuse(field: str, claim: Any, truth: str) -> None:
+        raise CheckpointError(f"{path}: {CONFIG_FILE} says {field}={claim!r}, but {WEIGHTS_FILE} {truth}: the config "
+                              "does not describe these weights (restore the config.json saved with them)")
+
+    layers = sorted({int(m[1]) for k in got if (m := re.match(r"blocks\.(\d+)\.", k))})
+    if layers and (len(layers) != cfg.n_layers or layers[-1] != cfg.n_layers - 1):
+        refuse("n_layers", cfg.n_layers, f"holds {len(layers)} layer(s) (blocks.{layers[0]} to blocks.{layers[-1]})")
+    embed = got.get("embed.W_E")
+    if embed is not None and len(embed) == 2:
+        for field, have in (("d_vocab", embed[0]), ("d_model", embed[1])):
+            if getattr(cfg, field) != have:
+                refuse(field, getattr(cfg, field), f"holds embed.W_E of shape {list(embed)} ({field} {have})")
+    model = meta_model(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems = [f"missing {k}" for k in sorted(set(expected) - set(got))]
+    problems += [f"unexpected {k}" for k in sorted(set(got) - set(expected))]
+    problems += [
+        f"{k}: config expects {expected[k]}, file has {got[k]}" for k in sorted(set(expected) & set(got)) if expected[k] != got[k]
+    ]
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems)" if len(problems) > 6 else "")
+        raise CheckpointError(f"{path}: weights do not match {CONFIG_FILE}: {shown}")
+    # Buffers too (RoPE tables are n_ctx long and not in the file): all of it is allocated below.
+    tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    size = {k: t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+            for k, t in tensors.items() if k not in mapped}
+    free = available_memory_bytes(device)
+    if free is not None and size and sum(size.values()) > free:
+        largest = max(size, key=size.get)
+        fields = [f"{f}={getattr(cfg, f)}" for f in ("n_ctx", "d_model", "d_mlp", "d_vocab", "n_heads", "d_head")
+                  if getattr(cfg, f, None) in tuple(tensors[largest].shape)]
+        raise CheckpointError(
+            f"{path}: the model {CONFIG_FILE} describes needs {sum(size.values()) / 2**30:.1f} GiB in {dtype} "
+            f"({largest} alone {size[largest] / 2**30:.1f} GiB{', from ' + ', '.join(fields) if fields else ''}), "
+            f"and {device} has {free / 2**30:.1f} GiB free: load it in a smaller dtype or on a larger machine, "
+            "or fix the config if those sizes are wrong")
+    return expected
 
 
 def _check_finite(name: str, tensor: torch.Tensor, bad: list[str]) -> None:

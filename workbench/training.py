@@ -36,6 +36,7 @@ import json
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
@@ -528,16 +529,54 @@ def read_history(out_dir: Path, up_to_step: int) -> list[dict]:
     return frame.to_dict("records")
 
 
+class MalformedMetricsWarning(UserWarning):
+    """Rows of a metrics.csv that are not numbers were skipped (a hand edit, a truncated write)."""
+
+
 def read_metrics(path: Union[str, Path]) -> pd.DataFrame:
     """The metrics.csv of a checkpoint directory (or the file itself) as a DataFrame.
 
     Empty (with the usual columns) when there is none; ValueError naming the file when it
-    is not a readable CSV. Every reader of metrics.csv (resume, the figures, the app) uses this.
+    is not a readable CSV (not text, no header with a ``step`` column). A row that is not
+    numbers (the wrong number of cells, text in a cell, a step that is not a whole number) is
+    skipped and counted: a ``MalformedMetricsWarning`` says how many, and the frame's
+    ``attrs["skipped_rows"]`` keeps the count for a page to show. Every reader of metrics.csv
+    (resume, the figures, the app) uses this.
     """
     file = Path(path) / METRICS_FILE if Path(path).is_dir() else Path(path)
     if not file.exists():
         return pd.DataFrame(columns=METRIC_COLUMNS)
     try:
-        return pd.read_csv(file)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        rows = list(csv.reader(io.StringIO(file.read_text(encoding="utf-8"))))
+    except (UnicodeDecodeError, csv.Error, OSError) as e:
         raise ValueError(f"{file} is not a readable metrics CSV: {e}") from None
+    header = [name.strip() for name in rows[0]] if rows else []
+    if "step" not in header or len(set(header)) != len(header):
+        raise ValueError(f"{file} is not a readable metrics CSV: its first line must name the columns, "
+                         f"step among them (got {header[:8]})")
+    good, skipped = [], []
+    for number, row in enumerate(rows[1:], start=2):
+        if not row:
+            continue  # a blank line
+        values = _numbers(row) if len(row) == len(header) else None
+        step = values[header.index("step")] if values is not None else math.nan
+        if values is None or not math.isfinite(step) or step < 0 or step != int(step):
+            skipped.append(number)
+            continue
+        good.append(values)
+    frame = pd.DataFrame(good, columns=header, dtype=float)
+    frame["step"] = frame["step"].astype("int64")
+    frame.attrs["skipped_rows"] = len(skipped)
+    if skipped:
+        warnings.warn(f"{file}: skipped {len(skipped)} malformed row(s) (line {', '.join(map(str, skipped[:5]))}"
+                      f"{', ...' if len(skipped) > 5 else ''}): not {len(header)} numbers", MalformedMetricsWarning,
+                      stacklevel=2)
+    return frame
+
+
+def _numbers(row: list[str]) -> Optional[list[float]]:
+    """A CSV row's cells as floats (an empty cell: NaN), or None when one is not a number."""
+    try:
+        return [float(cell) if cell.strip() else math.nan for cell in row]
+    except ValueError:
+        return None

@@ -136,3 +136,48 @@ def jsonable(value: Any) -> Any:
     if hasattr(value, "kind"):
         return value.kind
     return str(value)
+
+
+def available_memory_bytes(device: Union[str, torch.device, None] = "cpu") -> Optional[int]:
+    """Memory free for new tensors on ``device``: the system's MemAvailable for the CPU, the
+    driver's free bytes for a CUDA device; None where neither says."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import os
+
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+NAME_MAX_BYTES = 255  # one file or folder name, on every common file system
+PATH_MAX_BYTES = 4096
+
+
+def check_path(path: Union[str, Path], what: str = "path") -> Path:
+    """``path`` as a Path, or ValueError when the file system cannot hold it: a name over 255
+    bytes or a path over 4096 (which ``stat`` answers with an ``OSError`` [Errno 36]), or a NUL."""
+    text = str(path)
+    if "\x00" in text:
+        raise ValueError(f"the {what} contains a NUL character; type a usable {what}")
+    long = [part for part in Path(text).parts if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX_BYTES]
+    if long:
+        raise ValueError(f"the {what} has a name of {len(long[0].encode('utf-8', 'surrogateescape'))} bytes "
+                         f"({long[0][:40]}...); file systems allow at most {NAME_MAX_BYTES}: use a shorter name")
+    if len(text.encode("utf-8", "surrogateescape")) > PATH_MAX_BYTES:
+        raise ValueError(f"the {what} is {len(text.encode('utf-8', 'surrogateescape'))} bytes long; file systems "
+                         f"allow at most {PATH_MAX_BYTES}: use a shorter path")
+    return Path(path)

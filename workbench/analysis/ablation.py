@@ -14,7 +14,7 @@ loop instead (the reference the tests and ``benchmarks/sweep.py`` compare agains
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -306,9 +306,18 @@ def _hooks(spec: AblationSpec, batch: TokenBatch, refs: dict, own: bool, n_data:
     return [(spec.hook, lambda act, hook: ablated(spec, act, batch, refs, own, n_data))]
 
 
-def ablation_hooks(model, tokens: DataLike, spec: AblationSpec, reference: Optional[DataLike] = None) -> list:
+def _check_spec(spec: Any) -> None:
+    if not isinstance(spec, AblationSpec):
+        several = isinstance(spec, (list, tuple))
+        raise ValueError(f"spec must be one AblationSpec, got {type(spec).__name__}"
+                         + ("; to score several, one at a time, use ablation_sweep(model, tokens, specs=[...])"
+                            if several else ""))
+
+
+def ablation_hooks(model, tokens: DataLike, spec: Any, reference: Optional[DataLike] = None) -> list:
     """``fwd_hooks`` for ``run_with_hooks`` on ``tokens`` (a token tensor, a padded ``TokenBatch``,
     texts) that apply ``spec``; the reference activations are computed here, once."""
+    _check_spec(spec)
     batch = as_token_batch(model, tokens)
     spec = spec.validate(model, batch.shape[1])
     check_reference(len(batch), reference, [spec.method])
@@ -320,7 +329,7 @@ def ablation_hooks(model, tokens: DataLike, spec: AblationSpec, reference: Optio
 def ablate(
     model,
     tokens: DataLike,
-    spec: AblationSpec,
+    spec: Any,  # one AblationSpec: checked by _check_spec, whose message says what to pass
     reference: Optional[DataLike] = None,
     return_type: str = "logits",
     *,
@@ -340,6 +349,7 @@ def ablate(
     PromptSet's meta columns), streamed in batches of ``batch_size`` with a tqdm bar when
     ``progress``; ``metric`` scores each prompt (``workbench.analysis.per_prompt``).
     """
+    _check_spec(spec)
     if return_type == "metric":
         table = ablation_sweep(model, tokens, specs=[spec], metric=metric, reference=reference,
                                batch_size=batch_size, padding_side=padding_side, progress=progress, per_prompt=True)

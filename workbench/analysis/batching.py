@@ -42,12 +42,25 @@ def n_rows(data: DataLike) -> int:
     return len(data)
 
 
+def check_not_empty(data: Any, name: str = "data") -> None:
+    """ValueError when ``data`` holds no prompt (``[]``, a 0-row tensor, an empty PromptSet): an
+    analysis of nothing would otherwise fail deep in pandas or answer zeros."""
+    try:
+        empty = n_rows(data) == 0 or (isinstance(data, Tensor) and data.numel() == 0)
+    except TypeError:  # no len(): as_token_batch names the kinds it takes
+        return
+    if empty:
+        raise ValueError(f"{name} holds no prompts (got an empty {type(data).__name__}); pass at least one text "
+                         "or a token tensor [batch, pos] with batch >= 1 and pos >= 1")
+
+
 def as_token_batch(model, data: Any, padding_side: str = "left", attention_mask: Optional[Tensor] = None) -> TokenBatch:
     """All of ``data`` (``DataLike``; anything else is a ValueError naming the kinds) as one ``TokenBatch`` on the model's device (a plain tensor gets a mask of
     ones, or ``attention_mask`` when given, as TransformerLens users pass one; a ``TokenBatch``
     keeps its own padding). For small data only: it is not streamed."""
     if padding_side not in PADDING_SIDES:
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    check_not_empty(data)
     if attention_mask is not None:
         if not isinstance(data, Tensor):
             raise ValueError("attention_mask goes with a token tensor; a text, a TokenBatch or a PromptSet "
@@ -90,6 +103,7 @@ def iter_batches(
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if padding_side not in PADDING_SIDES:
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    check_not_empty(data)
     total = n_rows(data)
     bar = tqdm(total=total, desc=desc, unit="prompt", disable=not progress)
     try:

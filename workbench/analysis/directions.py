@@ -321,9 +321,15 @@ def _get_param(model, name: str) -> Tensor:
 
 # ---- steering -----------------------------------------------------------------------
 def _scales(scale: Any) -> Tensor:
-    values = torch.as_tensor(scale, dtype=torch.float32).flatten()
-    if values.numel() == 0 or not bool(torch.isfinite(values).all()):
-        raise ValueError(f"scale must be a finite number or a non-empty list of them, got {scale!r}")
+    message = f"scale must be a finite number or a non-empty list of them, got {scale!r}"
+    items = scale.flatten().tolist() if isinstance(scale, (Tensor, np.ndarray)) else (
+        list(scale) if isinstance(scale, (list, tuple)) else [scale])
+    # Not torch.as_tensor first: a string ("4") or None is a TypeError deep in torch, a bool a silent 1.0.
+    if not items or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in items):
+        raise ValueError(message)
+    values = torch.as_tensor(items, dtype=torch.float32).flatten()
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(message)
     return values
 
 

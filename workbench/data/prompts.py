@@ -100,9 +100,14 @@ class PromptSet:
         """From a CSV file with a header row. Text fields are read verbatim (a leading space
         stays, "NA" is a word, an empty cell is an error); other columns get pandas' types."""
         names = _column_names(columns)
-        frame = pd.read_csv(path)
-        text = [c for c in names.values() if c in frame.columns]
-        raw = pd.read_csv(path, dtype={c: str for c in text}, keep_default_na=False, usecols=text)
+        try:
+            frame = pd.read_csv(path)
+            text = [c for c in names.values() if c in frame.columns]
+            raw = pd.read_csv(path, dtype={c: str for c in text}, keep_default_na=False, usecols=text)
+        except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a readable CSV of prompts ({type(e).__name__}: {e}); it needs a "
+                             f"header row naming the columns ({', '.join(names.values())}) and one row per "
+                             "prompt, as UTF-8 text") from None
         frame[text] = raw[text]
         return cls.from_dataframe(frame, **columns)
 

