@@ -186,3 +186,70 @@ def test_9_unclear_errors_steer_scale_and_ablate_spec(stories):
     with pytest.raises(ValueError, match="spec must be one AblationSpec.*ablation_sweep"):
         an.ablate(stories, tokens, [spec])
     assert an.ablate(stories, tokens, spec).shape[-1] == stories.cfg.d_vocab
+
+
+# ---- 6. a dictionary's hook, shape and model are checked ----------------------------------------------------
+SHIPPED_SAE = STORIES / "saes" / "resid-post-1"
+
+
+def _tiny_sae(model, hook="blocks.1.hook_resid_post", **fields):
+    from workbench.analysis.dictionaries import DictionaryConfig, make_dictionary
+    from workbench.analysis.store import model_fingerprint
+
+    cfg = DictionaryConfig(kind="relu", d_in=model.cfg.d_model, d_sae=16, hook_name=hook,
+                           model_name=model.cfg.name, model_fingerprint=model_fingerprint(model), **fields)
+    return make_dictionary(cfg)
+
+
+@pytest.mark.parametrize("drop_meta", [False, True])
+def test_6_dictionary_cfg_edited_to_another_hook_of_the_same_width_is_refused(tmp_path, drop_meta):
+    import shutil
+
+    from workbench.analysis.dictionaries import DictionaryError, load_dictionary, save_dictionary
+
+    if drop_meta:  # a fresh save: the weights file itself records the hook, sae_meta.json aside
+        folder = save_dictionary(load_dictionary(SHIPPED_SAE), tmp_path / "sae")
+        (folder / "sae_meta.json").unlink()
+    else:  # the shipped dictionary, saved before the weights carried it: sae_meta.json records it
+        folder = Path(shutil.copytree(SHIPPED_SAE, tmp_path / "sae"))
+    cfg = json.loads((folder / "cfg.json").read_text())
+    assert cfg["metadata"]["hook_name"] == "blocks.1.hook_resid_post"
+    assert load_dictionary(folder).cfg.hook_name == "blocks.1.hook_resid_post"
+    cfg["metadata"]["hook_name"] = "blocks.2.hook_resid_post"  # the same width: the width check cannot see it
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(DictionaryError, match=r"says hook_name='blocks.2.hook_resid_post'.*"
+                                              r"saved for hook_name='blocks.1.hook_resid_post'"):
+        load_dictionary(folder)
+
+
+def test_6_dictionary_on_other_weights_warns_and_a_wrong_shape_is_refused(stories):
+    from workbench.analysis import check_dictionary
+    from workbench.analysis.dictionaries import load_dictionary
+    from workbench.analysis.splice import DictionaryMismatchWarning
+
+    sae = load_dictionary(SHIPPED_SAE)
+    assert check_dictionary(stories, sae) is None  # its own model: nothing to say
+    retrained = wb.HookedDecoder(stories.cfg)  # same name, same config, other weights
+    assert "fingerprint" in (check_dictionary(retrained, sae) or "")
+    with pytest.warns(DictionaryMismatchWarning, match=sae.cfg.model_fingerprint):
+        retrained.add_sae(sae)
+    retrained.remove_sae()
+    flat = _tiny_sae(stories, hook_shape=(4, 32))  # trained on [n_heads, d_head]-shaped activations
+    with pytest.raises(ValueError, match=r"shape \[4, 32\].*shape \[128\]"):
+        check_dictionary(stories, flat)
+    with pytest.raises(ValueError, match=r"shape \[4, 32\]"):
+        stories.add_sae(flat)
+    assert not stories.hook_dict["blocks.1.hook_resid_post"].__class__.__name__.startswith("SAE")
+
+
+def test_6_replaced_checkpoint_drops_the_dictionaries_of_the_old_weights(tmp_path):
+    from workbench.analysis.dictionaries import save_dictionary
+
+    old, new = _model(0), _model(1)
+    ckpt = wb.save_checkpoint(old, tmp_path / "ckpt")
+    save_dictionary(_tiny_sae(old), ckpt / "saes" / "mine")
+    (ckpt / "notes.txt").write_text("the user's")  # not the workbench's: it stays
+    wb.save_checkpoint(old, ckpt)  # the same weights again: still recorded as the checkpoint's
+    assert (ckpt / "saes" / "mine" / "cfg.json").is_file()
+    wb.save_checkpoint(new, ckpt)  # new weights replace the checkpoint: its dictionaries go
+    assert not (ckpt / "saes").exists() and (ckpt / "notes.txt").read_text() == "the user's"

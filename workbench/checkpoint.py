@@ -115,13 +115,15 @@ def _foreign_entries(path: Path, owned: frozenset[str]) -> list[str]:
         raise CheckpointError(f"cannot read {error.filename} inside {path} ({error.strerror}), so this save cannot "
                               "keep it; fix its permissions or move it out (nothing was changed)")
 
+    folders = tuple(name for name in owned if name.endswith("/"))  # "saes/NAME/": everything under it
     out = []
     for root, dirs, files in os.walk(path, onerror=unreadable):
         rel = Path(root).relative_to(path)
         for name in files + [d for d in dirs if Path(root, d).is_symlink()]:
-            if (rel / name).as_posix() not in owned:
-                out.append((rel / name).as_posix())
-        if not dirs and not files and rel != Path("."):
+            entry = (rel / name).as_posix()
+            if entry not in owned and not entry.startswith(folders):
+                out.append(entry)
+        if not dirs and not files and rel != Path(".") and not (rel.as_posix() + "/").startswith(folders):
             out.append(rel.as_posix() + "/")
     return sorted(out)
 
@@ -341,8 +343,9 @@ def _carry_foreign(old: Path, new: Path) -> None:
 def record_files(directory: Union[str, Path], names: list[str]) -> None:
     """Add ``names`` to the file list of the checkpoint marker in ``directory`` (call under ``locked``).
 
-    For files written into a checkpoint after it was saved (a tuned lens), so that replacing the
-    checkpoint replaces them too. A folder that is not a marked checkpoint is left as it is.
+    For files written into a checkpoint after it was saved (a tuned lens, a dictionary under
+    ``saes/``), so that replacing the checkpoint replaces them too; a name ending in ``/`` stands
+    for everything under that folder. A folder that is not a marked checkpoint is left as it is.
     """
     directory = Path(directory)
     meta = _read_json_dict(directory / META_FILE)
@@ -416,10 +419,39 @@ def save_checkpoint(
                     shutil.copy2(content, target)
             else:
                 target.write_bytes(content if isinstance(content, bytes) else content.encode())
+        _keep_dictionaries_of(model, Path(path), tmp)
         # Last, so its list of files (what a later save may replace) is complete.
         (tmp / META_FILE).write_text(json.dumps({**info, "files": _files_in(tmp)}, indent=2, default=str) + "\n")
 
     return atomic_write_dir(path, write, replace=replace)
+
+
+def _keep_dictionaries_of(model: torch.nn.Module, old: Path, new: Path) -> None:
+    """Link into ``new`` the dictionaries under ``old/saes/`` trained on exactly these weights.
+
+    A dictionary saved into a checkpoint is one of its recorded files, so replacing the checkpoint
+    drops it (it was trained on the old weights) unless its recorded fingerprint is that of the
+    weights being saved (a re-save of the same model): then it is taken into the new version.
+    """
+    owned = owned_files(old) if old.is_dir() else None
+    # Only those recorded as the checkpoint's: any other folder there is carried over as it is anyway.
+    folders = [d for d in sorted(old.glob("saes/*")) if d.is_dir() and not d.is_symlink()
+               and f"saes/{d.name}/" in (owned or ())]
+    recorded = {d: (_read_json_dict(d / "sae_meta.json") or {}).get("config", {}) for d in folders}
+    if not any(isinstance(c, dict) and c.get("model_fingerprint") for c in recorded.values()):
+        return
+    from workbench.analysis.store import model_fingerprint  # the one the dictionaries record
+
+    mine = model_fingerprint(model)
+    for folder, config in recorded.items():
+        if isinstance(config, dict) and config.get("model_fingerprint") == mine:
+            for name in _files_in(folder):
+                source, target = folder / name, new / "saes" / folder.name / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(source, target)
+                except OSError:
+                    shutil.copy2(source, target)
 
 
 def read_meta(path: Union[str, Path]) -> dict:

@@ -377,26 +377,9 @@ def feature_ablation_comparison(model, sae, tokens: Union[str, Int[Tensor, "batc
 
 
 def check_dictionary(model, sae) -> Optional[str]:
-    """ValueError unless ``sae``'s hooks exist on ``model`` with the widths it reads and writes; a
-    warning (a string) when the dictionary names another model than ``model.cfg.name``; else None.
+    """ValueError unless ``sae``'s hooks exist on ``model`` with the widths and shape it reads and
+    writes; a warning (a string) when it was trained on another model or other weights; else None
+    (``workbench.analysis.splice.check_fits``, what splicing checks too)."""
+    from workbench.analysis.splice import check_fits
 
-    By name, not by the recorded weights fingerprint: a dictionary still reads a model whose
-    weights were processed (folded, centred) or cast after training, which changes the hash.
-    """
-    from workbench.analysis.store import hook_shapes
-
-    cfg = sae.cfg
-    hooks = {cfg.hook_name: cfg.d_in}
-    if sae.is_transcoder:
-        hooks[cfg.hook_name_out] = cfg.d_out
-    shapes = hook_shapes(model, list(hooks))
-    for hook, width in hooks.items():
-        have = int(np.prod(shapes[hook]))
-        if have != width:
-            raise ValueError(f"the dictionary is {width} wide at {hook}, but this model's {hook} has {have} features "
-                             f"(shape {list(shapes[hook])}): it was trained on another model or hook")
-    name = getattr(model.cfg, "name", None)
-    if cfg.model_name and name and cfg.model_name != name:
-        return (f"the dictionary was trained on {cfg.model_name!r}, not on {name!r}: "
-                "its features may mean nothing here")
-    return None
+    return check_fits(model, sae)

@@ -27,6 +27,7 @@ checkpoints never include it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator, Optional, Union
 
 import numpy as np
@@ -105,11 +106,14 @@ def _splices(model) -> dict:
     return model._sae_splices
 
 
-def add_sae(model, sae, error_term: bool = False, hook: Optional[str] = None) -> SAEHookPoint:
-    """Put ``sae`` at its hook (``hook`` overrides ``sae.cfg.hook_name``); returns the new HookPoint.
+class DictionaryMismatchWarning(UserWarning):
+    """A dictionary was trained on other weights than the model it is used with (its recorded
+    fingerprint differs): its features may mean something else here."""
 
-    A transcoder replaces ``sae.cfg.hook_name_out`` and reads ``sae.cfg.hook_name``.
-    """
+
+def dictionary_hooks(sae, hook: Optional[str] = None) -> tuple[str, str]:
+    """(the hook a dictionary reads, the hook it replaces): ``hook`` or its recorded one, and a
+    transcoder's recorded output hook; ValueError when it records none."""
     cfg = sae.cfg
     hook_in = hook or cfg.hook_name
     if not hook_in:
@@ -117,12 +121,23 @@ def add_sae(model, sae, error_term: bool = False, hook: Optional[str] = None) ->
     hook_out = (cfg.hook_name_out or "") if getattr(sae, "is_transcoder", False) else hook_in
     if not hook_out:
         raise ValueError("this transcoder records no output hook (cfg.hook_name_out); it cannot be spliced")
-    splices = _splices(model)
+    return hook_in, hook_out
+
+
+def check_fits(model, sae, hook: Optional[str] = None) -> Optional[str]:
+    """What splicing, the Features page and every feature analysis check before using ``sae`` on
+    ``model``: ValueError (naming both) unless its hooks exist with the widths and the per-position
+    shape it was trained on; a warning (a string) when it was trained on another model (name) or
+    on other weights (the fingerprint it recorded); else None.
+
+    A fingerprint mismatch only warns: casting or processing a model after the dictionary was
+    trained (fold_ln, bf16) changes the fingerprint too, and the dictionary still reads it.
+    """
+    from workbench.analysis.store import model_fingerprint
+
+    cfg = sae.cfg
+    hook_in, hook_out = dictionary_hooks(sae, hook)
     for name in {hook_in, hook_out}:
-        if name in splices or any(name == s["hook_in"] for s in splices.values()):
-            raise ValueError(f"a dictionary is already spliced in at {name}; remove_sae({name!r}) first")
-        if isinstance(model.hook_dict.get(name), (SAEHookPoint, InputTap)):
-            raise ValueError(f"{name} is already spliced")
         check_hook(model, name)
     shapes = hook_shapes(model, sorted({hook_in, hook_out}))
     for name, width, what in ((hook_in, cfg.d_in, "d_in"), (hook_out, cfg.d_out, "d_out")):
@@ -130,6 +145,38 @@ def add_sae(model, sae, error_term: bool = False, hook: Optional[str] = None) ->
         if have != width:
             raise ValueError(f"the dictionary's {what}={width} does not match {name}, whose activations have "
                              f"{have} features (shape {list(shapes[name])}); it was trained on another hook or model")
+    recorded, actual = tuple(cfg.hook_shape), tuple(shapes[hook_in])
+    if recorded not in (actual, (cfg.d_in,)):  # (d_in,): no shape recorded (SAELens' files)
+        raise ValueError(f"the dictionary was trained on activations of shape {list(recorded)} at {cfg.hook_name}, "
+                         f"but {hook_in} on this model has shape {list(actual)}: it belongs to another hook or model")
+    name = getattr(model.cfg, "name", None)
+    if cfg.model_name and name and cfg.model_name != name:
+        return (f"the dictionary was trained on {cfg.model_name!r}, not on {name!r}: "
+                "its features may mean nothing here")
+    if cfg.model_fingerprint and cfg.model_fingerprint != (have := model_fingerprint(model)):
+        return (f"the dictionary was trained on other weights of {cfg.model_name or 'this model'!r} (fingerprint "
+                f"{cfg.model_fingerprint}; this model's is {have}): if the checkpoint was retrained or replaced since, "
+                "retrain the dictionary on it; a cast or processed (folded) copy of the same model also differs")
+    return None
+
+
+def add_sae(model, sae, error_term: bool = False, hook: Optional[str] = None) -> SAEHookPoint:
+    """Put ``sae`` at its hook (``hook`` overrides ``sae.cfg.hook_name``); returns the new HookPoint.
+
+    A transcoder replaces ``sae.cfg.hook_name_out`` and reads ``sae.cfg.hook_name``. The checks of
+    ``check_fits`` run first: a wrong hook, width or shape is a ValueError, other weights than
+    the dictionary's a ``DictionaryMismatchWarning``.
+    """
+    hook_in, hook_out = dictionary_hooks(sae, hook)
+    splices = _splices(model)
+    for name in {hook_in, hook_out}:
+        if name in splices or any(name == s["hook_in"] for s in splices.values()):
+            raise ValueError(f"a dictionary is already spliced in at {name}; remove_sae({name!r}) first")
+        if isinstance(model.hook_dict.get(name), (SAEHookPoint, InputTap)):
+            raise ValueError(f"{name} is already spliced")
+    warning = check_fits(model, sae, hook)
+    if warning:
+        warnings.warn(warning, DictionaryMismatchWarning, stacklevel=3)
     sae.to(model.device).eval()
     tap = None
     if hook_out != hook_in:

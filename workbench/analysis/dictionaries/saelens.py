@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
@@ -32,6 +32,7 @@ WEIGHTS_FILE = "sae_weights.safetensors"
 META_FILE = "sae_meta.json"
 # The schema version SAELens' loader keys on: from 6.0 the hook and model live under "metadata".
 SAELENS_SCHEMA_VERSION = "6.0.0"
+IDENTITY_KEY = "workbench.dictionary"  # the safetensors metadata entry: hook, shape, widths, fingerprint
 _DTYPES = {"float32": torch.float32, "torch.float32": torch.float32, "bfloat16": torch.bfloat16,
            "torch.bfloat16": torch.bfloat16, "float16": torch.float16, "torch.float16": torch.float16}
 
@@ -83,10 +84,53 @@ def save_dictionary(sae: Dictionary, path: Union[str, Path], extra_meta: Optiona
         tensors["threshold"] = sae.threshold.detach().to("cpu", dtype).contiguous()
     meta = {"format": "workbench-dictionary", "version": 1, "config": sae.cfg.to_dict(), "metrics": sae.metrics,
             **(extra_meta or {})}
-    _atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp)))
+    # What the weights were trained on, inside the weights file itself: cfg.json (SAELens') is plain
+    # text a hand can edit to another hook of the same width, and load_dictionary compares the two.
+    identity = {"format": "pt", IDENTITY_KEY: json.dumps(_identity(sae.cfg), sort_keys=True)}
+    _atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata=identity))
     _atomic(path / CFG_FILE, lambda tmp: tmp.write_text(json.dumps(saelens_config(sae, context_size), indent=1)))
     _atomic(path / META_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=_json_default)))
+    _record_in_checkpoint(path)
     return path
+
+
+def _identity(cfg: DictionaryConfig) -> dict[str, Any]:
+    return {"hook_name": cfg.hook_name, "hook_name_out": cfg.hook_name_out, "hook_shape": list(cfg.hook_shape),
+            "d_in": cfg.d_in, "d_out": cfg.d_out, "d_sae": cfg.d_sae, "model_fingerprint": cfg.model_fingerprint}
+
+
+def _record_in_checkpoint(path: Path) -> None:
+    """A dictionary saved inside a checkpoint (``<checkpoint>/saes/NAME``) joins the files its
+    meta.json lists, as a tuned lens does: re-saving the checkpoint with new weights drops it,
+    instead of carrying a dictionary of the old weights into the new model's folder."""
+    from workbench.checkpoint import locked, owned_files, record_files
+
+    for parent in list(path.resolve().parents)[:3]:
+        if (parent / "meta.json").is_file() and owned_files(parent) is not None:
+            with locked(parent):
+                record_files(parent, [path.resolve().relative_to(parent).as_posix() + "/"])
+            return
+
+
+def _check_identity(path: Path, cfg: DictionaryConfig, meta: dict) -> None:
+    """DictionaryError when cfg.json names another hook, shape or width than the weights (or our
+    sae_meta.json) recorded at save time: the Features page would compute on the wrong activations."""
+    try:
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+            recorded = json.loads((f.metadata() or {}).get(IDENTITY_KEY) or "null")
+    except (SafetensorError, OSError, ValueError):
+        recorded = None  # a corrupt file: load_file says so below
+    if not isinstance(recorded, dict):  # an older save or SAELens' own file: our sae_meta.json, if any
+        recorded = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    mine = _identity(cfg)
+    for key in ("hook_name", "hook_name_out", "hook_shape", "d_in", "d_out", "d_sae"):
+        theirs = recorded.get(key)
+        if key == "hook_shape" and theirs in (None, []):
+            continue
+        if theirs is not None and theirs != "" and theirs != mine[key] and not (key == "d_out" and theirs == 0):
+            raise DictionaryError(
+                f"{path}: {CFG_FILE} says {key}={mine[key]!r}, but these weights were saved for {key}={theirs!r}: "
+                f"{CFG_FILE} was edited or belongs to another dictionary; restore the {CFG_FILE} saved with them")
 
 
 def load_dictionary(path: Union[str, Path], device: Union[str, torch.device] = "cpu") -> Dictionary:
@@ -100,6 +144,7 @@ def load_dictionary(path: Union[str, Path], device: Union[str, torch.device] = "
     except (OSError, json.JSONDecodeError) as e:
         raise DictionaryError(f"{path}: {CFG_FILE} or {META_FILE} is not valid JSON ({e})") from None
     cfg = config_from_saelens(raw, meta)
+    _check_identity(path, cfg, meta if isinstance(meta, dict) else {})
     try:
         state = load_file(str(path / WEIGHTS_FILE))
     except (SafetensorError, OSError, RuntimeError) as e:
