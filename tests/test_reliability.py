@@ -7,8 +7,10 @@ garbage rows of metrics.csv, names longer than a file system allows, NaN weights
 reported, and the temp folders the app left behind.
 """
 
+import io
 import json
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -253,3 +255,79 @@ def test_6_replaced_checkpoint_drops_the_dictionaries_of_the_old_weights(tmp_pat
     assert (ckpt / "saes" / "mine" / "cfg.json").is_file()
     wb.save_checkpoint(new, ckpt)  # new weights replace the checkpoint: its dictionaries go
     assert not (ckpt / "saes").exists() and (ckpt / "notes.txt").read_text() == "the user's"
+
+
+# ---- 3, 4 and 10 (entry count). Archives that lie, are corrupt, or are bombs --------------------------------
+def _zip(files: dict, method=zipfile.ZIP_DEFLATED) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", method) as archive:
+        for name, content in files.items():
+            archive.writestr(name, content)
+    return buffer.getvalue()
+
+
+def _declare(data: bytes, size: int) -> bytes:
+    """The zip with every member's declared (uncompressed) size replaced by ``size``: a liar."""
+    out = bytearray(data)
+    for signature, offset in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):
+        start = 0
+        while (start := out.find(signature, start)) >= 0:
+            out[start + offset:start + offset + 4] = size.to_bytes(4, "little")
+            start += 4
+    return bytes(out)
+
+
+def _checkpoint_files(tmp_path) -> dict:
+    path = wb.save_checkpoint(_model(), tmp_path / "upload-src")
+    return {f"ckpt/{p.name}": p.read_bytes() for p in path.iterdir() if p.is_file()}
+
+
+def test_3_corrupt_or_lying_zip_entries_give_one_message(tmp_path):
+    from ui.common import save_upload
+
+    files = _checkpoint_files(tmp_path)
+    good = _zip(files)
+    assert save_upload([("ok.zip", good)], root=tmp_path / "up")[0].startswith("upload: ok")
+    at = good.find(b"model.safetensors") + 200  # inside the deflated weights
+    flipped = good[:at] + bytes([good[at] ^ 0xFF]) + good[at + 1:]
+    bomb = _declare(_zip({**files, "ckpt/padding.bin": b"\0" * (8 << 20)}), 1000)  # 8 MiB declared as 1000 B
+    for name, data in (("flipped.zip", flipped), ("liar.zip", bomb), ("cut.zip", good[: len(good) // 2])):
+        with pytest.raises(ValueError, match=r"corrupt|inflates to more than") as info:
+            save_upload([(name, data)], root=tmp_path / "up")
+        assert name in str(info.value)
+
+
+def test_3_inflating_counts_bytes_against_the_limit_not_the_declared_size():
+    from workbench.archive import ArchiveError, read_zip
+
+    bomb = _declare(_zip({"a.bin": b"\0" * (4 << 20)}), 100)
+    with pytest.raises(ArchiveError):  # stopped at 1 MiB inflated, whatever zipfile itself checks
+        read_zip(bomb, max_total=1 << 20)
+    honest = _zip({"a.bin": b"\0" * (4 << 20)})
+    with pytest.raises(ArchiveError, match="unpacks to more than 1 MiB"):
+        read_zip(honest, max_total=1 << 20)
+    assert read_zip(honest, max_total=8 << 20)["a.bin"] == b"\0" * (4 << 20)
+
+
+def test_4_direction_upload_bomb_is_capped_at_what_the_model_can_need(stories):
+    from workbench import analysis as an
+    from workbench.analysis.directions import direction_bytes_limit
+
+    direction = an.Direction(torch.ones(stories.cfg.d_model), "blocks.0.hook_resid_post")
+    data = direction.to_bytes("d")
+    assert torch.equal(an.Direction.from_bytes(data, stories).vector, direction.vector)
+    limit = direction_bytes_limit(stories.cfg)
+    assert limit < 4 << 20  # 64 positions x 512 wide x 8 bytes, plus room for the JSON
+    zeros = b"\0" * (limit + 1)
+    for bomb in (_zip({"d.json": zeros, "d.safetensors": zeros}), _declare(_zip({"d.json": zeros, "d.safetensors": zeros}), 10)):
+        with pytest.raises(ValueError, match=r"the limit is|unpacks to more than|inflates to more than|corrupt"):
+            an.Direction.from_bytes(bomb, stories)
+
+
+def test_10_zip_entry_count_is_capped_and_nothing_is_written(tmp_path):
+    from ui.common import save_upload
+
+    files = {**_checkpoint_files(tmp_path), **{f"ckpt/junk{i}.txt": b"x" for i in range(1500)}}
+    with pytest.raises(ValueError, match=r"holds 1,50\d files; at most 1,000"):
+        save_upload([("many.zip", _zip(files, zipfile.ZIP_STORED))], root=tmp_path / "up")
+    assert not list((tmp_path / "up").rglob("*.txt")) if (tmp_path / "up").exists() else True

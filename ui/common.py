@@ -14,14 +14,12 @@ import argparse
 import copy
 import hashlib
 import inspect
-import io
 import json
 import os
 import sys
 import tempfile
 import threading
 import types
-import zipfile
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ from workbench.analysis import AblationSpec, AnswerMetric, ablation_hooks, logit
 from workbench.analysis.lens import TUNED_LENS_WEIGHTS, TunedLens
 from workbench.analysis.metrics import METRIC_UNITS
 from workbench.analysis.reference import reference_batch as library_reference_batch
+from workbench.archive import read_zip
 from workbench.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_meta
 from workbench.padding import TokenBatch
 from workbench.tokenizer import IdTokenizer, unknown_pieces
@@ -341,20 +340,9 @@ def save_upload(files: list[tuple[str, bytes]], root: Optional[Path] = None) -> 
 
 
 def _unzip(data: bytes, name: str = "the .zip file") -> dict[str, bytes]:
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile:
-        raise ValueError(f"{name} is corrupt or not a zip archive") from None
-    infos = [i for i in archive.infolist() if not i.is_dir() and "__MACOSX" not in i.filename]
-    if sum(i.file_size for i in infos) > UPLOAD_LIMIT_MB * 2**20:
-        raise ValueError(f"{name} unpacks to more than {UPLOAD_LIMIT_MB} MB")
-    out = {}
-    for info in infos:
-        parts = Path(info.filename).parts
-        if info.filename.startswith("/") or ".." in parts:  # never write outside the upload folder
-            raise ValueError(f"{name} holds an unsafe path {info.filename!r}")
-        out["/".join(parts)] = archive.read(info)
-    return out
+    """The zip's files, inflated under the upload limit as they are read (``workbench.archive``)."""
+    return read_zip(data, name=name, max_total=UPLOAD_LIMIT_MB * 2**20,
+                    keep=lambda info: "__MACOSX" not in info.filename)
 
 
 def _strip_common_folder(contents: dict[str, bytes]) -> dict[str, bytes]:

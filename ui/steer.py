@@ -259,7 +259,7 @@ def _from_file(ckpt: common.Checkpoint) -> Optional[Direction]:
     round_ = st.session_state.get("steer_upload_round", 0)
     st.file_uploader("Upload a direction: its .json and .safetensors (what Direction.save writes), or the .zip "
                      "this page downloads", type=["json", "safetensors", "zip"], accept_multiple_files=True, key=f"steer_upload_{round_}",
-                     on_change=_on_upload, args=(f"steer_upload_{round_}",))
+                     on_change=_on_upload, args=(f"steer_upload_{round_}", ckpt.cfg))
     if st.session_state.get("steer_upload_error"):
         st.error(st.session_state["steer_upload_error"])
     options = {**saved_directions(folders), **st.session_state.get("steer_uploaded", {})}
@@ -284,26 +284,26 @@ def _from_file(ckpt: common.Checkpoint) -> Optional[Direction]:
     return direction
 
 
-def _on_upload(key: str) -> None:
+def _on_upload(key: str, cfg=None) -> None:
     """Save an uploaded pair under the private upload folder and select it; a message otherwise.
     Either way the uploader is emptied (a new key), so a failed file never lingers in it."""
     st.session_state.pop("steer_upload_error", None)
     files = st.session_state.get(key) or []
     if files:
         try:
-            _save_upload(files)
+            _save_upload(files, cfg)
         except ValueError as e:
             st.session_state["steer_upload_error"] = str(e)
     st.session_state["steer_upload_round"] = st.session_state.get("steer_upload_round", 0) + 1
 
 
-def _save_upload(files) -> None:
+def _save_upload(files, cfg=None) -> None:
     by_suffix = {Path(f.name).suffix: f for f in files}
     names = ", ".join(f.name for f in files)
     if len(files) == 1 and ".zip" in by_suffix:
         data = files[0].getvalue()
         try:
-            direction = Direction.from_bytes(data)
+            direction = Direction.from_bytes(data, cfg)  # members capped at what this model's widths need
         except ValueError as e:  # not a zip, the wrong members, a zero or NaN vector
             raise ValueError(f"{names} is not a usable direction: {e}") from None
         folder = common.upload_root() / "directions" / hashlib.sha256(data).hexdigest()[:12]

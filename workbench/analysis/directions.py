@@ -32,6 +32,7 @@ import io
 import itertools
 import json
 import numbers
+import zipfile
 import os
 import re
 from dataclasses import dataclass, field
@@ -49,11 +50,20 @@ from workbench.analysis.common import check_choice
 KINDS = ("contrastive", "probe", "sae_feature", "prompt_diff", "weight_row", "custom")
 MODES = ("add", "ablate", "clamp")
 FORMAT_VERSION = 1
-MAX_MEMBER_BYTES = 1 << 30  # a direction zip's members, before inflating (a zip bomb stops here)
+MAX_MEMBER_BYTES = 256 << 20  # a direction zip's members when no model says how wide a direction can be
 Prompts = Union[str, Sequence[str], Tensor, Sequence[Sequence[int]], Any]
 
 
 # ---- which model a direction belongs to -------------------------------------------------
+def direction_bytes_limit(cfg) -> int:
+    """The most a saved direction of a model with config ``cfg`` can take in one file: a
+    per-position vector [n_ctx, widest hook] of float64, plus room for the header and a JSON
+    provenance that lists prompt tokens (ints, a few per position)."""
+    widest = max(cfg.d_model, getattr(cfg, "d_mlp", 0) or 0, cfg.n_heads * cfg.d_head)
+    return 8 * cfg.n_ctx * widest + 64 * cfg.n_ctx + (1 << 20)
+
+
+
 def model_fingerprint(model) -> str:
     """A short hash of the model's config (its non-default fields) and the signs of its first 256
     embedding weights.
@@ -230,8 +240,6 @@ class Direction:
     def to_bytes(self, name: str = "direction") -> bytes:
         """The direction as one zip file holding ``<name>.json`` and ``<name>.safetensors``,
         the two files ``save`` writes (``from_bytes`` reads it back)."""
-        import zipfile
-
         from safetensors.torch import save
 
         if not name or "/" in name or "\\" in name or name.startswith("."):
@@ -244,33 +252,32 @@ class Direction:
         return buffer.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Direction":
+    def from_bytes(cls, data: bytes, model: Any = None) -> "Direction":
         """The direction in a zip file made by ``to_bytes`` (one ``.json`` and one ``.safetensors``);
-        ValueError saying what is wrong with any other bytes."""
-        import zipfile
+        ValueError saying what is wrong with any other bytes.
 
+        ``model`` (a model or its ModelConfig) caps the members at what a direction of its widths
+        can need (``direction_bytes_limit``), counted while inflating; without it, at
+        ``MAX_MEMBER_BYTES``. An upload is read with the model it is for.
+        """
         from safetensors.torch import load
 
-        try:
-            archive = zipfile.ZipFile(io.BytesIO(data))
-        except zipfile.BadZipFile:
+        from workbench.archive import read_zip
+
+        if not zipfile.is_zipfile(io.BytesIO(data)):
             raise ValueError("not a direction file: not a zip (Direction.to_bytes writes a zip of the "
-                             ".json and .safetensors that Direction.save writes)") from None
-        with archive:
-            members = [i for i in archive.infolist() if not i.is_dir()]
-            by_suffix = {Path(i.filename).suffix: i for i in members}
-            if len(members) != 2 or set(by_suffix) != {".json", ".safetensors"}:
-                raise ValueError("a direction zip holds exactly one .json and one .safetensors, this one holds "
-                                 f"{[i.filename for i in members]}")
-            big = [i.filename for i in members if i.file_size > MAX_MEMBER_BYTES]
-            if big:  # the sizes a zip declares, checked before anything is inflated
-                raise ValueError(f"{big} in the direction zip is larger than {MAX_MEMBER_BYTES >> 20} MiB")
-            try:
-                text = archive.read(by_suffix[".json"]).decode()
-                tensors = load(archive.read(by_suffix[".safetensors"]))
-            except Exception as e:  # a corrupt member, undecodable text, bad safetensors header
-                raise ValueError(f"the direction zip cannot be read: {e}") from None
-        return cls._from_parts(text, tensors, by_suffix[".json"].filename, by_suffix[".safetensors"].filename)
+                             ".json and .safetensors that Direction.save writes)")
+        limit = MAX_MEMBER_BYTES if model is None else direction_bytes_limit(getattr(model, "cfg", model))
+        members = read_zip(data, name="the direction zip", max_total=2 * limit, max_member=limit, max_entries=16)
+        by_suffix = {Path(n).suffix: n for n in members}
+        if len(members) != 2 or set(by_suffix) != {".json", ".safetensors"}:
+            raise ValueError(f"a direction zip holds exactly one .json and one .safetensors, this one holds {list(members)}")
+        try:
+            text = members[by_suffix[".json"]].decode()
+            tensors = load(members[by_suffix[".safetensors"]])
+        except Exception as e:  # undecodable text, a bad safetensors header
+            raise ValueError(f"the direction zip cannot be read: {e}") from None
+        return cls._from_parts(text, tensors, by_suffix[".json"], by_suffix[".safetensors"])
 
     def _meta_text(self) -> str:
         meta = {"format_version": FORMAT_VERSION, "hook": self.hook, "shape": list(self.vector.shape),
