@@ -18,7 +18,7 @@ import torch
 from factories import tiny
 
 import workbench as wb
-from workbench.checkpoint import CheckpointError
+from workbench.checkpoint import CheckpointError, NonFiniteWeightsWarning
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "checkpoints" / "stories-2026"
@@ -331,3 +331,50 @@ def test_10_zip_entry_count_is_capped_and_nothing_is_written(tmp_path):
     with pytest.raises(ValueError, match=r"holds 1,50\d files; at most 1,000"):
         save_upload([("many.zip", _zip(files, zipfile.ZIP_STORED))], root=tmp_path / "up")
     assert not list((tmp_path / "up").rglob("*.txt")) if (tmp_path / "up").exists() else True
+
+
+# ---- 7. names over 255 bytes -------------------------------------------------------------------------
+class _Where:
+    """Stands in for a Streamlit container: keeps what the page would show."""
+
+    def __init__(self):
+        self.shown = []
+
+    def __getattr__(self, kind):
+        return lambda text, *a, **k: self.shown.append((kind, text))
+
+
+def test_7_names_over_255_bytes_are_a_message_not_an_oserror(tmp_path):
+    from ui import common
+    from ui.build_train import save_trained
+
+    long = "é" * 200  # 400 bytes in UTF-8: 200 characters look harmless
+    with pytest.raises(CheckpointError, match="400 bytes.*at most 255"):
+        wb.save_checkpoint(_model(), tmp_path / long)
+    with pytest.raises(CheckpointError, match="at most 255"):
+        wb.load_checkpoint(tmp_path / long / "x")
+    source = wb.save_checkpoint(_model(), tmp_path / "run")
+    with pytest.raises(ValueError, match="at most 255"):
+        save_trained(source, tmp_path / "checkpoints", "m" * 256)
+    where = _Where()
+    assert common.load(str(tmp_path / long), where=where) is None
+    assert where.shown and where.shown[0][0] == "error" and "at most 255" in where.shown[0][1]
+
+
+# ---- 5. NaN/inf weights are reported on every page -------------------------------------------------------
+def test_5_nan_weights_are_reported_once_at_the_top_of_every_page(tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    model, tok = wb.load_checkpoint(STORIES)
+    with torch.no_grad():
+        model.blocks[0].attn.W_Q[0, 0, :3] = float("nan")
+    with pytest.warns(NonFiniteWeightsWarning):  # what the library says: the page must say it too
+        wb.save_checkpoint(model, tmp_path / "stories-2026", tokenizer=tok)
+        wb.load_checkpoint(tmp_path / "stories-2026")
+    monkeypatch.setenv("WORKBENCH_CHECKPOINTS", str(tmp_path))
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=180)
+    for page in ("Inspect", "Steer"):
+        at.session_state["page"] = page
+        at.run()
+        shown = [w.value for w in at.warning if "not finite" in str(w.value)]
+        assert len(shown) == 1 and "blocks.0.attn.W_Q (3 NaN" in shown[0], (page, [w.value for w in at.warning])

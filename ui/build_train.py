@@ -32,7 +32,7 @@ from workbench.config import (AttentionChoice, FFNChoice, MoEExpertChoice, NormC
 from workbench.data import describe_tasks, get_task
 from workbench.accounting import training_memory_bytes
 from workbench.training import TrainConfig, train
-from workbench.utils import available_memory_bytes
+from workbench.utils import available_memory_bytes, check_path
 
 TASKS = ("induction", "stories", "modular")  # "text" needs a file; use the command line for it
 START = "attn-only-2l"
@@ -326,6 +326,7 @@ def save_trained(source: Path, root: Path, name: str, replace: bool = False) -> 
     """Copy a trained checkpoint directory into the checkpoints folder as ``name``."""
     if not name or name.startswith(".") or "/" in name or "\\" in name:
         raise ValueError(f"{name!r} is not a usable checkpoint name: use letters, digits, '-' and '_'.")
+    check_path(name, "checkpoint name")  # over 255 bytes: a message, not OSError [Errno 36]
     target = root / name
     from workbench.checkpoint import CheckpointError, atomic_write_dir
 

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import types
+import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from workbench.analysis.lens import TUNED_LENS_WEIGHTS, TunedLens
 from workbench.analysis.metrics import METRIC_UNITS
 from workbench.analysis.reference import reference_batch as library_reference_batch
 from workbench.archive import read_zip
-from workbench.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_meta
+from workbench.checkpoint import CONFIG_FILE, WEIGHTS_FILE, NonFiniteWeightsWarning, read_meta
 from workbench.padding import TokenBatch
 from workbench.tokenizer import IdTokenizer, unknown_pieces
 from workbench.training import read_metrics
@@ -54,6 +55,8 @@ PERSISTENT = ("ckpt", "ckpt_dir", "ckpt_b", "ckpt_b_dir", "prompt")
 # How many times each checkpoint was really loaded (read from disk): the tests use it to
 # check that changing a widget never reloads a model.
 LOADS: Counter = Counter()
+# What loading a checkpoint warned about (NaN or inf weights), by Checkpoint.key: every page shows it.
+NOTICES: dict[tuple[str, int], list[str]] = {}
 
 
 # ---- where checkpoints live ------------------------------------------------------------------
@@ -131,11 +134,17 @@ def _load(path: str, stamp: int, device: str = "cpu") -> tuple[Any, Any, dict, t
     from workbench.interop.hf import looks_like_hf_dir
 
     LOADS[path] += 1
-    if looks_like_hf_dir(path):  # a Hugging Face model directory, imported with every hook
-        model = wb.from_hf(path, device=device)
-        tok = model.tokenizer
-    else:
-        model, tok = wb.load_checkpoint(path, device=device)
+    with warnings.catch_warnings(record=True) as caught:  # kept for the pages: NaN weights, see load_notices
+        warnings.simplefilter("always", NonFiniteWeightsWarning)
+        if looks_like_hf_dir(path):  # a Hugging Face model directory, imported with every hook
+            model = wb.from_hf(path, device=device)
+            tok = model.tokenizer
+        else:
+            model, tok = wb.load_checkpoint(path, device=device)
+    NOTICES[(path, stamp)] = [str(w.message) for w in caught if issubclass(w.category, NonFiniteWeightsWarning)]
+    for w in caught:
+        if not issubclass(w.category, NonFiniteWeightsWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if tok is None:  # abstract-id tasks (induction, modular): prompts are typed as token ids
         tok = model.tokenizer = IdTokenizer(model.cfg.d_vocab)
     for p in model.parameters():
@@ -154,8 +163,13 @@ def model_for(key: tuple[str, int]):
 def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint]:
     """Load (cached) the checkpoint at ``path``; on failure show why in ``where`` and return None."""
     from workbench.interop.hub import HFImportError, looks_like_hub_id, resolve_hf_source
+    from workbench.utils import check_path
 
-    p = Path(path).expanduser()
+    try:
+        p = check_path(path).expanduser()
+    except ValueError as e:  # a name over 255 bytes: stat would raise OSError [Errno 36]
+        where.error(f"Cannot open this path: {e}.")
+        return None
     hub_id = not p.is_dir() and looks_like_hub_id(path)
     if hub_id:  # its snapshot in the Hugging Face cache (downloaded when online)
         try:
@@ -222,6 +236,8 @@ def checkpoint_picker(label: str, key: str, where=None, default: Optional[str] =
     else:
         ckpt = load(options[name], name=name, where=where)
     if ckpt is not None:
+        for notice in NOTICES.get(ckpt.key, []):  # at the top of the page, whichever page it is
+            st.warning(f"**{ckpt.name}**: {notice}", icon="⚠️")
         where.caption(f"Runs on `{ckpt.model.device}` in `{str(next(ckpt.model.parameters()).dtype).removeprefix('torch.')}`")
     return ckpt
 

@@ -132,9 +132,20 @@ def _shown(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
+def usable_path(path: Union[str, Path]) -> Path:
+    """``path`` as a Path, or CheckpointError when no file system can hold it (a name over 255
+    bytes, which ``stat`` would answer with OSError [Errno 36])."""
+    from workbench.utils import check_path
+
+    try:
+        return check_path(path, "checkpoint path")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def check_replaceable(path: Union[str, Path]) -> Path:
     """Raise CheckpointError unless ``path`` is absent, empty, or a directory the workbench wrote."""
-    path = Path(path)
+    path = usable_path(path)
     if path.is_symlink():
         raise CheckpointError(
             f"{path} is a symbolic link; pass the folder it points to ({os.path.realpath(path)}) or another path"
@@ -503,7 +514,7 @@ def load_checkpoint(
     from workbench.tokenizer import load_tokenizer
 
     device, dtype = check_placement(device, dtype)
-    path = Path(path)
+    path = usable_path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist (or is not a directory)")
     meta = read_meta(path)
