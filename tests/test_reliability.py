@@ -378,3 +378,61 @@ def test_5_nan_weights_are_reported_once_at_the_top_of_every_page(tmp_path, monk
         at.run()
         shown = [w.value for w in at.warning if "not finite" in str(w.value)]
         assert len(shown) == 1 and "blocks.0.attn.W_Q (3 NaN" in shown[0], (page, [w.value for w in at.warning])
+
+
+# ---- 10. what the app wrote is removed -------------------------------------------------------------------
+class _Upload:
+    def __init__(self, name, data):
+        self.name, self._data = name, data
+
+    def getvalue(self):
+        return self._data
+
+
+def test_10_leftovers_rejected_uploads_and_finished_sessions_are_removed(tmp_path, monkeypatch):
+    import gc
+
+    from ui import common
+
+    monkeypatch.setattr(common.st, "session_state", {})  # a session's state, outside a script run
+    files = _checkpoint_files(tmp_path)
+    files["ckpt/model.safetensors"] = b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage"  # unzips, then fails to load
+    common.st.session_state["upload_0"] = [_Upload("bad.zip", _zip(files))]
+    common._on_upload("upload_0")
+    assert "not a usable checkpoint" in common.st.session_state["upload_error"]
+    assert not any(common.upload_root().iterdir())  # the rejected upload is gone
+
+    folder = common.TempFolder("workbench-uploads-")  # what a session holds in its state
+    (folder.path / "model.safetensors").write_bytes(b"x" * 1000)
+    path = folder.path
+    del folder
+    gc.collect()
+    assert not path.exists()  # the session ended: its uploads went with it
+
+
+@pytest.mark.slow  # a second Python process (the "server"), started and stopped
+def test_10_leftovers_removed_when_the_server_stops_and_after_a_kill(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from ui import common; from ui.build_train import TrainingJob; "
+            "import workbench as wb; job = TrainingJob(None, None, 'induction'); (job.out / 'w').write_text('1'); "
+            "up = common.upload_root(); (up / 'u').write_text('1'); print(up, job.out, flush=True)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    folders = [Path(p) for p in out.stdout.split()]
+    assert len(folders) == 2 and not any(p.exists() for p in folders), folders  # gone with the process
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free now: a server killed with -9 leaves folders named after such a pid
+    stale = Path(tempfile.mkdtemp(prefix=f"workbench-train-{dead.pid}-"))
+    mine = Path(tempfile.mkdtemp(prefix=f"workbench-train-{os.getpid()}-"))
+    from ui import common
+
+    common._stale_checked = False
+    common.TempFolder("workbench-uploads-").remove()
+    assert not stale.exists() and mine.exists()  # a live process's folder is never touched
+    mine.rmdir()

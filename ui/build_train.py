@@ -14,7 +14,6 @@ every checkpoint picker.
 from __future__ import annotations
 
 import shutil
-import tempfile
 import threading
 import typing
 from dataclasses import dataclass, field
@@ -225,7 +224,9 @@ class TrainingJob:
     config: TrainConfig
     cfg: wb.ModelConfig
     task_name: str
-    out: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="workbench-train-")))
+    # Its run folder lives as long as the job: removed when the job is replaced or its session
+    # ends (the object is garbage), or when the server stops.
+    folder: common.TempFolder = field(default_factory=lambda: common.TempFolder("workbench-train-"))
     history: list = field(default_factory=list)
     last_val: Optional[float] = None
     tokens_per_s: float = 0.0
@@ -233,6 +234,10 @@ class TrainingJob:
     message: str = ""
     result: Optional[dict] = None
     cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def out(self) -> Path:
+        return self.folder.path
 
     @property
     def running(self) -> bool:

@@ -11,6 +11,7 @@ is not a checkpoint, a corrupt file, an unusable prompt) becomes a message in th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import inspect
@@ -19,8 +20,11 @@ import os
 import sys
 import tempfile
 import threading
+import re
+import shutil
 import types
 import warnings
+import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,27 +296,78 @@ def _on_upload(key: str) -> None:
     except Exception as e:  # a checkpoint that does not load: say which file, not the temp folder
         message = str(e).replace(f"{path}/", "").replace(str(path), "the upload")
         st.session_state["upload_error"] = f"{names} is not a usable checkpoint: {message}"
+        if path not in st.session_state.get("uploaded_checkpoints", {}).values():
+            shutil.rmtree(path, ignore_errors=True)  # a rejected upload is not kept
         return
     st.session_state.setdefault("uploaded_checkpoints", {})[name] = path
     st.session_state["ckpt"] = name
     st.session_state["upload_done"] = name
 
 
-_upload_root: Optional[Path] = None
+class TempFolder:
+    """A private temp folder (``<prefix><pid>-*``, mode 0700) that lives as long as this object.
+
+    ``weakref.finalize`` removes it when the object is garbage (the Streamlit session holding it
+    in its state ended, a training job was replaced) and, at the latest, when the server stops
+    (finalizers run at exit). The pid in the name lets the next server remove what a killed one
+    left (``remove_stale_temp_folders``).
+    """
+
+    def __init__(self, prefix: str):
+        remove_stale_temp_folders()
+        self.path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.path), True)
+
+    def remove(self) -> None:
+        self._finalizer()
+
+
+TEMP_PREFIXES = ("workbench-uploads-", "workbench-train-")
+_stale_checked = False
+
+
+def remove_stale_temp_folders() -> None:
+    """Once per process: delete this user's ``workbench-uploads-<pid>-*`` / ``workbench-train-<pid>-*``
+    folders whose server process is gone (killed before its finalizers could run)."""
+    global _stale_checked
+    if _stale_checked:
+        return
+    _stale_checked = True
+    from workbench.checkpoint import _alive
+
+    pattern = re.compile(rf"^({'|'.join(map(re.escape, TEMP_PREFIXES))})(\d+)-")
+    with contextlib.suppress(OSError):
+        for entry in Path(tempfile.gettempdir()).iterdir():
+            match = pattern.match(entry.name)
+            with contextlib.suppress(OSError):
+                if match and int(match[2]) != os.getpid() and not _alive(int(match[2])) \
+                        and entry.is_dir() and not entry.is_symlink() and entry.stat().st_uid == os.getuid():
+                    shutil.rmtree(entry, ignore_errors=True)
+
+
+_process_uploads: Optional[TempFolder] = None
 _upload_root_lock = threading.Lock()
 
 
 def upload_root() -> Path:
-    """This process's private upload folder (mode 0700, made by ``tempfile.mkdtemp`` on first use).
+    """This session's private upload folder (a ``TempFolder`` in its session state: removed when
+    the session ends or the server stops); outside a session, one for the process.
 
     A fixed name such as /tmp/workbench-uploads could be created beforehand by another local
     user, or be a symlink to somewhere else; a fresh random folder of our own cannot.
     """
-    global _upload_root
+    global _process_uploads
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
     with _upload_root_lock:
-        if _upload_root is None or not _upload_root.is_dir():
-            _upload_root = Path(tempfile.mkdtemp(prefix="workbench-uploads-"))
-        return _upload_root
+        if get_script_run_ctx(suppress_warning=True) is not None:
+            folder = st.session_state.get("_upload_folder")
+            if folder is None or not folder.path.is_dir():
+                folder = st.session_state["_upload_folder"] = TempFolder("workbench-uploads-")
+            return folder.path
+        if _process_uploads is None or not _process_uploads.path.is_dir():
+            _process_uploads = TempFolder("workbench-uploads-")
+        return _process_uploads.path
 
 
 def save_upload(files: list[tuple[str, bytes]], root: Optional[Path] = None) -> tuple[str, str]:
@@ -343,11 +398,14 @@ def save_upload(files: list[tuple[str, bytes]], root: Optional[Path] = None) -> 
         if folder.is_symlink():
             raise ValueError(f"refusing to write the upload through the symlink {folder}")
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    existed = target.is_dir()
     target.mkdir(mode=0o700, exist_ok=True)
     for fname, data in contents.items():
         try:  # O_NOFOLLOW: a symlink planted in place of a file is refused, never written through
             fd = os.open(target / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         except OSError as e:
+            if not existed:
+                shutil.rmtree(target, ignore_errors=True)
             raise ValueError(f"cannot write the uploaded {fname} into {target}: {e.strerror}") from None
         with os.fdopen(fd, "wb") as out:
             out.write(data)
