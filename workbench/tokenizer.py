@@ -277,4 +277,11 @@ def load_tokenizer(directory: Union[str, Path]) -> Optional[Tokenizer]:
     path = Path(directory, TOKENIZER_FILE)
     if not path.exists():
         return None
-    return tokenizer_from_dict(json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"it holds a JSON {type(data).__name__}, not an object")
+        return tokenizer_from_dict(data)
+    except Exception as e:  # noqa: BLE001 - a damaged file: wrong types, missing keys, an HF parse error
+        raise ValueError(f"{path} is not a usable tokenizer file ({type(e).__name__}: {e}); restore the "
+                         f"{TOKENIZER_FILE} saved with the model") from None

@@ -227,6 +227,7 @@ class Direction:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Direction":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         stem = _stem(path)
@@ -234,7 +235,11 @@ class Direction:
         missing = [str(f) for f in files if not f.exists()]
         if missing:
             raise FileNotFoundError(f"no saved direction at {stem}: missing {missing}")
-        return cls._from_parts(files[0].read_text(), load_file(str(files[1])), *map(str, files))
+        try:
+            text, tensors = files[0].read_text(encoding="utf-8"), load_file(str(files[1]))
+        except (SafetensorError, OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"the direction at {stem} cannot be read ({type(e).__name__}: {e})") from None
+        return cls._from_parts(text, tensors, *map(str, files))
 
     # ---- one file, for a download or an upload ---------------------------------------------
     def to_bytes(self, name: str = "direction") -> bytes:
@@ -294,9 +299,13 @@ class Direction:
         missing = [k for k in ("hook", "shape", "provenance") if not isinstance(meta, dict) or k not in meta]
         if missing:
             raise ValueError(f"{json_name} is not a direction's JSON: missing {missing}")
-        if meta.get("format_version", 0) > FORMAT_VERSION:
-            raise ValueError(f"{json_name} has format_version {meta['format_version']}; "
-                             f"this library reads {FORMAT_VERSION}")
+        version = meta.get("format_version", 0)
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ValueError(f"{json_name} has format_version {version!r}; this library reads {FORMAT_VERSION}")
+        if not isinstance(meta["hook"], str) or not isinstance(meta["provenance"], dict) \
+                or not isinstance(meta["shape"], list):
+            raise ValueError(f"{json_name} is not a direction's JSON: hook must be a string, shape a list and "
+                             "provenance an object")
         if set(tensors) != {"vector"} or list(tensors["vector"].shape) != meta["shape"]:
             raise ValueError(f"{tensors_name} does not hold the vector its JSON describes (shape {meta['shape']})")
         return cls(tensors["vector"], meta["hook"], meta["provenance"])

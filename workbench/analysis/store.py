@@ -734,6 +734,10 @@ def _read_manifest(path: Path) -> dict:
     for key in ("model", "hooks", "dtype", "shards", "tokens", "seq_len"):
         if key not in manifest:
             raise StoreError(f"{path / MANIFEST} lacks the {key!r} entry; recollect the store")
+    try:
+        _check_manifest_types(manifest)
+    except (TypeError, KeyError, AttributeError, ValueError) as e:
+        raise StoreError(f"{path / MANIFEST} is corrupt ({type(e).__name__}: {e}); recollect the store") from None
     if manifest["dtype"] not in DTYPES:
         raise StoreError(f"{path / MANIFEST} names dtype {manifest['dtype']!r}; valid dtypes are {list(DTYPES)}")
     total = sum(int(s["rows"]) for s in manifest["shards"])
@@ -743,6 +747,23 @@ def _read_manifest(path: Path) -> dict:
         if not (path / s["file"]).is_file():
             raise StoreError(f"shard {path / s['file']} listed in the manifest is missing; run collect again to rewrite it")
     return manifest
+
+
+def _check_manifest_types(manifest: dict) -> None:
+    """TypeError/ValueError unless the manifest's entries have the types the reader relies on."""
+    if not isinstance(manifest["hooks"], dict) or not isinstance(manifest["shards"], list):
+        raise TypeError("hooks must be an object and shards a list")
+    for name, hook in manifest["hooks"].items():
+        shape = hook["shape"]
+        if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+            raise ValueError(f"hook {name!r} has shape {shape!r}, not a list of positive integers")
+    for shard in manifest["shards"]:
+        if not isinstance(shard["file"], str) or not isinstance(shard["sha256"], str) or "/" in shard["file"] \
+                or not isinstance(shard["rows"], int) or isinstance(shard["rows"], bool) or shard["rows"] < 0:
+            raise ValueError(f"shard entry {shard!r} needs a file name, a sha256 and a row count")
+    if not isinstance(manifest["model"], dict) or not isinstance(manifest["tokens"], int) \
+            or not isinstance(manifest["dtype"], str):
+        raise TypeError("model must be an object, tokens an integer and dtype a string")
 
 
 def _resume_manifest(out: Path, fresh: dict) -> dict:

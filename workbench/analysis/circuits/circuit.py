@@ -166,10 +166,14 @@ class Circuit:
         if not isinstance(data, dict) or data.get("format") != CIRCUIT_FORMAT:
             raise ValueError(f"{path} is not a circuit file (no \"format\": \"{CIRCUIT_FORMAT}\")")
         missing = [k for k in ("model", "edges") if k not in data]
-        if missing or not isinstance(data["edges"], list) or "graph" not in data.get("model", {}):
+        if missing or not isinstance(data["edges"], list) or not isinstance(data["model"], dict) \
+                or "graph" not in data["model"]:
             raise ValueError(f"{path} is not a complete circuit file: missing {missing or ['model.graph']}")
-        circuit = cls([str(e) for e in data["edges"]], data["model"], data.get("method", ""),
-                      {str(k): float(v) for k, v in data.get("scores", {}).items()}, data.get("meta", {}))
+        try:
+            circuit = cls([str(e) for e in data["edges"]], data["model"], data.get("method", ""),
+                          {str(k): float(v) for k, v in data.get("scores", {}).items()}, data.get("meta", {}))
+        except (TypeError, AttributeError, ValueError) as e:  # a field of the wrong type
+            raise ValueError(f"{path} is not a valid circuit file ({type(e).__name__}: {e})") from None
         if model is not None:
             circuit.check(model, check_weights, source=f"the circuit in {path}")
         return circuit
