@@ -500,6 +500,11 @@ def load_checkpoint(
 ):
     """Load ``(model, tokenizer)`` from a directory written by ``save_checkpoint``.
 
+    A save that replaces ``path`` while it is read (another process re-saving the checkpoint)
+    cannot hand back a mixture of two versions: the folder's identity is compared before and
+    after the read, and a load that saw it change, or found it missing while a writer held its
+    lock, reads it again holding the lock that saves take (the version it then finds, whole).
+
     The weights are read one tensor at a time straight onto ``device`` (default: torch's default
     device, cpu) in ``dtype`` (default float32, whatever the file holds), so the peak is the
     model's bytes plus about one tensor (on the CPU in the file's dtype the weights are the
@@ -509,12 +514,47 @@ def load_checkpoint(
     switches (all off: the weights as saved) run ``model.process_weights`` after loading, in
     float32 before the cast to ``dtype``.
     """
-    from workbench.interop.streaming import (
-        ShardedSafetensors, check_placement, fill_model, float32_weights, prefetched, unfilled_model)
-    from workbench.tokenizer import load_tokenizer
+    from workbench.interop.streaming import check_placement
 
     device, dtype = check_placement(device, dtype)
     path = usable_path(path)
+    options = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+                   fold_value_biases=fold_value_biases)
+    before = _identity(path)
+    if before is not None or not _being_written(path):
+        try:  # without the lock first: reading never waits for anyone, nor needs a writable folder
+            loaded = _load_once(path, device, dtype, **options)
+        except CheckpointError:
+            if _identity(path) == before:
+                raise
+        else:
+            if _identity(path) == before:
+                return loaded
+    try:  # replaced while we read it (or missing while a writer works): read it again under its lock
+        with locked(path):
+            return _load_once(path, device, dtype, **options)
+    except OSError:  # a folder we cannot write a lock file into: nobody saves there either, read as it is
+        return _load_once(path, device, dtype, **options)
+
+
+def _identity(path: Path) -> Optional[tuple[int, int, int]]:
+    """(device, inode, mtime) of the folder: a replacing save puts another folder at ``path``."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def _being_written(path: Path) -> bool:
+    return os.path.lexists(path.parent / f".{path.name}.lock")
+
+
+def _load_once(path: Path, device: torch.device, dtype: torch.dtype, *, fold_ln: bool,
+               center_writing_weights: bool, center_unembed: bool, fold_value_biases: bool):
+    from workbench.interop.streaming import ShardedSafetensors, fill_model, float32_weights, prefetched, unfilled_model
+    from workbench.tokenizer import load_tokenizer
+
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist (or is not a directory)")
     meta = read_meta(path)

@@ -1,0 +1,119 @@
+"""Several threads saving, loading and training into the same folders at once: nothing is lost,
+no read sees half of one version and half of another, and no save that was not asked to
+replace anything replaces what another one wrote.
+
+Threads stand in for the app's sessions (one server process, one thread per session's run);
+the lock is ``fcntl.flock`` on a file, which serialises threads and processes alike.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+from factories import tiny
+
+import workbench as wb
+from workbench.checkpoint import CheckpointError
+
+SECONDS = 2.0
+
+
+def _run(workers: list) -> list:
+    """Start every ``workers`` callable in its own thread at once; the exceptions they raised."""
+    barrier, errors = threading.Barrier(len(workers)), []
+
+    def wrap(work):
+        barrier.wait()
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    return errors
+
+
+def test_readers_always_see_one_whole_version_while_writers_replace_it(tmp_path):
+    models = [wb.HookedDecoder(tiny(seed=seed)) for seed in range(3)]
+    embeddings = [m.W_E.detach().clone() for m in models]
+    shared = tmp_path / "shared"
+    wb.save_checkpoint(models[0], shared)
+    stop = time.monotonic() + SECONDS
+    saves, reads = [0] * len(models), [0, 0, 0]
+
+    def writer(i):
+        def work():
+            while time.monotonic() < stop:
+                wb.save_checkpoint(models[i], shared, step=i)
+                saves[i] += 1
+        return work
+
+    def reader(i):
+        def work():
+            while time.monotonic() < stop:
+                model, _ = wb.load_checkpoint(shared)
+                meta = wb.checkpoint.read_meta(shared)
+                which = [k for k, e in enumerate(embeddings) if torch.equal(model.W_E, e)]
+                assert len(which) == 1, "a read saw weights that no writer saved"
+                for name, value in model.state_dict().items():  # the whole model is that one writer's
+                    assert torch.equal(value, models[which[0]].state_dict()[name]), name
+                assert meta["step"] in range(len(models))
+                reads[i] += 1
+        return work
+
+    errors = _run([writer(i) for i in range(len(models))] + [reader(i) for i in range(3)])
+    assert not errors, errors
+    assert min(saves) >= 1 and min(reads) >= 1, (saves, reads)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".shared.")]  # no temp folder left
+
+
+def test_saves_under_new_names_lose_nothing_and_one_name_has_one_winner(tmp_path):
+    models = [wb.HookedDecoder(tiny(seed=seed)) for seed in range(6)]
+    won: dict = {}
+
+    def saver(i):
+        def work():
+            wb.save_checkpoint(models[i], tmp_path / f"own-{i}", replace=False)  # its own new name
+            try:
+                wb.save_checkpoint(models[i], tmp_path / "contested", replace=False)  # one name for all
+                won[i] = True
+            except CheckpointError as e:
+                assert "already exists" in str(e)
+        return work
+
+    errors = _run([saver(i) for i in range(len(models))])
+    assert not errors, errors
+    for i, model in enumerate(models):  # every save under its own name is there, whole
+        assert torch.equal(wb.load_checkpoint(tmp_path / f"own-{i}")[0].W_E, model.W_E)
+    assert len(won) == 1
+    (winner,) = won
+    assert torch.equal(wb.load_checkpoint(tmp_path / "contested")[0].W_E, models[winner].W_E)
+
+
+@pytest.mark.parametrize("runs", [3])
+def test_trainings_into_one_folder_leave_one_complete_run(tmp_path, runs):
+    from workbench.data import get_task
+    from workbench.training import TrainConfig, read_metrics, train
+
+    task = get_task("induction", vocab=32)
+    cfg = tiny(d_vocab=task.vocab_size, n_ctx=32)
+    config = TrainConfig(steps=3, batch_size=4, seq_len=16, eval_every=0, save_every=1, log_every=1, seed=0)
+    results: list = []
+
+    def trainer(seed):
+        def work():
+            results.append(train(config.replace(seed=seed), cfg, tmp_path / "run", task=task, progress=False))
+        return work
+
+    errors = _run([trainer(seed) for seed in range(runs)])
+    assert not errors, errors
+    model, _ = wb.load_checkpoint(tmp_path / "run")
+    finals = [r for r in results if torch.equal(model.W_E, r.model.W_E)]
+    assert len(results) == runs and len(finals) >= 1  # what is on disk is one run's final model, whole
+    assert read_metrics(tmp_path / "run")["step"].tolist() == [1, 2, 3]
