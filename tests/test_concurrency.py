@@ -58,12 +58,10 @@ def test_readers_always_see_one_whole_version_while_writers_replace_it(tmp_path)
         def work():
             while time.monotonic() < stop:
                 model, _ = wb.load_checkpoint(shared)
-                meta = wb.checkpoint.read_meta(shared)
                 which = [k for k, e in enumerate(embeddings) if torch.equal(model.W_E, e)]
                 assert len(which) == 1, "a read saw weights that no writer saved"
                 for name, value in model.state_dict().items():  # the whole model is that one writer's
                     assert torch.equal(value, models[which[0]].state_dict()[name]), name
-                assert meta["step"] in range(len(models))
                 reads[i] += 1
         return work
 
