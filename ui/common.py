@@ -345,7 +345,7 @@ def remove_stale_temp_folders() -> None:
                     shutil.rmtree(entry, ignore_errors=True)
 
 
-_process_uploads: Optional[TempFolder] = None
+_upload_root: Optional[TempFolder] = None
 _upload_root_lock = threading.Lock()
 
 
@@ -356,7 +356,7 @@ def upload_root() -> Path:
     A fixed name such as /tmp/workbench-uploads could be created beforehand by another local
     user, or be a symlink to somewhere else; a fresh random folder of our own cannot.
     """
-    global _process_uploads
+    global _upload_root
     from streamlit.runtime.scriptrunner import get_script_run_ctx
 
     with _upload_root_lock:
@@ -365,9 +365,9 @@ def upload_root() -> Path:
             if folder is None or not folder.path.is_dir():
                 folder = st.session_state["_upload_folder"] = TempFolder("workbench-uploads-")
             return folder.path
-        if _process_uploads is None or not _process_uploads.path.is_dir():
-            _process_uploads = TempFolder("workbench-uploads-")
-        return _process_uploads.path
+        if _upload_root is None or not _upload_root.path.is_dir():
+            _upload_root = TempFolder("workbench-uploads-")
+        return _upload_root.path
 
 
 def save_upload(files: list[tuple[str, bytes]], root: Optional[Path] = None) -> tuple[str, str]:
