@@ -143,8 +143,9 @@ def check_fits(model, sae, hook: Optional[str] = None) -> Optional[str]:
     for name, width, what in ((hook_in, cfg.d_in, "d_in"), (hook_out, cfg.d_out, "d_out")):
         have = int(np.prod(shapes[name]))
         if have != width:
-            raise ValueError(f"the dictionary's {what}={width} does not match {name}, whose activations have "
-                             f"{have} features (shape {list(shapes[name])}); it was trained on another hook or model")
+            raise ValueError(f"the dictionary's {what}={width} does not match {name}: it is {width} wide at {name}, "
+                             f"but this model's {name} has {have} features (shape {list(shapes[name])}); it was "
+                             "trained on another hook or model")
     recorded, actual = tuple(cfg.hook_shape), tuple(shapes[hook_in])
     if recorded not in (actual, (cfg.d_in,)):  # (d_in,): no shape recorded (SAELens' files)
         raise ValueError(f"the dictionary was trained on activations of shape {list(recorded)} at {cfg.hook_name}, "

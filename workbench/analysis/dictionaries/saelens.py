@@ -113,7 +113,7 @@ def _record_in_checkpoint(path: Path) -> None:
 
 
 def _check_identity(path: Path, cfg: DictionaryConfig, meta: dict) -> None:
-    """DictionaryError when cfg.json names another hook, shape or width than the weights (or our
+    """DictionaryError when cfg.json names another hook or hook shape than the weights (or our
     sae_meta.json) recorded at save time: the Features page would compute on the wrong activations."""
     try:
         with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
@@ -123,11 +123,11 @@ def _check_identity(path: Path, cfg: DictionaryConfig, meta: dict) -> None:
     if not isinstance(recorded, dict):  # an older save or SAELens' own file: our sae_meta.json, if any
         recorded = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     mine = _identity(cfg)
-    for key in ("hook_name", "hook_name_out", "hook_shape", "d_in", "d_out", "d_sae"):
+    for key in ("hook_name", "hook_name_out", "hook_shape"):  # the widths: _load_state checks them against the weights
         theirs = recorded.get(key)
         if key == "hook_shape" and theirs in (None, []):
             continue
-        if theirs is not None and theirs != "" and theirs != mine[key] and not (key == "d_out" and theirs == 0):
+        if theirs is not None and theirs != "" and theirs != mine[key]:
             raise DictionaryError(
                 f"{path}: {CFG_FILE} says {key}={mine[key]!r}, but these weights were saved for {key}={theirs!r}: "
                 f"{CFG_FILE} was edited or belongs to another dictionary; restore the {CFG_FILE} saved with them")
