@@ -161,7 +161,7 @@ model = load(path)
 sync()
 seconds = time.perf_counter() - start
 peak_import = hwm()
-tokens = torch.randint(0, 1000, (1, 16), device=device)
+tokens = torch.randint(0, 256, (1, 16), device=device)  # within every size's vocabulary (tiny: 256)
 start = time.perf_counter()
 with torch.no_grad():
     forward(model, tokens)

@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ ORDER = ["environment", "tests", "import", "decode", "contenders", "dictionary",
 # Seconds each section may take: on a GPU (the full run) and with --quick. The whole run also has a
 # deadline; a section gets the smaller of its budget and what the deadline leaves after a minimum for
 # each section still to come, so a slow section cannot starve all the others.
-BUDGET = {"environment": (45, 40), "tests": (150, 120), "import": (150, 90), "decode": (90, 60),
+BUDGET = {"environment": (45, 40), "tests": (140, 120), "import": (150, 90), "decode": (110, 60),
           "contenders": (75, 60), "dictionary": (40, 40), "training": (40, 40), "circuits": (50, 40),
           "app": (60, 120)}
 MIN_SECTION_S = 10
@@ -318,22 +319,28 @@ def section_tests(sec: Section) -> None:
     sec.note(f"pytest on {len(files)} files, {box:.0f} s box: {' '.join(cmd[3:])}")
     env = {**os.environ, "GPU_CHECK_TEST_LOG": str(log),
            "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    # A session of its own, so the box kills pytest and its xdist workers together; its id is recorded
+    # so the orchestrator sweeps them too if this whole section is cut off.
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    sec.put("process_groups", [proc.pid])
     tail: list[str] = []
-    timed_out = False
-    started = time.time()
-    try:
-        for line in proc.stdout:  # the output goes on to the log as it comes
+
+    def pump() -> None:  # the output goes on to the log as it comes, whether or not pytest ever ends
+        for line in proc.stdout:
             print(f"[tests] {line}", end="", flush=True)
-            tail = (tail + [line.rstrip()])[-40:]
-            if time.time() - started > box:
-                timed_out = True
-                break
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            tail.append(line.rstrip())
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=box)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    reader.join(5)
     outcomes: dict[str, str] = {}
     failures: list[dict] = []
     collected = None
@@ -587,24 +594,33 @@ def section_circuits(sec: Section) -> None:
         graphs = None
         sec.note(f"attribution graph: skipped, workbench.analysis.graphs is not here ({err}); EAP runs instead")
     gen = torch.Generator().manual_seed(0)
+    pair = lambda n: tuple(torch.randint(3, model.cfg.d_vocab, (1, n), generator=gen).to(sec.device) for _ in range(2))
+    edge_attribution(model, pair(16), metric, "eap")  # the device's first kernels are not the method's time
     for ctx in contexts:
-        clean = torch.randint(3, model.cfg.d_vocab, (1, ctx), generator=gen).to(sec.device)
-        corrupted = torch.randint(3, model.cfg.d_vocab, (1, ctx), generator=gen).to(sec.device)
-        if graphs is not None:
-            try:
-                rows.append(_graph_row(sec, model, graphs, clean, ctx))
-                sec.put("rows", rows)
-            except Exception as err:  # the graph module's API is young: say what failed and go on to EAP
-                sec.note(f"attribution graph at {ctx} tokens: {type(err).__name__}: {str(err)[:300]}")
+        clean, corrupted = pair(ctx)
         sec.reset_peak()
         started = time.perf_counter()
-        table = edge_attribution(model, (clean, corrupted), metric, "eap")
-        sec.sync()
+        try:
+            table = edge_attribution(model, (clean, corrupted), metric, "eap")
+            sec.sync()
+        except torch.OutOfMemoryError as err:  # a finding, not a broken check: how far the method goes here
+            rows.append({"method": "eap", "tokens": ctx, "seconds": time.perf_counter() - started,
+                         "peak_gib": sec.peak_gib(), "edges": None, "note": "out of memory"})
+            sec.note(f"EAP at {ctx} tokens: out of memory ({str(err)[:200]})")
+            torch.cuda.empty_cache()
+            continue
         rows.append({"method": "eap", "tokens": ctx, "seconds": time.perf_counter() - started,
                      "peak_gib": sec.peak_gib(), "edges": len(table)})
         sec.put("rows", rows)
         sec.note(f"EAP over {len(table)} edges at {ctx} tokens: {rows[-1]['seconds']:.2f} s"
                  + (f", peak {rows[-1]['peak_gib']:.2f} GiB" if sec.cuda else ""))
+        del table
+        if graphs is not None and sec.left() > 30:
+            try:
+                rows.append(_graph_row(sec, model, graphs, clean, ctx))
+                sec.put("rows", rows)
+            except Exception as err:  # the graph module's API is young: say what failed and go on
+                sec.note(f"attribution graph at {ctx} tokens: {type(err).__name__}: {str(err)[:300]}")
     sec.summary = "; ".join(f"{r['method']} {r['tokens']} tokens {r['seconds']:.2f} s"
                             + (f" {r['peak_gib']:.2f} GiB" if r.get("peak_gib") is not None else "") for r in rows)
 
@@ -758,6 +774,12 @@ def run_section(name: str, sec: Section, timeout: float) -> dict:
             if not proc.is_alive():
                 break
     record = json.loads(sec.path.read_text())
+    # Whatever the section left running (its own group: import children; the groups it recorded: pytest's)
+    for group in [proc.pid, *record["data"].get("process_groups", [])]:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     if timed_out:
         record["status"] = "timeout"
         record["summary"] = f"cut at its {timeout:.0f} s box; " + (record["summary"] or "what it measured is kept")
@@ -851,7 +873,9 @@ def work_root(given: Optional[Path]) -> Path:
     if given:
         given.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix="gpu-check-", dir=given))
-    candidates = [p for p in {os.environ.get("TMPDIR"), tempfile.gettempdir(), "/var/tmp", str(REPO.parent)} if p]
+    inside = REPO / ".gpu-check-work"  # ignored by git: the repo's own disk, where /tmp is a small RAM disk
+    inside.mkdir(exist_ok=True)
+    candidates = [p for p in {os.environ.get("TMPDIR"), tempfile.gettempdir(), "/var/tmp", str(inside)} if p]
     best = max((p for p in candidates if os.access(p, os.W_OK)), key=lambda p: shutil.disk_usage(p).free)
     return Path(tempfile.mkdtemp(prefix="gpu-check-", dir=best))
 
@@ -918,6 +942,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     write_results(out, results)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
+        if work.parent.name == ".gpu-check-work" and not any(work.parent.iterdir()):
+            work.parent.rmdir()
     counts = {}
     for rec in results["sections"].values():
         counts[rec["status"]] = counts.get(rec["status"], 0) + 1
