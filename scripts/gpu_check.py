@@ -325,14 +325,7 @@ def section_tests(sec: Section) -> None:
                             start_new_session=True)
     sec.put("process_groups", [proc.pid])
     tail: list[str] = []
-
-    def pump() -> None:  # the output goes on to the log as it comes, whether or not pytest ever ends
-        for line in proc.stdout:
-            print(f"[tests] {line}", end="", flush=True)
-            tail.append(line.rstrip())
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
+    reader = pump(proc, "[tests] ", tail)  # the output goes on to the log as it comes, whether or not pytest ends
     try:
         proc.wait(timeout=box)
         timed_out = False
@@ -741,41 +734,78 @@ def section_timeout(name: str, started: float, args, remaining: list[str]) -> fl
     return min(budget, args.deadline - (time.time() - started) - MIN_SECTION_S * len(remaining))
 
 
-def run_section(name: str, sec: Section, timeout: float) -> dict:
-    """Run one section in a forked process (the parent never touches CUDA, so the child may); kill its
-    process group at the time box."""
-    def child() -> None:
-        os.setpgid(0, 0)  # its subprocesses (pytest, import children) go with it at a timeout
-        try:
-            SECTIONS[name](sec)
-        except Skip as why:
-            sec.status, sec.summary = "skipped", str(why)
-            print(f"[{name}] skipped: {why}", flush=True)
-        except BaseException as err:
-            sec.status = "failed"
-            sec.error = traceback.format_exc()[-4000:]
-            sec.summary = sec.summary or f"{type(err).__name__}: {str(err)[:300]}"
-            print(f"[{name}] FAILED: {sec.error}", flush=True)
-        sec.flush()
+def section_body(name: str, sec: Section) -> None:
+    """What runs in a section's process: the section, its outcome recorded whatever happens."""
+    try:
+        SECTIONS[name](sec)
+    except Skip as why:
+        sec.status, sec.summary = "skipped", str(why)
+        print(f"[{name}] skipped: {why}", flush=True)
+    except BaseException as err:
+        sec.status = "failed"
+        sec.error = traceback.format_exc()[-4000:]
+        sec.summary = sec.summary or f"{type(err).__name__}: {str(err)[:300]}"
+        print(f"[{name}] FAILED: {sec.error}", flush=True)
+    sec.flush()
 
+
+def pump(proc: subprocess.Popen, prefix: str, tail: list) -> threading.Thread:
+    """Copy a child's output to ours (and so to log.txt) line by line as it comes, keeping the lines in ``tail``."""
+    def copy() -> None:
+        for line in proc.stdout:
+            print(f"{prefix}{line}", end="", flush=True)
+            tail.append(line.rstrip())
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_section(name: str, sec: Section, timeout: float, fresh: bool = False) -> dict:
+    """Run one section in a process of its own and kill its process group at the time box: forked from
+    this one (the libraries already imported; this process never touches CUDA, so the child may), or
+    with ``fresh`` a new interpreter (``--fresh-processes``: slower to start, immune to anything a fork
+    inherits)."""
     sec.flush()
     started = time.time()
-    proc = multiprocessing.get_context("fork").Process(target=child, name=f"gpu-check-{name}")
-    proc.start()
-    proc.join(timeout)
-    timed_out = proc.is_alive()
+    if fresh:
+        cmd = [sys.executable, str(Path(__file__).resolve()), *sec.args.argv, "--device", sec.device,
+               "--child", name, "--child-work", str(sec.work), "--child-deadline", repr(sec.deadline)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        reader = pump(proc, "", [])
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        pid, alive = proc.pid, lambda: proc.poll() is None
+    else:
+        def child() -> None:
+            os.setpgid(0, 0)  # its subprocesses (pytest, import children) go with it at a timeout
+            section_body(name, sec)
+
+        proc = multiprocessing.get_context("fork").Process(target=child, name=f"gpu-check-{name}")
+        proc.start()
+        proc.join(timeout)
+        pid, alive, reader = proc.pid, proc.is_alive, None
+    timed_out = alive()
     if timed_out:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
-                os.killpg(proc.pid, sig)
+                os.killpg(pid, sig)
             except ProcessLookupError:
                 break
-            proc.join(5)
-            if not proc.is_alive():
+            time.sleep(0.5)
+            deadline = time.time() + 5
+            while alive() and time.time() < deadline:
+                time.sleep(0.2)
+            if not alive():
                 break
+    if reader is not None:
+        reader.join(5)
+    exitcode = proc.returncode if fresh else proc.exitcode
     record = json.loads(sec.path.read_text())
     # Whatever the section left running (its own group: import children; the groups it recorded: pytest's)
-    for group in [proc.pid, *record["data"].get("process_groups", [])]:
+    for group in [pid, *record["data"].get("process_groups", [])]:
         try:
             os.killpg(group, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -783,9 +813,9 @@ def run_section(name: str, sec: Section, timeout: float) -> dict:
     if timed_out:
         record["status"] = "timeout"
         record["summary"] = f"cut at its {timeout:.0f} s box; " + (record["summary"] or "what it measured is kept")
-    elif proc.exitcode != 0 and record["status"] == "ok":
+    elif exitcode != 0 and record["status"] == "ok":
         record["status"] = "crashed"
-        record["summary"] = f"the process died (exit code {proc.exitcode}); " + record["summary"]
+        record["summary"] = f"the process died (exit code {exitcode}); " + record["summary"]
     record["seconds"] = time.time() - started
     record["box_s"] = timeout
     return record
@@ -815,7 +845,11 @@ def markdown(results: dict) -> str:
              f"Started {results['started']} (UTC), {results.get('seconds', 0):.0f} s in all; device `{results['device']}`"
              f"{' (quick)' if results['quick'] else ''}; python {env.get('python', '?')}, torch {env.get('torch', '?')}; "
              f"command: `{results['command']}`", "",
-             "| section | status | seconds | summary |", "|---|---|---|---|"]
+             f"Wheels installed for this run: {', '.join(results.get('wheels', {}).get('installed', [])) or 'none needed'}"
+             + "".join(f"; FAILED {k}: {_cell(v)}" for k, v in results.get("wheels", {}).get("failed", {}).items()), ""]
+    if results.get("preload_error"):
+        lines += ["Importing the libraries failed before any section ran:", "", "```", results["preload_error"], "```", ""]
+    lines += ["| section | status | seconds | summary |", "|---|---|---|---|"]
     for name, rec in results["sections"].items():
         lines.append(f"| {name} | {rec['status']} | {rec.get('seconds', 0):.0f} | {_cell(rec.get('summary', ''))} |")
     for name, rec in results["sections"].items():
@@ -851,10 +885,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=None, help="where models are written (default: the temp "
                         "folder with the most free space); removed at the end unless --keep")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (models written)")
+    parser.add_argument("--fresh-processes", action="store_true",
+                        help="start each section in a new interpreter instead of a fork of this one")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a section's process (--fresh-processes)
+    parser.add_argument("--child-work", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-deadline", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's own; 1 with --quick, where tiny ops on a shared "
                              "machine run slower on two threads than on one)")
     args = parser.parse_args(argv)
+    args.argv = [a for a in (sys.argv[1:] if argv is None else argv)]
     unknown = set(args.sections.split(",")) - set(ORDER)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; the sections are {','.join(ORDER)}")
@@ -882,6 +922,16 @@ def work_root(given: Optional[Path]) -> Path:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.child:  # one section in a fresh interpreter; the parent reads its JSON
+        sys.path.insert(0, str(REPO))
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        work = args.child_work
+        section_body(args.child, Section(args.child, args.device, args.quick, work, work / f"{args.child}.json",
+                                         args.child_deadline, args))
+        return 0
     out = (args.out or Path(os.environ.get("OUT") or REPO / "gpu-check-out")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "log.txt", "a", buffering=1)
@@ -933,7 +983,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             continue
         print(f"\n== {name} (box {timeout:.0f} s, {time.time() - started:.0f} s into the run)", flush=True)
         sec = Section(name, device, args.quick, work, work / f"{name}.json", time.time() + timeout, args)
-        results["sections"][name] = record = run_section(name, sec, timeout)
+        results["sections"][name] = record = run_section(name, sec, timeout, fresh=args.fresh_processes)
         print(f"== {name}: {record['status']} in {record['seconds']:.0f} s: {record['summary']}", flush=True)
         results["seconds"] = time.time() - started
         write_results(out, results)
