@@ -380,7 +380,7 @@ def section_import(sec: Section) -> None:
     if not (warm / "config.json").exists():
         interop._write_llama(warm, "tiny", "2GB")
     rows: list[dict] = []
-    seconds_per_byte = None
+    estimate = None  # seconds a size of n bytes will take, from the last size: fixed process costs + a per-byte rate
     for size in sizes:
         cfg = wb.ModelConfig(**interop.SIZES[size], **interop.LLAMA)
         n_bytes = 2 * wb.count_params(cfg)["total"]
@@ -388,8 +388,8 @@ def section_import(sec: Section) -> None:
         if free < 1.1 * n_bytes + (2 << 30):
             sec.note(f"{size}: skipped, {n_bytes / 2**30:.1f} GiB to write and {free / 2**30:.1f} GiB free in {sec.work}")
             continue
-        if seconds_per_byte is not None and seconds_per_byte * n_bytes > sec.left() - 5:
-            sec.note(f"{size}: skipped, about {seconds_per_byte * n_bytes:.0f} s needed (from the last size's rate) "
+        if estimate is not None and estimate(n_bytes) > sec.left() - 5:
+            sec.note(f"{size}: skipped, about {estimate(n_bytes):.0f} s needed (from the last size's times) "
                      f"and {sec.left():.0f} s left in this section's box")
             continue
         started = time.perf_counter()
@@ -398,9 +398,14 @@ def section_import(sec: Section) -> None:
             with open(f, "rb") as fh:
                 while fh.read(1 << 24):
                     pass
+        written = time.perf_counter() - started
+        wall = work = 0.0
         for repeat in range(repeats):
             for who in ("ours", "transformers"):
+                began = time.perf_counter()
                 r = interop._run_child(who, warm, path, sec.device, "bfloat16")
+                wall += time.perf_counter() - began
+                work += r["seconds"] + r["forward_seconds"]
                 row = {"size": size, "contender": who, "repeat": repeat, "model_gib": r["model_bytes"] / 2**30,
                        "seconds": r["seconds"], "first_forward_s": r["forward_seconds"],
                        "gpu_peak_over_model": r["gpu_peak"] / r["model_bytes"] if sec.cuda else None,
@@ -410,7 +415,9 @@ def section_import(sec: Section) -> None:
                 sec.note(f"{size} {who}: {r['seconds']:.2f} s, first forward {r['forward_seconds']:.2f} s, "
                          + (f"GPU peak {row['gpu_peak_over_model']:.3f}x the model's bytes, " if sec.cuda else "")
                          + f"RSS rise {row['rss_rise_over_model']:.2f}x")
-        seconds_per_byte = (time.perf_counter() - started) / n_bytes
+        # A process's start does not grow with the model; below a GiB the rest is fixed costs too (no rate to scale).
+        fixed, per_byte = wall - work, (written + work) / n_bytes
+        estimate = (lambda n, fixed=fixed, per_byte=per_byte: fixed + per_byte * n) if n_bytes >= 2**30 else None
         if size != sec.args.model_size:  # 16 GB back to the disk before the next size or section
             shutil.rmtree(path, ignore_errors=True)
     if not rows:
