@@ -939,6 +939,8 @@ def work_root(given: Optional[Path]) -> Path:
     inside.mkdir(exist_ok=True)
     candidates = [p for p in {os.environ.get("TMPDIR"), tempfile.gettempdir(), "/var/tmp", str(inside)} if p]
     best = max((p for p in candidates if os.access(p, os.W_OK)), key=lambda p: shutil.disk_usage(p).free)
+    if Path(best) != inside and not any(inside.iterdir()):
+        inside.rmdir()
     return Path(tempfile.mkdtemp(prefix="gpu-check-", dir=best))
 
 
