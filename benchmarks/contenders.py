@@ -2,6 +2,7 @@
 
     python benchmarks/contenders.py [--size small|tiny|300m|1b] [--dtype float32|bfloat16]
         [--batch 2] [--pos 64] [--repeats 3] [--threads 1] [--all-layers] [--nnsight-path DIR]
+        [--device cpu|cuda] [--dir DIR]
 
 One random Llama-shaped model (``--size``: the shapes of ``benchmarks/interop.py``; ``small`` is
 d_model 512 x 8 layers, GQA 8/4 heads, d_mlp 1408, vocab 8192, 33M parameters) is written once
@@ -31,6 +32,9 @@ printed with each one's ratio to ours. nnsight is not a dependency: it is import
 ``--nnsight-path`` (a ``pip install --target DIR --no-deps nnsight`` beside our pins) or PYTHONPATH,
 and left out with a line saying so when absent; a bridge that fails to boot is left out the same way.
 ``--threads`` defaults to 1: on a shared 2-core machine two threads under load are slower, not faster.
+``--device cuda`` puts every contender and the tokens on the GPU (each timed call is synchronised);
+``--dir`` reads (or writes once) the saved model there instead of a temp dir, so a caller that already
+wrote that size with ``wb.to_hf`` (``scripts/gpu_check.py``) does not write it again.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def n_tensors(value: Any) -> int:
 
 
 # ---- the contenders -------------------------------------------------------------------------------------
-def load_nnsight(path: Path, dtype: torch.dtype, where: Optional[str]) -> tuple[Any, str]:
+def load_nnsight(path: Path, dtype: torch.dtype, where: Optional[str], device: str = "cpu") -> tuple[Any, str]:
     """nnsight's LanguageModel on the saved directory, or None and why not."""
     if where:
         sys.path.insert(0, where)
@@ -88,16 +92,17 @@ def load_nnsight(path: Path, dtype: torch.dtype, where: Optional[str]) -> tuple[
     # TransformersModel is 0.8's name for what LanguageModel was (which it now warns about)
     kind = getattr(nnsight, "TransformersModel", None)
     kw = {"task": "text-generation"} if kind is not None else {}
-    lm = (kind or nnsight.LanguageModel)(str(path), dtype=dtype, attn_implementation="sdpa", dispatch=True, **kw)
+    lm = (kind or nnsight.LanguageModel)(str(path), dtype=dtype, attn_implementation="sdpa", dispatch=True,
+                                         device_map=device, **kw)
     return lm, f"nnsight {nnsight.__version__} ({type(lm).__name__})"
 
 
-def load_bridge(path: Path, dtype: torch.dtype) -> tuple[Any, str]:
+def load_bridge(path: Path, dtype: torch.dtype, device: str = "cpu") -> tuple[Any, str]:
     try:
         from transformers import AutoTokenizer
         from transformer_lens.model_bridge import TransformerBridge
 
-        bridge = TransformerBridge.boot_transformers(str(path), device="cpu", dtype=dtype,
+        bridge = TransformerBridge.boot_transformers(str(path), device=device, dtype=dtype,
                                                      tokenizer=AutoTokenizer.from_pretrained(path))
     except Exception as err:  # a benchmark reports a contender that cannot run and goes on
         return None, f"failed to boot: {type(err).__name__}: {err}"
@@ -178,7 +183,9 @@ def nnsight_patched(lm, clean, corrupted, metric, layers, n_heads: int) -> dict:
 
 
 # ---- the run --------------------------------------------------------------------------------------------
-def main(argv=None) -> pd.DataFrame:
+def main(argv=None, rows: Optional[list] = None) -> pd.DataFrame:
+    """Run the benchmark and return its table; ``rows``, when given, receives each timing as it is taken
+    (a caller keeps them even when the patching numbers disagree and this raises)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=list(SIZES), default="small")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -190,6 +197,9 @@ def main(argv=None) -> pd.DataFrame:
     parser.add_argument("--all-layers", action="store_true", help="patch every head of every layer")
     parser.add_argument("--nnsight-path", default=None, help="a directory holding nnsight (pip install --target)")
     parser.add_argument("--tasks", default="forward,cache,patch", help="comma-separated subset of the tasks")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...: every contender and the tokens")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where the saved model lives (written there once when absent; default: a temp dir)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -203,29 +213,37 @@ def main(argv=None) -> pd.DataFrame:
 
     import transformers
 
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"llama-{args.size}"
+        path = (args.dir or Path(tmp)) / f"llama-{args.size}"
         started = time.perf_counter()
-        n_params = _write_llama(path, args.size, "2GB")
-        _word_tokenizer(shape["d_vocab"]).save_pretrained(path)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
-        ours = wb.from_hf(path, dtype=dtype).eval()
-        bridge, bridge_note = load_bridge(path, dtype)
-        lm, nnsight_note = load_nnsight(path, dtype, args.nnsight_path)
-        print(f"wrote and loaded {n_params / 1e6:.0f}M parameters four times in {time.perf_counter() - started:.0f} s")
+        if not (path / "config.json").exists():
+            _write_llama(path, args.size, "2GB")
+        if not (path / "tokenizer.json").exists():
+            _word_tokenizer(shape["d_vocab"]).save_pretrained(path)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        hf = hf.to(device).eval()
+        ours = wb.from_hf(path, dtype=dtype, device=device).eval()
+        bridge, bridge_note = load_bridge(path, dtype, str(device))
+        lm, nnsight_note = load_nnsight(path, dtype, args.nnsight_path, str(device))
+        n_params = sum(p.numel() for p in ours.parameters())
+        print(f"wrote (or found) and loaded {n_params / 1e6:.0f}M parameters four times in "
+              f"{time.perf_counter() - started:.0f} s, on {device}")
     print(f"bridge: {bridge_note}")
     print(f"nnsight: {nnsight_note}" if lm is not None else "nnsight: not installed (pip install nnsight)")
 
     gen = torch.Generator().manual_seed(0)
-    clean = torch.randint(3, shape["d_vocab"], (args.batch, args.pos), generator=gen)
-    corrupted = torch.randint(3, shape["d_vocab"], (args.batch, args.pos), generator=gen)
+    clean = torch.randint(3, shape["d_vocab"], (args.batch, args.pos), generator=gen).to(device)
+    corrupted = torch.randint(3, shape["d_vocab"], (args.batch, args.pos), generator=gen).to(device)
     metric = logit_diff_metric(ANSWER, WRONG)
-    rows: list[dict] = []
+    rows = [] if rows is None else rows
+    bad: dict = {}
 
     def timed(task: str, fns: dict[str, Callable], count: bool = False, note: str = "") -> dict:
         outputs: dict = {}
         with torch.no_grad():
-            times = interleaved(fns, args.repeats, outputs=outputs)
+            times = interleaved(fns, args.repeats, outputs=outputs, sync=sync)
         for name, median in times.items():
             rows.append({"task": task, "contender": name, "median_s": median,
                          "tensors": n_tensors(outputs[name]) if count else None})
@@ -291,16 +309,14 @@ def main(argv=None) -> pd.DataFrame:
               + ", ".join(f"{name} {d:.3g}" for name, d in worst.items() if name != "ours"))
         tolerance = 1e-3 if dtype == torch.float32 else 0.1
         bad = {name: d for name, d in worst.items() if d > tolerance * max(1.0, spread)}
-        if bad:
-            raise AssertionError(f"the contenders disagree on the patching numbers: {bad} (tolerance {tolerance})")
 
     table = pd.DataFrame(rows)
     ours_of = {"forward": "ours", "cache": "ours run_with_cache", "patch heads": "ours"}
     table["ratio_to_ours"] = [r.median_s / table[(table.task == r.task) & (table.contender == ours_of[r.task])]
                               .median_s.iloc[0] for r in table.itertuples()]
     with pd.option_context("display.float_format", "{:.4g}".format, "display.width", 120):
-        print(f"\nLlama-shaped {args.size} ({n_params / 1e6:.0f}M) in {args.dtype}, batch {args.batch} x {args.pos} "
-              f"tokens, median of {args.repeats} interleaved rounds, {args.threads} thread(s)")
+        print(f"\nLlama-shaped {args.size} ({n_params / 1e6:.0f}M) in {args.dtype} on {device}, batch {args.batch} x "
+              f"{args.pos} tokens, median of {args.repeats} interleaved rounds, {args.threads} thread(s)")
         print(table.to_string(index=False))
     for task, group in table.groupby("task", sort=False):
         mine = group[group.contender == ours_of[task]].median_s.iloc[0]
@@ -316,6 +332,8 @@ def main(argv=None) -> pd.DataFrame:
         also = "".join(f"; {r.contender}: {r.median_s / fastest.median_s:.2f}x {fastest.contender}'s time"
                        for r in others.itertuples())
         print(f"{task}: {verdict} ({fastest.contender} takes {fastest.median_s / mine:.2f}x ours' time{also})")
+    if bad:  # after the table: the timings stand, the disagreement fails the run
+        raise AssertionError(f"the contenders disagree on the patching numbers: {bad} (tolerance {tolerance})")
     return table
 
 

@@ -58,14 +58,17 @@ def collection(model, task, hook: str, n_batches: int, batch: int, seq_len: int,
     return {"tokens": tokens, **times}
 
 
-def plain_topk_loop(x: torch.Tensor, d_sae: int, k: int, batch: int, steps: int, lr: float) -> float:
-    """The minimal TopK SAE: encode, keep k, decode, MSE, Adam. Returns rows/s over ``steps`` (after one warm-up)."""
+def plain_topk_loop(x: torch.Tensor, d_sae: int, k: int, batch: int, steps: int, lr: float,
+                    device: str = "cpu") -> float:
+    """The minimal TopK SAE: encode, keep k, decode, MSE, Adam. Returns rows/s over ``steps`` (after one warm-up).
+    ``x`` stays where it is (CPU memory, as a store's shards are); each batch is gathered there and moved to
+    ``device``, the path ``train_sae`` takes."""
     torch.manual_seed(0)
     d = x.shape[1]
-    W_dec = torch.randn(d_sae, d)
+    W_dec = torch.randn(d_sae, d, device=device)
     W_dec /= W_dec.norm(dim=1, keepdim=True)
-    params = [torch.nn.Parameter(W_dec.T.clone()), torch.nn.Parameter(torch.zeros(d_sae)),
-              torch.nn.Parameter(W_dec), torch.nn.Parameter(x[:4096].mean(0))]
+    params = [torch.nn.Parameter(W_dec.T.clone()), torch.nn.Parameter(torch.zeros(d_sae, device=device)),
+              torch.nn.Parameter(W_dec), torch.nn.Parameter(x[:4096].mean(0).to(device))]
     W_enc, b_enc, W_dec, b_dec = params
     opt = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(0)
@@ -73,7 +76,7 @@ def plain_topk_loop(x: torch.Tensor, d_sae: int, k: int, batch: int, steps: int,
     for step in range(steps + 1):
         if step == 1:
             start = time.perf_counter()
-        rows = x[torch.randint(0, len(x), (batch,), generator=gen)]
+        rows = x[torch.randint(0, len(x), (batch,), generator=gen)].to(device, non_blocking=True)
         pre = (rows - b_dec) @ W_enc + b_enc
         values, indices = pre.topk(k, dim=-1, sorted=False)
         acts = torch.zeros_like(pre).scatter_(-1, indices, values.relu())
@@ -85,12 +88,12 @@ def plain_topk_loop(x: torch.Tensor, d_sae: int, k: int, batch: int, steps: int,
     return steps * batch / (time.perf_counter() - start)
 
 
-def ours_topk(x: torch.Tensor, d_sae: int, k: int, batch: int, steps: int, lr: float) -> float:
-    """``train_sae`` on the same rows; rows/s from its own log (setup and final evaluation excluded)."""
+def ours_topk(x: torch.Tensor, d_sae: int, k: int, batch: int, steps: int, lr: float, device: str = "cpu") -> float:
+    """``train_sae`` on the same rows (on ``device``); rows/s from its own log (setup and final evaluation excluded)."""
     source = an.TensorActivations({"x": x}, rows_per_shard=len(x) // 4)
     window = max(1, steps // 3)  # logged every `window` steps, as a run would (a row costs a few reductions)
     sae = an.train_sae(source, kind="topk", d_sae=d_sae, k=k, steps=window * 4, batch_size=batch, lr=lr,
-                       warmup_steps=0, log_every=window, eval_rows=batch, progress=False, buffer_shards=2)
+                       warmup_steps=0, log_every=window, eval_rows=batch, progress=False, buffer_shards=2, device=device)
     rates = sae.history["tokens_per_s"].tolist()[1:]  # the first window includes the warm-up step
     return len(rates) / sum(1 / r for r in rates)  # rows over total time, not a mean of rates
 

@@ -130,6 +130,7 @@ SIZES = {  # Llama-shaped; "1b" is TinyLlama-1.1B's shape
     "1b": dict(d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_mlp=5632, d_vocab=32000),
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=128, d_vocab=256),
     "small": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_mlp=1408, d_vocab=8192),  # 33M
+    "8b": dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_mlp=14336, d_vocab=128256),  # Llama-3.1-8B's shape
 }
 LLAMA = dict(n_ctx=2048, norm="rmsnorm", positional="rope", ffn="swiglu", bias=False, tie_embeddings=False)
 
@@ -160,7 +161,7 @@ model = load(path)
 sync()
 seconds = time.perf_counter() - start
 peak_import = hwm()
-tokens = torch.randint(0, 1000, (1, 16), device=device)
+tokens = torch.randint(0, 256, (1, 16), device=device)  # within every size's vocabulary (tiny: 256)
 start = time.perf_counter()
 with torch.no_grad():
     forward(model, tokens)
@@ -185,7 +186,9 @@ def _run_child(who: str, warm: Path, path: Path, device: str, dtype: str) -> dic
     import json
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # the repo first, then whatever the caller's path holds (packages installed beside the interpreter's)
+    search = [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(search)}
     run = subprocess.run([sys.executable, "-c", _CHILD, who, str(warm), str(path), device, dtype],
                          capture_output=True, text=True, env=env)
     if run.returncode != 0:

@@ -26,6 +26,17 @@ class Trap:
         return resid
 
 
+def python_env(**extra: str) -> dict:
+    """The environment of a Python subprocess a test starts: the repo first on PYTHONPATH, then whatever the
+    caller's PYTHONPATH held (packages installed beside the interpreter's, as scripts/gpu_check.py installs
+    the ones a GPU machine lacks), then ``extra``."""
+    import os
+    from pathlib import Path
+
+    path = [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), **extra}
+
+
 def run_torchrun(args, timeout: int = 300) -> None:
     """``torchrun --nproc_per_node=2 -m workbench *args`` from the repo root; fails the test on a
     non-zero exit (with its stderr) or a hang (killing torchrun and its workers)."""
@@ -38,7 +49,7 @@ def run_torchrun(args, timeout: int = 300) -> None:
     import pytest
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    env = python_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "workbench",
            *args]
     # Its own session, so a hang kills torchrun *and* its workers instead of orphaning them.

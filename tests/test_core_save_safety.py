@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny
+from factories import python_env, tiny
 
 import workbench as wb
 from workbench import checkpoint
@@ -230,7 +230,7 @@ def test_the_apps_replace_refuses_a_foreign_folder(tmp_path, thesis):
 
 # ---- killed and concurrent writers ---------------------------------------------------------------
 def run_python(code: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = python_env(OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -323,7 +323,7 @@ CONCURRENT_WRITER = """
 
 def test_two_processes_saving_to_one_path_both_succeed(tmp_path):
     path = tmp_path / "shared"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = python_env(OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(CONCURRENT_WRITER), str(path), str(seed),
                                str(REPO / "tests")], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for seed in (1, 2)]

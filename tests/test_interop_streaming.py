@@ -27,6 +27,7 @@ import torch
 import transformers as T
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from factories import python_env
 from test_interop import HF_CASES, VOCAB, build_hf, max_diff
 
 import workbench as wb
@@ -425,7 +426,7 @@ def test_import_hf_cli_reads_the_hub_cache_from_the_environment(models, tmp_path
     """The real thing: HF_HOME and HF_HUB_OFFLINE set before Python starts, a hub id on the command line."""
     home = tmp_path / "home"
     cache_repo(home, "tiny-org/tiny-neox", save(models["gpt_neox"], tmp_path / "src"))
-    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env = python_env(HF_HOME=str(home), HF_HUB_OFFLINE="1")
     env.pop("HF_HUB_CACHE", None)
     out = tmp_path / "ck"
     run = subprocess.run([sys.executable, "-m", "workbench", "import-hf", "tiny-org/tiny-neox", "--out", str(out),
@@ -588,7 +589,7 @@ def test_import_peak_memory_is_about_one_model(tmp_path):
         f"print(before, {peak_rss_code()}, sum(p.numel() * p.element_size() for p in m.parameters()))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+                         env=python_env())
     assert run.returncode == 0, run.stderr
     before, peak, model_bytes = map(int, run.stdout.split()[-3:])
     rise = peak - before

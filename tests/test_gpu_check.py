@@ -1,0 +1,121 @@
+"""scripts/gpu_check.sh: its CPU mode runs every section to the end here, a section that fails or overruns
+its time box is recorded while the others still run, and the wheels that travel to the GPU machine are
+the ones this project pins."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WHEELS = REPO / "scripts" / "gpu_wheels"
+
+
+def load_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", module)  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # the whole script on tiny shapes: a nested pytest, fresh import processes, the app (1-2 min)
+def test_the_quick_cpu_run_ends_every_section_with_its_numbers(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    started = time.time()
+    run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu", "--quick", "--out", str(out),
+                          "--work-dir", str(tmp_path / "work"),
+                          # boxes for a loaded 2-core machine: an overrun here would be the load, not the code
+                          "--budget-scale", "3", "--deadline", "1200"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=1500)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    sections = results["sections"]
+    assert list(sections) == load_check().ORDER
+    bad = {name: (rec["status"], rec["summary"], rec.get("error", "")[-800:]) for name, rec in sections.items()
+           if rec["status"] != "ok"}
+    assert not bad, bad
+    assert results["seconds"] <= time.time() - started
+    data = {name: rec["data"] for name, rec in sections.items()}
+    assert data["environment"]["info"]["torch"] and data["environment"]["bf16_placement_check"] == "passed"
+    assert data["tests"]["counts"]["passed"] == data["tests"]["collected"] > 0 and not data["tests"]["failures"]
+    assert {(r["size"], r["contender"]) for r in data["import"]["rows"]} == {("tiny", "ours"), ("tiny", "transformers")}
+    assert {(r["contender"], r["batch"]) for r in data["decode"]["rows"]} == {
+        (who, b) for who in ("ours", "transformers") for b in (1, 32)}
+    assert all(r["ms_per_token"] > 0 and r["floor_ms"] > 0 for r in data["decode"]["rows"])
+    assert {r["task"] for r in data["contenders"]["rows"]} == {"forward", "cache", "patch heads"}
+    assert min(data["dictionary"]["tokens_per_s"]["train_sae"]) > 0
+    assert data["training"]["rows"][0]["last_loss"] == data["training"]["rows"][0]["last_loss"]  # finite, not NaN
+    assert [r["tokens"] for r in data["circuits"]["rows"] if r["method"] == "eap"] == [32, 64]
+    assert data["app"]["figures"] > 0 and "`cpu`" in data["app"]["sidebar"]
+    md = (out / "results.md").read_text()
+    for name in sections:
+        assert re.search(rf"^\| {name} \| ok \| \d+ \|", md, re.M), name
+    assert (out / "log.txt").stat().st_size > 0
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())  # models removed
+
+
+def test_a_failing_or_overrunning_section_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
+    check = load_check()
+    args = check.parse_args(["--device", "cpu", "--quick"])
+
+    def raises(sec):
+        sec.put("before", 1)
+        raise RuntimeError("planted failure")
+
+    def hangs(sec):
+        sec.put("measured", 2.5)
+        time.sleep(60)
+
+    def skips(sec):
+        raise check.Skip("nothing to do here")
+
+    def works(sec):
+        sec.note("measured")
+        sec.summary = "fine"
+
+    # (sections are forked from this process: they stay off torch, whose CPU thread pool pytest has started)
+    for name, fn in (("raises", raises), ("hangs", hangs), ("skips", skips), ("works", works)):
+        monkeypatch.setitem(check.SECTIONS, name, fn)
+    records = {}
+    for name, box in (("raises", 20), ("hangs", 2), ("skips", 20), ("works", 20)):
+        sec = check.Section(name, "cpu", True, tmp_path, tmp_path / f"{name}.json", time.time() + box, args)
+        started = time.time()
+        records[name] = check.run_section(name, sec, box)
+        assert time.time() - started < box + 15
+    assert records["raises"]["status"] == "failed" and "planted failure" in records["raises"]["error"]
+    assert records["raises"]["data"] == {"before": 1}
+    assert records["hangs"]["status"] == "timeout" and records["hangs"]["data"] == {"measured": 2.5}
+    assert records["skips"]["status"] == "skipped" and records["skips"]["summary"] == "nothing to do here"
+    assert records["works"]["status"] == "ok" and records["works"]["messages"] == ["measured"]
+    md = check.markdown({"started": "now", "device": "cpu", "quick": True, "command": "x", "seconds": 1.0,
+                         "sections": records})
+    assert "| hangs | timeout |" in md and "| raises | failed |" in md and "planted failure" in md
+
+
+def test_the_travelling_wheels_are_the_pinned_versions_and_fit_python_3_12():
+    wanted = dict(line.split("#")[0].strip().split("==") for line in (WHEELS / "requirements.txt").read_text().splitlines()
+                  if line.split("#")[0].strip())
+    pins = dict(re.match(r"([A-Za-z0-9_.-]+)==(\S+)", line).groups() for line in (REPO / "requirements.txt").read_text()
+                .splitlines() if re.match(r"[A-Za-z0-9_.-]+==", line))
+    assert wanted["transformer-lens"] == pins["transformer-lens"]
+    wheels = list(WHEELS.glob("*.whl"))
+    norm = lambda name: re.sub(r"[-_.]+", "_", name).lower()
+    for name, version in wanted.items():
+        mine = [w for w in wheels if norm(w.name.split("-")[0]) == norm(name) and w.name.split("-")[1] == version]
+        tags = {w.name.split("-")[2] for w in mine}
+        assert tags & {"py3", "py312"}, f"no wheel of {name}=={version} for the GPU machine's Python 3.12 in {WHEELS}"
+        for w in mine:  # pure Python only: anything else would be built for one machine
+            assert w.name.endswith("-none-any.whl"), w.name
+            with zipfile.ZipFile(w) as z:
+                assert not [n for n in z.namelist() if n.endswith((".so", ".pyd"))], w.name
+    assert sum(w.stat().st_size for w in wheels) < 40 * 2**20  # they travel with the repo
