@@ -24,6 +24,9 @@ docs/reference/grokking.md for what that changes.
 
 from __future__ import annotations
 
+import os
+import time
+
 import _common
 
 NAME = "grokking"
@@ -47,7 +50,7 @@ def recipe(args, seed: int):
     from workbench.snapshots import snapshot_steps
     from workbench.training import TrainConfig
 
-    options = dict(p=P, train_fraction=TRAIN_FRACTION, layout="paper", full_batch=True)
+    options = dict(p=23 if args.quick else P, train_fraction=TRAIN_FRACTION, layout="paper", full_batch=True)
     epochs, every = (12, 4) if args.quick else (args.epochs, args.snapshot_every)
     task = get_task("modular", seed=seed, **options)
     schedule = sorted({0, *snapshot_steps(f"log:{min(20, epochs)}", epochs), *snapshot_steps(f"every:{every}", epochs)})
@@ -56,7 +59,7 @@ def recipe(args, seed: int):
                          min_lr_ratio=1.0, grad_clip=0.0, eval_every=25 if not args.quick else 4, eval_batches=1,
                          log_every=10 if not args.quick else 1, save_every=200, snapshots=schedule,
                          snapshot_fp16=True, seed=seed, threads=args.threads or 1)
-    return config, wb.ModelConfig.from_preset("grokking-1l", seed=seed)
+    return config, wb.ModelConfig.from_preset("grokking-1l", d_vocab=task.vocab_size, seed=seed)
 
 
 def train_seed(args, seed: int, stop_at=None):
@@ -66,12 +69,33 @@ def train_seed(args, seed: int, stop_at=None):
 
     config, model_config = recipe(args, seed)
     run_dir = args.out / f"seed-{seed}"
+    _wait_for_other_trainer(run_dir)
     if read_meta(run_dir).get("step") == config.steps and (run_dir / "snapshots").is_dir():
         return run_dir
     resume = (run_dir / STATE_JSON_FILE).exists()
     stop = None if stop_at is None else (lambda row: row["step"] >= stop_at)
-    train(config, None if resume else model_config, run_dir, resume=resume, progress=not args.quick, callback=stop)
+    marker = args.out / f"seed-{seed}.training"  # beside the run folder, which holds only the run's own files
+    marker.write_text(str(os.getpid()))
+    try:
+        train(config, None if resume else model_config, run_dir, resume=resume, progress=not args.quick, callback=stop)
+    finally:
+        marker.unlink(missing_ok=True)
     return run_dir
+
+
+def _wait_for_other_trainer(run_dir) -> None:
+    """Wait while another live process of this script trains the seed (two commands sharing the seeds)."""
+    marker = run_dir.parent / f"{run_dir.name}.training"
+    while marker.exists():
+        try:
+            pid = int(marker.read_text())
+            os.kill(pid, 0)
+        except (ValueError, OSError):  # a stale marker: its process is gone
+            marker.unlink(missing_ok=True)
+            return
+        if pid == os.getpid():
+            return
+        time.sleep(10)
 
 
 def main(argv=None):
@@ -84,7 +108,106 @@ def main(argv=None):
         for seed in _common.seeds(args):
             print("trained", train_seed(args, seed, args.stop_at))
         return None
-    raise SystemExit("analysis: not written yet")
+    _common.setup(args)
+    gathered = _common.run_grid(_common.seeds(args), lambda seed: analyse_seed(args, seed), desc="seeds")
+    if gathered is None:
+        return None
+    tables = _common.split_rows(gathered)
+    results, curves, norms = tables["summary"], tables["curve"], tables["norms"]
+    comparison = compare_with_paper(results, args)
+    figures = figures_of(curves, norms, results)
+    _common.write_run(args.out, {"experiment": NAME, **vars(args)}, results, figures, comparison,
+                      title=f"grokking, {args.seeds} seed(s): the paper beside ours (mean [95% interval])",
+                      tables={"comparison": comparison, "curves": curves, "norms": norms})
+    return results
+
+
+# The paper's reported values (Nanda et al. 2023, its main run: 40k epochs at lr 1e-3, wd 1, one seed).
+PAPER = {"n_key": 5, "memorised": 1400, "circuit": 1400, "grokked": 9400, "cleaned": 13000}
+PHASES = ["memorised", "excluded_min", "restricted_max", "grokked", "cleaned"]
+
+
+def analyse_seed(args, seed: int):
+    """Train (or reuse) one seed, then its progress measures over the snapshots, its key frequencies and
+    phase epochs, and the embedding's Fourier norms at three points; rows of three tables."""
+    import workbench as wb
+    from workbench.analysis import fourier, over_training
+    from workbench.checkpoint import read_meta
+    from workbench.data.modular import ModularTask
+
+    config, _ = recipe(args, seed)
+    run_dir = train_seed(args, seed)
+    task = ModularTask(seed=seed, **config.task_options)
+    series = wb.load_series(run_dir)
+    final = series.load(-1)
+    keys = fourier.key_frequencies(final, task)
+    clusters = fourier.neuron_clusters(final, task, keys)
+    started = time.perf_counter()
+    curve = over_training(series, fourier.progress_measures, task=task, key_freqs=keys, progress=False)
+    phases = fourier.phase_epochs(curve)
+    end = curve.iloc[-1]
+    meta = read_meta(run_dir)
+    yield {"table": "summary", "seed": seed, "epochs": config.steps, "n_key": len(keys),
+           "key_freqs": " ".join(map(str, keys)),
+           "neurons_in_key": int(clusters[clusters.key].neurons.sum()), "neurons": int(clusters.neurons.sum()),
+           **phases, "logit_fraction_key": float(end.logit_fraction_key), "test_accuracy": float(end.test_accuracy),
+           "train_loss": float(end.train_loss), "test_loss": float(end.test_loss),
+           "restricted_loss": float(end.restricted_loss), "excluded_loss": float(end.excluded_loss),
+           "gini_embed": float(end.gini_embed), "saved_at": meta.get("saved_at", ""),
+           "analysis_s": round(time.perf_counter() - started, 1)}
+    for row in curve.to_dict("records"):
+        yield {"table": "curve", "seed": seed, **row}
+    points = [0, phases["memorised"], phases["grokked"], config.steps]
+    chosen = sorted({series.nearest(s).step for s in points if s == s})  # NaN != NaN: a phase never reached
+    for step in chosen:
+        model = series.load(series.nearest(step))
+        for row in fourier.embedding_norms(model, task).to_dict("records"):
+            yield {"table": "norms", "seed": seed, "step": step, **row}
+
+
+def compare_with_paper(results, args):
+    """The paper's reported quantities beside ours: mean [95% interval] over the seeds, in our epochs and
+    scaled by our lr x wd over the paper's (the pace of the weight-decay phases) to the paper's epochs."""
+    import pandas as pd
+
+    from workbench.stats import Interval, format_difference, format_interval, t_interval
+
+    scale = (args.lr * args.weight_decay) / (1e-3 * 1.0)
+    rows = []
+    measures = [("key frequencies (count)", "n_key", PAPER["n_key"], 1.0),
+                ("memorisation: train accuracy 99% (epoch)", "memorised", PAPER["memorised"], scale),
+                ("circuit formation: excluded loss at its lowest (epoch)", "excluded_min", PAPER["circuit"], scale),
+                ("circuit formation: restricted loss at its highest (epoch)", "restricted_max", PAPER["circuit"], scale),
+                ("grokking: test accuracy 50% (epoch)", "grokked", PAPER["grokked"], scale),
+                ("cleanup done: test accuracy 99% (epoch)", "cleaned", PAPER["cleaned"], scale),
+                ("logit variance along the key frequencies, end", "logit_fraction_key", None, 1.0)]
+    for label, column, paper, factor in measures:
+        values = results[column].astype(float) if column in results else pd.Series([float("nan")] * len(results))
+        iv = t_interval(values)
+        scaled = Interval(iv.mean * factor, iv.low * factor, iv.high * factor, iv.n)
+        vs = "" if paper is None else format_difference(
+            Interval(scaled.mean - paper, scaled.low - paper, scaled.high - paper, iv.n), digits=3)
+        rows.append({"measure": label, "paper": "" if paper is None else paper, "ours": format_interval(iv, 3),
+                     "ours_in_paper_epochs": format_interval(scaled, 3) if factor != 1.0 else "",
+                     "ours_minus_paper": vs, "per_seed": " ".join(f"{v:.4g}" for v in values)})
+    return pd.DataFrame(rows)
+
+
+def figures_of(curves, norms, results) -> dict:
+    from workbench import viz
+
+    first = int(results.seed.iloc[0])
+    phases = {k: float(v) for k, v in results[results.seed == first].iloc[0].items() if k in PHASES}  # absent: never reached
+    one = curves[curves.seed == first]
+    return {
+        "losses": viz.grokking_figure(curves, title="Train and test loss, every seed (dashes: seeds)"),
+        "losses_seed": viz.grokking_figure(one, phases, title=f"Train and test loss with the phase boundaries, seed {first}"),
+        "restricted_excluded": viz.grokking_figure(
+            one, phases, columns=["train_loss", "test_loss", "restricted_loss", "excluded_loss"],
+            title=f"Restricted and excluded loss, seed {first}"),
+        "fourier_norms": viz.fourier_norms_figure(norms[norms.seed == first],
+                                                  title=f"Norm of the embedding per frequency, seed {first}"),
+    }
 
 
 if __name__ == "__main__":
