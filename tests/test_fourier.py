@@ -2,6 +2,7 @@
 of the modular task (its loss shortcut equal to the full forward, values and gradients)."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 import workbench as wb
 from workbench.analysis import fourier, over_training
+from workbench.checkpoint import read_meta
 from workbench.data.modular import ModularTask, answer_logits
 from workbench.training import TrainConfig, train
 
@@ -181,3 +183,23 @@ def test_progress_measures_over_a_trained_run(tmp_path):
     assert curve.step.tolist() == [0, 3, 6] and curve.train_loss.iloc[-1] < curve.train_loss.iloc[0]
     norms = over_training(series, fourier.embedding_norms, task=task, progress=False)
     assert len(norms) == 3 * 2 * (P + 1) // 2
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "modular-grokking"
+
+
+@pytest.mark.skipif(not (SHIPPED / "snapshots").is_dir(), reason="checkpoints/modular-grokking is not built "
+                    "(scripts/make_grokking_checkpoint.py)")
+def test_the_shipped_grokking_run_grokked_on_a_few_frequencies():
+    series = wb.load_series(SHIPPED)
+    meta = read_meta(SHIPPED)
+    task = ModularTask(**meta["task_options"])
+    assert task.p == 113 and task.layout == "paper" and len(series) >= 8
+    final = series.load(-1)
+    keys = fourier.key_frequencies(final, task)
+    end = fourier.progress_measures(final, task, keys)
+    start = fourier.progress_measures(series.load(0), task, keys)
+    assert end["test_accuracy"] > 0.99 and start["test_accuracy"] < 0.05  # it generalised, from chance
+    assert 3 <= len(keys) <= 8 and end["logit_fraction_key"] > 0.5
+    assert end["gini_embed"] > start["gini_embed"] + 0.3  # the embedding became sparse in the Fourier basis
+    assert end["excluded_loss"] > end["train_loss"] * 100  # without the key frequencies the model fails
