@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-STEPS = (0, 50, 100, 200, 300, 400, 500, 600, 800, 1200)
+STEPS = (0, 50, 100, 200, 300, 400, 500, 600, 700, 800)
 
 
 def main(argv=None) -> Path:
