@@ -169,28 +169,35 @@ def analyse_seed(args, seed: int):
 
 def compare_with_paper(results, args):
     """The paper's reported quantities beside ours: mean [95% interval] over the seeds, in our epochs and
-    scaled by our lr x wd over the paper's (the pace of the weight-decay phases) to the paper's epochs."""
+    in paper epochs by two clocks: x lr ratio (the step size's pace, which memorisation follows) and
+    x lr*wd ratio (the weight decay's pace, which circuit formation and cleanup follow); the difference
+    from the paper's value is read on the lr*wd clock for the later phases and the lr clock for memorisation."""
     import pandas as pd
 
     from workbench.stats import Interval, format_difference, format_interval, t_interval
 
-    scale = (args.lr * args.weight_decay) / (1e-3 * 1.0)
+    by_lr, by_decay = args.lr / 1e-3, (args.lr * args.weight_decay) / (1e-3 * 1.0)
+    measures = [("key frequencies (count)", "n_key", PAPER["n_key"], None),
+                ("memorisation: train accuracy 99% (epoch)", "memorised", PAPER["memorised"], by_lr),
+                ("circuit formation: excluded loss at its lowest (epoch)", "excluded_min", PAPER["circuit"], by_decay),
+                ("circuit formation: restricted loss at its highest (epoch)", "restricted_max", PAPER["circuit"], by_decay),
+                ("grokking: test accuracy 50% (epoch)", "grokked", PAPER["grokked"], by_decay),
+                ("cleanup done: test accuracy 99% (epoch)", "cleaned", PAPER["cleaned"], by_decay),
+                ("logit variance along the key frequencies, end", "logit_fraction_key", None, None)]
     rows = []
-    measures = [("key frequencies (count)", "n_key", PAPER["n_key"], 1.0),
-                ("memorisation: train accuracy 99% (epoch)", "memorised", PAPER["memorised"], scale),
-                ("circuit formation: excluded loss at its lowest (epoch)", "excluded_min", PAPER["circuit"], scale),
-                ("circuit formation: restricted loss at its highest (epoch)", "restricted_max", PAPER["circuit"], scale),
-                ("grokking: test accuracy 50% (epoch)", "grokked", PAPER["grokked"], scale),
-                ("cleanup done: test accuracy 99% (epoch)", "cleaned", PAPER["cleaned"], scale),
-                ("logit variance along the key frequencies, end", "logit_fraction_key", None, 1.0)]
-    for label, column, paper, factor in measures:
+    for label, column, paper, clock in measures:
         values = results[column].astype(float) if column in results else pd.Series([float("nan")] * len(results))
         iv = t_interval(values)
-        scaled = Interval(iv.mean * factor, iv.low * factor, iv.high * factor, iv.n)
+
+        def scaled(factor, iv=iv):
+            return Interval(iv.mean * factor, iv.low * factor, iv.high * factor, iv.n)
+
+        read = scaled(clock or 1.0)
         vs = "" if paper is None else format_difference(
-            Interval(scaled.mean - paper, scaled.low - paper, scaled.high - paper, iv.n), digits=3)
+            Interval(read.mean - paper, read.low - paper, read.high - paper, iv.n), digits=3)
         rows.append({"measure": label, "paper": "" if paper is None else paper, "ours": format_interval(iv, 3),
-                     "ours_in_paper_epochs": format_interval(scaled, 3) if factor != 1.0 else "",
+                     "ours_x_lr": format_interval(scaled(by_lr), 3) if clock else "",
+                     "ours_x_lr_wd": format_interval(scaled(by_decay), 3) if clock else "",
                      "ours_minus_paper": vs, "per_seed": " ".join(f"{v:.4g}" for v in values)})
     return pd.DataFrame(rows)
 

@@ -10,6 +10,7 @@ SVG of seed 0's losses with the phase boundaries, which a markdown viewer shows 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -73,6 +74,10 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for name, fig in grokking.figures_of(curves, norms, results).items():
         fig.write_html(args.out / f"{name}.html", include_plotlyjs="cdn")
+    config = json.loads((args.run / "config.json").read_text())
+    table = grokking.compare_with_paper(results, argparse.Namespace(lr=config["lr"], weight_decay=config["weight_decay"]))
+    table.to_csv(args.out / "comparison.csv", index=False)
+    print(table.to_string(index=False))
     first = int(results.seed.iloc[0])
     row = results[results.seed == first].iloc[0]
     phases = {label: float(row[key]) for key, label in (("memorised", "memorised"), ("excluded_min", "circuit"),
