@@ -1,22 +1,13 @@
 """The Training page on the shipped grokking run (checkpoints/modular-grokking) under AppTest: it shows the
 Fourier progress measures instead of head scores, and the step slider moves them."""
 
-import json
 from pathlib import Path
 
 import pytest
+from test_pages_training_circuit import figures
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "modular-grokking"
-
-
-def figures(at) -> dict[str, dict]:
-    out = {}
-    for chart in at.get("plotly_chart"):
-        fig = json.loads(chart.proto.spec)
-        title = fig.get("layout", {}).get("title", {})
-        out[title.get("text", "") if isinstance(title, dict) else str(title)] = fig
-    return out
 
 
 def metric(at, label: str) -> str:
