@@ -1109,11 +1109,11 @@ PHASE_LABELS = {"memorised": "memorised", "excluded_min": "circuit forms", "grok
 
 
 def _phase_lines(fig: go.Figure, phases: Optional[dict]) -> None:
-    for name, label in PHASE_LABELS.items():
+    for i, (name, label) in enumerate(PHASE_LABELS.items()):
         step = (phases or {}).get(name)
-        if step is not None and np.isfinite(step):
+        if step is not None and np.isfinite(step):  # labels alternate sides, so two phases at one step both read
             fig.add_vline(x=step, line=dict(color="#7f7f7f", width=1, dash="dash"), annotation_text=label,
-                          annotation_position="top", annotation_font_size=10)
+                          annotation_position="top left" if i % 2 == 0 else "top right", annotation_font_size=10)
 
 
 def grokking_figure(curve: pd.DataFrame, phases: Optional[dict] = None, columns: Optional[list] = None,
