@@ -203,3 +203,21 @@ def test_the_shipped_grokking_run_grokked_on_a_few_frequencies():
     assert 3 <= len(keys) <= 8 and end["logit_fraction_key"] > 0.5
     assert end["gini_embed"] > start["gini_embed"] + 0.3  # the embedding became sparse in the Fourier basis
     assert end["excluded_loss"] > end["train_loss"] * 100  # without the key frequencies the model fails
+
+
+def test_grokking_figures_from_their_tables():
+    from workbench import viz
+
+    curve = pd.DataFrame({"seed": [0, 0, 1, 1], "step": [0, 10, 0, 10], "train_loss": [4.0, 0.1, 4.0, 0.2],
+                          "test_loss": [4.0, 3.0, 4.0, 1.0]})
+    fig = viz.grokking_figure(curve, {"memorised": 10, "grokked": float("nan")})
+    assert [t.name for t in fig.data] == ["train_loss, seed 0", "test_loss, seed 0", "train_loss, seed 1",
+                                          "test_loss, seed 1"]
+    assert [s.x0 for s in fig.layout.shapes] == [10]  # a phase never reached draws no line
+    with pytest.raises(ValueError, match="restricted_loss"):
+        viz.grokking_figure(curve, columns=["restricted_loss"])
+    norms = pd.DataFrame({"step": [0, 0, 5, 5], "matrix": "embed", "frequency": [0, 1, 0, 1], "norm": [1.0, 2.0, 0.5, 3.0]})
+    fig = viz.fourier_norms_figure(norms)
+    assert len(fig.data) == 2 and list(fig.data[1].y) == [0.5, 3.0]
+    with pytest.raises(ValueError, match="no rows for matrix"):
+        viz.fourier_norms_figure(norms, matrix="unembed")
