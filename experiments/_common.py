@@ -255,6 +255,15 @@ def run_files(out: Path) -> Optional[set[str]]:
     return None
 
 
+def mark_run_dir(out: Path) -> None:
+    """Make ``out`` a run directory (an empty manifest) unless it is one, before a run writes into it."""
+    from workbench.checkpoint import MANIFEST_FILE
+
+    if run_files(out) is None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MANIFEST_FILE).write_text(json.dumps({"format": RUN_FORMAT, "files": []}, indent=2) + "\n")
+
+
 def check_run_dir(out: Path) -> None:
     """Exit with one message unless ``out`` is absent, empty, or a run directory."""
     if out.exists() and not out.is_dir():

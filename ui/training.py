@@ -26,7 +26,7 @@ import streamlit as st
 import torch
 
 import workbench as wb
-from ui import common, sweeps
+from ui import common, fourier_panel, sweeps
 from workbench import viz
 from workbench.analysis import attention_patterns, head_scores, logit_lens, over_training
 from workbench.checkpoint import read_meta
@@ -142,18 +142,26 @@ def render() -> None:
     series, lock = loaded
     path, stamp = runs[name], _stamp(runs[name])
     st.caption(f"**{name}** · {len(series)} snapshots, steps {series.steps[0]} to {series.steps[-1]} · `{path}`")
+    meta = read_meta(path) if Path(path, "meta.json").is_file() else {}
+    if fourier_panel.applies(meta):  # a modular-addition run: the grokking paper's measures, not head scores
+        fourier_panel.render(name, series, lock, path, stamp, _step_slider(series), meta)
+        return
     scores = scores_over_training(name, series, lock)
     compared = None
     if other != NONE:
         loaded_b = load_run(runs[other])
         if loaded_b is not None:
             compared = (other, loaded_b[0], scores_over_training(other, *loaded_b))
-    if st.session_state.get("training_step") not in series.steps:
-        st.session_state["training_step"] = series.steps[-1]
-    step = st.select_slider("Step", options=series.steps, key="training_step",
-                            help="Snaps to the steps at which the run saved its weights.")
+    step = _step_slider(series)
     _over_training(name, scores, step, compared)
     _at_step(name, series, path, stamp, scores, step, compared)
+
+
+def _step_slider(series) -> int:
+    if st.session_state.get("training_step") not in series.steps:
+        st.session_state["training_step"] = series.steps[-1]
+    return st.select_slider("Step", options=series.steps, key="training_step",
+                            help="Snaps to the steps at which the run saved its weights.")
 
 
 def _over_training(name: str, scores, step: int, compared) -> None:

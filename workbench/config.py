@@ -517,6 +517,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         norm="rmsnorm", positional="rope", ffn="moe", n_experts=4, experts_per_token=2,
         bias=False, tie_embeddings=False,
     ),
+    # Nanda et al. (2023), "Progress measures for grokking": one layer, no norm, ReLU MLP, learned
+    # positions, untied; [a, b, =] in, the answer read at "=" (the modular task's layout="paper",
+    # p = 113: 113 numbers + "="). init_std is TransformerLens' default 0.8 / sqrt(d_model). n_ctx is 4,
+    # not the paper's 3, because a training sequence holds the answer too; the 4th position is never
+    # read, gets no gradient and decays to zero under the weight decay.
+    "grokking-1l": dict(
+        d_model=128, n_layers=1, n_heads=4, d_mlp=512, d_vocab=114, n_ctx=4,
+        norm="none", positional="learned", ffn="relu", tie_embeddings=False, init_std=0.8 / 128 ** 0.5,
+    ),
     "nanogpt-bench": dict(
         d_model=256, n_layers=4, n_heads=8, d_mlp=1024, d_vocab=4096, n_ctx=256,
         norm="layernorm", positional="learned", ffn="gelu", tie_embeddings=True,
