@@ -168,7 +168,7 @@ def _train_widgets(task_name: str, cfg: wb.ModelConfig):
     warmup = cols[4].number_input("warmup steps", min_value=0, step=10, key="bt_warmup")
     try:
         return TrainConfig(task=task_name, steps=int(steps), batch_size=int(batch), seq_len=int(seq_len), lr=float(lr),
-                           warmup_steps=int(warmup), eval_every=max(1, int(steps) // 5), log_every=max(1, int(steps) // 50),
+                           warmup_steps=int(warmup), eval_every=max(1, int(steps) // 5), log_every=1,
                            save_train_state=False)
     except ValueError as e:
         st.warning(str(e))
@@ -301,7 +301,7 @@ def _live_progress() -> None:
     loss = f": loss {job.history[-1]['train_loss']:.3f}{val}, {job.tokens_per_s:,.0f} tokens/s" if job.history else "…"
     st.progress(job.step / total, text=f"training, step {job.step} / {total}{loss}")
     if job.history:
-        st.line_chart(pd.DataFrame(list(job.history)).set_index("step"), height=260)
+        common.show(viz.live_loss_figure(list(job.history), total), key="bt_live_curve")
     if st.button("Cancel", key="bt_cancel", disabled=job.cancel.is_set()):
         job.cancel.set()
     if job.cancel.is_set():

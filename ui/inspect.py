@@ -122,7 +122,8 @@ def _attention(ckpt: common.Checkpoint, ids) -> None:
             a, b = st.columns(2)
             layer = a.selectbox("Layer", range(ckpt.cfg.n_layers), key="attn_layer", persist_state="session")
             head = b.selectbox("Head", range(ckpt.cfg.n_heads), key="attn_head", persist_state="session")
-            common.show(viz.attention_figure(patterns, layer, head), key="inspect_attention")
+            # Half the page wide: every token's label would pile onto its neighbours (all are in the hover).
+            common.show(viz.thin_ticks(viz.attention_figure(patterns, layer, head)), key="inspect_attention")
             lens = common.lens_table(ckpt, ids, "logit")
             common.show(viz.token_hover_figure(lens, patterns, layer, head), key="inspect_tokens")
     if every.open:
