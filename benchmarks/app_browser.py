@@ -206,19 +206,19 @@ def main(repeats: int, cold: int, checkpoints: Path) -> None:
             heads = ["L0H1", "L1H2"]
 
             def one_head(i: int) -> float:
-                box = widget(ablate, "stMultiSelect", "Units to ablate")
-                clear = box.locator("[role=button][aria-label*=Clear], svg[title=Clear], [data-baseweb=tag] span[role=presentation]")
-                if clear.count():
-                    clear.first.click()
-                    from browser_kit import wait_idle
+                from browser_kit import wait_idle
 
-                    wait_idle(ablate)
+                box = widget(ablate, "stMultiSelect", "Units to ablate")
                 box.click()
                 ablate.keyboard.type(heads[i % 2])
                 option = ablate.get_by_role("option", name=heads[i % 2], exact=True)
                 option.wait_for()
                 seconds = settle(ablate, option.click)
                 ablate.keyboard.press("Escape")
+                box.click()  # and off again (not timed): Backspace removes the last chosen unit
+                ablate.keyboard.press("Backspace")
+                ablate.keyboard.press("Escape")
+                wait_idle(ablate)
                 return seconds
 
             measure("Ablate one head", repeats, one_head)
@@ -231,8 +231,8 @@ def main(repeats: int, cold: int, checkpoints: Path) -> None:
             steps.press("Enter")
 
             def cancel(i: int) -> float:
-                train.get_by_role("button", name="Train").click()
-                button = train.get_by_role("button", name="Cancel")
+                train.get_by_role("button", name="Train", exact=True).click()
+                button = train.get_by_role("button", name="Cancel", exact=True)
                 button.wait_for(timeout=120_000)
                 train.get_by_text("training, step", exact=False).first.wait_for(timeout=120_000)
                 train.wait_for_timeout(1500)
