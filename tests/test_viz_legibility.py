@@ -53,3 +53,18 @@ def test_circuit_labels_are_annotations_above_the_edges():
     assert nodes.mode == "markers" and list(nodes.text) == ["embed", "L0H1", "logits"]
     assert [a.text for a in fig.layout.annotations] == ["embed", "L0H1", "logits"]
     assert all(a.bgcolor and not a.showarrow for a in fig.layout.annotations)
+
+
+@pytest.mark.parametrize("name", ["stories-2026", "planted-iit-modular"])
+def test_counting_a_loaded_model_matches_counting_its_config(name):
+    from pathlib import Path
+
+    import workbench as wb
+    from workbench.accounting import count_model_params, count_params
+
+    path = Path(__file__).resolve().parents[1] / "checkpoints" / name
+    if not path.is_dir():
+        pytest.skip(f"the shipped checkpoint {path} is missing")
+    model, _ = wb.load_checkpoint(path)
+    assert count_model_params(model) == count_params(model.cfg)
+    assert count_model_params(model)["total"] == sum(p.numel() for p in model.parameters())

@@ -32,6 +32,7 @@ import streamlit as st
 import torch
 
 import workbench as wb
+from workbench.accounting import count_model_params
 from workbench.analysis import AblationSpec, AnswerMetric, ablation_hooks, logit_lens, suggest_answer, tuned_lens
 from workbench.analysis.lens import TUNED_LENS_WEIGHTS, TunedLens
 from workbench.analysis.metrics import METRIC_UNITS
@@ -781,7 +782,7 @@ def model_card(ckpt: Checkpoint) -> None:
     """Config, parameter counts, what meta.json says, and the training curve."""
     from workbench import viz
 
-    counts = param_counts(ckpt.cfg)
+    counts = count_model_params(ckpt.model)  # the loaded model: nothing to build
     cols = st.columns(4)
     cols[0].metric("Parameters", f"{counts['total']:,}")
     cols[1].metric("Non-embedding", f"{counts['non_embedding']:,}")

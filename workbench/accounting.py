@@ -31,6 +31,14 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
 
     with torch.device("meta"):
         model = HookedDecoder(cfg)
+    return count_model_params(model)
+
+
+def count_model_params(model) -> dict[str, int]:
+    """:func:`count_params` of a model already built (a loaded checkpoint): no second model to
+    build, and no meta-device op (whose first use imports torch's meta kernels, seconds on a
+    cold process)."""
+    cfg = model.cfg
     counts: dict[str, int] = defaultdict(int)
     for name, p in model.named_parameters():
         counts[_component(name)] += p.numel()
