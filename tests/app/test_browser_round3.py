@@ -88,7 +88,8 @@ def plot_titles(page) -> list[str]:
 def _value(page, label: str) -> str:
     """What a selectbox shows."""
     box = page.locator("[data-testid=stSelectbox]", has=page.locator("label", has_text=label)).first
-    return box.get_by_role("combobox").input_value()
+    box.wait_for(timeout=120_000)  # on a loaded machine a rerun can take this long to redraw
+    return box.get_by_role("combobox").input_value(timeout=120_000)
 
 
 # ---- never misleading ------------------------------------------------------------------------------
