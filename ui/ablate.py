@@ -111,7 +111,8 @@ def _choose_units(ckpt: common.Checkpoint, ids, kind: str):
     neurons_text = "" if cfg.attn_only else right.text_input(
         "MLP neurons", key="ablate_neurons", persist_state="session", placeholder="L0: 3, 17; L1: 5")
     tokens = [ckpt.tokenizer.token_str(i) for i in ids]
-    positions = st.multiselect("Only at positions (all when empty)", range(len(ids)), key="ablate_positions", persist_state="session",
+    positions = st.multiselect("Only at positions (all when empty)", range(len(ids)), key="ablate_positions",
+                               persist_state="session",
                                format_func=lambda p: f"{p}: {tokens[p]!r}")
     try:
         neurons = parse_neurons(neurons_text, cfg)
@@ -160,7 +161,8 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference, target: common.T
     a, b = st.columns(2)
     with a:
         which = common.lens_picker(ckpt, key="ablate_lens_kind")
-    view = b.radio("Show", ["clean − ablated", "side by side"], horizontal=True, key="ablate_lens_view", persist_state="session")
+    view = b.radio("Show", ["clean − ablated", "side by side"], horizontal=True, key="ablate_lens_view",
+                   persist_state="session")
     lens_clean = common.lens_table(ckpt, ids, which)
     lens_ablated = common.lens_table(ckpt, ids, which, ablation=ablation, reference=reference)
     if view == "side by side":
@@ -227,7 +229,8 @@ def _over_prompt_set(ckpt: common.Checkpoint, ablation) -> None:
     if not st.toggle("Average the ablation over a prompt set", key="ablate_set_on", persist_state="session"):
         return
     sources = [k for k in SET_SOURCES if k != "ioi" or _ioi(ckpt, 2) is not None]
-    source = st.radio("Prompts", sources, format_func=SET_SOURCES.get, horizontal=True, key="ablate_set_source", persist_state="session")
+    source = st.radio("Prompts", sources, format_func=SET_SOURCES.get, horizontal=True, key="ablate_set_source",
+                      persist_state="session")
     answer = wrong = None
     if source == "ioi":
         pairs = _ioi(ckpt, st.slider("Prompts", 2, 64, 16, key="ablate_set_n", persist_state="session"))

@@ -118,7 +118,8 @@ def _answers(a: common.Checkpoint, b: common.Checkpoint, ids_a, ids_b) -> None:
     common.follow_default("compare_answer", suggestion["answer_str"], ids_a)
     common.follow_default("compare_wrong", suggestion["wrong_str"], ids_a)
     left, right = st.columns(2)
-    answer = left.text_input("Answer token", key="compare_answer", persist_state="session", help=f"Default: {suggestion['source']} ({a.name}).")
+    answer = left.text_input("Answer token", key="compare_answer", persist_state="session",
+                             help=f"Default: {suggestion['source']} ({a.name}).")
     wrong = right.text_input("Wrong token (optional)", key="compare_wrong", persist_state="session")
     rows = []
     for c, ids in ((a, ids_a), (b, ids_b)):

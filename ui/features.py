@@ -138,7 +138,8 @@ def _dataset(ckpt: common.Checkpoint, ids: tuple[int, ...]) -> tuple[str, Any]:
     except ValueError:
         st.caption("meta.json names no task: the feature table and contexts are read on the prompt alone.")
         return ("prompt", ids)
-    n = st.select_slider("Sequences of the task's validation text", SEQUENCES, value=64, key="feat_nseq", persist_state="session",
+    n = st.select_slider("Sequences of the task's validation text", SEQUENCES, value=64, key="feat_nseq",
+                         persist_state="session",
                          help="What the table, the contexts and the histogram are read on.")
     return ("task", n)
 

@@ -52,7 +52,8 @@ def render() -> None:
     clean, corrupted, metric, labels = pairs
     sites = [s for s in SITES if s != "mlp_out" or not ckpt.cfg.attn_only]
     a, b = st.columns([3, 2])
-    chosen = a.multiselect("Patch by layer and position", sites, default=sites, key="patch_sites", persist_state="session",
+    chosen = a.multiselect("Patch by layer and position", sites, default=sites, key="patch_sites",
+                           persist_state="session",
                            format_func=lambda s: SITES[s])
     value = VALUES[b.radio("Show", list(VALUES), key="patch_value", persist_state="session")]
     patched = common.analysis(patch_pairs, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric,
@@ -83,7 +84,8 @@ def _pairs(ckpt: common.Checkpoint):
     """(clean ids, corrupted ids, metric, position labels) from the widgets; None with a message."""
     sources = [k for k in TASK_PAIRS if _task_pairs(ckpt, k, 1) is not None]
     labels = {k: f"the task's {k} pairs" for k in sources} | {TYPED: "two prompts typed here"}
-    source = st.radio("Prompt pairs", list(labels), format_func=labels.get, horizontal=True, key="patch_source", persist_state="session")
+    source = st.radio("Prompt pairs", list(labels), format_func=labels.get, horizontal=True, key="patch_source",
+                      persist_state="session")
     if source != TYPED:
         n = st.slider("Pairs", 2, 32, 8, key="patch_n", persist_state="session")
         pairs = _task_pairs(ckpt, source, n)

@@ -160,7 +160,8 @@ def _hook_picker(ckpt: common.Checkpoint, key: str, layer: bool = True) -> tuple
     chosen = None
     if layer:
         default = min(1, ckpt.cfg.n_layers - 1)
-        chosen = cols[0].selectbox("Layer", range(ckpt.cfg.n_layers), index=default, key=f"{key}_layer", persist_state="session")
+        chosen = cols[0].selectbox("Layer", range(ckpt.cfg.n_layers), index=default, key=f"{key}_layer",
+                                   persist_state="session")
     site = cols[1 if layer else 0].selectbox("Hook", sites, format_func=lambda s: f"{s} ({SITES[s]})",
                                              key=f"{key}_site", persist_state="session")
     return chosen, site
@@ -185,9 +186,12 @@ def _lines(ckpt: common.Checkpoint, text: str, what: str) -> Optional[tuple[tupl
 def _contrastive(ckpt: common.Checkpoint) -> Optional[Direction]:
     layer, site = _hook_picker(ckpt, "steer_c")
     a, b = st.columns(2)
-    positive = a.text_area("Positive prompts (one per line)", DEFAULT_POSITIVE, key="steer_positive", persist_state="session", height=120)
-    negative = b.text_area("Negative prompts (one per line)", DEFAULT_NEGATIVE, key="steer_negative", persist_state="session", height=120)
-    read_at = READ_AT[st.radio("Read each prompt at", list(READ_AT), horizontal=True, key="steer_read", persist_state="session")]
+    positive = a.text_area("Positive prompts (one per line)", DEFAULT_POSITIVE, key="steer_positive",
+                           persist_state="session", height=120)
+    negative = b.text_area("Negative prompts (one per line)", DEFAULT_NEGATIVE, key="steer_negative",
+                           persist_state="session", height=120)
+    read_at = READ_AT[st.radio("Read each prompt at", list(READ_AT), horizontal=True, key="steer_read",
+                               persist_state="session")]
     pos_ids, neg_ids = _lines(ckpt, positive, "positive"), _lines(ckpt, negative, "negative")
     if pos_ids is None or neg_ids is None:
         return None
@@ -202,7 +206,8 @@ def _contrastive(ckpt: common.Checkpoint) -> Optional[Direction]:
 def _from_probe(ckpt: common.Checkpoint) -> Optional[Direction]:
     _, site = _hook_picker(ckpt, "steer_p", layer=False)
     a, b = st.columns([3, 2])
-    text = a.text_area("Labelled text (one prompt per line)", DEFAULT_PROBE_TEXT, key="steer_probe_text", persist_state="session", height=160)
+    text = a.text_area("Labelled text (one prompt per line)", DEFAULT_PROBE_TEXT, key="steer_probe_text",
+                       persist_state="session", height=160)
     words = b.text_input("Tokens labelled 1 (comma-separated); every other token is 0", DEFAULT_WORDS,
                          key="steer_probe_words", persist_state="session")
     prompts = _lines(ckpt, text, "labelled text")
@@ -221,7 +226,8 @@ def _from_probe(ckpt: common.Checkpoint) -> Optional[Direction]:
     common.table(probe.results[shown].round(3))
     best = int(probe.results.sort_values("auc", ascending=False).layer.iloc[0])
     layer = st.selectbox("Steer with the probe's normal at layer", probe.results.layer.tolist(),
-                         index=probe.results.layer.tolist().index(best), key="steer_probe_layer", persist_state="session",
+                         index=probe.results.layer.tolist().index(best), key="steer_probe_layer",
+                         persist_state="session",
                          help="Unit length: the scale is in the activation's own units.")
     return probe.direction(layer=layer)
 

@@ -89,7 +89,8 @@ def _filters(table: pd.DataFrame) -> pd.DataFrame:
                 continue
             where = cols[i % 3]
             if len(values) <= MAX_FILTER_VALUES and not pd.api.types.is_float_dtype(table[column]):
-                keep = where.multiselect(column, sorted(values, key=str), key=f"sweeps_f_{column}", persist_state="session")
+                keep = where.multiselect(column, sorted(values, key=str), key=f"sweeps_f_{column}",
+                                         persist_state="session")
                 if keep:
                     mask &= table[column].isin(keep)
                 i += 1
@@ -120,7 +121,8 @@ def _chart(table: pd.DataFrame) -> None:
     color = cols[2].selectbox("colour", ["(none)"] + list(table.columns),
                               index=1 + list(table.columns).index("run") if several else 0,
                               key="sweeps_color", persist_state="session")
-    kind = cols[3].radio("kind", ["bar", "line", "scatter"], horizontal=True, key="sweeps_kind", persist_state="session")
+    kind = cols[3].radio("kind", ["bar", "line", "scatter"], horizontal=True, key="sweeps_kind",
+                         persist_state="session")
     if {"layer", "head"} <= set(table.columns) and st.toggle("As a layer x head heatmap", value=True,
                                                              key="sweeps_lh", persist_state="session"):
         table, facet, note = heatmap_panels(table)

@@ -403,7 +403,8 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     per_row = min(len(panels), columns or len(panels))
     n_rows = -(-len(panels) // per_row)
     fig = make_subplots(rows=n_rows, cols=per_row, subplot_titles=[str(p) for p in panels] if facet else None,
-                        horizontal_spacing=0.08 if per_row > 1 else 0.06, vertical_spacing=row_gap if n_rows > 1 else 0.12)
+                        horizontal_spacing=0.08 if per_row > 1 else 0.06,
+                        vertical_spacing=row_gap if n_rows > 1 else 0.12)
     diverging = bool((frame[value] < 0).any() and (frame[value] > 0).any())
     limit = float(frame[value].abs().max()) or 1.0
     # 10 px cell text needs about 30 px a cell: up to 12 cells across the figure (hover has them all).
