@@ -97,11 +97,12 @@ def main() -> None:
     parser.add_argument("--browser", action="store_true",
                         help="click-to-settled times in Chromium instead of AppTest's server time")
     parser.add_argument("--cold", type=int, default=1, help="with --browser: cold server starts to time")
+    parser.add_argument("--first-only", action="store_true", help="with --browser: only the first page")
     args = parser.parse_args()
     if args.browser:
         from app_browser import main as browser_main
 
-        browser_main(args.repeats, args.cold, args.checkpoints)
+        browser_main(args.repeats, args.cold, args.checkpoints, args.first_only)
         return
     os.environ["WORKBENCH_CHECKPOINTS"] = str(args.checkpoints)
     print(f"{os.cpu_count()} CPU cores; torch threads per the app: {os.environ.get('WORKBENCH_THREADS', '1')}")

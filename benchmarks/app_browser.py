@@ -22,7 +22,8 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "app"))
 
-TARGETS = {"first page (cold server)": 4.0, "open a page (new session)": 1.5, "new prompt (Inspect)": 1.0,
+TARGETS = {"first page (cold server)": 4.0, "first page once the server is up": 4.0,
+           "first page, ui.serve (cold)": 4.0, "first page once ui.serve is up": 4.0, "open a page (new session)": 1.5, "new prompt (Inspect)": 1.0,
            "cached widget (Inspect layer)": 0.5, "Patch pairs slider": 0.5, "Patch metric": 0.5,
            "Ablate one head": 0.5, "Cancel a training run": 1.0}
 
@@ -58,19 +59,22 @@ def settle(page, action: Callable[[], None], timeout: float = 120_000) -> float:
 class Server:
     """``streamlit run app.py`` on a free port; ``started`` is when the process was launched."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, serve: bool = False):
         from browser_kit import _free_port
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port",
-               str(self.port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"]
+        launch = ["-m", "ui.serve"] if serve else ["-m", "streamlit", "run", "app.py", "--browser.gatherUsageStats",
+                                                   "false"]
+        cmd = [sys.executable, *launch, "--server.headless", "true", "--server.port", str(self.port),
+               "--server.address", "127.0.0.1"]
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while True:
             try:
                 if urllib.request.urlopen(f"{self.url}/_stcore/health", timeout=2).status == 200:
+                    self.up = time.perf_counter()
                     return
             except OSError:
                 if self.proc.poll() is not None or time.time() > deadline:
@@ -98,16 +102,18 @@ def settled_page(tab, name: str) -> None:
     wait_idle(tab, timeout=300_000)
 
 
-def first_page(browser, env: dict) -> float:
-    """From launching ``streamlit run`` until Inspect has drawn its figures."""
-    server = Server(env)
+def first_page(browser, env: dict, serve: bool = False) -> tuple[float, float]:
+    """From launching the server, and from its first healthy answer (when a user could open the
+    URL), until Inspect has drawn its figures: (from launch, from up)."""
+    server = Server(env, serve)
     try:
+        opened = time.perf_counter()
         tab = new_session(browser, server.url, "Inspect")
         tab.locator(".js-plotly-plot .main-svg").first.wait_for(timeout=300_000)
         settled_page(tab, "Inspect")
-        seconds = time.perf_counter() - server.started
+        done = time.perf_counter()
         tab.context.close()
-        return seconds
+        return done - server.started, done - opened
     finally:
         server.close()
 
@@ -128,7 +134,7 @@ def measure(name: str, repeats: int, step: Callable[[int], float]) -> None:
     report(name, seconds, loads)
 
 
-def main(repeats: int, cold: int, checkpoints: Path) -> None:
+def main(repeats: int, cold: int, checkpoints: Path, only_first: bool = False) -> None:
     from playwright import sync_api
 
     from browser_kit import CHROMIUM, CHROMIUM_ARGS, IOI_MARY, IOI_TOM, widget
@@ -138,7 +144,14 @@ def main(repeats: int, cold: int, checkpoints: Path) -> None:
           f"load average now {os.getloadavg()}", flush=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        measure("first page (cold server)", cold, lambda i: first_page(browser, env))
+        for serve, names in ((False, ("first page (cold server)", "first page once the server is up")),
+                             (True, ("first page, ui.serve (cold)", "first page once ui.serve is up"))):
+            loads = [_load() for _ in range(cold)]
+            runs = [first_page(browser, env, serve) for _ in range(cold)]
+            report(names[0], [r[0] for r in runs], loads)
+            report(names[1], [r[1] for r in runs], loads)
+        if only_first:
+            return
         server = Server(env)
         try:
             warm = new_session(browser, server.url, "Inspect")

@@ -242,6 +242,7 @@ class TrainingJob:
     message: str = ""
     result: Optional[dict] = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)  # set when the thread is done
 
     @property
     def running(self) -> bool:
@@ -264,6 +265,12 @@ class TrainingJob:
         return self.cancel.is_set()
 
     def _run(self) -> None:
+        try:
+            self._train()
+        finally:
+            self.finished.set()
+
+    def _train(self) -> None:
         try:
             result = train(self.config, self.cfg, self.out, task=get_task(self.task_name, seed=self.config.seed),
                            progress=False, callback=self._on_step)
@@ -289,10 +296,12 @@ def _progress() -> None:
         st.success(f"Done: {job.result['step']} steps.")
 
 
-@st.fragment(run_every=0.5)
+@st.fragment(run_every=1.0)
 def _live_progress() -> None:
-    """The running job's progress, redrawn twice a second while it runs (only this fragment
-    reruns); when the run ends, the whole page reruns once and this fragment is gone."""
+    """The running job's progress, redrawn every second while it runs (only this fragment
+    reruns; the loss curve gains a point every step); when the run ends, the whole page reruns
+    once and this fragment is gone. Cancel waits for the step that is running to end and reruns
+    the page at once, rather than at the next tick."""
     job: TrainingJob = st.session_state["bt_job"]
     if not job.running:
         st.rerun()
@@ -304,6 +313,8 @@ def _live_progress() -> None:
         common.show(viz.live_loss_figure(list(job.history), total), key="bt_live_curve")
     if st.button("Cancel", key="bt_cancel", disabled=job.cancel.is_set()):
         job.cancel.set()
+        job.finished.wait(timeout=10)  # the step, then the final evaluation and save
+        st.rerun()
     if job.cancel.is_set():
         st.caption("Stopping after the current step…")
 

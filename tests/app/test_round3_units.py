@@ -53,3 +53,17 @@ def test_every_shipped_checkpoints_default_prompt_fits_its_context(checkpoints_d
                                  read_meta(str(modular)), None)
         a, plus, b, equals = (int(t) for t in common.default_prompt(ckpt).split())
         assert (plus, equals) == (17, 18) and 0 <= a < 17 and 0 <= b < 17  # "a + b =" of its task, p = 17
+
+
+def test_serve_preloads_the_default_checkpoint_into_the_loader_the_pages_use(checkpoints_dir):
+    from pathlib import Path
+
+    from ui import serve
+
+    line = serve.preload(["--checkpoints", str(checkpoints_dir)])
+    assert "stories-2026" in line
+    path = str(Path(checkpoints_dir / "stories-2026").resolve())
+    loads = common.LOADS[path]
+    assert loads >= 1
+    common.load(path, name="stories-2026")  # what the first page does: found in the cache, not read again
+    assert common.LOADS[path] == loads
