@@ -20,7 +20,7 @@ APP = Path(__file__).resolve().parent.parent / "app.py"
 def preload(script_args: list[str]) -> str:
     """Import what app.py imports and load the default checkpoint; a line saying what was done."""
     started = time.perf_counter()
-    import plotly.graph_objects  # noqa: F401
+    import plotly.graph_objects
     import torch
 
     from ui import (ablate, build_train, circuit, common, compare, features, inspect, patch,  # noqa: F401
@@ -36,6 +36,14 @@ def preload(script_args: list[str]) -> str:
     model, _, _, _ = common._load(str(Path(path).resolve()), common.weights_stamp(path), common.app_device())
     with torch.no_grad():  # the first forward of a process pays for kernels and allocator set-up
         model(torch.zeros(1, min(8, model.cfg.n_ctx), dtype=torch.long, device=model.device))
+    # plotly imports a trace type's validators when the first figure of that type is built
+    from plotly.subplots import make_subplots
+
+    warm = make_subplots(rows=1, cols=2)
+    for trace in (plotly.graph_objects.Heatmap(z=[[0.0]]), plotly.graph_objects.Scatter(x=[0], y=[0]),
+                  plotly.graph_objects.Bar(x=[0], y=[0])):
+        warm.add_trace(trace, row=1, col=1)
+    warm.update_layout(coloraxis=dict(colorscale="Viridis")).to_json()
     return f"preloaded the app's imports and {name} in {time.perf_counter() - started:.1f} s"
 
 
