@@ -20,7 +20,7 @@ fi
 cmd="${1:-help}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  app)  exec "$VENV/bin/python" -m streamlit run app.py --browser.gatherUsageStats false "$@" ;;
+  app)  exec "$VENV/bin/python" -m ui.serve "$@" ;;  # streamlit run app.py, imports and default model preloaded
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
   lint) exec "$VENV/bin/ruff" check "$@" . ;;
   *)    exec "$VENV/bin/python" -m workbench "$cmd" "$@" ;;
