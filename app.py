@@ -38,8 +38,10 @@ if "page" not in st.session_state and st.query_params.get("page") in PAGES:
     st.session_state["page"] = st.query_params["page"]
 page = st.sidebar.radio("Page", list(PAGES), key="page")
 # Streamlit forgets a widget's value on a run that does not draw it; re-setting these keys
-# keeps the checkpoint and the prompt when the user goes to another page and comes back.
-for key in common.PERSISTENT + build_train.PERSISTENT + training.PERSISTENT + circuit.PERSISTENT:
+# keeps the checkpoint and the prompt when the user goes to another page and comes back (the
+# other pages' widgets say persist_state="session", which does the same).
+for key in (common.PERSISTENT + build_train.PERSISTENT + training.PERSISTENT + circuit.PERSISTENT + inspect.PERSISTENT
+            + compare.PERSISTENT):
     if key in st.session_state:
         st.session_state[key] = st.session_state[key]
 st.sidebar.caption(f"Checkpoints folder: `{common.checkpoints_root()}`")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that does its own setup: a virtual environment in .venv, built from
 # requirements.txt the first time (and again whenever requirements.txt changes).
-#   ./workbench.sh app [streamlit args]   run the app on the shipped default checkpoint
+#   ./workbench.sh app [streamlit args]   run the app on the shipped default checkpoint (preloaded: ui/serve.py)
 #   ./workbench.sh test [pytest args]     run the test suite
 #   ./workbench.sh lint                   ruff over the whole tree (CI runs it before the tests)
 #   ./workbench.sh [python -m workbench args]   the command line (train, eval, ...)
@@ -20,7 +20,7 @@ fi
 cmd="${1:-help}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  app)  exec "$VENV/bin/python" -m streamlit run app.py --browser.gatherUsageStats false "$@" ;;
+  app)  exec "$VENV/bin/python" -m ui.serve "$@" ;;  # streamlit run app.py, imports and default model preloaded
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
   lint) exec "$VENV/bin/ruff" check "$@" . ;;
   *)    exec "$VENV/bin/python" -m workbench "$cmd" "$@" ;;

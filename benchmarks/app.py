@@ -1,6 +1,7 @@
 """The app's server time: first page after start, a new prompt, and cached widget changes.
 
     python benchmarks/app.py [--checkpoints DIR] [--repeats 5]
+    python benchmarks/app.py --browser [--repeats 3] [--cold 1]   # in Chromium (benchmarks/app_browser.py)
 
 Runs app.py headless with Streamlit's AppTest on the shipped default checkpoint, and prints
 each measurement against its target:
@@ -93,7 +94,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoints", type=Path, default=Path(os.environ.get("WORKBENCH_CHECKPOINTS", REPO / "checkpoints")))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--browser", action="store_true",
+                        help="click-to-settled times in Chromium instead of AppTest's server time")
+    parser.add_argument("--cold", type=int, default=1, help="with --browser: cold server starts to time")
+    parser.add_argument("--first-only", action="store_true", help="with --browser: only the first page")
     args = parser.parse_args()
+    if args.browser:
+        from app_browser import main as browser_main
+
+        browser_main(args.repeats, args.cold, args.checkpoints, args.first_only)
+        return
     os.environ["WORKBENCH_CHECKPOINTS"] = str(args.checkpoints)
     print(f"{os.cpu_count()} CPU cores; torch threads per the app: {os.environ.get('WORKBENCH_THREADS', '1')}")
 

@@ -57,7 +57,7 @@ def render() -> None:
     ids = common.prompt_ids(ckpt, text)
     if ids is None:
         return
-    kind = KINDS[st.radio("Kind", list(KINDS), horizontal=True, key="ablate_kind")]
+    kind = KINDS[st.radio("Kind", list(KINDS), horizontal=True, key="ablate_kind", persist_state="session")]
     reference = common.reference_batch(ckpt.key, ids) if kind != "zero" else None
     ablation = _choose_units(ckpt, ids, kind)
     st.subheader("What to measure")
@@ -106,12 +106,13 @@ def _choose_units(ckpt: common.Checkpoint, ids, kind: str):
     """The widgets that pick what to ablate; returns the hashable ablation (None on bad input)."""
     cfg = ckpt.cfg
     left, right = st.columns([3, 2])
-    units = left.multiselect("Units to ablate", unit_options(cfg), key="ablate_units",
+    units = left.multiselect("Units to ablate", unit_options(cfg), key="ablate_units", persist_state="session",
                              help="Heads (LxHy), a layer's attention, its MLP, or both.")
     neurons_text = "" if cfg.attn_only else right.text_input(
-        "MLP neurons", key="ablate_neurons", placeholder="L0: 3, 17; L1: 5")
+        "MLP neurons", key="ablate_neurons", persist_state="session", placeholder="L0: 3, 17; L1: 5")
     tokens = [ckpt.tokenizer.token_str(i) for i in ids]
     positions = st.multiselect("Only at positions (all when empty)", range(len(ids)), key="ablate_positions",
+                               persist_state="session",
                                format_func=lambda p: f"{p}: {tokens[p]!r}")
     try:
         neurons = parse_neurons(neurons_text, cfg)
@@ -160,7 +161,8 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference, target: common.T
     a, b = st.columns(2)
     with a:
         which = common.lens_picker(ckpt, key="ablate_lens_kind")
-    view = b.radio("Show", ["clean − ablated", "side by side"], horizontal=True, key="ablate_lens_view")
+    view = b.radio("Show", ["clean − ablated", "side by side"], horizontal=True, key="ablate_lens_view",
+                   persist_state="session")
     lens_clean = common.lens_table(ckpt, ids, which)
     lens_ablated = common.lens_table(ckpt, ids, which, ablation=ablation, reference=reference)
     if view == "side by side":
@@ -184,7 +186,7 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference, target: common.T
         with left:
             common.table(per_head.round(4).head(12))
         with right:
-            chosen = st.selectbox("Head (most changed first)", options, key="ablate_attn_head")
+            chosen = st.selectbox("Head (most changed first)", options, key="ablate_attn_head", persist_state="session")
             layer, head, _ = parse_unit(chosen)
             fig = viz.side_by_side(viz.attention_figure(pat_clean, layer, head),
                                    viz.attention_figure(pat_ablated, layer, head),
@@ -203,7 +205,7 @@ def _dla_change(ckpt: common.Checkpoint, ids, ablation, reference, target: commo
     runs = [common.analysis(direct_logit_attribution, ckpt.key, ids, ablation=abl, reference=ref,
                             answer=target.answer, wrong=target.wrong, pos=target.pos)
             for abl, ref in (((), None), (ablation, reference))]
-    granularity = st.radio("Split", ["layer", "head"], horizontal=True, key="ablate_dla_split")
+    granularity = st.radio("Split", ["layer", "head"], horizontal=True, key="ablate_dla_split", persist_state="session")
     what = f"logit[{target.answer_str!r}]" + (f" − logit[{target.wrong_str!r}]" if target.wrong is not None else "")
     st.caption(f"What each component writes directly into {what} at position {target.pos}; the ablated run's "
                "components read an ablated stream, so later ones change too.")
@@ -224,18 +226,19 @@ def sweep_over_prompts(model, prompts: tuple[str, ...], specs: tuple, answer: Op
 
 def _over_prompt_set(ckpt: common.Checkpoint, ablation) -> None:
     st.subheader("Over a prompt set")
-    if not st.toggle("Average the ablation over a prompt set", key="ablate_set_on"):
+    if not st.toggle("Average the ablation over a prompt set", key="ablate_set_on", persist_state="session"):
         return
     sources = [k for k in SET_SOURCES if k != "ioi" or _ioi(ckpt, 2) is not None]
-    source = st.radio("Prompts", sources, format_func=SET_SOURCES.get, horizontal=True, key="ablate_set_source")
+    source = st.radio("Prompts", sources, format_func=SET_SOURCES.get, horizontal=True, key="ablate_set_source",
+                      persist_state="session")
     answer = wrong = None
     if source == "ioi":
-        pairs = _ioi(ckpt, st.slider("Prompts", 2, 64, 16, key="ablate_set_n"))
+        pairs = _ioi(ckpt, st.slider("Prompts", 2, 64, 16, key="ablate_set_n", persist_state="session"))
         prompts, answer, wrong = pairs.prompts, pairs.answer, pairs.wrong
         what = "logit difference (answer − wrong) at the last token"
     else:
         common.follow_default("ablate_set_text", common.default_prompt(ckpt), ckpt.path)
-        text = st.text_area("Prompts, one per line", key="ablate_set_text", height=120)
+        text = st.text_area("Prompts, one per line", key="ablate_set_text", persist_state="session", height=120)
         prompts = tuple(line.strip() for line in text.splitlines() if line.strip())
         what = "mean loss"
         if not prompts:

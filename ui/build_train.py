@@ -167,7 +167,7 @@ def _train_widgets(task_name: str, cfg: wb.ModelConfig):
     warmup = cols[4].number_input("warmup steps", min_value=0, step=10, key="bt_warmup")
     try:
         return TrainConfig(task=task_name, steps=int(steps), batch_size=int(batch), seq_len=int(seq_len), lr=float(lr),
-                           warmup_steps=int(warmup), eval_every=max(1, int(steps) // 5), log_every=max(1, int(steps) // 50),
+                           warmup_steps=int(warmup), eval_every=max(1, int(steps) // 5), log_every=1,
                            save_train_state=False)
     except ValueError as e:
         st.warning(str(e))
@@ -234,6 +234,7 @@ class TrainingJob:
     message: str = ""
     result: Optional[dict] = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)  # set when the thread is done
 
     @property
     def out(self) -> Path:
@@ -261,6 +262,12 @@ class TrainingJob:
 
     def _run(self) -> None:
         try:
+            self._train()
+        finally:
+            self.finished.set()
+
+    def _train(self) -> None:
+        try:
             result = train(self.config, self.cfg, self.out, task=get_task(self.task_name, seed=self.config.seed),
                            progress=False, callback=self._on_step)
         except Exception as e:  # the page shows it; the thread must not die silently
@@ -285,10 +292,12 @@ def _progress() -> None:
         st.success(f"Done: {job.result['step']} steps.")
 
 
-@st.fragment(run_every=0.5)
+@st.fragment(run_every=1.0)
 def _live_progress() -> None:
-    """The running job's progress, redrawn twice a second while it runs (only this fragment
-    reruns); when the run ends, the whole page reruns once and this fragment is gone."""
+    """The running job's progress, redrawn every second while it runs (only this fragment
+    reruns; the loss curve gains a point every step); when the run ends, the whole page reruns
+    once and this fragment is gone. Cancel waits for the step that is running to end and reruns
+    the page at once, rather than at the next tick."""
     job: TrainingJob = st.session_state["bt_job"]
     if not job.running:
         st.rerun()
@@ -297,9 +306,11 @@ def _live_progress() -> None:
     loss = f": loss {job.history[-1]['train_loss']:.3f}{val}, {job.tokens_per_s:,.0f} tokens/s" if job.history else "…"
     st.progress(job.step / total, text=f"training, step {job.step} / {total}{loss}")
     if job.history:
-        st.line_chart(pd.DataFrame(list(job.history)).set_index("step"), height=260)
+        common.show(viz.live_loss_figure(list(job.history), total), key="bt_live_curve")
     if st.button("Cancel", key="bt_cancel", disabled=job.cancel.is_set()):
         job.cancel.set()
+        job.finished.wait(timeout=10)  # the step, then the final evaluation and save
+        st.rerun()
     if job.cancel.is_set():
         st.caption("Stopping after the current step…")
 

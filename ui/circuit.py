@@ -115,14 +115,19 @@ def _known(ckpt: common.Checkpoint) -> Optional[Circuit]:
 
 def _settings(n_edges: int) -> dict:
     a, b, c, d, e, f = st.columns([3, 3, 2, 2, 3, 2])
-    method = a.selectbox("Method", list(METHODS), key="circuit_method", format_func=METHODS.get, index=3)
+    # EAP by default: one pass, and it keeps the top k edges (ACDC prunes at a threshold and has no k).
+    method = a.selectbox("Method", list(METHODS), key="circuit_method", format_func=METHODS.get, index=1)
     other = b.selectbox("Compare with", [NONE, *METHODS], key="circuit_method_b",
                         format_func=lambda m: METHODS.get(m, m))
     methods = [method] + ([other] if other not in (NONE, method) else [])
-    keep = c.radio("Keep", list(KEEP), key="circuit_keep", format_func=KEEP.get,
-                   help="How exact patching, EAP and EAP-IG choose their edges. ACDC prunes at the threshold "
-                        "either way.")
     top_k = None
+    if methods == ["acdc"]:  # nothing to choose: ACDC keeps what survives pruning at the threshold
+        c.caption("ACDC keeps the edges that survive pruning at the threshold.")
+        keep = "threshold"
+    else:
+        keep = c.radio("Keep", list(KEEP), key="circuit_keep", format_func=KEEP.get,
+                       help="How exact patching, EAP and EAP-IG choose their edges. ACDC prunes at the threshold "
+                            "either way.")
     if keep == "top_k":
         if st.session_state.get("circuit_top_k", 0) > n_edges:  # kept from a checkpoint with more edges
             st.session_state["circuit_top_k"] = n_edges

@@ -35,6 +35,7 @@ import streamlit as st
 import torch
 
 import workbench as wb
+from workbench.accounting import count_model_params
 from workbench.analysis import AblationSpec, AnswerMetric, ablation_hooks, logit_lens, suggest_answer, tuned_lens
 from workbench.analysis.lens import TUNED_LENS_WEIGHTS, TunedLens
 from workbench.analysis.metrics import METRIC_UNITS
@@ -438,10 +439,28 @@ def default_prompt(ckpt: Optional[Checkpoint]) -> str:
         return DEFAULT_PROMPT
     if isinstance(ckpt.meta.get("default_prompt"), str):
         return ckpt.meta["default_prompt"]
-    if isinstance(ckpt.tokenizer, IdTokenizer):  # a random segment seen twice: what induction heads copy
-        segment = torch.randint(0, ckpt.cfg.d_vocab, (12,), generator=torch.Generator().manual_seed(0)).tolist()
-        return ckpt.tokenizer.decode(segment * 2)
+    if isinstance(ckpt.tokenizer, IdTokenizer):
+        return ckpt.tokenizer.decode(_id_prompt(ckpt))
     return DEFAULT_PROMPT
+
+
+def _id_prompt(ckpt: Checkpoint) -> list[int]:
+    """A prompt of token ids that fits the model's context: the first clean prompt of the task it
+    was trained on (``a b = `` for modular addition, a repeated segment for induction), else a
+    random segment seen twice (what induction heads copy), at most half the context long."""
+    from workbench.analysis.circuits.tasks import prompt_spec
+    from workbench.planted import spec_prompts
+
+    try:
+        spec = prompt_spec(ckpt.meta, ckpt.cfg, ckpt.path)
+        ids = spec_prompts(spec, batch=1, seed=0)[0][0].tolist() if spec else None
+    except (ValueError, KeyError, TypeError):
+        ids = None
+    if ids and len(ids) <= ckpt.cfg.n_ctx and max(ids) < ckpt.cfg.d_vocab:
+        return ids
+    half = max(1, min(12, ckpt.cfg.n_ctx // 2))
+    segment = torch.randint(0, ckpt.cfg.d_vocab, (half,), generator=torch.Generator().manual_seed(0)).tolist()
+    return segment * 2
 
 
 def prompt_box(ckpt: Optional[Checkpoint], key: str = "prompt", label: str = "Prompt", where=st) -> str:
@@ -557,20 +576,20 @@ def target_picker(ckpt: Checkpoint, ids: tuple[int, ...], key: str, where=st, ki
     tokens = [ckpt.tokenizer.token_str(i) for i in ids]
     cols = where.columns([2, 2, 2, 3] if kinds else [2, 2, 2])
     follow_default(f"{key}_pos", len(ids) - 1, ids)
-    pos = cols[0].selectbox("At position", range(len(ids)), key=f"{key}_pos",
+    pos = cols[0].selectbox("At position", range(len(ids)), key=f"{key}_pos", persist_state="session",
                             format_func=lambda p: f"{p}: {tokens[p]!r}" + (" (last)" if p == len(ids) - 1 else ""))
     suggestion = analysis(suggest_answer, ckpt.key, ids, pos=pos, meta=ckpt.meta)
     follow_default(f"{key}_answer", suggestion["answer_str"], (ids, pos))
     follow_default(f"{key}_wrong", suggestion["wrong_str"], (ids, pos))
-    answer_text = cols[1].text_input("Answer token", key=f"{key}_answer",
+    answer_text = cols[1].text_input("Answer token", key=f"{key}_answer", persist_state="session",
                                      help=f"Default: {suggestion['source']}.")
-    wrong_text = cols[2].text_input("Wrong token (optional)", key=f"{key}_wrong",
+    wrong_text = cols[2].text_input("Wrong token (optional)", key=f"{key}_wrong", persist_state="session",
                                     help="The rival of the logit difference; empty: the answer's logit alone.")
     kind = kind_default
     if kinds:
         labels = list(METRICS)
         follow_default(f"{key}_kind", next(k for k, v in METRICS.items() if v == kind_default), None)
-        kind = METRICS[cols[3].selectbox("Metric", labels, key=f"{key}_kind")]
+        kind = METRICS[cols[3].selectbox("Metric", labels, key=f"{key}_kind", persist_state="session")]
     try:
         answer = token_id(ckpt, answer_text, "Answer token")
         wrong = token_id(ckpt, wrong_text, "Wrong token") if wrong_text.strip() else None
@@ -732,7 +751,7 @@ def lens_picker(ckpt: Checkpoint, key: str, where=st) -> str:
     if not has_tuned_lens(ckpt):
         where.caption("Logit lens (this checkpoint ships no tuned lens: `python -m workbench tuned-lens` trains one).")
         return "logit"
-    return LENSES[where.radio("Lens", list(LENSES), horizontal=True, key=key,
+    return LENSES[where.radio("Lens", list(LENSES), horizontal=True, key=key, persist_state="session",
                               help="The tuned lens passes each layer's stream through a learned affine map "
                                    "first (Belrose et al. 2023), which removes most of the logit lens' "
                                    "bias at early layers.")]
@@ -763,7 +782,22 @@ def show(fig, key: Optional[str] = None, **kwargs) -> Any:
     scales (perceptually uniform, chosen by viz) stay.
     """
     fig.layout.template = None
+    _colorbar_titles_aside(fig)
     return st.plotly_chart(fig, theme="streamlit", key=key, **kwargs)
+
+
+def _colorbar_titles_aside(fig) -> None:
+    """Colour-bar titles along the bar's right side: on top (plotly's default) a title wider than
+    the bar runs into the top tick label."""
+    for trace in fig.data:  # only bars a figure has: reading trace.colorbar would create one
+        spec = trace.to_plotly_json()
+        if "colorbar" in spec:
+            trace.colorbar.title.side = "right"
+        if "colorbar" in spec.get("marker", {}):
+            trace.marker.colorbar.title.side = "right"
+    for name, value in fig.layout.to_plotly_json().items():
+        if name.startswith("coloraxis") and "colorbar" in value:
+            fig.layout[name].colorbar.title.side = "right"
 
 
 def table(df, **kwargs) -> None:
@@ -813,7 +847,7 @@ def model_card(ckpt: Checkpoint) -> None:
     """Config, parameter counts, what meta.json says, and the training curve."""
     from workbench import viz
 
-    counts = param_counts(ckpt.cfg)
+    counts = count_model_params(ckpt.model)  # the loaded model: nothing to build
     cols = st.columns(4)
     cols[0].metric("Parameters", f"{counts['total']:,}")
     cols[1].metric("Non-embedding", f"{counts['non_embedding']:,}")

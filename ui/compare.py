@@ -18,6 +18,8 @@ from workbench.analysis import answer_table, attention_patterns, head_scores, su
 # Fields that pick a component (the rest are sizes and numbers).
 COMPONENTS = ("norm", "norm_placement", "positional", "ffn", "attn_only", "parallel_residual", "tie_embeddings",
               "bias", "qkv_bias", "n_kv_heads", "moe_expert")
+# The tabs' choice, kept while another page is shown (see app.py).
+PERSISTENT = ("compare_tab",)
 
 
 def render() -> None:
@@ -51,7 +53,7 @@ def render() -> None:
     ids_a = common.prompt_ids(a, text)
     if ids_a is None:
         return
-    ids_b = _prompt_for_b(b, text)
+    ids_b = _prompt_for_b(b, text, text == common.default_prompt(a))
     if ids_b is None:
         return
     _answers(a, b, ids_a, ids_b)
@@ -94,12 +96,17 @@ def render() -> None:
                 common.show(fig, key=f"compare_lens_{c.name}")
 
 
-def _prompt_for_b(b: common.Checkpoint, text: str):
-    """B's token ids of the shared prompt, or of a prompt of its own when its tokenizer cannot read it."""
+def _prompt_for_b(b: common.Checkpoint, text: str, a_default: bool = False):
+    """B's token ids of the shared prompt, or of a prompt of its own when its tokenizer cannot read it
+    (A's default prompt that B cannot read is no mistake of the user's: B's own default, and a caption)."""
     try:
         return tuple(common.encode_prompt(b, text))
     except ValueError as e:
-        st.warning(f"**{b.name}** cannot read this prompt: {e} Give it a prompt of its own below.")
+        if a_default:
+            st.caption(f"**{b.name}** cannot read A's default prompt (its context is {b.cfg.n_ctx} tokens, its "
+                       f"vocabulary {b.cfg.d_vocab}), so it reads a default prompt of its own below.")
+        else:
+            st.warning(f"**{b.name}** cannot read this prompt: {e} Give it a prompt of its own below.")
     other = common.prompt_box(b, key="prompt_b", label=f"Prompt for {b.name}")
     return common.prompt_ids(b, other)
 
@@ -111,8 +118,9 @@ def _answers(a: common.Checkpoint, b: common.Checkpoint, ids_a, ids_b) -> None:
     common.follow_default("compare_answer", suggestion["answer_str"], ids_a)
     common.follow_default("compare_wrong", suggestion["wrong_str"], ids_a)
     left, right = st.columns(2)
-    answer = left.text_input("Answer token", key="compare_answer", help=f"Default: {suggestion['source']} ({a.name}).")
-    wrong = right.text_input("Wrong token (optional)", key="compare_wrong")
+    answer = left.text_input("Answer token", key="compare_answer", persist_state="session",
+                             help=f"Default: {suggestion['source']} ({a.name}).")
+    wrong = right.text_input("Wrong token (optional)", key="compare_wrong", persist_state="session")
     rows = []
     for c, ids in ((a, ids_a), (b, ids_b)):
         try:

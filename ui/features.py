@@ -60,7 +60,7 @@ def render() -> None:
         st.info(f"`{Path(ckpt.path).name}/saes/` holds no dictionary. Train one with `python -m workbench train-sae "
                 f"{ckpt.path} --hook blocks.0.hook_resid_post --d-sae 512`; it lands there.")
         return
-    name = st.selectbox("Dictionary", list(folders), key="feat_dict")
+    name = st.selectbox("Dictionary", list(folders), key="feat_dict", persist_state="session")
     sae_ref = (folders[name], dictionary_stamp(folders[name]))
     sae = _loaded(ckpt, sae_ref)
     if sae is None:
@@ -139,6 +139,7 @@ def _dataset(ckpt: common.Checkpoint, ids: tuple[int, ...]) -> tuple[str, Any]:
         st.caption("meta.json names no task: the feature table and contexts are read on the prompt alone.")
         return ("prompt", ids)
     n = st.select_slider("Sequences of the task's validation text", SEQUENCES, value=64, key="feat_nseq",
+                         persist_state="session",
                          help="What the table, the contexts and the histogram are read on.")
     return ("task", n)
 
@@ -170,9 +171,9 @@ def run(fn: Callable, key: tuple[str, int], sae_ref: tuple[str, int], data: Opti
 def _search(ckpt: common.Checkpoint, sae_ref, data, table) -> Optional[int]:
     st.subheader("Find a feature")
     a, b, c = st.columns([2, 1, 2])
-    by = SORTS[a.selectbox("Sort by", list(SORTS), key="feat_sort")]
-    descending = b.toggle("Largest first", value=True, key="feat_desc")
-    token = c.text_input("Fires on the token", key="feat_token", placeholder="to",
+    by = SORTS[a.selectbox("Sort by", list(SORTS), key="feat_sort", persist_state="session")]
+    descending = b.toggle("Largest first", value=True, key="feat_desc", persist_state="session")
+    token = c.text_input("Fires on the token", key="feat_token", persist_state="session", placeholder="to",
                          help="Keep the features that fire where this token stands, most often first.")
     shown = table.sort_values(by, ascending=not descending)
     if token.strip():
@@ -198,7 +199,7 @@ def _search(ckpt: common.Checkpoint, sae_ref, data, table) -> Optional[int]:
         st.session_state["feat_id"] = options[0]
     labels = {f: f"#{f} · density {d:.2%} · max {m:.2f} · {c[-40:]}" for f, d, m, c in
               zip(table.feature, table.density, table.max_activation, table.top_context)}
-    return st.selectbox("Feature", options, key="feat_id", format_func=labels.__getitem__)
+    return st.selectbox("Feature", options, key="feat_id", persist_state="session", format_func=labels.__getitem__)
 
 
 # ---- the card ------------------------------------------------------------------------------------
@@ -265,7 +266,7 @@ def _dla(ckpt: common.Checkpoint, sae_ref, feature: int, ids) -> None:
 
 def _intervene(ckpt: common.Checkpoint, sae_ref, feature: int, ids) -> None:
     st.subheader("Ablate or steer, clean beside")
-    action = st.radio("On the prompt", ACTIONS, horizontal=True, key="feat_action")
+    action = st.radio("On the prompt", ACTIONS, horizontal=True, key="feat_action", persist_state="session")
     if action == ACTIONS[1]:
         try:
             direction = run(feature_direction, ckpt.key, sae_ref, None, feature=feature)

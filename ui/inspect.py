@@ -25,6 +25,9 @@ from workbench.analysis import (
     token_losses,
 )
 
+# The tabs' choice, kept while another page is shown (see app.py); the widgets keep theirs
+# with persist_state="session" (a tab is a container and has no such option).
+PERSISTENT = ("attn_tab",)
 LENS_VALUES = {
     "probability of the next token": "target_prob",
     "probability of the top token": "prob",
@@ -72,7 +75,7 @@ def _several(ckpt: common.Checkpoint, lines: list[str]):
     if st.session_state.get("inspect_prompt", 0) >= len(prompts):  # fewer lines than before
         st.session_state["inspect_prompt"] = 0
     _over_all(ckpt, lines, prompts)
-    chosen = st.selectbox("Prompt shown below", range(len(prompts)), key="inspect_prompt",
+    chosen = st.selectbox("Prompt shown below", range(len(prompts)), key="inspect_prompt", persist_state="session",
                           format_func=lambda i: f"{i}: {lines[i]}",
                           help="The per-prompt figures below show this prompt.")
     return prompts[chosen]
@@ -117,9 +120,10 @@ def _attention(ckpt: common.Checkpoint, ids) -> None:
     if one.open:
         with one:
             a, b = st.columns(2)
-            layer = a.selectbox("Layer", range(ckpt.cfg.n_layers), key="attn_layer")
-            head = b.selectbox("Head", range(ckpt.cfg.n_heads), key="attn_head")
-            common.show(viz.attention_figure(patterns, layer, head), key="inspect_attention")
+            layer = a.selectbox("Layer", range(ckpt.cfg.n_layers), key="attn_layer", persist_state="session")
+            head = b.selectbox("Head", range(ckpt.cfg.n_heads), key="attn_head", persist_state="session")
+            # Half the page wide: every token's label would pile onto its neighbours (all are in the hover).
+            common.show(viz.thin_ticks(viz.attention_figure(patterns, layer, head)), key="inspect_attention")
             lens = common.lens_table(ckpt, ids, "logit")
             common.show(viz.token_hover_figure(lens, patterns, layer, head), key="inspect_tokens")
     if every.open:
@@ -135,7 +139,7 @@ def _lens(ckpt: common.Checkpoint, ids) -> None:
     a, b = st.columns([2, 3])
     with a:
         which = common.lens_picker(ckpt, key="lens_kind")
-    shown = b.selectbox("Colour", list(LENS_VALUES), key="lens_value", width=320)
+    shown = b.selectbox("Colour", list(LENS_VALUES), key="lens_value", persist_state="session", width=320)
     lens = common.lens_table(ckpt, ids, which)
     common.show(viz.logit_lens_figure(lens, color=LENS_VALUES[shown]), key="inspect_lens")
 
@@ -171,7 +175,7 @@ def _attribution(ckpt: common.Checkpoint, ids) -> None:
     target = common.target_picker(ckpt, ids, key="dla", kinds=False)
     if target is None:
         return
-    granularity = st.radio("Split", ["head", "layer"], horizontal=True, key="dla_granularity")
+    granularity = st.radio("Split", ["head", "layer"], horizontal=True, key="dla_granularity", persist_state="session")
     df = common.analysis(direct_logit_attribution, ckpt.key, ids, answer=target.answer, wrong=target.wrong,
                          pos=target.pos)
     fig = viz.dla_figure(df, granularity=granularity)

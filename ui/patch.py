@@ -53,18 +53,27 @@ def render() -> None:
     sites = [s for s in SITES if s != "mlp_out" or not ckpt.cfg.attn_only]
     a, b = st.columns([3, 2])
     chosen = a.multiselect("Patch by layer and position", sites, default=sites, key="patch_sites",
+                           persist_state="session",
                            format_func=lambda s: SITES[s])
-    value = VALUES[b.radio("Show", list(VALUES), key="patch_value")]
+    value = VALUES[b.radio("Show", list(VALUES), key="patch_value", persist_state="session")]
     patched = common.analysis(patch_pairs, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric,
                               sites=tuple(chosen) + ("head",))
     first = patched.iloc[0]
+    gaps = common.analysis(pair_gaps, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric)
+    gap, noise = gap_and_noise(gaps, metric.kind)
     c1, c2, c3 = st.columns(3)
     c1.metric("Metric on the clean prompts", f"{first['clean']:.3f} {metric.units}")
     c2.metric("Metric on the corrupted prompts", f"{first['corrupted']:.3f} {metric.units}")
-    c3.metric("Gap that patching can restore", f"{first['clean'] - first['corrupted']:+.3f} {metric.units}")
-    if first["clean"] == first["corrupted"]:
-        st.warning("The clean and corrupted prompts score the same, so no patch can restore anything: "
-                   "pick a corruption that changes the answer.")
+    c3.metric("Gap that patching can restore", f"{gap:+.3f} {metric.units}",
+              help=f"Mean over {len(gaps)} pair(s); noise level {noise:.3f} {metric.units} "
+                   "(twice the standard error of the mean over pairs, or the metric's resolution).")
+    if abs(gap) <= noise:
+        # A fraction of a gap that is not there is noise divided by noise (values of 1.5 and more
+        # appear): the raw metric is what can be read.
+        st.warning(f"The clean and corrupted prompts score the same within noise (gap {gap:+.4f} {metric.units}, "
+                   f"noise level {noise:.4f} over {len(gaps)} pair(s)), so the fraction of the gap restored is not "
+                   "drawn: the figures show the metric after patching. Pick a corruption that changes the answer.")
+        value = "metric"
     for site in chosen:
         common.show(viz.patching_figure(patched, site, value=value, tokens=labels, units=metric.units),
                     key=f"patch_{site}")
@@ -75,23 +84,24 @@ def _pairs(ckpt: common.Checkpoint):
     """(clean ids, corrupted ids, metric, position labels) from the widgets; None with a message."""
     sources = [k for k in TASK_PAIRS if _task_pairs(ckpt, k, 1) is not None]
     labels = {k: f"the task's {k} pairs" for k in sources} | {TYPED: "two prompts typed here"}
-    source = st.radio("Prompt pairs", list(labels), format_func=labels.get, horizontal=True, key="patch_source")
+    source = st.radio("Prompt pairs", list(labels), format_func=labels.get, horizontal=True, key="patch_source",
+                      persist_state="session")
     if source != TYPED:
-        n = st.slider("Pairs", 2, 32, 8, key="patch_n")
+        n = st.slider("Pairs", 2, 32, 8, key="patch_n", persist_state="session")
         pairs = _task_pairs(ckpt, source, n)
         st.caption(f"{pairs.description}; {n} pairs. The metric is averaged over them, each scored on its own "
                    "answer at its last position.")
         with st.expander("The pairs"):
             common.table({"clean": list(pairs.prompts), "corrupted": list(pairs.corrupted_prompts)})
-        kind = TASK_KINDS[st.selectbox("Metric", list(TASK_KINDS), key="patch_task_kind")]
+        kind = TASK_KINDS[st.selectbox("Metric", list(TASK_KINDS), key="patch_task_kind", persist_state="session")]
         metric = AnswerMetric(kind, pairs.answer, pairs.wrong if kind == "logit_diff" else None, -1)
         return pairs.clean, pairs.corrupted, metric, _labels(ckpt, pairs.clean, pairs.corrupted)
     default = _task_pairs(ckpt, sources[0], 1) if sources else None
     left, right = st.columns(2)
     common.follow_default("patch_clean", default.prompts[0] if default else common.default_prompt(ckpt), ckpt.path)
     common.follow_default("patch_corrupted", default.corrupted_prompts[0] if default else "", ckpt.path)
-    clean_text = left.text_area("Clean prompt", key="patch_clean", height=80)
-    corrupted_text = right.text_area("Corrupted prompt", key="patch_corrupted", height=80)
+    clean_text = left.text_area("Clean prompt", key="patch_clean", persist_state="session", height=80)
+    corrupted_text = right.text_area("Corrupted prompt", key="patch_corrupted", persist_state="session", height=80)
     clean = common.prompt_ids(ckpt, clean_text, where=left)
     corrupted = common.prompt_ids(ckpt, corrupted_text, where=right)
     if clean is None or corrupted is None:
@@ -131,6 +141,28 @@ def patch_pairs(model, clean, corrupted, metric, sites):
     """``activation_patching`` over the pairs (token ids as tuples: a cache key), padded as needed."""
     return activation_patching(model, _batch(model, clean), _batch(model, corrupted), metric, sites=sites,
                                positions=_positions(clean, corrupted))
+
+
+def pair_gaps(model, clean, corrupted, metric) -> list[float]:
+    """Each pair's clean minus corrupted metric (one cheap patch site, scored per pair)."""
+    table = activation_patching(model, _batch(model, clean), _batch(model, corrupted), metric, sites="resid_pre",
+                                positions=[-1], per_prompt=True)
+    first = table[table["layer"] == 0].sort_values("prompt")
+    return (first["clean"] - first["corrupted"]).astype(float).tolist()
+
+
+# Below these a gap is the metric's resolution rather than an effect (one pair gives no spread).
+RESOLUTION = {"logit_diff": 0.01, "logit": 0.01, "logprob": 0.01, "prob": 0.001, "rank": 0.5}
+
+
+def gap_and_noise(gaps: list[float], kind: str) -> tuple[float, float]:
+    """The mean clean-corrupted gap and the level under which it is noise: twice the standard error
+    of the mean over pairs, never below the metric's resolution."""
+    import statistics
+
+    mean = statistics.fmean(gaps)
+    se = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else 0.0
+    return mean, max(2 * se, RESOLUTION.get(kind, 0.01))
 
 
 def attribute_pairs(model, clean, corrupted, metric):

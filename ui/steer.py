@@ -68,7 +68,7 @@ def render() -> None:
     if ids is None:
         return
     st.subheader("Direction")
-    source = SOURCES[st.radio("From", list(SOURCES), horizontal=True, key="steer_source")]
+    source = SOURCES[st.radio("From", list(SOURCES), horizontal=True, key="steer_source", persist_state="session")]
     direction = {"contrastive": _contrastive, "file": _from_file, "probe": _from_probe}[source](ckpt)
     if direction is None:
         return
@@ -83,9 +83,9 @@ def steer(ckpt: common.Checkpoint, ids: tuple[int, ...], direction: Direction, k
     """Mode, scale and length widgets, then clean and steered side by side (the Features page's
     "steer with this feature" too)."""
     a, b, c = st.columns(3)
-    mode = a.radio("Mode", MODES, horizontal=True, key=f"{key}_mode", help=MODE_HELP)
+    mode = a.radio("Mode", MODES, horizontal=True, key=f"{key}_mode", persist_state="session", help=MODE_HELP)
     lo, hi, default, step = SCALES[mode]
-    scale = b.slider("Scale", lo, hi, default, step, key=f"{key}_scale_{mode}")
+    scale = b.slider("Scale", lo, hi, default, step, key=f"{key}_scale_{mode}", persist_state="session")
     n_new = new_tokens(ckpt, ids, c, key=f"{key}_new")
     if n_new is None:
         return
@@ -109,7 +109,7 @@ def new_tokens(ckpt: common.Checkpoint, ids, where, key: str) -> Optional[int]:
         return None
     if st.session_state.get(key, 0) > room:  # a longer prompt leaves less room than the last value
         st.session_state[key] = room
-    return where.slider("New tokens (greedy)", 1, room, min(24, room), key=key)
+    return where.slider("New tokens (greedy)", 1, room, min(24, room), key=key, persist_state="session")
 
 
 def side_by_side(ckpt: common.Checkpoint, ids, out: dict, label: str, key: str) -> None:
@@ -123,7 +123,7 @@ def side_by_side(ckpt: common.Checkpoint, ids, out: dict, label: str, key: str) 
     clean, edited = out["clean"].loss.mean(), out[label].loss.mean()
     st.metric(f"Mean loss of the prompt, clean → {label}", f"{clean:.3f} → {edited:.3f} nats",
               delta=f"{edited - clean:+.3f} nats", delta_color="inverse")
-    if st.toggle(f"Per-token loss of the prompt, clean and {label}", key=f"{key}_show_loss"):
+    if st.toggle(f"Per-token loss of the prompt, clean and {label}", key=f"{key}_show_loss", persist_state="session"):
         common.show(viz.token_loss_figure({"clean": out["clean"], label: out[label]},
                                           title=f"Per-token loss, clean and {label}"), key=f"{key}_loss")
 
@@ -160,9 +160,10 @@ def _hook_picker(ckpt: common.Checkpoint, key: str, layer: bool = True) -> tuple
     chosen = None
     if layer:
         default = min(1, ckpt.cfg.n_layers - 1)
-        chosen = cols[0].selectbox("Layer", range(ckpt.cfg.n_layers), index=default, key=f"{key}_layer")
+        chosen = cols[0].selectbox("Layer", range(ckpt.cfg.n_layers), index=default, key=f"{key}_layer",
+                                   persist_state="session")
     site = cols[1 if layer else 0].selectbox("Hook", sites, format_func=lambda s: f"{s} ({SITES[s]})",
-                                             key=f"{key}_site")
+                                             key=f"{key}_site", persist_state="session")
     return chosen, site
 
 
@@ -185,9 +186,12 @@ def _lines(ckpt: common.Checkpoint, text: str, what: str) -> Optional[tuple[tupl
 def _contrastive(ckpt: common.Checkpoint) -> Optional[Direction]:
     layer, site = _hook_picker(ckpt, "steer_c")
     a, b = st.columns(2)
-    positive = a.text_area("Positive prompts (one per line)", DEFAULT_POSITIVE, key="steer_positive", height=120)
-    negative = b.text_area("Negative prompts (one per line)", DEFAULT_NEGATIVE, key="steer_negative", height=120)
-    read_at = READ_AT[st.radio("Read each prompt at", list(READ_AT), horizontal=True, key="steer_read")]
+    positive = a.text_area("Positive prompts (one per line)", DEFAULT_POSITIVE, key="steer_positive",
+                           persist_state="session", height=120)
+    negative = b.text_area("Negative prompts (one per line)", DEFAULT_NEGATIVE, key="steer_negative",
+                           persist_state="session", height=120)
+    read_at = READ_AT[st.radio("Read each prompt at", list(READ_AT), horizontal=True, key="steer_read",
+                               persist_state="session")]
     pos_ids, neg_ids = _lines(ckpt, positive, "positive"), _lines(ckpt, negative, "negative")
     if pos_ids is None or neg_ids is None:
         return None
@@ -202,9 +206,10 @@ def _contrastive(ckpt: common.Checkpoint) -> Optional[Direction]:
 def _from_probe(ckpt: common.Checkpoint) -> Optional[Direction]:
     _, site = _hook_picker(ckpt, "steer_p", layer=False)
     a, b = st.columns([3, 2])
-    text = a.text_area("Labelled text (one prompt per line)", DEFAULT_PROBE_TEXT, key="steer_probe_text", height=160)
+    text = a.text_area("Labelled text (one prompt per line)", DEFAULT_PROBE_TEXT, key="steer_probe_text",
+                       persist_state="session", height=160)
     words = b.text_input("Tokens labelled 1 (comma-separated); every other token is 0", DEFAULT_WORDS,
-                         key="steer_probe_words")
+                         key="steer_probe_words", persist_state="session")
     prompts = _lines(ckpt, text, "labelled text")
     if prompts is None:
         return None
@@ -222,6 +227,7 @@ def _from_probe(ckpt: common.Checkpoint) -> Optional[Direction]:
     best = int(probe.results.sort_values("auc", ascending=False).layer.iloc[0])
     layer = st.selectbox("Steer with the probe's normal at layer", probe.results.layer.tolist(),
                          index=probe.results.layer.tolist().index(best), key="steer_probe_layer",
+                         persist_state="session",
                          help="Unit length: the scale is in the activation's own units.")
     return probe.direction(layer=layer)
 
@@ -269,7 +275,7 @@ def _from_file(ckpt: common.Checkpoint) -> Optional[Direction]:
         return None
     if st.session_state.get("steer_file") not in options:
         st.session_state["steer_file"] = list(options)[0]
-    name = st.selectbox("Saved direction", list(options), key="steer_file")
+    name = st.selectbox("Saved direction", list(options), key="steer_file", persist_state="session")
     stem = options[name]
     try:
         direction = _load_direction(stem, _stamp(stem))

@@ -54,7 +54,7 @@ def render() -> None:
                 "`python experiments/head_ablation_sweep.py --quick`; or point the app at another folder "
                 "with `streamlit run app.py -- --runs DIR` or $WORKBENCH_RUNS.")
         return
-    chosen = st.multiselect("Runs", list(runs), default=list(runs)[:1], key="sweeps_runs")
+    chosen = st.multiselect("Runs", list(runs), default=list(runs)[:1], key="sweeps_runs", persist_state="session")
     if not chosen:
         st.info("Pick one run, or several to compare them.")
         return
@@ -89,13 +89,14 @@ def _filters(table: pd.DataFrame) -> pd.DataFrame:
                 continue
             where = cols[i % 3]
             if len(values) <= MAX_FILTER_VALUES and not pd.api.types.is_float_dtype(table[column]):
-                keep = where.multiselect(column, sorted(values, key=str), key=f"sweeps_f_{column}")
+                keep = where.multiselect(column, sorted(values, key=str), key=f"sweeps_f_{column}",
+                                         persist_state="session")
                 if keep:
                     mask &= table[column].isin(keep)
                 i += 1
             elif pd.api.types.is_numeric_dtype(table[column]):
                 lo, hi = float(table[column].min()), float(table[column].max())
-                low, high = where.slider(column, lo, hi, (lo, hi), key=f"sweeps_f_{column}")
+                low, high = where.slider(column, lo, hi, (lo, hi), key=f"sweeps_f_{column}", persist_state="session")
                 mask &= table[column].between(low, high) | table[column].isna()
                 i += 1
     return table[mask]
@@ -112,25 +113,70 @@ def _chart(table: pd.DataFrame) -> None:
     cols = st.columns(4)
     others = [c for c in table.columns if c not in numeric]
     x = cols[0].selectbox("x", list(table.columns), index=list(table.columns).index(others[0] if others else numeric[0]),
-                          key="sweeps_x")
+                          key="sweeps_x", persist_state="session")
     # y defaults to the effect being measured, in the order the words say it best.
     effect = next((c for word in EFFECT_WORDS for c in numeric if word in c.lower()), numeric[-1])
-    y = cols[1].selectbox("y", numeric, index=numeric.index(effect), key="sweeps_y")
+    y = cols[1].selectbox("y", numeric, index=numeric.index(effect), key="sweeps_y", persist_state="session")
     several = table["run"].nunique() > 1
     color = cols[2].selectbox("colour", ["(none)"] + list(table.columns),
                               index=1 + list(table.columns).index("run") if several else 0,
-                              key="sweeps_color")
-    kind = cols[3].radio("kind", ["bar", "line", "scatter"], horizontal=True, key="sweeps_kind")
+                              key="sweeps_color", persist_state="session")
+    kind = cols[3].radio("kind", ["bar", "line", "scatter"], horizontal=True, key="sweeps_kind",
+                         persist_state="session")
     if {"layer", "head"} <= set(table.columns) and st.toggle("As a layer x head heatmap", value=True,
-                                                             key="sweeps_lh"):
-        facet = next((c for c in ("method", "kind", "variant", "run") if c in table and table[c].nunique() > 1), None)
-        common.show(viz.layer_head_figure(table, value=y, facet=facet, title=f"{y} by layer and head"),
+                                                             key="sweeps_lh", persist_state="session"):
+        table, facet, note = heatmap_panels(table)
+        st.caption(note)
+        common.show(viz.layer_head_figure(table, value=y, facet=facet, title=f"{y} by layer and head",
+                                          columns=min(3, table[facet].nunique()) if facet else None),
                     key="sweeps_heatmap")
         return
     fig, note = viz.table_chart(table, x, y, None if color == "(none)" else color, kind)
     if note:
         st.caption(note)
     common.show(fig, key="sweeps_chart")
+
+
+FACETS = ("method", "kind", "variant", "metric")
+
+
+def heatmap_panels(table: pd.DataFrame) -> tuple[pd.DataFrame, Optional[str], str]:
+    """(table, facet column, what the caption says) for the layer x head heatmap: runs are never
+    pooled into one cell (two runs can be different models with different heads, or measure
+    different metrics), nor are the values of a column such as ``method``; one panel per run and
+    per such value, and the caption says how many rows each cell still averages."""
+    split = [c for c in FACETS if c in table and table[c].nunique() > 1]
+    if table["run"].nunique() > 1:
+        split = ["run"] + split
+    if not split:
+        facet, shown = None, table
+    elif len(split) == 1:
+        facet, shown = split[0], table
+    else:
+        facet = "panel"
+        shown = table.assign(panel=table[split].astype(str).agg(" · ".join, axis=1))
+    per_cell = shown.groupby(([facet] if facet else []) + ["layer", "head"]).size()
+    why = ""
+    if "run" in split:
+        why = "One panel per run: runs are never pooled into one cell (" + _run_differences(table) + "). "
+    elif facet:
+        why = f"One panel per {' and '.join(split)}. "
+    pooled = (f"Each cell averages {per_cell.min()}-{per_cell.max()} rows (filter the rows to see fewer)."
+              if per_cell.max() > 1 else "Each cell is one row.")
+    return shown, facet, why + pooled
+
+
+def _run_differences(table: pd.DataFrame) -> str:
+    """What differs between the runs of ``table``: their checkpoints, their heads, their metrics."""
+    words = []
+    runs = table.groupby("run")
+    shapes = {run: (part["layer"].nunique(), part[part["head"] >= 0]["head"].nunique()) for run, part in runs}
+    if len(set(shapes.values())) > 1:
+        words.append("their models have " + ", ".join(f"{r}: {l} layers x {h} heads" for r, (l, h) in shapes.items()))
+    for column in ("checkpoint", "model", "metric"):
+        if column in table and runs[column].first().nunique() > 1:
+            words.append(f"they differ in {column}")
+    return "; ".join(words) or "they may measure different models or metrics"
 
 
 def _curves(chosen: list[str], runs: dict[str, Path]) -> None:
@@ -167,7 +213,7 @@ def _run_files(name: str, path: Path) -> None:
                 st.warning(f"`{config}` is not valid JSON: {e}")
         figures = sorted(path.glob("*.html"))
         if figures:
-            shown = st.selectbox("Figure", [f.name for f in figures], key=f"sweeps_fig_{name}")
+            shown = st.selectbox("Figure", [f.name for f in figures], key=f"sweeps_fig_{name}", persist_state="session")
             try:
                 kind, content = read_figure(str(path / shown), (path / shown).stat().st_mtime)
             except OSError as e:

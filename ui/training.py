@@ -219,9 +219,11 @@ def _on_a_prompt(name: str, series, path: str, stamp: int, step: int) -> None:
         patterns = at_step(attention_patterns, path, stamp, step, ids)
         fig = viz.attention_figure(patterns, layer, head)
         fig.update_layout(title=f"Attention L{layer}H{head} at step {step}")
+        viz.thin_ticks(fig, 10)  # half the page wide: every label would pile onto its neighbours
         common.show(fig, key="training_attention")
     with right:
         lens = at_step(logit_lens, path, stamp, step, ids, k=3)
         fig = viz.logit_lens_figure(lens, color="target_prob")
         fig.update_layout(title=f"Logit lens at step {step}")
+        viz.thin_ticks(fig, 10)
         common.show(fig, key="training_lens")

@@ -22,7 +22,8 @@ def render(ckpt: common.Checkpoint) -> None:
     st.caption("Every token, its embedding norm, and the next tokens the direct path (embedding → final norm → "
                "unembedding, no block in between) predicts after it. Select a row for details.")
     table = common.analysis(vocabulary_table, ckpt.key, None, k=3)
-    search = st.text_input("Find a token", key="vocab_search", placeholder="a token, or part of one")
+    search = st.text_input("Find a token", key="vocab_search", persist_state="session",
+                           placeholder="a token, or part of one")
     shown = table[table["token"].str.contains(search, regex=False)] if search else table
     if shown.empty:
         st.info(f"No token contains {search!r}.")
@@ -34,7 +35,8 @@ def render(ckpt: common.Checkpoint) -> None:
         return
     chosen = shown.iloc[rows[0]]
     token_id, label = int(chosen["id"]), str(chosen["token"])
-    space = st.radio("Neighbours by", ["embedding", "unembedding"], horizontal=True, key="vocab_space")
+    space = st.radio("Neighbours by", ["embedding", "unembedding"], horizontal=True, key="vocab_space",
+                     persist_state="session")
     space = "embed" if space == "embedding" else "unembed"
     left, right = st.columns(2)
     with left:

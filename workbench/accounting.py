@@ -35,7 +35,14 @@ def meta_model(cfg: ModelConfig):
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Exact parameter counts: ``total``, ``non_embedding`` and one entry per component."""
-    model = meta_model(cfg)
+    return count_model_params(meta_model(cfg))
+
+
+def count_model_params(model) -> dict[str, int]:
+    """:func:`count_params` of a model already built (a loaded checkpoint): no second model to
+    build, and no meta-device op (whose first use imports torch's meta kernels, seconds on a
+    cold process)."""
+    cfg = model.cfg
     counts: dict[str, int] = defaultdict(int)
     for name, p in model.named_parameters():
         counts[_component(name)] += p.numel()

@@ -319,10 +319,12 @@ def head_scores_figure(scores: pd.DataFrame, theme: Optional[str] = "default") -
         if column not in scores:
             raise ValueError(f"head_scores_figure takes the long head_scores table; it has no {column!r}")
     kinds = scores["kind"].nunique()
-    fig = layer_head_figure(scores, "score", facet="kind", theme=theme, units="score", columns=2)
     rows = -(-kinds // 2)
-    fig.update_layout(title="Head scores (layer × head, one panel per kind)",
-                      height=rows * max(200, 60 * scores["layer"].nunique() + 90) + 120)
+    height = rows * max(200, 60 * scores["layer"].nunique() + 90) + 120
+    # 110 px between rows: the tick labels and "head" of one row, then the next row's panel titles.
+    fig = layer_head_figure(scores, "score", facet="kind", theme=theme, units="score", columns=2,
+                            row_gap=min(0.4, 110 / height))
+    fig.update_layout(title="Head scores (layer × head, one panel per kind)", height=height + 40 * (rows - 1))
     return fig
 
 
@@ -379,12 +381,15 @@ def prompt_spread_figure(frame: pd.DataFrame, value: str = "delta", by: str = "l
 
 def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = "",
                       facet: Optional[str] = None, theme: Optional[str] = "default", units: Optional[str] = None,
-                      clickable: bool = False, text: Optional[bool] = None, columns: Optional[int] = None) -> go.Figure:
+                      clickable: bool = False, text: Optional[bool] = None, columns: Optional[int] = None,
+                      row_gap: float = 0.12) -> go.Figure:
     """A layer x head heatmap of ``value`` (e.g. an ablation sweep's ``delta``, or head scores).
 
     With ``facet`` (a column such as ``method`` or ``kind``), one panel per value of it,
     ``columns`` panels to a row (default: all in one row). ``units`` titles the colour bar (default: the column name). ``text`` writes each cell's
-    value in it (default: when there are at most 24 heads per panel). ``clickable`` lays a
+    value in it at 10 px (default: when all panels of a row have at most 12 heads together). ``row_gap``: the space
+    between rows of panels, a fraction of the height (room for ticks, an axis title and the next
+    panel's title). ``clickable`` lays a
     scatter point on every cell: plotly heatmaps emit no selection events, scatter points
     do, so a click on a cell selects that point (its ``customdata`` is [layer, head, value])
     and a page can act on it; the points also carry the hover text.
@@ -398,10 +403,12 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     per_row = min(len(panels), columns or len(panels))
     n_rows = -(-len(panels) // per_row)
     fig = make_subplots(rows=n_rows, cols=per_row, subplot_titles=[str(p) for p in panels] if facet else None,
-                        horizontal_spacing=0.08 if per_row > 1 else 0.06, vertical_spacing=0.12)
+                        horizontal_spacing=0.08 if per_row > 1 else 0.06,
+                        vertical_spacing=row_gap if n_rows > 1 else 0.12)
     diverging = bool((frame[value] < 0).any() and (frame[value] > 0).any())
     limit = float(frame[value].abs().max()) or 1.0
-    text = frame["head"].nunique() <= 24 if text is None else text
+    # 10 px cell text needs about 30 px a cell: up to 12 cells across the figure (hover has them all).
+    text = frame["head"].nunique() * per_row <= 12 if text is None else text
     hover = "%{y} %{x}<br>" + value + " %{z:.4f}" + (f" {units}" if units else "") + "<extra></extra>"
     for i, panel in enumerate(panels):
         r, c = i // per_row + 1, i % per_row + 1
@@ -410,7 +417,7 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
         xs, ys = [head_label(h) for h in grid.columns], [unit_label(l) for l in grid.index]
         fig.add_trace(go.Heatmap(
             z=grid.to_numpy(), x=xs, y=ys, coloraxis="coloraxis",
-            texttemplate="%{z:.2f}" if text else None,
+            texttemplate="%{z:.2f}" if text else None, textfont=dict(size=10),
             hovertemplate=hover, hoverinfo="skip" if clickable else None,
         ), row=r, col=c)
         if clickable:
@@ -564,16 +571,19 @@ def feature_contexts_figure(contexts: pd.DataFrame, theme: Optional[str] = "defa
     for r, (tokens, acts, at) in enumerate(zip(contexts["context_tokens"], contexts["context_acts"], contexts["context_max"])):
         z[r, : len(acts)] = acts
         text[r, : len(tokens)] = [f"[[{t.strip()}]]" if i == at else t.strip() for i, t in enumerate(tokens)]
-    labels = [f"#{rank} {act:.2f}" for rank, act in zip(contexts["rank"], contexts["activation"])]
+    # Each row's label: its rank and the feature's activation at its [[token]] (what orders the rows).
+    labels = [f"#{rank}: {act:.2f}" for rank, act in zip(contexts["rank"], contexts["activation"])]
+    text = np.vectorize(lambda t: t.replace("\n", "⏎"), otypes=[object])(text)
     fig = go.Figure(go.Heatmap(
-        z=z, text=text, texttemplate="%{text}", x=list(range(width)), y=labels, colorscale="Oranges", zmin=0,
+        z=z, text=text, texttemplate="%{text}", textfont=dict(size=11), x=list(range(width)), y=labels,
+        colorscale="Oranges", zmin=0,
         hovertemplate="%{text}<br>activation %{z:.3f}<extra></extra>", colorbar=dict(title="activation"),
     ))
     feature = contexts["feature"].iloc[0] if "feature" in contexts else ""
     fig.update_layout(title=f"Feature {feature}: max-activating contexts", template=_template(theme),
                       height=max(250, 32 * len(contexts) + 120))
-    fig.update_xaxes(showticklabels=False)
-    fig.update_yaxes(autorange="reversed")
+    fig.update_xaxes(showticklabels=False, title="token (the context around the activating [[token]])")
+    fig.update_yaxes(autorange="reversed", type="category", title="rank: max activation")
     return fig
 
 
@@ -832,9 +842,14 @@ def circuit_figure(edges: pd.DataFrame, title: str = "Circuit", theme: str = "li
                         hovertemplate="%{text}<extra></extra>")
     nodes = list(dict.fromkeys([*edges["sender"], *(r.split(".")[0] for r in edges["receiver"])]))
     points = [_circuit_position(label, n_layers, n_heads) for label in nodes]
-    fig.add_scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="markers+text", text=nodes,
-                    textposition="top center", marker=dict(size=14, color="#444", line=dict(width=1, color="white")),
+    fig.add_scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="markers", text=nodes,
+                    marker=dict(size=14, color="#444", line=dict(width=1, color="white")),
                     showlegend=False, hovertemplate="%{text}<extra></extra>")
+    # Labels as annotations on a pale box: plotly draws them above every trace, so no edge runs
+    # through a node's name (a trace's own text sits among the lines).
+    for label, (x, y) in zip(nodes, points):
+        fig.add_annotation(x=x, y=y, text=label, showarrow=False, yshift=15, font=dict(size=11, color="#222"),
+                           bgcolor="rgba(255,255,255,0.85)", borderpad=1)
     ticks = [0.0, *(2.0 * l + 1 for l in range(n_layers)), 2.0 * n_layers + 1]
     fig.update_xaxes(tickvals=ticks, ticktext=["embed", *(f"L{l}" for l in range(n_layers)), "logits"],
                      showgrid=False, zeroline=False)
@@ -958,12 +973,13 @@ def table_chart(table: pd.DataFrame, x: str, y: str, color: Optional[str] = None
 
 
 def token_hover_figure(lens: pd.DataFrame, patterns: pd.DataFrame, layer: int, head: int, k: int = 3,
-                       batch: Optional[int] = 0, theme: Optional[str] = "default") -> go.Figure:
+                       batch: Optional[int] = 0, theme: Optional[str] = "default", per_row: int = 10) -> go.Figure:
     """The prompt as a row of tokens; hovering one shows (as CircuitsVis' token views do) the
     model's top-``k`` next-token predictions there, the ``k`` tokens head ``layer``/``head``
     attends to from it, and the ``k`` tokens that attend to it most. Tokens are shaded by
     the probability of the model's top prediction. ``lens``: a ``logit_lens``/``tuned_lens``
-    table (its final layer is the model); ``patterns``: an ``attention_patterns`` table.
+    table (its final layer is the model); ``patterns``: an ``attention_patterns`` table. A long
+    prompt wraps onto rows of ``per_row`` tokens, read like text, instead of squashing into one.
     """
     frame = _one_batch(lens, batch)
     final = frame[frame["layer"] == frame["layer"].max()].sort_values("pos")
@@ -989,18 +1005,19 @@ def token_hover_figure(lens: pd.DataFrame, patterns: pd.DataFrame, layer: int, h
         hover.append(f"<b>{labels[pos]!r}</b><br>predicts: {predictions}<br>"
                      f"{where} attends to: {listed(square[pos, : pos + 1]) or 'none'}<br>"
                      f"attended by: {listed(square[pos:, pos], offset=pos) or 'none'}")
+    rows = -(-len(tokens) // per_row)
+    shown = [t if len(t) <= 8 else t[:7] + "…" for t in tokens]  # the whole token is in the hover
     fig = go.Figure(go.Scatter(
-        x=list(range(len(tokens))), y=[0] * len(tokens), mode="markers+text", text=tokens,
-        textposition="middle center", textfont=dict(size=13),
-        marker=dict(symbol="square", size=34, color=final["top1_prob"].to_numpy(), colorscale=SEQUENTIAL, cmin=0,
-                    cmax=1, opacity=0.35, colorbar=dict(title="top-1 probability", thickness=10)),
+        x=[p % per_row for p in range(len(tokens))], y=[p // per_row for p in range(len(tokens))],
+        mode="markers+text", text=shown, textposition="middle center", textfont=dict(size=12),
+        marker=dict(symbol="square", size=30, color=final["top1_prob"].to_numpy(), colorscale=SEQUENTIAL, cmin=0,
+                    cmax=1, opacity=0.35, colorbar=dict(title=dict(text="top-1 prob.", side="right"), thickness=10)),
         hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
     ))
-    fig.update_xaxes(visible=False, range=[-0.6, len(tokens) - 0.4])
-    fig.update_yaxes(visible=False, range=[-1, 1])
+    fig.update_xaxes(visible=False, range=[-0.6, min(per_row, len(tokens)) - 0.4])
+    fig.update_yaxes(visible=False, range=[rows - 0.5, -0.5])
     fig.update_layout(title=f"Tokens (hover one: predictions, and {where}'s attention from and to it)",
-                      template=_template(theme), height=170, margin=dict(t=40, b=10, l=10, r=10),
-                      width=max(600, 46 * len(tokens) + 120))
+                      template=_template(theme), height=70 + 40 * rows, margin=dict(t=40, b=10, l=10, r=10))
     return fig
 
 
@@ -1034,6 +1051,39 @@ def neighbours_figure(neighbours: pd.DataFrame, token: str = "", space: str = "e
 
 # ---- the Training and Circuit pages (a step marked on any figure, runs compared, clickable circuits) ----
 STEP_MARK = "#e377c2"
+
+
+def live_loss_figure(history: list[dict], total_steps: int, max_points: int = 400,
+                     theme: Optional[str] = "default") -> go.Figure:
+    """The loss of a run in progress: ``history`` rows (``step``, ``train_loss``) on an x axis of
+    the whole run (0 to ``total_steps``) from the first point, lines and markers so one point shows,
+    at most ``max_points`` drawn (evenly thinned; the last row always)."""
+    if not history:
+        raise ValueError("no rows yet: draw the figure once the run has logged a step")
+    every = -(-len(history) // max_points)
+    rows = history[::every] + ([history[-1]] if (len(history) - 1) % every else [])
+    fig = go.Figure(go.Scatter(x=[r["step"] for r in rows], y=[r["train_loss"] for r in rows],
+                               mode="lines+markers" if len(rows) < 60 else "lines", name="train loss",
+                               hovertemplate="step %{x}<br>loss %{y:.4f}<extra></extra>"))
+    fig.update_xaxes(title="step", range=[0, max(1, total_steps)], tickformat="d")
+    fig.update_yaxes(title="train loss (nats)", rangemode="tozero")
+    fig.update_layout(title=f"Training loss, step {history[-1]['step']} of {total_steps}", height=280,
+                      template=_template(theme), margin=dict(t=40, b=40))
+    return fig
+
+
+def thin_ticks(fig: go.Figure, max_labels: int = 16, axis: str = "x") -> go.Figure:
+    """Label every k-th category of the figure's ``axis`` axes so at most ``max_labels`` show (for a
+    figure drawn in a narrow column, where every token's label would pile onto its neighbours);
+    every category keeps its hover."""
+    for ax in fig.select_xaxes() if axis == "x" else fig.select_yaxes():
+        values = list(ax.tickvals) if ax.tickvals is not None else None
+        if not values or len(values) <= max_labels:
+            continue
+        step = -(-len(values) // max_labels)
+        texts = list(ax.ticktext) if ax.ticktext is not None else values
+        ax.update(tickvals=values[::step], ticktext=texts[::step])
+    return fig
 
 
 def mark_step(fig: go.Figure, step: Union[int, float], label: Optional[str] = None) -> go.Figure:

@@ -426,10 +426,13 @@ def test_compare_says_which_model_cannot_read_the_prompt(app, checkpoints_dir):
         pytest.skip(f"the shipped {other} checkpoint (a model with another tokenizer) is missing")
     at = app("Compare")
     at.selectbox(key="ckpt_b").set_value(other).run()
-    assert f"**{other}** cannot read this prompt" in messages(at)
+    # A's default prompt is no mistake of the user's: B reads its own default, and a caption says why.
+    assert f"**{other}** cannot read A's default prompt" in " ".join(c.value for c in at.caption)
     assert at.text_area(key="prompt_b").value.split()[0].isdigit()  # its own default: token ids
     assert sum("Per-token loss, " in t for t in titles(at)) == 2 and not at.exception
     assert f"{other} cannot score the answer" in messages(at)
+    at.text_area(key="prompt").set_value("Once upon a time Mary and John went to the park").run()  # typed
+    assert f"**{other}** cannot read this prompt" in messages(at)
 
 
 # ---- Patch -------------------------------------------------------------------------------------------

@@ -136,6 +136,7 @@ def test_circuit_runs_a_method_and_scores_it_against_the_known_circuit(app):
 
 def test_circuit_node_selection_opens_attention_and_dla_without_rerunning(app, monkeypatch):
     at = app("Circuit")
+    at.selectbox(key="circuit_method").set_value("acdc")
     at.button(key="circuit_run").click().run()
     calls = []
     original = circuit.run_method

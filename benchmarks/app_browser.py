@@ -1,0 +1,275 @@
+"""Click-to-settled times of the app in Chromium (``python benchmarks/app.py --browser``).
+
+A fresh ``streamlit run app.py`` for each cold start; Chromium from Debian, driven by the
+browser kit the tests use (tests/app/browser_kit.py). A time is from the action (the server's
+start, a click, a key press) until the page has settled: the script (or fragment) has run and
+finished, and the browser has drawn two frames since. Each line prints the 1-minute load
+average (``os.getloadavg``) read beside it, since on a shared machine it moves the numbers more
+than anything the app does.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "app"))
+
+TARGETS = {"first page (cold server)": 4.0, "first page once the server is up": 4.0,
+           "first page, ui.serve (cold)": 4.0, "first page once ui.serve is up": 4.0, "open a page (new session)": 1.5, "new prompt (Inspect)": 1.0,
+           "cached widget (Inspect layer)": 0.5, "Patch pairs slider": 0.5, "Patch metric": 0.5,
+           "Ablate one head": 0.5, "Cancel a training run": 1.0}
+
+# Marks when the app's script state goes running -> notRunning after the mark is set; then two frames.
+ARM = """() => { window.__start = performance.now(); window.__done = null; window.__ran = false;
+  const app = document.querySelector('[data-testid=stApp]');
+  if (window.__obs) window.__obs.disconnect();
+  window.__obs = new MutationObserver(() => {
+    const state = app.dataset.testScriptState;
+    if (state === 'running') window.__ran = true;
+    else if (window.__ran && state === 'notRunning' && window.__done === null)
+      requestAnimationFrame(() => requestAnimationFrame(() => { window.__done = performance.now(); }));
+  });
+  window.__obs.observe(app, {attributes: true, attributeFilter: ['data-test-script-state']}); }"""
+
+
+def open_options(page, box, option) -> None:
+    """Click a selectbox until ``option`` shows (a click right after a redraw can miss), as the
+    browser kit's ``choose`` does; the click on the option is what gets timed."""
+    from browser_kit import sync_api
+
+    box.scroll_into_view_if_needed()
+    for _ in range(4):
+        box.click()
+        try:
+            option.wait_for(state="visible", timeout=5_000)
+            return
+        except sync_api.TimeoutError:
+            page.keyboard.press("Escape")
+    option.wait_for(state="visible")
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def settle(page, action: Callable[[], None], timeout: float = 120_000) -> float:
+    """Seconds from ``action`` until the run it starts has finished and two frames are drawn."""
+    page.evaluate(ARM)
+    action()
+    page.wait_for_function("() => window.__done !== null", timeout=timeout)
+    seconds = page.evaluate("() => (window.__done - window.__start) / 1000")
+    from browser_kit import wait_idle
+
+    wait_idle(page)  # a second run some widgets start right after the first
+    return seconds
+
+
+class Server:
+    """``streamlit run app.py`` on a free port; ``started`` is when the process was launched."""
+
+    def __init__(self, env: dict, serve: bool = False):
+        from browser_kit import _free_port
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        launch = ["-m", "ui.serve"] if serve else ["-m", "streamlit", "run", "app.py", "--browser.gatherUsageStats",
+                                                   "false"]
+        cmd = [sys.executable, *launch, "--server.headless", "true", "--server.port", str(self.port),
+               "--server.address", "127.0.0.1"]
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(f"{self.url}/_stcore/health", timeout=2).status == 200:
+                    self.up = time.perf_counter()
+                    return
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise SystemExit("streamlit did not start") from None
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def new_session(browser, url: str, name: str):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    tab = context.new_page()
+    tab.set_default_timeout(120_000)
+    tab.goto(f"{url}/?page={name.replace(' ', '%20').replace('&', '%26')}", wait_until="domcontentloaded")
+    return tab
+
+
+def settled_page(tab, name: str) -> None:
+    """Until the page's header and first figure (if it draws one) show and the script is idle."""
+    from browser_kit import heading, wait_idle
+
+    heading(tab, name).wait_for(timeout=300_000)
+    wait_idle(tab, timeout=300_000)
+
+
+def first_page(browser, env: dict, serve: bool = False) -> tuple[float, float]:
+    """From launching the server, and from its first healthy answer (when a user could open the
+    URL), until Inspect has drawn its figures: (from launch, from up)."""
+    server = Server(env, serve)
+    try:
+        opened = time.perf_counter()
+        tab = new_session(browser, server.url, "Inspect")
+        tab.locator(".js-plotly-plot .main-svg").first.wait_for(timeout=300_000)
+        settled_page(tab, "Inspect")
+        done = time.perf_counter()
+        tab.context.close()
+        return done - server.started, done - opened
+    finally:
+        server.close()
+
+
+def report(name: str, seconds: list[float], loads: list[float]) -> None:
+    target = TARGETS[name]
+    median = statistics.median(seconds)
+    print(f"{name:32s} median {median:6.2f} s over {len(seconds)} (min {min(seconds):.2f}, max {max(seconds):.2f}); "
+          f"target <= {target} s: {'met' if median <= target else 'NOT met'}; load {min(loads):.2f}-{max(loads):.2f}",
+          flush=True)
+
+
+def measure(name: str, repeats: int, step: Callable[[int], float]) -> None:
+    seconds, loads = [], []
+    for i in range(repeats):
+        loads.append(_load())
+        seconds.append(step(i))
+    report(name, seconds, loads)
+
+
+def main(repeats: int, cold: int, checkpoints: Path, only_first: bool = False) -> None:
+    from playwright import sync_api
+
+    from browser_kit import CHROMIUM, CHROMIUM_ARGS, IOI_MARY, IOI_TOM, widget
+
+    env = {**os.environ, "WORKBENCH_CHECKPOINTS": str(checkpoints)}
+    print(f"{os.cpu_count()} CPU cores; Chromium {CHROMIUM}; {repeats} repeats (cold starts: {cold}); "
+          f"load average now {os.getloadavg()}", flush=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        for serve, names in ((False, ("first page (cold server)", "first page once the server is up")),
+                             (True, ("first page, ui.serve (cold)", "first page once ui.serve is up"))):
+            loads = [_load() for _ in range(cold)]
+            runs = [first_page(browser, env, serve) for _ in range(cold)]
+            report(names[0], [r[0] for r in runs], loads)
+            report(names[1], [r[1] for r in runs], loads)
+        if only_first:
+            return
+        server = Server(env)
+        try:
+            warm = new_session(browser, server.url, "Inspect")
+            settled_page(warm, "Inspect")
+            for name in ("Patch", "Ablate"):  # each page once, so what it caches per process is there
+                tab = new_session(browser, server.url, name)
+                settled_page(tab, name)
+                tab.context.close()
+
+            def open_page(i: int) -> float:
+                name = ("Patch", "Ablate", "Compare")[i % 3]
+                started = time.perf_counter()
+                tab = new_session(browser, server.url, name)
+                settled_page(tab, name)
+                seconds = time.perf_counter() - started
+                tab.context.close()
+                return seconds
+
+            measure("open a page (new session)", repeats, open_page)
+            prompts = [IOI_TOM, IOI_MARY, IOI_TOM.replace("Tom", "Anna"), IOI_MARY.replace("Mary", "Sue"),
+                       IOI_TOM.replace("park", "lake"), IOI_MARY.replace("store", "farm")]
+
+            def new_prompt(i: int) -> float:
+                box = warm.locator("[data-testid=stTextArea] textarea").first
+                box.fill(prompts[(i + 2) % len(prompts)])
+                return settle(warm, lambda: box.press("Control+Enter"))
+
+            measure("new prompt (Inspect)", repeats, new_prompt)
+
+            def layer(i: int) -> float:
+                option = warm.get_by_role("option", name=str((i + 1) % 2), exact=True)
+                open_options(warm, widget(warm, "stSelectbox", "Layer"), option)
+                return settle(warm, option.click)
+
+            layer(0), layer(1)  # both layers drawn once: the measured changes are cached
+            measure("cached widget (Inspect layer)", repeats, layer)
+
+            patch = new_session(browser, server.url, "Patch")
+            settled_page(patch, "Patch")
+
+            def slider(i: int) -> float:
+                thumb = patch.get_by_role("slider").first
+                thumb.focus()
+                return settle(patch, lambda: patch.keyboard.press("ArrowRight" if i % 2 == 0 else "ArrowLeft"))
+
+            slider(0), slider(1)
+            measure("Patch pairs slider", repeats, slider)
+            metrics = ["answer probability", "logit difference (answer − wrong)"]
+
+            def metric(i: int) -> float:
+                option = patch.get_by_role("option", name=metrics[i % 2], exact=True)
+                open_options(patch, widget(patch, "stSelectbox", "Metric"), option)
+                return settle(patch, option.click)
+
+            metric(0), metric(1)
+            measure("Patch metric", repeats, metric)
+            patch.context.close()
+
+            ablate = new_session(browser, server.url, "Ablate")
+            settled_page(ablate, "Ablate")
+            heads = ["L0H1", "L1H2"]
+
+            def one_head(i: int) -> float:
+                from browser_kit import wait_idle
+
+                box = widget(ablate, "stMultiSelect", "Units to ablate")
+                box.click()
+                ablate.keyboard.type(heads[i % 2])
+                option = ablate.get_by_role("option", name=heads[i % 2], exact=True)
+                option.wait_for()
+                seconds = settle(ablate, option.click)
+                ablate.keyboard.press("Escape")
+                box.click()  # and off again (not timed): Backspace removes the last chosen unit
+                ablate.keyboard.press("Backspace")
+                ablate.keyboard.press("Escape")
+                wait_idle(ablate)
+                return seconds
+
+            measure("Ablate one head", repeats, one_head)
+            ablate.context.close()
+
+            train = new_session(browser, server.url, "Build & train")
+            settled_page(train, "Build & train")
+            steps = widget(train, "stNumberInput", "steps").locator("input")
+            steps.fill("100000")
+            steps.press("Enter")
+
+            def cancel(i: int) -> float:
+                train.get_by_role("button", name="Train", exact=True).click()
+                button = train.get_by_role("button", name="Cancel", exact=True)
+                button.wait_for(timeout=120_000)
+                train.get_by_text("training, step", exact=False).first.wait_for(timeout=120_000)
+                train.wait_for_timeout(1500)
+                started = time.perf_counter()
+                button.click()
+                train.get_by_text("Cancelled at step", exact=False).first.wait_for(timeout=120_000)
+                return time.perf_counter() - started
+
+            measure("Cancel a training run", repeats, cancel)
+            train.context.close()
+            warm.context.close()
+        finally:
+            server.close()
+        browser.close()
+

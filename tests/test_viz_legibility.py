@@ -1,0 +1,70 @@
+"""Figures that stay legible (the app's round three): thinned tick labels, a live loss curve with
+sensible axes from its first point, token rows that wrap, circuit labels above the edges."""
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from workbench import viz
+
+
+def test_thin_ticks_keeps_at_most_max_labels_evenly_and_leaves_short_axes_alone():
+    labels = [f"{i}: t{i}" for i in range(40)]
+    fig = go.Figure(go.Heatmap(z=[list(range(40))], x=labels))
+    fig.update_xaxes(type="category", tickmode="array", tickvals=labels, ticktext=labels)
+    viz.thin_ticks(fig, 16)
+    assert list(fig.layout.xaxis.tickvals) == labels[::3] and list(fig.layout.xaxis.ticktext) == labels[::3]
+    assert len(fig.data[0].x) == 40  # every cell (and its hover) stays
+    short = go.Figure(go.Heatmap(z=[[1, 2]], x=["a", "b"]))
+    short.update_xaxes(tickmode="array", tickvals=["a", "b"], ticktext=["a", "b"])
+    assert list(viz.thin_ticks(short, 16).layout.xaxis.tickvals) == ["a", "b"]
+
+
+def test_live_loss_figure_spans_the_run_from_its_first_point_and_thins_long_histories():
+    one = viz.live_loss_figure([{"step": 400, "train_loss": 3.2}], total_steps=20_000)
+    assert list(one.layout.xaxis.range) == [0, 20_000] and one.layout.xaxis.tickformat == "d"
+    assert one.data[0].mode == "lines+markers" and list(one.data[0].x) == [400]  # one point, and it shows
+    history = [{"step": s, "train_loss": 5.0 / s} for s in range(1, 2_001)]
+    many = viz.live_loss_figure(history, total_steps=2_000, max_points=400)
+    xs = list(many.data[0].x)
+    assert len(xs) <= 401 and xs[0] == 1 and xs[-1] == 2_000
+    with pytest.raises(ValueError, match="no rows"):
+        viz.live_loss_figure([], 10)
+
+
+def test_token_rows_wrap_instead_of_squashing():
+    n = 25
+    lens = pd.DataFrame({"batch": 0, "layer": 1, "pos": range(n), "token": [f"tok{i}" for i in range(n)],
+                         "top1": "x", "top1_prob": 0.5})
+    patterns = pd.DataFrame([{"batch": 0, "layer": 0, "head": 0, "query_pos": q, "key_pos": k,
+                              "query_token": f"{q}", "key_token": f"{k}", "attention": 1.0 / (q + 1)}
+                             for q in range(n) for k in range(q + 1)])
+    fig = viz.token_hover_figure(lens, patterns, 0, 0, k=1, per_row=10)
+    trace = fig.data[0]
+    assert max(trace.x) == 9 and sorted(set(trace.y)) == [0, 1, 2]  # 10 + 10 + 5
+    assert (trace.x[12], trace.y[12]) == (2, 1) and fig.layout.width is None
+
+
+def test_circuit_labels_are_annotations_above_the_edges():
+    edges = pd.DataFrame({"sender": ["embed", "L0H1"], "receiver": ["L0H1.q", "logits"], "input": ["q", "logits"],
+                          "score": [1.0, 0.5]})
+    fig = viz.circuit_graph_figure(edges)
+    nodes = fig.data[-1]
+    assert nodes.mode == "markers" and list(nodes.text) == ["embed", "L0H1", "logits"]
+    assert [a.text for a in fig.layout.annotations] == ["embed", "L0H1", "logits"]
+    assert all(a.bgcolor and not a.showarrow for a in fig.layout.annotations)
+
+
+@pytest.mark.parametrize("name", ["stories-2026", "planted-iit-modular"])
+def test_counting_a_loaded_model_matches_counting_its_config(name):
+    from pathlib import Path
+
+    import workbench as wb
+    from workbench.accounting import count_model_params, count_params
+
+    path = Path(__file__).resolve().parents[1] / "checkpoints" / name
+    if not path.is_dir():
+        pytest.skip(f"the shipped checkpoint {path} is missing")
+    model, _ = wb.load_checkpoint(path)
+    assert count_model_params(model) == count_params(model.cfg)
+    assert count_model_params(model)["total"] == sum(p.numel() for p in model.parameters())
