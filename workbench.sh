@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # One entry point that does its own setup: a virtual environment in .venv, built from
-# requirements.txt the first time (and again whenever requirements.txt changes).
+# requirements.txt the first time (and again whenever requirements.txt or pyproject.toml changes),
+# with this repository installed into it in editable mode, so `import workbench` works from any
+# folder and in a notebook whose kernel is .venv's python.
 #   ./workbench.sh app [streamlit args]   run the app on the shipped default checkpoint
 #   ./workbench.sh test [pytest args]     run the test suite
+#   ./workbench.sh docs [--build]         serve the documentation site; --build: one strict build into site/
 #   ./workbench.sh lint                   ruff over the whole tree (CI runs it before the tests)
 #   ./workbench.sh [python -m workbench args]   the command line (train, eval, ...)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${WORKBENCH_VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
-want="$(sha256sum requirements.txt | cut -d' ' -f1)"
+want="$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.requirements.sha" 2>/dev/null)" != "$want" ]; then
   echo "setting up $VENV from requirements.txt (first run only; a few minutes)" >&2
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
   "$VENV/bin/python" -m pip install --quiet -r requirements.txt >&2
+  # --no-deps: requirements.txt above is the one list of pins.
+  "$VENV/bin/python" -m pip install --quiet --no-deps -e . >&2
   echo "$want" > "$VENV/.requirements.sha"
 fi
 cmd="${1:-help}"
@@ -23,5 +28,12 @@ case "$cmd" in
   app)  exec "$VENV/bin/python" -m streamlit run app.py --browser.gatherUsageStats false "$@" ;;
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
   lint) exec "$VENV/bin/ruff" check "$@" . ;;
+  docs)
+    if [ "${1:-}" = "--build" ]; then
+      shift
+      # --strict: a broken link, a missing page or a docstring griffe cannot read fails the build.
+      exec "$VENV/bin/python" -m mkdocs build --strict "$@"
+    fi
+    exec "$VENV/bin/python" -m mkdocs serve "$@" ;;
   *)    exec "$VENV/bin/python" -m workbench "$cmd" "$@" ;;
 esac
