@@ -9,6 +9,7 @@
 #   ./workbench.sh lint                   ruff over the whole tree (CI runs it before the tests)
 #   ./workbench.sh [python -m workbench args]   the command line (train, eval, ...)
 set -euo pipefail
+export NO_MKDOCS_2_WARNING=1  # mkdocs-material prints a banner about its successor on every build
 cd "$(dirname "$0")"
 VENV="${WORKBENCH_VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
