@@ -94,7 +94,9 @@ def test_there_is_a_tutorial_per_workflow():
         assert "# %% [markdown]" in text and text.count("# %%") >= 3
 
 
-@pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
+# The app tour starts a Streamlit server and drives Chromium: slow, as the app's browser tests are.
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if "app-tour" in p.name else p
+                                  for p in TUTORIALS], ids=lambda p: p.name)
 def test_tutorial_runs_top_to_bottom(path, monkeypatch):
     monkeypatch.chdir(ROOT)
     with warnings.catch_warnings():
