@@ -25,8 +25,6 @@ from pathlib import Path
 import plotly.io as pio
 
 import workbench as wb
-from workbench import analysis as an, viz
-
 os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root: checkpoints/ lies there
 pio.renderers.default = "notebook_connected"       # in a notebook (and on the docs site) figures load plotly.js once
 import tempfile

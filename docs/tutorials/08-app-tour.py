@@ -21,7 +21,6 @@
 # Chromium it says so and shows nothing.
 
 # %%
-import os
 import socket
 import subprocess
 import sys
@@ -65,7 +64,7 @@ if can_drive:
                 break
         except OSError:
             if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError("streamlit did not start")
+                raise RuntimeError("streamlit did not start") from None
             time.sleep(0.3)
     print("the app is up at", url)
 
