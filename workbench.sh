@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One entry point that does its own setup: a virtual environment in .venv, built from
-# requirements.txt the first time (and again whenever requirements.txt or pyproject.toml changes),
-# with this repository installed into it in editable mode, so `import workbench` works from any
-# folder and in a notebook whose kernel is .venv's python.
+# requirements.txt the first time (and again whenever requirements.txt changes), with this
+# repository installed into it in editable mode, so `import workbench` works from any folder and in
+# a notebook whose kernel is .venv's python.
 #   ./workbench.sh app [streamlit args]   run the app on the shipped default checkpoint
 #   ./workbench.sh test [pytest args]     run the test suite
 #   ./workbench.sh docs [--build]         serve the documentation site; --build: one strict build into site/
@@ -13,15 +13,21 @@ export NO_MKDOCS_2_WARNING=1  # mkdocs-material prints a banner about its succes
 cd "$(dirname "$0")"
 VENV="${WORKBENCH_VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
-want="$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+want="$(sha256sum requirements.txt | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.requirements.sha" 2>/dev/null)" != "$want" ]; then
   echo "setting up $VENV from requirements.txt (first run only; a few minutes)" >&2
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
   "$VENV/bin/python" -m pip install --quiet -r requirements.txt >&2
-  # --no-deps: requirements.txt above is the one list of pins.
-  "$VENV/bin/python" -m pip install --quiet --no-deps -e . >&2
   echo "$want" > "$VENV/.requirements.sha"
+fi
+# The editable install, checked on every run (a find_spec from another folder, no import: ~50 ms), so a
+# venv made before it, or one whose link points at another clone, is fixed without a rebuild.
+# --no-deps: requirements.txt above is the one list of pins.
+if ! (cd / && "$VENV/bin/python" -c 'import importlib.util as u, sys; s = u.find_spec("workbench")
+sys.exit(0 if s is not None and s.origin == sys.argv[1] else 1)' "$PWD/workbench/__init__.py"); then
+  echo "installing this repository into $VENV (editable)" >&2
+  "$VENV/bin/python" -m pip install --quiet --no-deps -e . >&2
 fi
 cmd="${1:-help}"
 [ $# -gt 0 ] && shift
