@@ -12,6 +12,7 @@ set -euo pipefail
 export NO_MKDOCS_2_WARNING=1  # mkdocs-material prints a banner about its successor on every build
 cd "$(dirname "$0")"
 VENV="${WORKBENCH_VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: the install check below runs from /
 PYTHON="${PYTHON:-python3}"
 want="$(sha256sum requirements.txt | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.requirements.sha" 2>/dev/null)" != "$want" ]; then
