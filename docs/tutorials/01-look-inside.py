@@ -55,7 +55,7 @@ viz.logit_lens_figure(lens)
 # %%
 patterns = an.attention_patterns(model, prompt)
 last = patterns[(patterns.layer == 2) & (patterns.query_pos == patterns.query_pos.max())]
-print(last[last.head.isin([2, 3])].nlargest(6, "attention")[["head", "key_pos", "key_token", "attention"]].to_string(index=False))
+print(last[last["head"].isin([2, 3])].nlargest(6, "attention")[["head", "key_pos", "key_token", "attention"]].to_string(index=False))
 viz.attention_figure(patterns, layer=2, head=3)
 
 # %% [markdown]
