@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from IPython.display import Image, display
@@ -95,17 +96,28 @@ def screenshot(browser, name):
     return path
 
 
-if can_drive:
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
-            for name in ("Inspect", "Ablate", "Patch", "Circuit"):
-                print(name)
-                display(Image(filename=str(screenshot(browser, name)), width=900))
+def take_screenshots(names):
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
+        try:
+            return [screenshot(browser, name) for name in names]
+        finally:
             browser.close()
+
+
+if can_drive:
+    names = ("Inspect", "Ablate", "Patch", "Circuit")
+    try:
+        # Playwright's sync API refuses to run where an asyncio loop already runs (a Jupyter kernel's):
+        # a worker thread has none.
+        with ThreadPoolExecutor(1) as pool:
+            paths = pool.submit(take_screenshots, names).result()
     finally:
         server.terminate()
         server.wait(timeout=20)
+    for name, path in zip(names, paths):
+        print(name)
+        display(Image(filename=str(path), width=900))
 
 # %% [markdown]
 # The other pages: **Steer** (directions, steering and probes), **Features** (a dictionary's
