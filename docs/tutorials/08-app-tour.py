@@ -87,9 +87,11 @@ def screenshot(browser, name):
     tab.set_default_timeout(120_000)
     tab.goto(f"{url}/?page={name}", wait_until="domcontentloaded")
     tab.locator("[data-testid=stMain]").get_by_role("heading", name=name, exact=True).first.wait_for()
-    tab.wait_for_function("() => { const a = document.querySelector('[data-testid=stApp]');"
-                          " return a && a.dataset.testScriptState === 'notRunning'; }")
-    tab.wait_for_timeout(1500)  # let plotly finish drawing
+    for _ in range(2):  # twice, as the app's browser tests do: a first run can start a second
+        tab.wait_for_timeout(500)
+        tab.wait_for_function("() => { const a = document.querySelector('[data-testid=stApp]');"
+                              " return a && a.dataset.testScriptState === 'notRunning'; }")
+    tab.wait_for_timeout(2500)  # let the widgets and plotly finish drawing
     path = shots / f"{name}.png"
     tab.screenshot(path=str(path))
     context.close()
