@@ -9,7 +9,7 @@ on repeated random tokens) and the task's own evaluation on plain repeated rando
 on the first and on the repeated half, and the best head's induction score. Both analyses run
 in one pass (one load per snapshot); the seconds are printed. Writes the figure (score and
 losses against step, and the layer x head heatmap with a step slider) as HTML, and prints the
-Markdown table the README shows.
+Markdown table docs/reference/training-dynamics.md shows (--check: measured again, row by row).
 """
 
 from __future__ import annotations
