@@ -36,7 +36,7 @@ from workbench.data import get_task
 from workbench.training import TrainConfig, train
 
 run = Path(tempfile.mkdtemp()) / "ind"
-result = train(TrainConfig(task="induction", steps=60, eval_every=30, snapshots="every:20"),
+result = train(TrainConfig(task="induction", steps=30, eval_every=15, snapshots="every:10"),
                wb.ModelConfig.from_preset("attn-only-2l"), run)
 print(result.metrics)
 print(result.history.tail(3).to_string(index=False))
@@ -52,7 +52,7 @@ print(sorted(p.name for p in (run / "snapshots").iterdir()))
 # %%
 series = wb.load_series("checkpoints/induction-attn2l")
 task = get_task("induction")
-scores = functools.partial(an.head_scores, kinds=("previous_token", "induction"), seq_len=32, batch=16)
+scores = functools.partial(an.head_scores, kinds=("previous_token", "induction"), seq_len=32, batch=8)
 both = an.over_training(series, {"heads": scores, "task": functools.partial(task.evaluate, half_len=32)},
                         progress=False)
 heads, evals = both["heads"], both["task"]
