@@ -10,9 +10,9 @@ the checkpoint directory, because a rebuilt checkpoint (scripts/make_checkpoints
 that directory and its dictionaries would no longer describe it: make_checkpoints.py runs this
 script again after rebuilding stories-2026.
 
-Then the features the README names are checked: each claim is measured again and printed, and
+Then the features docs/reference/dictionaries.md names are checked: each claim is measured again and printed, and
 the script fails if one no longer holds (a rebuild on another machine may number features
-differently; then look again, with the printed table, and update the README).
+differently; then look again, with the printed table, and update docs/reference/dictionaries.md).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ COLLECT = dict(tokens=7 * 33 * 32 * 63, batch_size=32, seq_len=64, tokens_per_sh
 TRAIN = dict(kind="batchtopk", d_sae=512, k=16, steps=1500, batch_size=2048, seed=0, threads=1, log_every=50,
              save_train_state=False, eval_sequences=256)
 # Found by looking (the features firing at each IOI role, then their contexts, logits and ablations);
-# the README shows them. check_features() measures every claim again.
+# docs/reference/dictionaries.md shows them. check_features() measures every claim again.
 TO_BEFORE_IO, GIVER, REPEATED_NAME = 206, 149, 281
 
 
@@ -68,7 +68,7 @@ def build(root: Path) -> dict:
 
 @torch.no_grad()
 def check_features(model, sae, task) -> bool:
-    """Re-measure what the README says about the named features; print it; True when all of it holds."""
+    """Re-measure what docs/reference/dictionaries.md says about the named features; print it; True when all of it holds."""
     from workbench.data.stories import GIVES, NAMES
 
     ioi = task.ioi_prompts(256, split="heldout")

@@ -9,13 +9,14 @@ on repeated random tokens) and the task's own evaluation on plain repeated rando
 on the first and on the repeated half, and the best head's induction score. Both analyses run
 in one pass (one load per snapshot); the seconds are printed. Writes the figure (score and
 losses against step, and the layer x head heatmap with a step slider) as HTML, and prints the
-Markdown table the README shows.
+Markdown table docs/reference/training-dynamics.md shows (--check: measured again, row by row).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ from workbench import analysis as an  # noqa: E402
 from workbench import viz  # noqa: E402
 from workbench.checkpoint import read_meta  # noqa: E402
 from workbench.data import get_task  # noqa: E402
+
+DOC = REPO / "docs" / "reference" / "training-dynamics.md"  # the table --check measures again
 
 
 def measure(run: Path, progress: bool = True):
@@ -64,6 +67,9 @@ def main(argv=None) -> int:
     parser.add_argument("--run", type=Path, default=REPO / "checkpoints" / "induction-attn2l")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "phase_change.html")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--check", action="store_true",
+                        help="write no figure; fail unless every row of the table in docs/reference/training-dynamics.md "
+                             "is measured again to the printed digits")
     args = parser.parse_args(argv)
     if args.threads:
         import torch
@@ -71,7 +77,15 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     series, heads, task, seconds = measure(args.run)
     print(f"over_training: {len(series)} snapshots, 2 analyses, {seconds:.1f} s")
-    print(table(heads, task, series))
+    measured = table(heads, task, series)
+    print(measured)
+    if args.check:
+        documented = [line for line in DOC.read_text().splitlines() if re.match(r"^\| \d+ \|", line)]
+        stale = [line for line in documented if line not in measured.splitlines()]
+        print(f"{len(documented) - len(stale)} of {len(documented)} documented rows measured again")
+        for line in stale:
+            print("  no longer holds:", line)
+        return 1 if stale or not documented else 0
     losses = task[["step", "loss_first_half", "loss_repeated_half"]]
     figure = viz.over_training_figure(heads, losses=losses,
                                       title=f"{args.run.name}: head scores and losses over training")

@@ -122,7 +122,7 @@ def test_head_scores_report_the_layout_they_were_measured_on():
 
 
 def test_shipped_induction_model_spreads_induction_over_layer_one():
-    """The README's claim: every layer-1 head scores high on fresh layouts and the top one moves."""
+    """The claim of docs/reference/checkpoints.md: every layer-1 head scores high on fresh layouts and the top one moves."""
     path = REPO / "checkpoints" / "induction-attn2l"
     if not (path / "config.json").exists():
         pytest.skip("checkpoints/induction-attn2l is not built yet (scripts/make_checkpoints.py)")

@@ -1,4 +1,4 @@
-"""The package map in the README holds: imports go one way, config -> components -> model (and
+"""The package map in docs/reference/architecture.md holds: imports go one way, config -> components -> model (and
 what sits beside it) -> analysis -> viz -> the command line, and the library never imports
 streamlit or the app's ui/. Every import counts, including those inside functions."""
 

@@ -118,3 +118,35 @@ def test_unknown_kind_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="nope"):
         load_tokenizer(tmp_path)
     assert load_tokenizer(tmp_path / "missing") is None
+
+
+def test_to_tokens_warns_naming_words_outside_the_vocabulary_and_strict_raises():
+    # The stories checkpoint's word vocabulary lacks "Then", "Anne", "Bob", "talked" and ";":
+    # before, this prompt became five silent <unk>s.
+    import warnings
+
+    from workbench.tokenizer import UnknownTokenWarning, encode_checked
+
+    model, tok = wb.load_checkpoint("checkpoints/stories-2026")
+    text = "Then Anne and Bob talked; Bob handed a book to"
+    with pytest.warns(UnknownTokenWarning) as caught:
+        ids = model.to_tokens(text)
+    message = str(caught[0].message)
+    for word in ("'Then'", "'Anne'", "'Bob'", "'talked'", "';'"):
+        assert word in message
+    assert "'handed'" not in message and "strict=True" in message
+    assert ids[0].tolist() == tok.encode(text) and (ids[0] == 0).sum() == 6  # still encoded, as before
+    with pytest.raises(ValueError, match="'Anne'"):
+        model.to_tokens(text, strict=True)
+    with pytest.raises(ValueError, match="'Anne'"):
+        model.to_tokens(["Mary gave a book to", text], padding_side="left", strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a prompt inside the vocabulary says nothing
+        clean = model.to_tokens("When Mary and John went to the store , John gave a drink to", strict=True)
+    assert (clean != 0).all()
+    # Any tokenizer that can lose text warns the same way; a byte tokenizer never does.
+    with pytest.warns(UnknownTokenWarning, match="'z'"):
+        encode_checked(CharTokenizer.from_text("abc"), "abz")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert encode_checked(ByteTokenizer(), UNSEEN) == ByteTokenizer().encode(UNSEEN)

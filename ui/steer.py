@@ -41,7 +41,7 @@ MODE_HELP = ("add: x + s·v.  ablate: x − s·(x·u)u (u = v/|v|; s = 1 removes
              "clamp: the component along u set to s·|v|.")
 ENV_VAR = "WORKBENCH_DIRECTIONS"
 # The stories grammar's IOI sentences: the subject first (positive) against the indirect object
-# first (negative), read at the last token: the "subject came first" direction of the README.
+# first (negative), read at the last token: the "subject came first" direction of docs/reference/directions.md.
 DEFAULT_POSITIVE = ("When John and Mary went to the store , John gave a drink to\n"
                     "When Tom and Lily went to the park , Tom gave a ball to\n"
                     "When Max and Sara went to the school , Max gave a book to")

@@ -461,17 +461,23 @@ class HookedDecoder(HookedRootModule):
         return self.tokenizer
 
     def to_tokens(
-        self, text: Union[str, Sequence[str]], padding_side: Optional[str] = None
+        self, text: Union[str, Sequence[str]], padding_side: Optional[str] = None, strict: bool = False
     ) -> Union[Int[Tensor, "batch pos"], TokenBatch]:
         """Token ids [batch, pos] of one text, or of several that tokenize to one length.
 
         Texts of different lengths, or any ``padding_side`` ("right" by default, "left" for
         ``generate``), give a ``TokenBatch``: ids padded with the tokenizer's ``pad_id`` plus
         the attention mask, which every forward and ``generate`` accept as they are.
+        Words outside the vocabulary warn, naming them (``UnknownTokenWarning``: they encode
+        as ``unk``); ``strict=True`` raises instead, as the app does.
         """
+        from workbench.tokenizer import encode_checked
+
         tok = self._need_tokenizer()
         texts = [text] if isinstance(text, str) else list(text)
-        ids = [tok.encode(t) for t in texts]
+        ids = []
+        for t in texts:  # a loop, not a comprehension: the warning then points at the caller's line
+            ids.append(encode_checked(tok, t, strict=strict))
         if padding_side is None and len({len(i) for i in ids}) == 1:
             return torch.tensor(ids, dtype=torch.long, device=self.device)
         return TokenBatch.from_ids(ids, getattr(tok, "pad_id", 0), padding_side or "right", self.device)

@@ -11,6 +11,10 @@ Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``,
 (what ``encode`` would turn into ``unk``), ``vocab_size``, ``pad_id`` and ``save(dir)``,
 which writes ``tokenizer.json``; ``load_tokenizer(dir)`` restores whichever kind was saved.
 
+``encode_checked(tokenizer, text, strict=...)`` is ``encode`` that never turns text into ``unk``
+silently: it warns (``UnknownTokenWarning``) naming the pieces outside the vocabulary, or raises
+with ``strict=True`` (the app refuses such a prompt the same way). ``model.to_tokens`` uses it.
+
 ``pad_id`` is the id ``model.to_tokens(texts, padding_side=...)`` fills short rows with. None
 of our own tokenizers has a pad token, and adding one would grow the vocabulary past what
 shipped checkpoints were trained with; so they reuse an existing id (``unk``, byte 0, BPE id 0)
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
@@ -249,6 +254,32 @@ def unknown_pieces(tokenizer, text: str) -> list[str]:
     """
     method = getattr(tokenizer, "unknown_pieces", None)
     return method(text) if method is not None else []
+
+
+class UnknownTokenWarning(UserWarning):
+    """Text held pieces outside the tokenizer's vocabulary, which encode as its ``unk`` token."""
+
+
+def encode_checked(tokenizer, text: str, strict: bool = False) -> list[int]:
+    """``tokenizer.encode(text)``, saying so when a piece of ``text`` is outside the vocabulary.
+
+    Those pieces would become ``unk`` (a word tokenizer turns every unseen word into ``<unk>``):
+    with ``strict=False`` a ``UnknownTokenWarning`` names them and the ids are returned anyway;
+    with ``strict=True`` a ValueError names them and nothing is encoded.
+    """
+    bad = unknown_pieces(tokenizer, text)
+    if bad:
+        shown = ", ".join(repr(b) for b in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        unk = getattr(tokenizer, "unk", "unk")
+        size = getattr(tokenizer, "vocab_size", "?")
+        message = (
+            f"{len(bad)} piece(s) of {text[:60]!r}{'...' if len(text) > 60 else ''} are outside this "
+            f"tokenizer's vocabulary ({size} tokens) and encode as {unk!r}: {shown}"
+        )
+        if strict:
+            raise ValueError(message + ". Use only what the vocabulary holds (strict=True refuses the rest).")
+        warnings.warn(message + " (strict=True raises instead)", UnknownTokenWarning, stacklevel=3)
+    return tokenizer.encode(text)
 
 
 def tokenizer_from_dict(data: dict) -> Tokenizer:

@@ -21,7 +21,7 @@ def checkpoints_dir() -> Path:
     root = Path(os.environ.get("WORKBENCH_TEST_CHECKPOINTS", REPO / "checkpoints"))
     if not (root / DEFAULT / "config.json").is_file():
         pytest.skip(f"the shipped default checkpoint {root / DEFAULT} is missing: make it with the "
-                    "command that builds checkpoints/ (see README)")
+                    "command that builds checkpoints/ (see docs/reference/checkpoints.md)")
     return root
 
 

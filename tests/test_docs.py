@@ -1,0 +1,104 @@
+"""The documentation runs as written: every ```python block of README.md and of every page under
+docs/ (blocks preceded by a line ``<!-- no-run: reason -->`` excepted, the reason said there), and
+every tutorial under docs/tutorials/ top to bottom.
+
+The blocks of one page run in order in one namespace, from the repository root, as a reader pasting
+them one after another into a session would; the tutorials are plain scripts (jupytext percent
+format), run with ``runpy`` in this process so that torch is imported once for all of them. The
+strict site build (``./workbench.sh docs --build``) executes the tutorials again and takes minutes,
+so it runs in .ci/run, not here.
+"""
+
+from __future__ import annotations
+
+import re
+import runpy
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+NO_RUN = re.compile(r"^<!--\s*no-run:\s*(\S.*?)\s*-->\s*$")
+FENCE = re.compile(r"^(\s*)```+\s*python\s*$")
+
+
+def python_blocks(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, code, no-run reason or None) of each ```python block of a markdown file."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, start = len(m.group(1)), i
+        prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        reason = NO_RUN.match(prev.strip())
+        body = []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith("```"):
+            body.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
+            i += 1
+        blocks.append((start + 1, "\n".join(body) + "\n", reason.group(1) if reason else None))
+        i += 1
+    return blocks
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md"] + sorted(DOCS.rglob("*.md"))
+
+
+def test_the_block_reader_sees_fences_and_markers(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("a\n```python\nx = 1\n```\n\n<!-- no-run: needs a GPU -->\n```python\nboom\n```\n"
+                    "```bash\nls\n```\n    ```python\n    y = 2\n    ```\n")
+    assert python_blocks(page) == [(2, "x = 1\n", None), (7, "boom\n", "needs a GPU"), (13, "y = 2\n", None)]
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_block_of_a_page_runs_as_written(page, monkeypatch):
+    blocks = python_blocks(page)
+    monkeypatch.chdir(ROOT)
+    namespace: dict = {"__name__": "__docs__"}
+    ran = 0
+    for line, code, reason in blocks:
+        if reason is not None:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), namespace)
+        except Exception as err:  # noqa: BLE001 - any failure of a documented example is the bug
+            pytest.fail(f"{page.relative_to(ROOT)}, the block at line {line} fails as written: {type(err).__name__}: {err}")
+        ran += 1
+    if not blocks:
+        pytest.skip(f"{page.relative_to(ROOT)} has no python block")
+    if page.name == "README.md":
+        assert ran >= 1, "the README's example must run (it is not marked no-run)"
+
+
+def test_readme_stays_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+TUTORIALS = sorted((DOCS / "tutorials").glob("*.py"))
+
+
+def test_there_is_a_tutorial_per_workflow():
+    assert len(TUTORIALS) >= 8, [p.name for p in TUTORIALS]
+    for path in TUTORIALS:
+        text = path.read_text()
+        assert text.startswith("# ---\n") and "format_name: percent" in text, f"{path.name}: not jupytext percent"
+        assert "# %% [markdown]" in text and text.count("# %%") >= 3
+
+
+# The app tour starts a Streamlit server and drives Chromium: slow, as the app's browser tests are.
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if "app-tour" in p.name else p
+                                  for p in TUTORIALS], ids=lambda p: p.name)
+def test_tutorial_runs_top_to_bottom(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runpy.run_path(str(path), run_name="__main__")
