@@ -37,6 +37,8 @@ LAYOUTS = {
     "moe": dict(norm="rmsnorm", positional="rope", ffn="moe", n_experts=4, experts_per_token=2),
     "gemma-rmsnorm-untied-nobias": dict(norm="gemma_rmsnorm", positional="rope", bias=False, tie_embeddings=False,
                                         scale_embeddings=True),
+    "mla": dict(attention="mla", norm="rmsnorm", positional="rope", kv_lora_rank=16, q_lora_rank=16,
+                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
 }
 
 
@@ -126,7 +128,7 @@ def _zeroed(model, rs, cap, graph: Graph, source: int):
     return frozen_forward(model, rs, cap, acts=acts, errors=errors, embed=embed)
 
 
-def _check_edges(model, graph: Graph, n_per_kind: int = 3, n_random: int = 6, seed: int = 0) -> int:
+def _check_edges(model, graph: Graph, n_per_kind: int = 2, n_random: int = 4, seed: int = 0) -> int:
     """Compare sampled edges (each source-kind x target-kind pair) and random pairs to perturbations."""
     _, rs, cap = graph._context
     g = torch.Generator().manual_seed(seed)
