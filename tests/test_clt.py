@@ -130,3 +130,105 @@ def test_bad_input():
         CrossLayerTranscoder(n_layers=2, d_in=2, d_sae=2, activation="topk", k=5)
     with pytest.raises(ValueError, match="activation must be one of"):
         CrossLayerTranscoder(n_layers=2, d_in=2, d_sae=2, activation="relu6")
+
+
+# ---- splicing into a model ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    import workbench as wb
+    from factories import tiny
+
+    torch.manual_seed(0)
+    return wb.HookedDecoder(tiny(d_vocab=40, n_layers=3, norm="rmsnorm", ffn="swiglu", positional="rope")).eval()
+
+
+def random_clt(model, activation="jumprelu", skip=True, seed=0):
+    torch.manual_seed(seed)
+    clt = CrossLayerTranscoder(n_layers=model.cfg.n_layers, d_in=model.cfg.d_model, d_sae=24,
+                               d_out=model.cfg.d_model, activation=activation, k=4, skip=skip)
+    with torch.no_grad():
+        for p in clt.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        if activation == "jumprelu":
+            clt.threshold.uniform_(0.0, 0.5)
+    return clt
+
+
+def test_spliced_with_error_terms_equals_the_model(model):
+    from workbench.analysis import spliced
+
+    tokens = torch.randint(0, 40, (3, 12))
+    plain = model(tokens)
+    clean, cache = model.run_with_cache(tokens)
+    clt = random_clt(model)
+    with spliced(model, clt, error_term=True):
+        logits, spliced_cache = model.run_with_cache(tokens)
+        assert set(model._sae_splices) == {f"blocks.{layer}.hook_mlp_out" for layer in range(3)}
+    torch.testing.assert_close(logits, clean, rtol=0, atol=1e-5)
+    # the features are the CLT's encoding of each layer's MLP input, and the reconstruction its decode
+    xs = [cache[clt.hook_in(layer)] for layer in range(3)]
+    acts = [clt.encode(layer, x) for layer, x in enumerate(xs)]
+    for layer in range(3):
+        torch.testing.assert_close(spliced_cache[f"blocks.{layer}.hook_mlp_out.hook_sae_acts_post"], acts[layer],
+                                   rtol=1e-4, atol=1e-4)  # the error term returns x to float rounding
+        torch.testing.assert_close(spliced_cache[f"blocks.{layer}.hook_mlp_out.hook_sae_recons"],
+                                   clt.decode(layer, acts, xs[layer]), rtol=1e-4, atol=1e-4)
+    assert not hasattr(model.blocks[0], "_sae_splices") and not model._sae_splices  # all out again
+    assert torch.equal(model(tokens), plain)
+
+
+def test_spliced_without_error_and_feature_edits_reach_later_layers(model):
+    from workbench.analysis import spliced
+
+    tokens = torch.randint(0, 40, (2, 10))
+    clt = random_clt(model, skip=False)
+    # without the error term every MLP output is the reconstruction: check against a manual forward
+    with spliced(model, clt, error_term=False):
+        logits = model(tokens)
+    recons: dict = {}
+
+    def replace(layer):
+        def hook(value, hook):
+            return recons[layer]
+        return hook
+
+    def tap(layer):
+        def hook(value, hook):
+            acts_so_far.append(clt.encode(layer, value))
+            recons[layer] = clt.decode(layer, acts_so_far)
+        return hook
+
+    acts_so_far: list = []
+    fwd = [(clt.hook_in(layer), tap(layer)) for layer in range(3)] + [(clt.hook_out(layer), replace(layer)) for layer in range(3)]
+    torch.testing.assert_close(logits, model.run_with_hooks(tokens, fwd_hooks=fwd), rtol=1e-5, atol=1e-5)
+
+    # zeroing every layer-0 feature (error term kept) moves the later layers by exactly their decoders' share
+    def zero(value, hook):
+        return torch.zeros_like(value)
+
+    with spliced(model, clt, error_term=True):
+        _, base = model.run_with_cache(tokens)
+        with model.hooks(fwd_hooks=[("blocks.0.hook_mlp_out.hook_sae_acts_post", zero)]):
+            edited_logits, edited = model.run_with_cache(tokens)
+    a0 = base["blocks.0.hook_mlp_out.hook_sae_acts_post"]
+    assert float(a0.abs().sum()) > 0
+    expected_shift = -(a0 @ clt.decoder(0, 0))
+    torch.testing.assert_close(edited["blocks.0.hook_mlp_out"] - base["blocks.0.hook_mlp_out"], expected_shift,
+                               rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(edited_logits, logits)
+
+
+def test_splice_bad_input(model):
+    from workbench.analysis import add_sae, remove_sae, spliced
+
+    with pytest.raises(ValueError, match="covers 2 layers"):
+        add_sae(model, CrossLayerTranscoder(n_layers=2, d_in=32, d_sae=4))
+    with pytest.raises(ValueError, match="d_in=16 does not match"):
+        add_sae(model, CrossLayerTranscoder(n_layers=3, d_in=16, d_sae=4, d_out=32))
+    clt = random_clt(model)
+    with spliced(model, clt):
+        with pytest.raises(ValueError, match="already spliced"):
+            add_sae(model, random_clt(model, seed=1))
+    add_sae(model, clt)
+    remove_sae(model, "blocks.1.hook_mlp_out")  # one layer's name takes the whole CLT out
+    assert not model._sae_splices

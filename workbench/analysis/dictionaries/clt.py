@@ -254,16 +254,16 @@ class CrossLayerTranscoder(nn.Module):
             self.W_skip.mul_((s_in / s_out)[:, None, None])
 
     # ---- splicing and metrics -------------------------------------------------------------------
-    def splice(self, model, error_term: bool = False):
-        """Replace every MLP of ``model`` by this CLT (``clt_splice.add_clt``)."""
-        from workbench.analysis.dictionaries.clt_splice import add_clt
+    def splice(self, model, error_term: bool = False, hook: Optional[str] = None):
+        """Replace every MLP output of ``model`` by this CLT (``splice.add_clt``; what ``model.add_sae`` calls)."""
+        from workbench.analysis.splice import add_sae
 
-        return add_clt(model, self, error_term=error_term)
+        return add_sae(model, self, error_term=error_term, hook=hook)
 
-    def unsplice(self, model) -> None:
-        from workbench.analysis.dictionaries.clt_splice import remove_clt
+    def unsplice(self, model, which: Union[str, nn.Module, None] = None) -> None:
+        from workbench.analysis.splice import remove_sae
 
-        remove_clt(model, self)
+        remove_sae(model, which)
 
     def __repr__(self) -> str:
         k = f", k={self.cfg.k}" if self.activation == "topk" else ""
