@@ -96,8 +96,8 @@ from workbench.analysis.directions import (
 from workbench.analysis.probes import Probe, TokenIn, auc, fit_probe, train_probe
 from workbench.analysis.store import ActivationStore, LiveActivations, StoreError, TensorActivations
 from workbench.analysis.dictionaries import (
-    DICTIONARIES, Dictionary, DictionaryConfig, DictionaryError, SAETrainConfig, load_dictionary, save_dictionary,
-    train_sae,
+    DICTIONARIES, CrossLayerTranscoder, Dictionary, DictionaryConfig, DictionaryError, SAETrainConfig, load_dictionary,
+    save_dictionary, train_sae,
 )
 from workbench.analysis.splice import add_sae, remove_sae, spliced, spliced_saes
 from workbench.analysis.features import (
@@ -138,7 +138,7 @@ __all__ = [
     "steering_sweep", "steering_vector",
     "Probe", "TokenIn", "auc", "fit_probe", "train_probe",
     "ActivationStore", "LiveActivations", "StoreError", "TensorActivations",
-    "DICTIONARIES", "Dictionary", "DictionaryConfig", "DictionaryError", "SAETrainConfig", "load_dictionary",
+    "DICTIONARIES", "CrossLayerTranscoder", "Dictionary", "DictionaryConfig", "DictionaryError", "SAETrainConfig", "load_dictionary",
     "save_dictionary", "train_sae",
     "add_sae", "remove_sae", "spliced", "spliced_saes",
     "check_dictionary", "feature_ablation_comparison", "feature_activations", "feature_direction", "feature_dla", "feature_edit", "feature_histogram",
