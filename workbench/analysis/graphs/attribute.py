@@ -264,7 +264,10 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
     n_logits = len(labels)
     logit_start = src.n
     n_total = src.n + n_logits
-    engine = _Engine(model, rs, cap, src, batch_size, chunk)
+    budget = src.n_feat if max_feature_nodes is None else min(int(max_feature_nodes), src.n_feat)
+    # no more copies of the prompt than there are targets to put in one backward pass
+    engine = _Engine(model, rs, cap, src, min(batch_size, max(n_logits, budget, 1)), chunk)
+    batch_size = engine.batch
     final_vecs = vecs * engine.final_w  # the logit direction at the final norm's normalised input
     final_values = (cap.final.float() * engine.final_w) @ vecs.T  # without the norm's bias: a constant
     if getattr(model.ln_final, "b", None) is not None:
@@ -281,7 +284,6 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
         hi = min(lo + batch_size, n_logits)
         layers = torch.full((hi - lo,), rs.n_layers)
         add(range(logit_start + lo, logit_start + hi), engine.rows(layers, torch.full((hi - lo,), last), final_vecs[lo:hi]))
-    budget = src.n_feat if max_feature_nodes is None else min(int(max_feature_nodes), src.n_feat)
     visited = torch.zeros(src.n_feat, dtype=torch.bool)
     logit_weights = torch.zeros(n_total)
     logit_weights[logit_start:] = weights
