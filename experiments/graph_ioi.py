@@ -7,11 +7,10 @@
    activation store of the stories task (reused from ``--out`` when it is already there).
 2. The graph of the held-out IOI prompt (seed 0), target: logit(IO) - logit(S), pruned as
    circuit-tracer prunes (node 0.8, edge 0.98).
-3. Its reading is checked: the most influential features are zeroed (a) in the graph's own frozen
-   model with every other feature held, where the target must move by minus their direct edges,
-   and (b) in the live replacement model (attention, norms and downstream features recomputed,
-   errors held), against the graph's prediction along every path through features,
-   ``A (I - A_ff)^-1``, which holds exactly only while attention and the features' on/off pattern stay put.
+3. Its reading is checked by interventions: the features whose predicted effect on the target is
+   largest (along every path through features, ``A (I - A_ff)^-1``) are zeroed one at a time in
+   the replacement model with attention and norms frozen (features re-encoded, errors held) and
+   in the live replacement model (attention and norms recomputed too).
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "stories-2026-transcoders")
     p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--top", type=int, default=3, help="features zeroed together in the check")
+    p.add_argument("--top", type=int, default=20, help="features zeroed in the check")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     model, _ = wb.load_checkpoint(ROOT / "checkpoints" / "stories-2026")
@@ -75,32 +74,47 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     graph = an.attribution_graph(model, tcs, tokens, target=(io, s))
     print(f"graph: {graph} in {time.perf_counter() - started:.1f} s; scores {graph.scores()}")
-    pruned = graph.prune(0.8, 0.98)
-    print(f"pruned: {pruned}")
     nodes, _ = graph.to_frame()
     strs = graph.str_tokens
     feats = nodes[nodes.kind == "feature"].sort_values("influence", ascending=False)
     feats = feats.assign(token=[strs[p] for p in feats.pos])
     print(feats.head(10)[["id", "layer", "pos", "token", "feature", "activation", "influence"]].to_string(index=False))
     logit = int(graph.nodes_of("logit")[0])
-    with torch.no_grad():
-        clean = graph.intervene([], direct_only=True)[-1]
+    ids = graph.node_ids()
+    into = graph.edge_target == logit
+    src, w = graph.edge_source[into], graph.edge_weight[into]
+    print("largest edges into the target:", [(ids[int(src[i])], strs[int(graph.pos[src[i]])], round(float(w[i]), 3))
+                                             for i in w.abs().argsort(descending=True)[:8]])
+    influence = graph.influence()
+    for k, kind in enumerate(("feature", "error", "token")):
+        print(f"  {kind}s: direct edges sum {float(w[graph.kind[src] == k].sum()):+.3f}, "
+              f"influence share {float(influence[graph.kind == k].sum() / influence.sum()):.3f}")
     diff = lambda logits: float(logits[io] - logits[s])  # noqa: E731
-    top = [int(i) for i in feats.index[: args.top]]
-    # the graph's linear prediction: total effect of the top features on the target through all paths
+    # the graph's prediction for zeroing a feature: minus its effect along every path through features
     A = graph.adjacency().double()
     total = A @ torch.linalg.inv(torch.eye(graph.n_nodes, dtype=torch.float64) - _feature_only(A, graph))
-    predicted = -sum(float(total[logit, i]) for i in top)
-    frozen = diff(graph.intervene(top, 0.0, direct_only=True)[-1]) - diff(clean)
-    live = diff(graph.intervene(top, 0.0)[-1]) - diff(clean)
-    real = diff(model(tokens)[0, -1])
-    print(f"logit difference IO - S: model {real:.3f}, replacement model {diff(clean):.3f}")
-    print(f"zeroing the top {args.top} features {[graph.node_ids()[i] for i in top]}:")
-    print(f"  graph's prediction (all paths through features) {predicted:+.3f}")
-    print(f"  frozen replacement model, downstream features held (direct edges only) {frozen:+.3f}"
-          f" = -sum of direct edges {-sum(graph.edge(logit, i) for i in top):+.3f}")
-    print(f"  live replacement model (attention, norms, features recomputed) {live:+.3f}")
-    return dict(graph=graph, pruned=pruned, predicted=predicted, frozen=frozen, live=live)
+    feature_nodes = graph.nodes_of("feature")
+    top = feature_nodes[total[logit, feature_nodes].abs().argsort(descending=True)[: args.top]].tolist()
+    with torch.no_grad():
+        clean = diff(graph.intervene([])[-1])
+        predicted = torch.tensor([-float(total[logit, i]) for i in top])
+        frozen = torch.tensor([diff(graph.intervene([i], 0.0, freeze_attention=True)[-1]) - clean for i in top])
+        live = torch.tensor([diff(graph.intervene([i], 0.0)[-1]) - clean for i in top])
+        together = diff(graph.intervene(top, 0.0)[-1]) - clean
+        real = diff(model(tokens)[0, -1])
+    print(f"logit difference IO - S: model {real:.4f}, replacement model {clean:.4f}")
+    print(f"zeroing each of the {len(top)} features of largest predicted effect, one at a time:")
+    for i, p_, f_, l_ in zip(top, predicted.tolist(), frozen.tolist(), live.tolist()):
+        print(f"  {ids[i]:>10} {strs[int(graph.pos[i])]!r:>8} act {float(graph.activation[i]):6.2f}  "
+              f"graph {p_:+.3f}  frozen attention {f_:+.3f}  live {l_:+.3f}")
+    r = lambda x, y: float(torch.corrcoef(torch.stack([x, y]))[0, 1])  # noqa: E731
+    print(f"graph vs frozen attention: r = {r(predicted, frozen):.2f}, same sign {int(((predicted > 0) == (frozen > 0)).sum())}"
+          f"/{len(top)};  graph vs live: r = {r(predicted, live):.2f}, same sign "
+          f"{int(((predicted > 0) == (live > 0)).sum())}/{len(top)}")
+    print(f"all {len(top)} zeroed together: graph {float(predicted.sum()):+.3f}, live {together:+.3f}")
+    for node_threshold in (0.8, 0.9, 0.95):
+        print(f"pruned at node threshold {node_threshold}, edge 0.98: {graph.prune(node_threshold, 0.98)}")
+    return dict(graph=graph, predicted=predicted, frozen=frozen, live=live)
 
 
 def _feature_only(A: torch.Tensor, graph) -> torch.Tensor:
