@@ -16,7 +16,6 @@ import workbench as wb
 from workbench import analysis as an
 from workbench import viz
 from workbench.analysis.dictionaries import (
-    DICTIONARIES,
     DictionaryConfig,
     DictionaryError,
     load_dictionary,
@@ -24,6 +23,7 @@ from workbench.analysis.dictionaries import (
     save_dictionary,
     train_sae,
 )
+from workbench.analysis.dictionaries.registry import PER_LAYER
 from workbench.analysis.store import ActivationStore, StoreError, TensorActivations
 from workbench.data import get_task
 from workbench.training import TrainingDiverged
@@ -83,7 +83,7 @@ def best_cosine(W, F):
     return (F @ (W / W.norm(dim=1, keepdim=True)).T).max(1).values
 
 
-@pytest.mark.parametrize("kind", list(DICTIONARIES))
+@pytest.mark.parametrize("kind", PER_LAYER)
 def test_each_kind_recovers_planted_features(kind):
     data, F, G = planted(kind)
     tc = kind in TRANSCODERS
@@ -160,7 +160,7 @@ def saelens_reference(folder: Path, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("kind", list(DICTIONARIES))
+@pytest.mark.parametrize("kind", PER_LAYER)
 def test_saelens_schema_and_round_trip(kind, tmp_path):
     sae = random_dictionary(kind, model_name="tiny")
     sae.metrics = {"l0": 3.5}
@@ -246,7 +246,7 @@ def test_unsupported_and_corrupt_dictionary_files(tmp_path):
 
 
 # ---- splicing ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind,hook", [(k, SAE_HOOK) for k in DICTIONARIES] + [("topk", "blocks.1.attn.hook_z")])
+@pytest.mark.parametrize("kind,hook", [(k, SAE_HOOK) for k in PER_LAYER] + [("topk", "blocks.1.attn.hook_z")])
 def test_splice_with_error_term_changes_nothing(model, kind, hook):
     tokens = torch.randint(0, 40, (3, 12))
     clean = model(tokens)

@@ -28,6 +28,8 @@
     batching.py     iter_batches: any data (texts, tensors, TokenBatch, PromptSet) as padded batches
     circuits/       edges: the computation graph, exact edge patching, EAP / EAP-IG, ACDC, path patching,
                     circuits (save, load, faithfulness) and AUROC against known circuits
+    graphs/         attribution graphs: the replacement model (transcoders, frozen attention and norms),
+                    direct-effect edges, influence pruning, circuit-tracer's graph JSON
 """
 
 from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep, sweep_specs
@@ -94,8 +96,8 @@ from workbench.analysis.directions import (
 from workbench.analysis.probes import Probe, TokenIn, auc, fit_probe, train_probe
 from workbench.analysis.store import ActivationStore, LiveActivations, StoreError, TensorActivations
 from workbench.analysis.dictionaries import (
-    DICTIONARIES, Dictionary, DictionaryConfig, DictionaryError, SAETrainConfig, load_dictionary, save_dictionary,
-    train_sae,
+    DICTIONARIES, CrossLayerTranscoder, Dictionary, DictionaryConfig, DictionaryError, SAETrainConfig, load_dictionary,
+    save_dictionary, train_sae,
 )
 from workbench.analysis.splice import add_sae, remove_sae, spliced, spliced_saes
 from workbench.analysis.features import (
@@ -136,7 +138,7 @@ __all__ = [
     "steering_sweep", "steering_vector",
     "Probe", "TokenIn", "auc", "fit_probe", "train_probe",
     "ActivationStore", "LiveActivations", "StoreError", "TensorActivations",
-    "DICTIONARIES", "Dictionary", "DictionaryConfig", "DictionaryError", "SAETrainConfig", "load_dictionary",
+    "DICTIONARIES", "CrossLayerTranscoder", "Dictionary", "DictionaryConfig", "DictionaryError", "SAETrainConfig", "load_dictionary",
     "save_dictionary", "train_sae",
     "add_sae", "remove_sae", "spliced", "spliced_saes",
     "check_dictionary", "feature_ablation_comparison", "feature_activations", "feature_direction", "feature_dla", "feature_edit", "feature_histogram",
@@ -146,3 +148,8 @@ __all__ = [
     "Circuit", "ComputationGraph", "discover_circuit", "edge_attribution", "edge_auroc", "edge_patching",
     "evaluate_circuit", "faithfulness", "node_attribution", "path_patching",
 ]
+
+from workbench.analysis.graphs import Graph, attribution_graph  # noqa: E402
+
+__all__ += ["Graph", "attribution_graph"]
+

@@ -20,6 +20,12 @@ sparse feature circuits). Without it the model runs on the reconstruction alone.
 A transcoder reads one hook (the MLP's input) and replaces another (the MLP's output): the input
 hook is swapped for an ``InputTap`` that hands its value to the output's ``SAEHookPoint``.
 
+A cross-layer transcoder (``dictionaries/clt.py``) replaces every MLP at once: each layer's MLP
+input is tapped, and layer ``t``'s ``hook_mlp_out`` becomes a ``CLTHookPoint`` that encodes layer
+``t``'s features (its ``hook_sae_acts_post``, edited or not) and decodes the features of layers
+``0..t`` written so far in this forward. Its error term is the MLP's output minus the unedited
+reconstruction, so with ``error_term=True`` and no edits the model computes what it did before.
+
 The dictionary is held by reference, not as a submodule: the model's parameters, state_dict and
 checkpoints never include it.
 """
@@ -95,6 +101,50 @@ class SAEHookPoint(HookPoint):
         return recons.to(x.dtype).view(x.shape)
 
 
+class _CLTForward:
+    """What one forward of a spliced CLT has computed so far: each layer's activations (as edited
+    by hooks) and, once something was edited, the unedited ones the error term needs."""
+
+    def __init__(self):
+        self.acts: list[Tensor] = []
+        self.clean: list[Tensor] = []
+        self.edited = False
+
+
+class CLTHookPoint(SAEHookPoint):
+    """Layer ``layer``'s MLP output, replaced by a cross-layer transcoder's reconstruction."""
+
+    def __init__(self, clt: nn.Module, layer: int, error_term: bool, tap: InputTap, state: _CLTForward):
+        super().__init__(clt, error_term, tap)
+        self.layer, self._state = layer, [state]
+
+    def forward(self, x: Tensor) -> Tensor:
+        clt, layer, state = self.sae, self.layer, self._state[0]
+        raw, self._tap[0].value = self._tap[0].value, None
+        if raw is None:
+            raise RuntimeError(f"the CLT at {self.name} found no input at {clt.hook_in(layer)}: that hook did not run")
+        if layer == 0:
+            state.__init__()
+        if len(state.acts) != layer:
+            raise RuntimeError(f"the CLT reached layer {layer} after layers {len(state.acts)} of this forward; "
+                               "a spliced CLT needs every block to run in order (no resuming from a middle layer)")
+        sae_in = self.hook_sae_input(raw)
+        acts = self.hook_sae_acts_post(clt.activate_layer(layer, self.hook_sae_acts_pre(clt.pre_acts_layer(layer, sae_in))))
+        state.acts.append(acts)
+        recons = self.hook_sae_recons(clt.decode(layer, state.acts, sae_in))
+        if self.error_term:
+            state.edited = state.edited or torch.is_grad_enabled() or any(
+                getattr(self, name).has_hooks() for name in SAE_HOOKS if name != "hook_sae_error")
+            if state.edited:
+                state.clean.append(clt.encode(layer, raw))
+                clean = clt.decode(layer, state.clean, raw)
+            else:
+                state.clean.append(acts)
+                clean = recons
+            recons = recons + self.hook_sae_error(x.to(recons.dtype) - clean)
+        return recons.to(x.dtype)
+
+
 def _parent(model, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
     return (model.get_submodule(path) if path else model), attr
@@ -161,13 +211,19 @@ def check_fits(model, sae, hook: Optional[str] = None) -> Optional[str]:
     return None
 
 
-def add_sae(model, sae, error_term: bool = False, hook: Optional[str] = None) -> SAEHookPoint:
+def add_sae(model, sae, error_term: bool = False, hook: Optional[str] = None
+            ) -> Union[SAEHookPoint, list["CLTHookPoint"]]:
     """Put ``sae`` at its hook (``hook`` overrides ``sae.cfg.hook_name``); returns the new HookPoint.
 
-    A transcoder replaces ``sae.cfg.hook_name_out`` and reads ``sae.cfg.hook_name``. The checks of
-    ``check_fits`` run first: a wrong hook, width or shape is a ValueError, other weights than
-    the dictionary's a ``DictionaryMismatchWarning``.
+    A transcoder replaces ``sae.cfg.hook_name_out`` and reads ``sae.cfg.hook_name``; a cross-layer
+    transcoder replaces every layer's MLP output (``add_clt``). The checks of ``check_fits`` run
+    first: a wrong hook, width or shape is a ValueError, other weights than the dictionary's a
+    ``DictionaryMismatchWarning``.
     """
+    if getattr(sae, "cross_layer", False):
+        if hook is not None:
+            raise ValueError("a cross-layer transcoder splices in at every layer's MLP; hook= does not apply")
+        return add_clt(model, sae, error_term=error_term)
     hook_in, hook_out = dictionary_hooks(sae, hook)
     splices = _splices(model)
     for name in {hook_in, hook_out}:
@@ -195,6 +251,38 @@ def add_sae(model, sae, error_term: bool = False, hook: Optional[str] = None) ->
     return point
 
 
+def add_clt(model, clt, error_term: bool = False) -> list[CLTHookPoint]:
+    """Replace every MLP output of ``model`` by ``clt``'s reconstruction; returns the new HookPoints."""
+    if clt.n_layers != model.cfg.n_layers:
+        raise ValueError(f"the CLT covers {clt.n_layers} layers but the model has {model.cfg.n_layers}")
+    hooks = [(clt.hook_in(layer), clt.hook_out(layer)) for layer in range(clt.n_layers)]
+    splices = _splices(model)
+    for pair in hooks:
+        for name in pair:
+            if name in splices or any(name == s["hook_in"] for s in splices.values()) \
+                    or isinstance(model.hook_dict.get(name), (SAEHookPoint, InputTap)):
+                raise ValueError(f"a dictionary is already spliced in at {name}; remove_sae({name!r}) first")
+            check_hook(model, name)
+    shapes = hook_shapes(model, [h for pair in hooks for h in pair])
+    for hook_in, hook_out in hooks:
+        for name, width, what in ((hook_in, clt.d_in, "d_in"), (hook_out, clt.d_out, "d_out")):
+            if int(np.prod(shapes[name])) != width:
+                raise ValueError(f"the CLT's {what}={width} does not match {name} (shape {list(shapes[name])})")
+    clt.to(model.device).eval()
+    state, points = _CLTForward(), []
+    for layer, (hook_in, hook_out) in enumerate(hooks):
+        parent, attr = _parent(model, hook_in)
+        tap, original_in = InputTap(), getattr(parent, attr)
+        setattr(parent, attr, tap)
+        parent, attr = _parent(model, hook_out)
+        point, original = CLTHookPoint(clt, layer, error_term, tap, state), getattr(parent, attr)
+        setattr(parent, attr, point)
+        splices[hook_out] = {"point": point, "original": original, "hook_in": hook_in, "tap_original": original_in}
+        points.append(point)
+    model.setup()
+    return points
+
+
 def remove_sae(model, which: Union[str, nn.Module, None] = None) -> None:
     """Take out the dictionary at hook ``which`` (or that dictionary object; None: all of them)."""
     splices = _splices(model)
@@ -206,6 +294,9 @@ def remove_sae(model, which: Union[str, nn.Module, None] = None) -> None:
         names = [n for n, s in splices.items() if s["point"].sae is which]
     if which is not None and not names:
         raise ValueError(f"no dictionary is spliced in at {which!r}; spliced: {list(splices) or 'none'}")
+    # a cross-layer transcoder comes out of every layer together
+    whole = {id(splices[n]["point"].sae) for n in names if isinstance(splices[n]["point"], CLTHookPoint)}
+    names += [n for n, s in splices.items() if n not in names and id(s["point"].sae) in whole]
     for name in names:
         entry = splices.pop(name)
         parent, attr = _parent(model, name)
@@ -217,7 +308,7 @@ def remove_sae(model, which: Union[str, nn.Module, None] = None) -> None:
 
 
 def spliced_saes(model) -> dict[str, nn.Module]:
-    """``{hook: dictionary}`` for every dictionary spliced into ``model``."""
+    """``{hook: dictionary}`` for every dictionary spliced into ``model`` (a CLT under each MLP output)."""
     return {name: entry["point"].sae for name, entry in _splices(model).items()}
 
 

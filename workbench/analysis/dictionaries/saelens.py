@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
+from workbench.analysis.dictionaries.clt import CrossLayerTranscoder
 from workbench.analysis.dictionaries.registry import DICTIONARIES, FROM_SAELENS
 
 CFG_FILE = "cfg.json"
@@ -73,9 +74,16 @@ def saelens_config(sae: Dictionary, context_size: Optional[int] = None) -> dict[
     return cfg
 
 
-def save_dictionary(sae: Dictionary, path: Union[str, Path], extra_meta: Optional[dict] = None,
+def save_dictionary(sae: Union[Dictionary, CrossLayerTranscoder], path: Union[str, Path], extra_meta: Optional[dict] = None,
                     context_size: Optional[int] = None) -> Path:
-    """Write ``cfg.json``, ``sae_weights.safetensors`` and ``sae_meta.json`` into ``path`` (each by rename)."""
+    """Write ``cfg.json``, ``sae_weights.safetensors`` and ``sae_meta.json`` into ``path`` (each by rename).
+
+    A cross-layer transcoder has no SAELens form: it is written as ``clt.json`` + ``clt.safetensors``.
+    """
+    if getattr(sae, "cross_layer", False):
+        from workbench.analysis.dictionaries.clt import save_clt
+
+        return save_clt(sae, path, extra_meta=extra_meta)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = _DTYPES[sae.cfg.dtype]
@@ -133,9 +141,14 @@ def _check_identity(path: Path, cfg: DictionaryConfig, meta: dict) -> None:
                 f"{CFG_FILE} was edited or belongs to another dictionary; restore the {CFG_FILE} saved with them")
 
 
-def load_dictionary(path: Union[str, Path], device: Union[str, torch.device] = "cpu") -> Dictionary:
-    """A dictionary from a folder in SAELens' format (ours, or one SAELens wrote)."""
+def load_dictionary(path: Union[str, Path], device: Union[str, torch.device] = "cpu"
+                    ) -> Union[Dictionary, CrossLayerTranscoder]:
+    """A dictionary from a folder in SAELens' format (ours, or one SAELens wrote), or a CLT folder."""
+    from workbench.analysis.dictionaries.clt import is_clt_folder, load_clt
+
     path = Path(path)
+    if is_clt_folder(path):
+        return load_clt(path, device)
     if not (path / CFG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise DictionaryError(f"{path} is not a dictionary folder: it needs {CFG_FILE} and {WEIGHTS_FILE}")
     try:
