@@ -198,7 +198,6 @@ def ours_in_ct_order(ours: dict, keys: list[tuple]):
 
 
 def compare(out: Path, context: int) -> dict:
-    import torch
     from safetensors.torch import load_file
 
     ct = load_file(str(out / f"ct-{context}" / "graph.safetensors"))
