@@ -356,3 +356,28 @@ def test_circuit_tracer_files_both_ways(model, tmp_path):
         save_circuit_tracer(random_clt(model, skip=True), tmp_path / "bad")
     with pytest.raises(ValueError, match="layer 0 needs"):
         save_circuit_tracer(tcs[1:], tmp_path / "bad")
+
+
+@pytest.mark.slow
+def test_clt_command_under_torchrun_matches_one_process(model, tmp_path):
+    import workbench as wb
+    from factories import run_torchrun
+
+    from workbench.analysis.dictionaries import train_sae
+    from workbench.analysis.dictionaries.trainer import clt_hooks
+    from workbench.analysis.store import ActivationStore
+    from workbench.data import get_task
+
+    task = get_task("induction", vocab=32)
+    wb.save_checkpoint(model, tmp_path / "ckpt", meta={"task": "induction", "task_options": task.options()})
+    store = ActivationStore.collect(model, task, clt_hooks(3), 1200, tmp_path / "acts", batch_size=8,
+                                    tokens_per_shard=600, progress=False)
+    flags = ["--kind", "clt", "--d-sae", "16", "--steps", "3", "--batch-size", "64", "--lr", "3e-3",
+             "--warmup-steps", "1", "--threads", "1", "--eval-sequences", "0", "--no-progress"]
+    run_torchrun(["train-sae", str(tmp_path / "ckpt"), *flags, "--store", str(tmp_path / "acts"), "--tokens", "1200",
+                  "--out", str(tmp_path / "ddp")])
+    single = train_sae(store, kind="clt", d_sae=16, steps=3, batch_size=64, lr=3e-3, warmup_steps=1,
+                       eval_sequences=0, progress=False)
+    ddp = load_dictionary(tmp_path / "ddp")
+    for (name, p), (_, q) in zip(single.named_parameters(), ddp.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
