@@ -28,6 +28,8 @@
     batching.py     iter_batches: any data (texts, tensors, TokenBatch, PromptSet) as padded batches
     circuits/       edges: the computation graph, exact edge patching, EAP / EAP-IG, ACDC, path patching,
                     circuits (save, load, faithfulness) and AUROC against known circuits
+    graphs/         attribution graphs: the replacement model (transcoders, frozen attention and norms),
+                    direct-effect edges, influence pruning, circuit-tracer's graph JSON
 """
 
 from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep, sweep_specs
@@ -146,3 +148,8 @@ __all__ = [
     "Circuit", "ComputationGraph", "discover_circuit", "edge_attribution", "edge_auroc", "edge_patching",
     "evaluate_circuit", "faithfulness", "node_attribution", "path_patching",
 ]
+
+from workbench.analysis.graphs import Graph, attribution_graph  # noqa: E402
+
+__all__ += ["Graph", "attribution_graph"]
+

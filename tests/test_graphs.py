@@ -1,0 +1,357 @@
+"""Attribution graphs, proven edge by edge on tiny fp32 models of every layout that has MLPs.
+
+(a) the frozen replacement model with its error nodes gives the model's logits; (b) sampled
+edges of every kind (and sampled non-edges) equal the change in the target's pre-activation
+when the source is zeroed in the frozen replacement model, a forward computation independent of
+the backward passes that made the graph; (c) each prompt of a padded batch gets the graph it
+gets alone. Influence is checked against ``(I - A)^-1`` and pruning against a dense transcription
+of circuit-tracer's ``prune_graph``; the sparse graph against the dense one.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from factories import tiny
+
+import workbench as wb
+from workbench.analysis.dictionaries import DictionaryConfig
+from workbench.analysis.dictionaries.clt import CrossLayerTranscoder
+from workbench.analysis.dictionaries.registry import make_dictionary
+from workbench.analysis.graphs import Graph, attribution_graph, capture, frozen_forward, live_forward, replacement_set
+from workbench.analysis.graphs.replacement import final_read
+from workbench.padding import TokenBatch
+
+ATOL = 1e-5
+
+# Every layout with MLPs the replacement model supports, and the components around them.
+LAYOUTS = {
+    "pre-layernorm-learned-gelu": dict(),
+    "pre-rmsnorm-rope-swiglu-gqa": dict(norm="rmsnorm", positional="rope", ffn="swiglu", n_kv_heads=2),
+    "pre-layernorm-alibi-relu": dict(positional="alibi", ffn="relu"),
+    "parallel-rope": dict(parallel_residual=True, positional="rope"),
+    "qknorm-softcap-window": dict(norm="rmsnorm", positional="rope", qk_norm="head", attn_logit_softcap=20.0,
+                                  sliding_window=4, global_every=2, final_logit_softcap=15.0),
+    "moe": dict(norm="rmsnorm", positional="rope", ffn="moe", n_experts=4, experts_per_token=2),
+    "gemma-rmsnorm-untied-nobias": dict(norm="gemma_rmsnorm", positional="rope", bias=False, tie_embeddings=False,
+                                        scale_embeddings=True),
+    "mla": dict(attention="mla", norm="rmsnorm", positional="rope", kv_lora_rank=16, q_lora_rank=16,
+                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+}
+
+
+def _transcoders(model, kind: str = "skip_transcoder", d_sae: int = 48, seed: int = 0) -> list:
+    """Random transcoders at a realistic scale: decoders sized to the MLP's output, about a third firing."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    d = model.cfg.d_model
+    for layer in range(model.cfg.n_layers):
+        tc = make_dictionary(DictionaryConfig(kind=kind, d_in=d, d_sae=d_sae, d_out=d,
+                                              hook_name=f"blocks.{layer}.ln2.hook_normalized",
+                                              hook_name_out=f"blocks.{layer}.hook_mlp_out"))
+        tc.init_weights(g)
+        with torch.no_grad():
+            tc.W_enc.mul_(1.5)
+            tc.b_enc.copy_(-0.4 * torch.rand(d_sae, generator=g))
+            tc.W_dec.mul_(0.3)
+            if hasattr(tc, "W_skip"):
+                tc.W_skip.copy_(0.1 * torch.randn(d, d, generator=g))
+        out.append(tc.eval())
+    return out
+
+
+def _model(**overrides):
+    cfg = tiny(init_std=0.1, d_vocab=40, **overrides)
+    return wb.HookedDecoder(cfg).eval()
+
+
+def _pre_activation(model, rs, run, cap, node: int, graph: Graph) -> float:
+    """The target node's pre-activation in the last run of ``run``: an encoder row or a logit direction."""
+    layer, pos = int(graph.layer[node]), int(graph.pos[node])
+    if int(graph.kind[node]) == 0:
+        W, b = rs.encoder(layer)
+        x = run.x[layer][0, pos].flatten()
+        return float(x @ W[:, int(graph.feature[node])] + b[int(graph.feature[node])])
+    j = int((graph.nodes_of("logit") == node).nonzero())
+    _, w = final_read(model)
+    return float((run.final[0, pos] * w) @ graph.logit_vectors[j])
+
+
+def _zeroed(model, rs, cap, graph: Graph, source: int):
+    """The frozen replacement model with source node ``source`` set to zero, every other node held."""
+    kind, layer, pos, feat = (int(graph.kind[source]), int(graph.layer[source]), int(graph.pos[source]),
+                              int(graph.feature[source]))
+    acts = [a.clone() for a in cap.acts]
+    errors = [e.clone() for e in cap.errors]
+    embed = cap.embed.clone()
+    if kind == 0:
+        acts[layer][pos, feat] = 0.0
+    elif kind == 1:
+        errors[layer][pos] = 0.0
+    else:
+        embed[pos] = 0.0
+    return frozen_forward(model, rs, cap, acts=acts, errors=errors, embed=embed)
+
+
+def _check_edges(model, graph: Graph, n_per_kind: int = 2, n_random: int = 4, seed: int = 0) -> int:
+    """Compare sampled edges (each source-kind x target-kind pair) and random pairs to perturbations."""
+    _, rs, cap = graph._context
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    t, s = graph.edge_target, graph.edge_source
+    for tk in (0, 3):
+        for sk in (0, 1, 2):
+            hit = ((graph.kind[t] == tk) & (graph.kind[s] == sk)).nonzero().squeeze(-1)
+            pick = hit[torch.randperm(len(hit), generator=g)[:n_per_kind]]
+            pairs += [(int(t[i]), int(s[i])) for i in pick]
+    targets = ((graph.kind == 0) | (graph.kind == 3)).nonzero().squeeze(-1)
+    sources = (graph.kind != 3).nonzero().squeeze(-1)
+    for _ in range(n_random):  # mostly pairs with no edge: the change must be zero too
+        pairs.append((int(targets[torch.randint(len(targets), (1,), generator=g)]),
+                      int(sources[torch.randint(len(sources), (1,), generator=g)])))
+    clean = frozen_forward(model, rs, cap)
+    with torch.no_grad():
+        clean()
+        base = {tgt: _pre_activation(model, rs, clean, cap, tgt, graph) for tgt, _ in pairs}
+        for tgt, src in pairs:
+            run = _zeroed(model, rs, cap, graph, src)
+            run()
+            change = base[tgt] - _pre_activation(model, rs, run, cap, tgt, graph)
+            assert graph.edge(tgt, src) == pytest.approx(change, abs=ATOL, rel=ATOL), (graph.node_ids()[src], graph.node_ids()[tgt])
+    kinds = {(int(graph.kind[a]), int(graph.kind[b])) for a, b in pairs if graph.edge(a, b) != 0}
+    return len(kinds)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_replacement_model_and_edges(name):
+    model = _model(**LAYOUTS[name])
+    tcs = _transcoders(model)
+    tokens = torch.randint(0, 40, (1, 7))
+    rs = replacement_set(tcs)
+    cap = capture(model, rs, tokens)[0]
+    reference = model(tokens)[0].detach()
+    with torch.no_grad():  # (a) frozen and live replacement models, errors included, give the model's logits
+        torch.testing.assert_close(frozen_forward(model, rs, cap)()[0], reference, atol=ATOL, rtol=0)
+        torch.testing.assert_close(live_forward(model, rs, cap, lambda l, a: a)()[0], reference, atol=ATOL, rtol=0)
+    graph = attribution_graph(model, tcs, tokens, batch_size=32)
+    assert graph.meta["n_active_features"] > 20
+    assert _check_edges(model, graph) == 6  # (b) all six source-kind x target-kind pairs have edges that were checked
+
+
+def _clt(activation: str, skip: bool, seed: int = 0) -> CrossLayerTranscoder:
+    clt = CrossLayerTranscoder(n_layers=3, d_in=32, d_sae=40, activation=activation, k=6, skip=skip)
+    clt.init_weights(torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        clt.W_enc.mul_(1.5)
+        for W in clt.W_dec:
+            W.mul_(0.3)
+        if skip:
+            clt.W_skip.normal_(0, 0.1)
+        if activation == "jumprelu":
+            clt.threshold.fill_(0.1)
+    return clt.eval()
+
+
+@pytest.mark.parametrize("activation, skip", [("topk", True), ("jumprelu", False)])
+def test_cross_layer_transcoder_edges_and_frozen_logits(activation, skip):
+    model = _model(n_layers=3, norm="rmsnorm", positional="rope", ffn="swiglu")
+    clt = _clt(activation, skip)
+    tokens = torch.randint(0, 40, (1, 6))
+    rs = replacement_set(clt)
+    cap = capture(model, rs, tokens)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(frozen_forward(model, rs, cap)()[0], model(tokens)[0], atol=ATOL, rtol=0)
+    graph = attribution_graph(model, clt, tokens, batch_size=32)
+    assert _check_edges(model, graph) == 6
+    # a layer-0 feature writes into layer 2's MLP output directly: an edge into a layer-2 feature at its position
+    t, s = graph.edge_target, graph.edge_source
+    far = (graph.kind[t] == 0) & (graph.kind[s] == 0) & (graph.layer[t] - graph.layer[s] == 2)
+    assert far.any()
+
+
+def test_target_kinds():
+    model = _model()
+    tcs = _transcoders(model)
+    tokens = torch.randint(0, 40, (1, 7))
+    direction = torch.randn(32)
+    graph = attribution_graph(model, tcs, tokens, target=[3, (5, 7), direction, torch.randn(40)])
+    assert graph.logit_labels[1:] == ["5 - 7", "direction", "direction"]
+    _check_edges(model, graph, n_per_kind=2, n_random=2)
+    top = attribution_graph(model, tcs, tokens, max_n_logits=3, desired_logit_prob=0.99)
+    probs = model(tokens)[0, -1].softmax(-1)
+    assert top.feature[top.nodes_of("logit")].tolist() == probs.argsort(descending=True)[:3].tolist()
+    with pytest.raises(ValueError, match="target"):
+        attribution_graph(model, tcs, tokens, target=[torch.randn(7)])
+
+
+def test_padded_batch_gives_each_prompt_its_own_graph():
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    rows = [torch.randint(0, 40, (n,)) for n in (7, 4, 6)]
+    singles = [attribution_graph(model, tcs, row, batch_size=32) for row in rows]
+    for side in ("right", "left"):
+        batch = TokenBatch.from_ids([r.tolist() for r in rows], 0, side, torch.device("cpu"))
+        graphs = attribution_graph(model, tcs, batch, batch_size=32)
+        for graph, alone in zip(graphs, singles):
+            assert torch.equal(graph.kind, alone.kind) and torch.equal(graph.feature, alone.feature)
+            torch.testing.assert_close(graph.adjacency(), alone.adjacency(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, name", [(dict(norm_placement="post"), "post"),
+                                             (dict(norm_placement="sandwich"), "sandwich"),
+                                             (dict(norm_placement="reordered"), "reordered")])
+def test_other_layouts_refused_by_name(overrides, name):
+    model = _model(**overrides)
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        attribution_graph(model, _transcoders(model), torch.randint(0, 40, (1, 5)))
+    attn_only = _model(attn_only=True)
+    with pytest.raises(ValueError, match="no MLPs"):
+        attribution_graph(attn_only, [], torch.randint(0, 40, (1, 5)))
+
+
+def test_bad_transcoders_refused():
+    model = _model()
+    tcs = _transcoders(model)
+    with pytest.raises(ValueError, match="one per MLP layer"):
+        attribution_graph(model, tcs[:1], torch.randint(0, 40, (1, 5)))
+    with pytest.raises(ValueError, match="in order"):
+        attribution_graph(model, tcs[::-1], torch.randint(0, 40, (1, 5)))
+
+
+def _dense_prune(A: torch.Tensor, logit_weights: torch.Tensor, is_feature, is_inner, always, node_t, edge_t):
+    """circuit-tracer 0.5's prune_graph, transcribed on a dense matrix (its graph.py)."""
+    def normalize(m):
+        m = m.abs()
+        return m / m.sum(1, keepdim=True).clamp(min=1e-10)
+
+    def influence(m, w):
+        cur = w @ m
+        total = cur.clone()
+        while cur.any():
+            cur = cur @ m
+            total += cur
+        return total
+
+    def threshold(scores, f):
+        s = scores.sort(descending=True).values
+        c = s.cumsum(0) / s.sum()
+        return s[min(int(torch.searchsorted(c, f)), len(c) - 1)]
+
+    node_inf = influence(normalize(A), logit_weights)
+    node_mask = (node_inf >= threshold(node_inf, node_t)) | always
+    P = A.clone()
+    P[~node_mask] = 0
+    P[:, ~node_mask] = 0
+    Pn = normalize(P)
+    scores = Pn * (influence(Pn, logit_weights) + logit_weights)[:, None]
+    edge_mask = scores >= threshold(scores.flatten(), edge_t)
+    old = None
+    while old is None or not torch.equal(old, node_mask):
+        old = node_mask.clone()
+        edge_mask[~node_mask] = False
+        edge_mask[:, ~node_mask] = False
+        node_mask &= ~is_inner | edge_mask.any(0)
+        node_mask &= ~is_feature | edge_mask.any(1)
+    return node_mask, edge_mask, node_inf
+
+
+def test_influence_and_pruning_match_dense_references(tmp_path):
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    graph = attribution_graph(model, tcs, torch.randint(0, 40, (1, 8)))
+    A = graph.adjacency().double()
+    An = A.abs() / A.abs().sum(1, keepdim=True).clamp(min=1e-10)
+    w = graph.logit_weight.double()
+    exact = w @ (torch.linalg.inv(torch.eye(len(w), dtype=torch.float64) - An) - torch.eye(len(w), dtype=torch.float64))
+    torch.testing.assert_close(graph.influence().double(), exact, atol=1e-6, rtol=1e-4)
+    is_feature, is_inner = graph.kind == 0, graph.kind <= 1
+    always = graph.kind >= 2
+    for node_t, edge_t in ((0.8, 0.98), (0.5, 0.9)):
+        nodes, edges, _ = _dense_prune(A.float(), graph.logit_weight, is_feature, is_inner, always, node_t, edge_t)
+        result = graph.prune_masks(node_t, edge_t)
+        assert torch.equal(result.node_mask, nodes)
+        assert torch.equal(result.edge_mask, edges[graph.edge_target, graph.edge_source])
+    pruned = graph.prune(0.8, 0.98)
+    assert 0 < int((pruned.kind == 0).sum()) < int((graph.kind == 0).sum())
+    scores = graph.scores()
+    assert 0 < scores["replacement"] <= 1 and 0 < scores["completeness"] <= 1
+
+
+def test_sparse_rows_keep_the_influence_of_the_dense_graph():
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    tokens = torch.randint(0, 40, (1, 12))
+    dense = attribution_graph(model, tcs, tokens, batch_size=32)
+    # each row keeps its largest edges up to 99% of its absolute mass: every target keeps >= 99% of
+    # the influence reaching it, so the graph keeps >= 99% of the dense graph's edge influence
+    sparse = attribution_graph(model, tcs, tokens, edge_mass=0.99, batch_size=32)
+    assert sparse.n_edges < 0.8 * dense.n_edges
+    kept = torch.zeros(dense.n_nodes, dense.n_nodes, dtype=torch.bool)
+    kept[sparse.edge_target, sparse.edge_source] = True
+    scores = dense.edge_scores()
+    share = float(scores[kept[dense.edge_target, dense.edge_source]].sum() / scores.sum())
+    assert share >= 0.99, share
+    # a budget of features, chosen by influence, holds most of the features' influence
+    budget = attribution_graph(model, tcs, tokens, max_feature_nodes=int((dense.kind == 0).sum()) // 3, batch_size=16)
+    inf = dense.influence()
+    chosen = {(l, p, f) for l, p, f in zip(budget.layer.tolist(), budget.pos.tolist(), budget.feature.tolist())}
+    is_chosen = torch.tensor([(l, p, f) in chosen for l, p, f in
+                              zip(dense.layer.tolist(), dense.pos.tolist(), dense.feature.tolist())]) & (dense.kind == 0)
+    assert float(inf[is_chosen].sum() / inf[dense.kind == 0].sum()) > 0.6
+
+
+def test_frames_files_and_circuit_tracer_json(tmp_path):
+    model = _model()
+    tcs = _transcoders(model)
+    graph = attribution_graph(model, tcs, torch.randint(0, 40, (1, 6)))
+    nodes, edges = graph.to_frame()
+    assert len(nodes) == graph.n_nodes and len(edges) == graph.n_edges
+    assert set(nodes["kind"]) == {"feature", "error", "token", "logit"}
+    back = Graph.load(graph.save(tmp_path / "g.json"))
+    for name in ("kind", "layer", "pos", "feature", "edge_target", "edge_source"):
+        assert torch.equal(getattr(back, name), getattr(graph, name))
+    torch.testing.assert_close(back.edge_weight, graph.edge_weight)
+    back.bind(model, tcs)
+    torch.testing.assert_close(back.intervene([]), model(graph.tokens[None])[0].detach(), atol=ATOL, rtol=0)
+
+    path = graph.to_circuit_tracer(tmp_path / "ct", slug="tiny")
+    d = json.loads(path.read_text())
+    listing = json.loads((tmp_path / "ct" / "graph-metadata.json").read_text())
+    assert [g["slug"] for g in listing["graphs"]] == ["tiny"]
+    models = Path("/work/extra/ct-src/circuit_tracer/frontend/graph_models.py")
+    if models.exists():  # circuit-tracer's own pydantic schema, where its source is at hand
+        spec = importlib.util.spec_from_file_location("ct_graph_models", models)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.Model(**d)
+    for node in d["nodes"]:
+        assert {"node_id", "feature", "layer", "ctx_idx", "feature_type", "jsNodeId"} <= set(node)
+    pruned = graph.prune()
+    again = Graph.from_circuit_tracer(path)
+    assert again.n_edges == pruned.n_edges == len(d["links"])
+    assert sorted(again.edge_weight.tolist()) == pytest.approx(sorted(pruned.edge_weight.tolist()))
+    feats = lambda g: sorted(zip(g.layer[g.kind == 0].tolist(), g.pos[g.kind == 0].tolist(), g.feature[g.kind == 0].tolist()))
+    assert feats(again) == feats(pruned)
+
+
+def test_intervention_direct_effect_is_the_edge():
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    graph = attribution_graph(model, tcs, torch.randint(0, 40, (1, 8)), max_n_logits=1)
+    logit = int(graph.nodes_of("logit")[0])
+    into = graph.edge_source[(graph.edge_target == logit) & (graph.kind[graph.edge_source] == 0)]
+    node = int(into[graph.edge_weight[(graph.edge_target == logit) & (graph.kind[graph.edge_source] == 0)].abs().argmax()])
+    vec = graph.logit_vectors[0] * final_read(model)[1]
+    before = graph.intervene([], direct_only=True)
+    after = graph.intervene([node], 0.0, direct_only=True)
+    # the logit node's value moves by minus its direct edge (W_U's demeaned column: the logit minus the mean logit)
+    token = int(graph.feature[logit])
+    change = (before[-1, token] - before[-1].mean()) - (after[-1, token] - after[-1].mean())
+    assert float(change) == pytest.approx(graph.edge(logit, node), abs=ATOL)
+    assert vec.shape == (32,)
+    live = graph.intervene([node], 0.0)
+    assert not torch.allclose(live, before)
+    with pytest.raises(ValueError, match="not a feature node"):
+        graph.intervene([int(graph.nodes_of("error")[0])])

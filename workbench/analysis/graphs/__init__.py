@@ -1,0 +1,17 @@
+"""Attribution graphs (Ameisen et al. 2025, "Circuit tracing"; the circuit-tracer library's method).
+
+    replacement.py  the replacement model: transcoders (per layer or cross-layer) for the MLPs, norm
+                    scales and attention queries/keys frozen by hooks, an error node per layer and position
+    attribute.py    attribution_graph: direct effects by backward passes, sparse rows, influence-guided
+                    choice of which features to expand
+    graph.py        Graph: node table and edges, influence, pruning, DataFrames, JSON (ours and
+                    circuit-tracer's), interventions on the replacement model
+"""
+
+from workbench.analysis.graphs.attribute import attribution_graph, logit_targets
+from workbench.analysis.graphs.graph import NODE_KINDS, Graph, PruneResult, compute_influence_sparse
+from workbench.analysis.graphs.replacement import (CLTView, TranscoderSet, capture, check_model, frozen_forward,
+                                                   live_forward, replacement_set)
+
+__all__ = ["attribution_graph", "logit_targets", "NODE_KINDS", "Graph", "PruneResult", "compute_influence_sparse",
+           "CLTView", "TranscoderSet", "capture", "check_model", "frozen_forward", "live_forward", "replacement_set"]

@@ -1,0 +1,363 @@
+"""Computing an attribution graph: backward passes through the frozen replacement model.
+
+    graph = attribution_graph(model, transcoders, "When Mary and John went to the store, John gave a drink to")
+
+Every edge is a direct effect in the frozen replacement model (``replacement.py``), where
+everything is linear: the edge from a source node to a target node is the gradient of the
+target's pre-activation with respect to the source times the source's value (gradient x
+activation), which equals the change in the target when the source is set to zero with every
+other node held. One forward of ``batch_size`` copies of the prompt is kept; each backward
+injects one target per copy (a feature's encoder row at its layer's MLP input, or a logit
+direction at the unembedding) and reads, at every source, the gradient at the MLP outputs
+(features and errors) and at the embedding.
+
+Which features get a row: the logits' rows first, then, while the budget
+``max_feature_nodes`` lasts, the not yet expanded features of largest influence on the logits
+through the rows so far (as circuit-tracer does). Memory: rows are kept sparse, each row only
+its largest edges up to ``edge_mass`` of its absolute mass (and at most
+``max_edges_per_node``), so what is held grows with rows x kept edges plus the per-copy
+activations, linearly in the context; nothing of size (active features)^2 is ever made.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from workbench.analysis.graphs.graph import Graph, NODE_KINDS, compute_influence_sparse
+from workbench.analysis.graphs.replacement import (Capture, FrozenRun, capture, check_layout, check_model, final_read,
+                                                   replacement_set, targets_of)
+from workbench.padding import TokenBatch
+
+FEATURE, ERROR, TOKEN, LOGIT = (NODE_KINDS.index(k) for k in ("feature", "error", "token", "logit"))
+
+
+def attribution_graph(
+    model,
+    transcoders,
+    prompt: Union[str, Sequence[str], Tensor, TokenBatch],
+    target=None,
+    *,
+    max_n_logits: int = 10,
+    desired_logit_prob: float = 0.95,
+    max_feature_nodes: Optional[int] = None,
+    batch_size: int = 16,
+    edge_mass: float = 1.0,
+    max_edges_per_node: Optional[int] = None,
+    update_interval: int = 4,
+    chunk: int = 8192,
+    verbose: bool = False,
+) -> Union[Graph, list[Graph]]:
+    """The attribution graph of ``prompt`` (a list of prompts or a padded batch: one graph each).
+
+    ``target``: None (the top logits at the last position up to ``desired_logit_prob`` of the
+    probability, at most ``max_n_logits``), a token (id or string), a pair ``(a, b)`` (the
+    logit difference a - b), a [d_vocab] weighting of the logits or a [d_model] direction at the
+    unembedding's input, or a list of these. Token logits are demeaned over the vocabulary, as
+    circuit-tracer does. ``max_feature_nodes``: how many features get rows (None: all active
+    ones); ``edge_mass`` < 1 / ``max_edges_per_node`` keep each row sparse.
+    """
+    if not 0 < edge_mass <= 1:
+        raise ValueError(f"edge_mass must lie in (0, 1], got {edge_mass}")
+    for name, value in (("batch_size", batch_size), ("max_n_logits", max_n_logits), ("chunk", chunk)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_layout(model)
+    rs = replacement_set(transcoders)
+    check_model(model, rs)
+    tokens, mask, single = _tokens(model, prompt)
+    was = model.training
+    model.eval()
+    try:
+        caps = capture(model, rs, tokens, mask)
+        graphs = [_attribute(model, rs, cap, target, max_n_logits, desired_logit_prob, max_feature_nodes,
+                             batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose)
+                  for cap in caps]
+    finally:
+        model.train(was)
+    return graphs[0] if single else graphs
+
+
+def _tokens(model, prompt) -> tuple[Tensor, Optional[Tensor], bool]:
+    if isinstance(prompt, str):
+        return model.to_tokens(prompt).reshape(1, -1), None, True
+    if isinstance(prompt, TokenBatch):
+        return prompt.tokens.to(model.device), prompt.attention_mask.to(model.device), False
+    if isinstance(prompt, Tensor):
+        if prompt.ndim == 1 or (prompt.ndim == 2 and prompt.shape[0] == 1):
+            return prompt.reshape(1, -1).to(model.device), None, True
+        if prompt.ndim == 2:
+            return prompt.to(model.device), None, False
+        raise ValueError(f"token prompts are [pos] or [batch, pos]; got shape {list(prompt.shape)}")
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+        batch = model.to_tokens(list(prompt), padding_side="right")
+        return batch.tokens, batch.attention_mask, False
+    raise ValueError("prompt must be a string, a list of strings, a token tensor or a TokenBatch")
+
+
+# ---- targets ----------------------------------------------------------------------------------------
+def logit_targets(model, cap: Capture, target, max_n_logits: int, desired_logit_prob: float
+                  ) -> tuple[list[str], list[int], Tensor, Tensor]:
+    """``(labels, vocab ids (-1: not a token), weights, d_model vectors at the unembedding input)``."""
+    W_U = model.W_U.detach()
+    V = W_U.shape[1]
+    probs = cap.logits[-1].float().softmax(-1)
+
+    def token(t) -> int:
+        if isinstance(t, str):
+            return model.to_single_token(t)
+        t = int(t)
+        if not 0 <= t < V:
+            raise ValueError(f"target token id {t} is outside the vocabulary [0, {V})")
+        return t
+
+    def demeaned(t: int) -> Tensor:
+        return W_U[:, t] - W_U.mean(1)
+
+    if target is None:
+        order = probs.argsort(descending=True)
+        cum = probs[order].cumsum(0)
+        n = min(max_n_logits, int((cum < desired_logit_prob).sum()) + 1)
+        ids = order[:n].tolist()
+        return ([_label(model, i) for i in ids], ids, probs[ids].clone(), torch.stack([demeaned(i) for i in ids]))
+    items = target if isinstance(target, list) else [target]
+    labels, ids, weights, vecs = [], [], [], []
+    for item in items:
+        if isinstance(item, (int, str)) and not isinstance(item, bool):
+            t = token(item)
+            labels.append(_label(model, t)), ids.append(t), weights.append(float(probs[t])), vecs.append(demeaned(t))
+        elif isinstance(item, tuple) and len(item) == 2:
+            a, b = token(item[0]), token(item[1])
+            labels.append(f"{_label(model, a)} - {_label(model, b)}"), ids.append(-1), weights.append(1.0)
+            vecs.append(W_U[:, a] - W_U[:, b])
+        elif isinstance(item, Tensor) and item.ndim == 1 and item.shape[0] in (V, model.cfg.d_model):
+            vec = W_U @ item.to(W_U) if item.shape[0] == V else item.to(W_U)
+            labels.append("direction"), ids.append(-1), weights.append(1.0), vecs.append(vec)
+        else:
+            raise ValueError("a target is a token (id or string), a pair (a, b) for logit(a) - logit(b), a [d_vocab] "
+                             f"or [d_model] tensor, or a list of these; got {item!r}")
+    return labels, ids, torch.tensor(weights), torch.stack(vecs)
+
+
+def _label(model, t: int) -> str:
+    try:
+        return model.to_string([t])
+    except Exception:  # no tokenizer: the id is the label
+        return str(t)
+
+
+# ---- one prompt -------------------------------------------------------------------------------------
+class _Sources:
+    """The active features, errors and tokens of one prompt, in circuit-tracer's node order."""
+
+    def __init__(self, rs, cap: Capture):
+        feats = []
+        for layer, acts in enumerate(cap.acts):
+            pos, f = acts.nonzero(as_tuple=True)
+            feats.append(torch.stack([torch.full_like(pos, layer), pos, f], 1))
+        self.features = torch.cat(feats)  # [n, 3] (layer, pos, feature)
+        self.values = torch.cat([cap.acts[l][ft[:, 1], ft[:, 2]] for l, ft in enumerate(feats)]).detach()
+        self.n_feat, self.n_pos, self.n_layers = len(self.features), len(cap.tokens), rs.n_layers
+        self.error_start = self.n_feat
+        self.token_start = self.n_feat + self.n_layers * self.n_pos
+        self.n = self.token_start + self.n_pos
+        by_layer = self.features[:, 0]
+        self.layer_slices = [(by_layer == l).nonzero().squeeze(-1) for l in range(self.n_layers)]
+
+
+class _Engine:
+    """One forward of ``batch`` copies kept for many backward passes, one target per copy."""
+
+    def __init__(self, model, rs, cap: Capture, src: _Sources, batch: int, chunk: int):
+        self.model, self.rs, self.cap, self.src, self.batch, self.chunk = model, rs, cap, src, batch, chunk
+        self.embed = cap.embed[None].expand(batch, -1, -1).clone().requires_grad_(True)
+        self.writes: dict[int, Tensor] = {}
+        with torch.no_grad():
+            skip_clean = [rs.skip_out(l, cap.x_in[l]) for l in range(rs.n_layers)]
+
+        def write(layer: int, x: Tensor) -> Tensor:
+            base = cap.mlp_out[layer] - (skip_clean[layer] if skip_clean[layer] is not None else 0)
+            leaf = base[None].expand(batch, -1, -1).clone().requires_grad_(True)
+            self.writes[layer] = leaf
+            skip = rs.skip_out(layer, x)
+            return leaf if skip is None else leaf + skip
+
+        self.run = FrozenRun(model, rs, cap, write, self.embed)
+        with torch.enable_grad():
+            self.logits = self.run(batch)
+        self.final_w = final_read(model)[1]
+        self.decoders = {(s, t): rs.decoder(s, t).detach() for s in range(rs.n_layers) for t in targets_of(rs, s)}
+
+    def rows(self, layers: Tensor, positions: Tensor, vectors: Tensor, retain: bool = True) -> Tensor:
+        """[n, n_sources] direct effects on n <= batch targets: (layer or n_layers = logit, pos, vector)."""
+        n = len(layers)
+        grads: dict[int, Tensor] = {}
+        for i in range(n):
+            layer = int(layers[i])
+            where = self.run.final if layer == self.rs.n_layers else self.run.x[layer]
+            g = grads.setdefault(layer, torch.zeros_like(where))
+            g[i, int(positions[i])] = vectors[i].reshape(g.shape[2:]).to(g.dtype)
+        tensors = [self.run.final if layer == self.rs.n_layers else self.run.x[layer] for layer in grads]
+        leaves = [self.embed, *self.writes.values()]
+        # autograd.grad, not backward: only the sources' gradients are computed (no weight gradients),
+        # and nothing accumulates into the model's or the transcoders' .grad
+        got = torch.autograd.grad(tensors, leaves, list(grads.values()), retain_graph=retain, allow_unused=True)
+        return self._read(n, got[0], dict(zip(self.writes, got[1:])))
+
+    @torch.no_grad()
+    def _read(self, n: int, g_embed: Optional[Tensor], g_writes: dict[int, Optional[Tensor]]) -> Tensor:
+        src, cap, P = self.src, self.cap, self.src.n_pos
+        out = torch.zeros(n, src.n, dtype=self.embed.dtype, device=self.embed.device)
+        zero = torch.zeros_like(self.embed[:n])
+        gw = {t: (g[:n] if g is not None else zero) for t, g in g_writes.items()}
+        # a feature's edge is its activation times (gradient at the MLP outputs it writes) . (its decoder rows):
+        # project the gradients on every decoder row, a chunk of positions at a time, and pick the active ones
+        step = max(1, self.chunk * 64 // max(1, n * self.rs.d_sae))
+        for s in range(src.n_layers):
+            idx = src.layer_slices[s]
+            if not len(idx):
+                continue
+            pos, f = src.features[idx, 1], src.features[idx, 2]
+            for lo in range(0, P, step):
+                a, b = torch.searchsorted(pos, torch.tensor([lo, lo + step]))
+                if a == b:
+                    continue
+                proj = 0
+                for t in targets_of(self.rs, s):
+                    proj = proj + gw[t][:, lo:lo + step] @ self.decoders[(s, t)].T  # [n, chunk, d_sae]
+                out[:, idx[a:b]] = proj[:, pos[a:b] - lo, f[a:b]] * src.values[idx[a:b]]
+        for t in range(src.n_layers):
+            lo = src.error_start + t * P
+            out[:, lo:lo + P] = (gw[t] * cap.errors[t]).sum(-1)
+        ge = g_embed[:n] if g_embed is not None else zero
+        out[:, src.token_start:] = (ge * cap.embed).sum(-1)
+        return out
+
+
+def _sparsify(rows: Tensor, edge_mass: float, cap: Optional[int]) -> list[tuple[Tensor, Tensor]]:
+    """Each row's largest entries up to ``edge_mass`` of its absolute sum (at most ``cap``): (index, value)."""
+    out = []
+    for row in rows:
+        nz = row.nonzero().squeeze(-1)
+        if edge_mass >= 1 and (cap is None or len(nz) <= cap):
+            out.append((nz, row[nz]))
+            continue
+        mag = row[nz].abs()
+        k = len(nz) if cap is None else min(cap, len(nz))
+        top, order = mag.topk(k)
+        total = mag.sum().clamp_min(1e-30)
+        keep = int(torch.searchsorted(top.cumsum(0) / total, torch.tensor(edge_mass, dtype=top.dtype))) + 1
+        keep = min(keep, k)
+        idx = nz[order[:keep]]
+        out.append((idx, row[idx]))
+    return out
+
+
+def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob, max_feature_nodes, batch_size,
+               edge_mass, max_edges_per_node, update_interval, chunk, verbose) -> Graph:
+    t0 = time.time()
+    src = _Sources(rs, cap)
+    labels, ids, weights, vecs = logit_targets(model, cap, target, max_n_logits, desired_logit_prob)
+    n_logits = len(labels)
+    logit_start = src.n
+    n_total = src.n + n_logits
+    budget = src.n_feat if max_feature_nodes is None else min(int(max_feature_nodes), src.n_feat)
+    # no more copies of the prompt than there are targets to put in one backward pass
+    engine = _Engine(model, rs, cap, src, min(batch_size, max(n_logits, budget, 1)), chunk)
+    batch_size = engine.batch
+    final_vecs = vecs * engine.final_w  # the logit direction at the final norm's normalised input
+    final_values = (cap.final.float() * engine.final_w) @ vecs.T  # without the norm's bias: a constant
+    if getattr(model.ln_final, "b", None) is not None:
+        final_values = final_values + (model.ln_final.b.detach() @ vecs.T)
+    row_ids: list[int] = []
+    row_edges: list[tuple[Tensor, Tensor]] = []
+
+    def add(node_ids: Sequence[int], rows: Tensor) -> None:
+        row_ids.extend(int(i) for i in node_ids)
+        row_edges.extend(_sparsify(rows, edge_mass, max_edges_per_node))
+
+    last = len(cap.tokens) - 1
+    for lo in range(0, n_logits, batch_size):
+        hi = min(lo + batch_size, n_logits)
+        layers = torch.full((hi - lo,), rs.n_layers)
+        add(range(logit_start + lo, logit_start + hi), engine.rows(layers, torch.full((hi - lo,), last), final_vecs[lo:hi]))
+    visited = torch.zeros(src.n_feat, dtype=torch.bool)
+    logit_weights = torch.zeros(n_total)
+    logit_weights[logit_start:] = weights
+    n_visited = 0
+    while n_visited < budget:
+        if budget == src.n_feat:
+            pending = torch.arange(src.n_feat)
+        else:
+            influence = compute_influence_sparse(_edges(row_ids, row_edges), n_total, logit_weights)
+            rank = influence[:src.n_feat].argsort(descending=True)
+            pending = rank[~visited[rank]][:min(update_interval * batch_size, budget - n_visited)]
+        for lo in range(0, len(pending), batch_size):
+            idx = pending[lo:lo + batch_size]
+            layers, positions = src.features[idx, 0], src.features[idx, 1]
+            enc = torch.stack([rs.encoder(int(l))[0][:, int(f)].detach() for l, f in src.features[idx][:, [0, 2]]])
+            n_visited += len(idx)
+            add(idx.tolist(), engine.rows(layers, positions, enc, retain=n_visited < budget))
+            visited[idx] = True
+        if verbose:
+            print(f"  {n_visited}/{budget} feature rows, {time.time() - t0:.1f}s", flush=True)
+    del engine
+    return _package(model, rs, cap, src, visited, labels, ids, weights, vecs, final_values[-1], row_ids, row_edges,
+                    dict(max_feature_nodes=max_feature_nodes, edge_mass=edge_mass,
+                         max_edges_per_node=max_edges_per_node, seconds=time.time() - t0))
+
+
+def _edges(row_ids: list[int], row_edges: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    if not row_ids:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0)
+    targets = torch.cat([torch.full((len(i),), r, dtype=torch.long) for r, (i, _) in zip(row_ids, row_edges)])
+    sources = torch.cat([i for i, _ in row_edges]).long()
+    weights = torch.cat([w for _, w in row_edges]).float()
+    return targets, sources, weights
+
+
+def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs, values, row_ids, row_edges,
+             settings) -> Graph:
+    """Keep the expanded features, every error and token node and the logits; renumber the edges."""
+    selected = visited.nonzero().squeeze(-1)
+    n_sel = len(selected)
+    old_to_new = torch.full((src.n + len(labels),), -1, dtype=torch.long)
+    old_to_new[selected] = torch.arange(n_sel)
+    rest = torch.arange(src.n_feat, src.n + len(labels))
+    old_to_new[rest] = torch.arange(n_sel, n_sel + len(rest))
+    targets, sources, w = _edges(row_ids, row_edges)
+    targets, sources = old_to_new[targets], old_to_new[sources]
+    keep = (targets >= 0) & (sources >= 0)
+    L, P = src.n_layers, src.n_pos
+    err_layer = torch.arange(L).repeat_interleave(P)
+    err_pos = torch.arange(P).repeat(L)
+    feats = src.features[selected]
+    kind = torch.cat([torch.full((n_sel,), FEATURE), torch.full((L * P,), ERROR), torch.full((P,), TOKEN),
+                      torch.full((len(labels),), LOGIT)])
+    layer = torch.cat([feats[:, 0], err_layer, torch.full((P,), -1), torch.full((len(labels),), L)])
+    pos = torch.cat([feats[:, 1], err_pos, torch.arange(P), torch.full((len(labels),), P - 1)])
+    feature = torch.cat([feats[:, 2], torch.full((L * P,), -1), cap.tokens.cpu(), torch.tensor(ids, dtype=torch.long)])
+    err_norm = torch.stack([e.norm(dim=-1) for e in cap.errors]).flatten()
+    activation = torch.cat([src.values[selected].float(), err_norm.float(), torch.zeros(P),
+                            values.detach().float().reshape(-1)])
+    logit_weight = torch.zeros(len(kind))
+    logit_weight[-len(labels):] = weights.float()
+    graph = Graph(kind=kind, layer=layer, pos=pos, feature=feature, activation=activation.cpu(),
+                  logit_weight=logit_weight, logit_labels=list(labels),
+                  edge_target=targets[keep], edge_source=sources[keep], edge_weight=w[keep].cpu(),
+                  tokens=cap.tokens.cpu(), str_tokens=_str_tokens(model, cap.tokens), n_layers=L,
+                  logit_vectors=vecs.detach().cpu().float(),
+                  meta=dict(model=getattr(model.cfg, "name", ""), d_vocab=model.cfg.d_vocab, n_active_features=src.n_feat,
+                            replacement="clt" if rs.cross_layer else "transcoders", **settings))
+    graph.bind(model, rs, cap)
+    return graph
+
+
+def _str_tokens(model, tokens: Tensor) -> list[str]:
+    try:
+        return list(model.to_str_tokens(tokens.reshape(1, -1))) if model.tokenizer is not None else [str(int(t)) for t in tokens]
+    except Exception:  # no tokenizer
+        return [str(int(t)) for t in tokens]

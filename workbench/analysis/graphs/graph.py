@@ -1,0 +1,431 @@
+"""The attribution graph: a node table, sparse weighted edges, influence, pruning, files, interventions.
+
+    graph.to_frame()                  # (nodes, edges) DataFrames
+    graph.prune(0.8, 0.98)            # the subgraph carrying 80% of node / 98% of edge influence
+    graph.save("g.json"); Graph.load("g.json")
+    graph.to_circuit_tracer("out/", slug="ioi")    # the JSON circuit-tracer's and Neuronpedia's viewers open
+    graph.intervene([(1, 12, 345)], value=0.0)     # logits [pos, d_vocab] of the replacement model
+
+Nodes are features (layer, position, feature id, activation), error nodes (layer, position: what
+the transcoders miss), token embeddings (position, token id) and logit targets (their value and
+weight), in circuit-tracer's order. An edge ``source -> target`` is the source's direct effect on
+the target's pre-activation in the frozen replacement model. Influence is circuit-tracer's: with
+``A`` the absolute adjacency normalised so each target's incoming weights sum to one and ``w`` the
+logit weights (probabilities), a node's influence is ``w (A + A^2 + ...)`` = ``w ((I - A)^-1 - I)``,
+the share of the logits' input that reaches it along all paths.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+NODE_KINDS = ("feature", "error", "token", "logit")
+_ARRAYS = ("kind", "layer", "pos", "feature", "activation", "logit_weight", "edge_target", "edge_source",
+           "edge_weight", "tokens")
+
+
+def compute_influence_sparse(edges: tuple[Tensor, Tensor, Tensor], n: int, logit_weights: Tensor,
+                             max_iter: int = 1000) -> Tensor:
+    """Each node's influence ``w (A + A^2 + ...)`` on the weighted logits, over sparse ``(target, source, weight)``."""
+    target, source, weight = edges
+    mag = weight.abs().double()
+    row_sum = torch.zeros(n, dtype=torch.float64).index_add_(0, target, mag).clamp_min(1e-10)
+    norm = mag / row_sum[target]
+    current = torch.zeros(n, dtype=torch.float64).index_add_(0, source, norm * logit_weights.double()[target])
+    influence = current.clone()
+    for _ in range(max_iter):
+        current = torch.zeros(n, dtype=torch.float64).index_add_(0, source, norm * current[target])
+        if not current.any():
+            return influence.float()
+        influence += current
+    raise RuntimeError(f"influence did not converge in {max_iter} iterations: the graph has a cycle")
+
+
+def _threshold(scores: Tensor, fraction: float) -> Tensor:
+    """The score above which the largest scores hold ``fraction`` of the total (circuit-tracer's find_threshold)."""
+    ordered = scores.sort(descending=True).values
+    cumulative = ordered.cumsum(0) / ordered.sum().clamp_min(1e-30)
+    i = min(int(torch.searchsorted(cumulative, torch.tensor(fraction, dtype=cumulative.dtype))), len(ordered) - 1)
+    return ordered[i]
+
+
+class PruneResult(NamedTuple):
+    node_mask: Tensor  # [n_nodes] bool
+    edge_mask: Tensor  # [n_edges] bool
+    cumulative_scores: Tensor  # [n_nodes]: the share of influence held by the nodes at least as influential
+
+
+@dataclass
+class Graph:
+    kind: Tensor  # [n] index into NODE_KINDS
+    layer: Tensor  # [n] feature/error: layer; token: -1; logit: n_layers
+    pos: Tensor  # [n]
+    feature: Tensor  # [n] feature id; token: token id; logit: vocab id (-1: not a single token); error: -1
+    activation: Tensor  # [n] feature activation; error: the error vector's norm; logit: its value; token: 0
+    logit_weight: Tensor  # [n] logits: their weight (probability) in the influence; others 0
+    logit_labels: list[str]
+    edge_target: Tensor  # [e] node index
+    edge_source: Tensor  # [e]
+    edge_weight: Tensor  # [e]
+    tokens: Tensor  # [pos]
+    str_tokens: list[str]
+    n_layers: int
+    logit_vectors: Optional[Tensor] = None  # [n_logits, d_model] target directions at the unembedding input
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._context = None
+
+    # ---- shape --------------------------------------------------------------------------------------
+    @property
+    def n_nodes(self) -> int:
+        return len(self.kind)
+
+    @property
+    def n_edges(self) -> int:
+        return len(self.edge_weight)
+
+    def nodes_of(self, kind: str) -> Tensor:
+        return (self.kind == NODE_KINDS.index(kind)).nonzero().squeeze(-1)
+
+    def node_index(self, layer: int, pos: int, feature: int) -> int:
+        """The node index of feature ``feature`` at (layer, pos); a ValueError if it is not in the graph."""
+        hit = ((self.kind == 0) & (self.layer == layer) & (self.pos == pos) & (self.feature == feature)).nonzero()
+        if not len(hit):
+            raise ValueError(f"feature {feature} at layer {layer}, position {pos} is not a node of this graph")
+        return int(hit[0])
+
+    def node_ids(self) -> list[str]:
+        names = []
+        for k, l, p, f in zip(self.kind.tolist(), self.layer.tolist(), self.pos.tolist(), self.feature.tolist()):
+            names.append((f"F{l}.{p}.{f}", f"E{l}.{p}", f"T{p}", f"L{len(names)}")[k])
+        logits = self.nodes_of("logit").tolist()
+        for j, i in enumerate(logits):
+            names[i] = f"L{j}"
+        return names
+
+    def adjacency(self) -> Tensor:
+        """The dense [n_nodes, n_nodes] matrix, rows = targets, columns = sources (small graphs only)."""
+        A = torch.zeros(self.n_nodes, self.n_nodes)
+        A[self.edge_target, self.edge_source] = self.edge_weight
+        return A
+
+    def edge(self, target: int, source: int) -> float:
+        hit = ((self.edge_target == target) & (self.edge_source == source)).nonzero()
+        return float(self.edge_weight[hit[0]]) if len(hit) else 0.0
+
+    # ---- influence and pruning ----------------------------------------------------------------------------
+    def influence(self) -> Tensor:
+        """[n_nodes]: each node's influence on the weighted logits (0 for the logits themselves)."""
+        return compute_influence_sparse(self._edges(), self.n_nodes, self.logit_weight)
+
+    def edge_scores(self, node_mask: Optional[Tensor] = None) -> Tensor:
+        """[n_edges]: each edge's share of influence (normalised weight x the influence reaching its target)."""
+        t, s, w = self._edges()
+        if node_mask is not None:
+            w = w * (node_mask[t] & node_mask[s])
+        influence = compute_influence_sparse((t, s, w), self.n_nodes, self.logit_weight) + self.logit_weight
+        mag = w.abs().double()
+        row = torch.zeros(self.n_nodes, dtype=torch.float64).index_add_(0, t, mag).clamp_min(1e-10)
+        return (mag / row[t] * influence.double()[t]).float()
+
+    def _edges(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.edge_target.long(), self.edge_source.long(), self.edge_weight
+
+    def prune_masks(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
+        """circuit-tracer's ``prune_graph`` on sparse edges: keep the nodes holding ``node_threshold``
+        of the influence (tokens and logits always), then the edges holding ``edge_threshold`` of
+        the edge influence among them, then drop features left without an input or an output."""
+        for name, value in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name} must lie in [0, 1], got {value}")
+        influence = self.influence()
+        node_mask = influence >= _threshold(influence, node_threshold)
+        always = (self.kind == NODE_KINDS.index("token")) | (self.kind == NODE_KINDS.index("logit"))
+        node_mask |= always
+        scores = self.edge_scores(node_mask)
+        edge_mask = scores >= _threshold(scores, edge_threshold)
+        edge_mask &= scores > 0
+        t, s = self.edge_target.long(), self.edge_source.long()
+        feature = self.kind == 0
+        inner = (self.kind == 0) | (self.kind == 1)
+        while True:
+            edge_mask &= node_mask[t] & node_mask[s]
+            has_out = torch.zeros(self.n_nodes, dtype=torch.bool).index_fill_(0, s[edge_mask], True)
+            has_in = torch.zeros(self.n_nodes, dtype=torch.bool).index_fill_(0, t[edge_mask], True)
+            new = node_mask & (~inner | has_out) & (~feature | has_in)
+            if torch.equal(new, node_mask):
+                break
+            node_mask = new
+        order = influence.argsort(descending=True)
+        cumulative = torch.zeros_like(influence)
+        cumulative[order] = influence[order].cumsum(0) / influence.sum().clamp_min(1e-30)
+        return PruneResult(node_mask, edge_mask, cumulative)
+
+    def prune(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> "Graph":
+        """The pruned subgraph (a new Graph; interventions still work on it)."""
+        result = self.prune_masks(node_threshold, edge_threshold)
+        sub = self.subgraph(result.node_mask, result.edge_mask)
+        sub.meta = {**sub.meta, "node_threshold": node_threshold, "edge_threshold": edge_threshold}
+        return sub
+
+    def subgraph(self, node_mask: Tensor, edge_mask: Optional[Tensor] = None) -> "Graph":
+        keep = node_mask.nonzero().squeeze(-1)
+        new = torch.full((self.n_nodes,), -1, dtype=torch.long)
+        new[keep] = torch.arange(len(keep))
+        t, s = new[self.edge_target.long()], new[self.edge_source.long()]
+        e = (t >= 0) & (s >= 0) & (edge_mask if edge_mask is not None else True)
+        logit_nodes = self.nodes_of("logit").tolist()
+        labels = [self.logit_labels[j] for j, i in enumerate(logit_nodes) if bool(node_mask[i])]
+        vectors = None
+        if self.logit_vectors is not None:
+            vectors = self.logit_vectors[[j for j, i in enumerate(logit_nodes) if bool(node_mask[i])]]
+        sub = Graph(self.kind[keep], self.layer[keep], self.pos[keep], self.feature[keep], self.activation[keep],
+                    self.logit_weight[keep], labels, t[e], s[e], self.edge_weight[e], self.tokens, self.str_tokens,
+                    self.n_layers, vectors, dict(self.meta))
+        sub._context = self._context
+        return sub
+
+    def scores(self) -> dict[str, float]:
+        """circuit-tracer's replacement score (token vs error influence) and completeness score."""
+        influence = self.influence()
+        err, tok = self.kind == 1, self.kind == 2
+        t, s, w = self._edges()
+        mag = w.abs().double()
+        row = torch.zeros(self.n_nodes, dtype=torch.float64).index_add_(0, t, mag).clamp_min(1e-10)
+        from_err = torch.zeros(self.n_nodes, dtype=torch.float64).index_add_(0, t, mag * err[s] / row[t])
+        has_in = torch.zeros(self.n_nodes, dtype=torch.bool).index_fill_(0, t, True)
+        weight = (influence.double() + self.logit_weight.double()) * has_in
+        completeness = float(((1 - from_err) * weight).sum() / weight.sum().clamp_min(1e-30))
+        replacement = float(influence[tok].sum() / (influence[tok].sum() + influence[err].sum()).clamp_min(1e-30))
+        return {"replacement": replacement, "completeness": completeness}
+
+    # ---- frames and files --------------------------------------------------------------------------------
+    def to_frame(self):
+        """``(nodes, edges)`` DataFrames; edges name their nodes by index into ``nodes``."""
+        import pandas as pd
+
+        nodes = pd.DataFrame({"id": self.node_ids(), "kind": [NODE_KINDS[k] for k in self.kind.tolist()],
+                              "layer": self.layer.tolist(), "pos": self.pos.tolist(), "feature": self.feature.tolist(),
+                              "activation": self.activation.tolist(), "influence": self.influence().tolist(),
+                              "logit_weight": self.logit_weight.tolist()})
+        token = nodes["kind"] == "token"
+        nodes["label"] = ""
+        nodes.loc[token, "label"] = [self.str_tokens[p] for p in nodes.loc[token, "pos"]]
+        nodes.loc[nodes["kind"] == "logit", "label"] = self.logit_labels
+        edges = pd.DataFrame({"source": self.edge_source.tolist(), "target": self.edge_target.tolist(),
+                              "weight": self.edge_weight.tolist()})
+        return nodes, edges
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"format": "workbench-attribution-graph", "version": 1}
+        for name in _ARRAYS:
+            out[name] = getattr(self, name).tolist()
+        out.update(logit_labels=self.logit_labels, str_tokens=self.str_tokens, n_layers=self.n_layers,
+                   logit_vectors=None if self.logit_vectors is None else self.logit_vectors.tolist(), meta=self.meta)
+        return out
+
+    def save(self, path: Union[str, Path]) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict()))
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Graph":
+        if d.get("format") != "workbench-attribution-graph":
+            raise ValueError("not a workbench attribution graph file (for circuit-tracer's JSON use "
+                             "Graph.from_circuit_tracer)")
+        ints = {"kind", "layer", "pos", "feature", "edge_target", "edge_source", "tokens"}
+        arrays = {n: torch.tensor(d[n], dtype=torch.long if n in ints else torch.float32) for n in _ARRAYS}
+        vectors = torch.tensor(d["logit_vectors"]) if d.get("logit_vectors") is not None else None
+        return cls(**arrays, logit_labels=d["logit_labels"], str_tokens=d["str_tokens"], n_layers=d["n_layers"],
+                   logit_vectors=vectors, meta=d.get("meta", {}))
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "Graph":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    # ---- circuit-tracer's graph JSON (what its local server and Neuronpedia open) -----------------------------
+    def to_circuit_tracer_dict(self, slug: str = "graph", scan: str = "workbench", node_threshold: float = 0.8,
+                               edge_threshold: float = 0.98, prune: bool = True) -> dict:
+        """The graph file ``circuit_tracer.utils.create_graph_files`` writes (pruned as it prunes)."""
+        if prune:
+            result = self.prune_masks(node_threshold, edge_threshold)
+            node_mask, edge_mask, cumulative = result
+        else:
+            node_mask = torch.ones(self.n_nodes, dtype=torch.bool)
+            edge_mask = torch.ones(self.n_edges, dtype=torch.bool)
+            cumulative = torch.zeros(self.n_nodes)
+        vocab = int(self.meta.get("d_vocab", 0)) or int(self.feature.max()) + 1
+        nodes: dict[int, dict] = {}
+        logit_rank = {int(i): j for j, i in enumerate(self.nodes_of("logit"))}
+        for i in node_mask.nonzero().squeeze(-1).tolist():
+            k, l, p, f = int(self.kind[i]), int(self.layer[i]), int(self.pos[i]), int(self.feature[i])
+            base = dict(run_idx=0, reverse_ctx_idx=0, clerp="", token_prob=0.0, is_target_logit=False,
+                        influence=float(cumulative[i]), activation=None, ctx_idx=p)
+            if k == 0:
+                base.update(node_id=f"{l}_{f}_{p}", feature=(l + f) * (l + f + 1) // 2 + f, layer=str(l),
+                            feature_type="cross layer transcoder", jsNodeId=f"{l}_{f}-0",
+                            activation=float(self.activation[i]))
+            elif k == 1:
+                base.update(node_id=f"0_{l}_{p}", feature=-1, layer=str(l), feature_type="mlp reconstruction error",
+                            jsNodeId=f"{l}_{p}-0")
+            elif k == 2:
+                base.update(node_id=f"E_{f}_{p}", feature=p, layer="E", feature_type="embedding", jsNodeId=f"E_{f}-{p}")
+            else:
+                j = logit_rank[i]
+                v = f if f >= 0 else vocab + j  # circuit-tracer's virtual index for a target that is not a token
+                prob = float(self.logit_weight[i])
+                layer = str(self.n_layers + 1)
+                base.update(node_id=f"{layer}_{v}_{p}", feature=v, layer=layer, feature_type="logit",
+                            token_prob=prob, is_target_logit=j == 0, jsNodeId=f"L_{v}-{p}", influence=None,
+                            clerp=f'Output "{self.logit_labels[j]}" (p={prob:.3f})')
+            nodes[i] = base
+        links = [{"source": nodes[s]["node_id"], "target": nodes[t]["node_id"], "weight": float(w)}
+                 for t, s, w in zip(self.edge_target[edge_mask].tolist(), self.edge_source[edge_mask].tolist(),
+                                    self.edge_weight[edge_mask].tolist()) if s in nodes and t in nodes]
+        used = {x for link in links for x in (link["source"], link["target"])}
+        kept = [n for n in nodes.values() if n["node_id"] in used or n["feature_type"] in ("embedding", "logit")]
+        meta = dict(slug=slug, scan=scan, transcoder_list=[], prompt_tokens=list(self.str_tokens),
+                    prompt="".join(self.str_tokens), node_threshold=node_threshold, schema_version=1)
+        qparams = dict(pinnedIds=[], supernodes=[], linkType="both", clickedId="", sg_pos="")
+        return {"metadata": meta, "qParams": qparams, "nodes": kept, "links": links}
+
+    def to_circuit_tracer(self, folder: Union[str, Path], slug: str = "graph", scan: str = "workbench",
+                          node_threshold: float = 0.8, edge_threshold: float = 0.98) -> Path:
+        """Write ``{folder}/{slug}.json`` and add it to ``{folder}/graph-metadata.json``, as circuit-tracer does."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        d = self.to_circuit_tracer_dict(slug, scan, node_threshold, edge_threshold)
+        path = folder / f"{slug}.json"
+        path.write_text(json.dumps(d, indent=2))
+        index = folder / "graph-metadata.json"
+        listing = json.loads(index.read_text()) if index.exists() else {"graphs": []}
+        listing["graphs"] = [g for g in listing["graphs"] if g["slug"] != slug] + [d["metadata"]]
+        index.write_text(json.dumps(listing, indent=2))
+        return path
+
+    @classmethod
+    def from_circuit_tracer(cls, source: Union[str, Path, dict]) -> "Graph":
+        """Read a circuit-tracer graph JSON (its pruned nodes and links) back as a Graph."""
+        d = source if isinstance(source, dict) else json.loads(Path(source).read_text())
+        kinds = {"cross layer transcoder": 0, "transcoder": 0, "mlp reconstruction error": 1, "embedding": 2,
+                 "logit": 3}
+        rows, labels = [], []
+        logit_layers = [int(n["layer"]) for n in d["nodes"] if n["feature_type"] == "logit"]
+        n_layers = (max(logit_layers) - 1) if logit_layers else 0
+        for n in d["nodes"]:
+            k = kinds.get(n["feature_type"])
+            if k is None:
+                raise ValueError(f"unknown circuit-tracer node type {n['feature_type']!r}")
+            p = int(n["ctx_idx"])
+            if k == 0:
+                layer, feat, _ = (int(x) for x in n["node_id"].split("_"))
+                rows.append((k, layer, p, feat, float(n.get("activation") or 0.0), 0.0))
+            elif k == 1:
+                rows.append((k, int(n["layer"]), p, -1, 0.0, 0.0))
+            elif k == 2:
+                rows.append((k, -1, p, int(n["node_id"].split("_")[1]), 0.0, 0.0))
+            else:
+                rows.append((k, n_layers, p, int(n["feature"]), 0.0, float(n.get("token_prob", 0.0))))
+                clerp = n.get("clerp", "")
+                labels.append(clerp.split('"')[1] if clerp.count('"') >= 2 else str(n["feature"]))
+        order = sorted(range(len(rows)), key=lambda i: (rows[i][0], rows[i][1], rows[i][2], rows[i][3]))
+        rows_sorted = [rows[i] for i in order]
+        ids = [d["nodes"][i]["node_id"] for i in order]
+        where = {node_id: j for j, node_id in enumerate(ids)}
+        logit_order = [i for i in order if rows[i][0] == 3]
+        labels_by_node = dict(zip([i for i in range(len(rows)) if rows[i][0] == 3], labels))
+        cols = list(zip(*rows_sorted)) if rows_sorted else [[]] * 6
+        links = [link for link in d["links"] if link["source"] in where and link["target"] in where]
+        prompt_tokens = d["metadata"].get("prompt_tokens", [])
+        tokens = torch.full((len(prompt_tokens),), -1, dtype=torch.long)
+        for k, _, p, f, _, _ in rows_sorted:
+            if k == 2 and p < len(tokens):
+                tokens[p] = f
+        return cls(kind=torch.tensor(cols[0], dtype=torch.long), layer=torch.tensor(cols[1], dtype=torch.long),
+                   pos=torch.tensor(cols[2], dtype=torch.long), feature=torch.tensor(cols[3], dtype=torch.long),
+                   activation=torch.tensor(cols[4], dtype=torch.float32),
+                   logit_weight=torch.tensor(cols[5], dtype=torch.float32),
+                   logit_labels=[labels_by_node[i] for i in logit_order],
+                   edge_target=torch.tensor([where[x["target"]] for x in links], dtype=torch.long),
+                   edge_source=torch.tensor([where[x["source"]] for x in links], dtype=torch.long),
+                   edge_weight=torch.tensor([float(x["weight"]) for x in links], dtype=torch.float32),
+                   tokens=tokens, str_tokens=list(prompt_tokens), n_layers=n_layers,
+                   meta={"from": "circuit-tracer", "slug": d["metadata"].get("slug", "")})
+
+    # ---- the model behind it -----------------------------------------------------------------------------
+    def bind(self, model, transcoders, cap=None) -> "Graph":
+        """Attach the model and transcoders the graph was made from (after ``load``), for ``intervene``."""
+        from workbench.analysis.graphs.replacement import capture, check_model, replacement_set
+
+        rs = replacement_set(transcoders)
+        check_model(model, rs)
+        if cap is None:
+            if bool((self.tokens < 0).any()):
+                raise ValueError("this graph does not record its prompt's token ids; it cannot be re-run")
+            was = model.training
+            model.eval()
+            try:
+                cap = capture(model, rs, self.tokens.to(model.device)[None])[0]
+            finally:
+                model.train(was)
+        self._context = (model, rs, cap)
+        return self
+
+    def intervene(self, features: Sequence, value: Union[float, Sequence[float]] = 0.0, *,
+                  freeze_attention: bool = False, direct_only: bool = False) -> Tensor:
+        """Logits [pos, d_vocab] of the replacement model with ``features`` set to ``value``.
+
+        ``features``: (layer, pos, feature id) triples or node indices of this graph. By default
+        every other feature is re-encoded from its live input (errors held at their values on
+        this prompt) and attention and norms run live; ``freeze_attention`` holds them as the
+        graph does; ``direct_only`` also holds every other feature (the graph's own frozen model,
+        where changing a feature moves the logits by exactly its direct edges).
+        """
+        from workbench.analysis.graphs.replacement import frozen_forward, live_forward
+
+        if self._context is None:
+            raise ValueError("this graph is not bound to a model: call graph.bind(model, transcoders) first")
+        model, rs, cap = self._context
+        triples = [self._triple(f) for f in features]
+        values = [float(value)] * len(triples) if isinstance(value, (int, float)) else [float(v) for v in value]
+        if len(values) != len(triples):
+            raise ValueError(f"{len(triples)} features but {len(values)} values")
+
+        def edit(layer: int, acts: Tensor) -> Tensor:
+            mine = [(p, f, v) for (l, p, f), v in zip(triples, values) if l == layer]
+            if not mine:
+                return acts
+            acts = acts.clone()
+            for p, f, v in mine:
+                acts[..., p, f] = v
+            return acts
+
+        with torch.no_grad():
+            if direct_only:
+                acts = [edit(l, a[None])[0] for l, a in enumerate(cap.acts)]
+                run = frozen_forward(model, rs, cap, acts=acts)
+            else:
+                run = live_forward(model, rs, cap, edit, freeze=freeze_attention)
+            return run()[0]
+
+    def _triple(self, f) -> tuple[int, int, int]:
+        if isinstance(f, (int,)) and not isinstance(f, bool):
+            if not 0 <= f < self.n_nodes or int(self.kind[f]) != 0:
+                raise ValueError(f"node {f} is not a feature node of this graph")
+            return int(self.layer[f]), int(self.pos[f]), int(self.feature[f])
+        if isinstance(f, (tuple, list)) and len(f) == 3:
+            return int(f[0]), int(f[1]), int(f[2])
+        raise ValueError(f"a feature is a (layer, pos, feature id) triple or a feature node index, got {f!r}")
+
+    def __repr__(self) -> str:
+        counts = {k: int((self.kind == i).sum()) for i, k in enumerate(NODE_KINDS)}
+        return (f"Graph({len(self.tokens)} tokens, {counts['feature']} features, {counts['error']} errors, "
+                f"{counts['logit']} logits, {self.n_edges} edges)")
