@@ -135,7 +135,7 @@ def child_ours(args) -> None:
     graph = an.attribution_graph(model, tcs, prompt, batch_size=args.batch_size)
     seconds = time.perf_counter() - start
     after = peak_mb()
-    pruned = graph.prune(0.8, 0.98)
+    pruned = graph.prune_masks(0.8, 0.98)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({"kind": graph.kind.long(), "layer": graph.layer.long(), "pos": graph.pos.long(),

@@ -253,7 +253,7 @@ def test_train_sae_clt_run_folder_resume_metrics(model, store, tmp_path):
 
     kw = dict(kind="clt", d_sae=48, batch_size=128, log_every=5, progress=False, lr=3e-3, warmup_steps=2,
               eval_sequences=8, skip=True)
-    full = train_sae(store, steps=40, out=tmp_path / "full", model=model, **kw)
+    full = train_sae(store, steps=30, out=tmp_path / "full", model=model, **kw)
     assert isinstance(full, CrossLayerTranscoder) and full.skip and full.n_layers == 3
     assert {p.name for p in (tmp_path / "full").iterdir()} == {
         "clt.json", "clt.safetensors", "metrics.csv", "train_state.safetensors", "train_state.json"}
@@ -262,8 +262,8 @@ def test_train_sae_clt_run_folder_resume_metrics(model, store, tmp_path):
             [f"{name}_layer{layer}" for name in ("explained_variance", "l0") for layer in range(3)]:
         assert key in m and m[key] == m[key], key
     assert sum(m[f"l0_layer{layer}"] for layer in range(3)) == pytest.approx(m["l0"])
-    assert m["explained_variance"] > 0.5 and m["ce_loss_recovered"] > 0.5, m
-    assert pd.read_csv(tmp_path / "full" / "metrics.csv")["step"].tolist() == list(range(5, 41, 5))
+    assert m["explained_variance"] > 0.5 and m["ce_loss_recovered"] > 0.2, m  # 30 steps: well above zeroing the MLPs
+    assert pd.read_csv(tmp_path / "full" / "metrics.csv")["step"].tolist() == list(range(5, 31, 5))
 
     # per-layer explained variance recomputed by hand from the store's held-out shard
     held = store.subset([store.n_shards - 1]).load_shard(0)
@@ -274,9 +274,11 @@ def test_train_sae_clt_run_folder_resume_metrics(model, store, tmp_path):
         assert float(ev) == pytest.approx(m[f"explained_variance_layer{layer}"], abs=1e-4)
 
     # resume continues exactly; the saved CLT takes raw activations
-    train_sae(store, steps=40, out=tmp_path / "half", callback=lambda row: row["step"] == 20, **kw)
-    resumed = train_sae(store, steps=40, out=tmp_path / "half", resume=True, **kw)
-    for (name, p), (_, q) in zip(full.named_parameters(), resumed.named_parameters()):
+    short = {**kw, "eval_sequences": 0, "log_every": 2}
+    straight = train_sae(store, steps=8, out=tmp_path / "straight", **short)
+    train_sae(store, steps=8, out=tmp_path / "half", callback=lambda row: row["step"] == 4, **short)
+    resumed = train_sae(store, steps=8, out=tmp_path / "half", resume=True, **short)
+    for (name, p), (_, q) in zip(straight.named_parameters(), resumed.named_parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
     loaded = load_dictionary(tmp_path / "full")
     again, _ = reconstruction_metrics(loaded, store.subset([store.n_shards - 1]))
