@@ -13,7 +13,8 @@ sides exchange files only. Create that venv once (torch first, so pip keeps the 
 What runs (``--out``, default ``runs/graphs_ct``):
 1. A random Llama-shaped HookedDecoder (4 layers, d_model 128, 4 heads of 32, SwiGLU 512, RMSNorm
    pre-norm with unit weights, RoPE on all 32 head dimensions, untied unembedding, no biases) and
-   one TopK-16 skip-transcoder of 512 features per MLP, seeded. Exported as files: the weights
+   one TopK-16 skip-transcoder of 512 features per MLP, seeded; the prompt is random tokens after a
+   special token (circuit-tracer prepends one to any prompt that lacks it). Exported as files: the weights
    under HookedTransformer's names (``W_Q`` [heads, d_model, d_head] etc., as ours), its config
    (``RMSPre`` with our eps, ``rotary`` half-split as ours), the transcoders in circuit-tracer's
    own format (``save_circuit_tracer``) and the prompt's tokens.
@@ -21,9 +22,9 @@ What runs (``--out``, default ``runs/graphs_ct``):
    (max |difference| < 1e-4, else the script stops).
 3. For each context, in subprocesses of their own (so each peak resident memory is that graph's
    process alone): circuit-tracer's ``attribute`` (``_ct_side.py``) and ours
-   (``an.attribution_graph``). circuit-tracer zeroes every feature at position 0 (it folds them into
-   the error node); our graph keeps them, so for the comparison each of our position-0 features is
-   folded into its layer's position-0 error node (exact: the graph is linear in its nodes). Then:
+   (``an.attribution_graph``). circuit-tracer zeroes position 0's features and error vectors (it
+   treats the first token as a constant); our graph keeps them as nodes, so they are left out of
+   the comparison. Then:
    max |adjacency difference| over all (target, source) pairs, the feature sets, the pruned node
    sets (0.8 / 0.98, each library's own pruning) and the ratios of time and peak memory.
 
@@ -46,9 +47,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere, no install needed
 
-N_LAYERS, D_MODEL, N_HEADS, D_HEAD, D_MLP, D_VOCAB = 4, 128, 4, 32, 512, 128
+N_LAYERS, D_MODEL, N_HEADS, D_HEAD, D_MLP, D_VOCAB = 4, 128, 4, 32, 512, 160
+# d_vocab differs from d_model on purpose: circuit-tracer 0.5 tells the unembedding's orientation by
+# matching a side against d_vocab (attribution/targets.py), and takes rows for columns when the two are equal.
 D_SAE, K, EPS = 512, 16, 1e-5
 DEFAULT_CT_PYTHON = "/work/venv-ct/bin/python"
+BOS = 1  # the bos_token of _ct_side.py's WordLevel tokenizer (t1)
 
 
 def build(n_ctx: int, seed: int = 0):
@@ -79,11 +83,14 @@ def build(n_ctx: int, seed: int = 0):
                 p.copy_(torch.rand(p.shape, generator=g) * 0.2 - 0.1)
         tcs.append(tc.eval())
     tokens = torch.randint(4, D_VOCAB, (n_ctx,), generator=g)
+    tokens[0] = BOS  # a special token first, or circuit-tracer prepends one and the prompts differ
     return model, tcs, tokens
 
 
 def tl_state_dict(model) -> dict:
     """Our weights under HookedTransformer's names (the layouts already agree; GQA's _W_K is W_K for MHA)."""
+    import torch
+
     rename = {"._W_K": ".W_K", "._W_V": ".W_V", "._b_K": ".b_K", "._b_V": ".b_V", "unembed.W_U_param": "unembed.W_U"}
     out = {}
     for name, value in model.state_dict().items():
@@ -93,6 +100,12 @@ def tl_state_dict(model) -> dict:
             name = name.replace(a, b)
         out[name] = value.detach().float().contiguous()
     out["unembed.b_U"] = model.W_U.new_zeros(model.cfg.d_vocab).float()
+    c = model.cfg
+    for layer in range(c.n_layers):  # a bias-free model: HookedTransformer still has its biases, all zero
+        zeros = {"attn.b_Q": (c.n_heads, c.d_head), "attn.b_K": (c.n_heads, c.d_head), "attn.b_V": (c.n_heads, c.d_head),
+                 "attn.b_O": (c.d_model,), "mlp.b_in": (c.d_mlp,), "mlp.b_out": (c.d_model,)}
+        for name, shape in zeros.items():
+            out.setdefault(f"blocks.{layer}.{name}", torch.zeros(shape))
     return out
 
 
@@ -168,15 +181,24 @@ def ct_node_keys(ct: dict, n_layers: int, n_pos: int) -> list[tuple]:
 
 
 def ours_in_ct_order(ours: dict, keys: list[tuple]):
-    """Our edges as a dense matrix over circuit-tracer's nodes; position-0 features folded into their error node."""
+    """Our edges as a dense matrix over circuit-tracer's nodes, without position 0's features and errors.
+
+    circuit-tracer zeroes position 0's feature activations *and* its error vectors
+    (``replacement_model_transformerlens.py``: the first token is treated as a constant), so its
+    graph has no feature there and its position-0 error nodes have no edges; ours keeps both as
+    nodes. They are left out of the comparison (their columns stay zero on both sides).
+    """
     import torch
 
     index = {k: i for i, k in enumerate(keys)}
     kind, layer, pos, feat = (ours[n].tolist() for n in ("kind", "layer", "pos", "feature"))
     mapped, logit_j, unmatched = [], 0, []
     for k, l, p, f in zip(kind, layer, pos, feat):
+        if k in (0, 1) and p == 0:
+            mapped.append(-1)
+            continue
         if k == 0:
-            key = ("E", l, 0) if p == 0 else ("F", l, p, f)
+            key = ("F", l, p, f)
         elif k == 1:
             key = ("E", l, p)
         elif k == 2:
@@ -187,13 +209,11 @@ def ours_in_ct_order(ours: dict, keys: list[tuple]):
             unmatched.append(key)
         mapped.append(index.get(key, -1))
     mapped = torch.tensor(mapped)
-    is_pos0_feature = (ours["kind"] == 0) & (ours["pos"] == 0)
     t, s, w = ours["edge_target"], ours["edge_source"], ours["edge_weight"]
-    keep = (mapped[t] >= 0) & (mapped[s] >= 0) & ~is_pos0_feature[t]  # pos-0 features have no row in ct's graph
+    keep = (mapped[t] >= 0) & (mapped[s] >= 0)
     A = torch.zeros(len(keys), len(keys), dtype=torch.float64)
     A.index_put_((mapped[t[keep]], mapped[s[keep]]), w[keep].double(), accumulate=True)
-    kept = {keys[int(mapped[i])] for i in ours["node_mask"].nonzero().flatten().tolist()
-            if int(mapped[i]) >= 0 and not bool(is_pos0_feature[i])}
+    kept = {keys[int(mapped[i])] for i in ours["node_mask"].nonzero().flatten().tolist() if int(mapped[i]) >= 0}
     return A, unmatched, kept
 
 

@@ -140,8 +140,8 @@ def build(root: Path, name: str) -> dict:
             meta_file.write_text(json.dumps(meta, indent=1))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    size_mb = sum(f.stat().st_size for f in (root / name / "saes").rglob("*")
-                  if f.is_file() and any(p in f.parts for p in ("transcoders", "clt"))) / 1e6
+    size_mb = sum(f.stat().st_size for folder in where["transcoders"] + [where["clt"]]
+                  for f in folder.iterdir()) / 1e6
     print(f"{name}: {size_mb:.2f} MB in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
     show(name, metrics)
     return {"metrics": metrics, "size_mb": size_mb}
