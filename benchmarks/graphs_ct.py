@@ -319,7 +319,8 @@ def main() -> None:
     if results:
         (out / "comparison.json").write_text(json.dumps(results, indent=1))
     elif not have_ours:
-        print("an.attribution_graph is not available: circuit-tracer's side is in", out)
+        why = "--ct-only" if args.ct_only else "an.attribution_graph is not available"
+        print(f"{why}: circuit-tracer's side only, in {out}")
 
 
 if __name__ == "__main__":
