@@ -232,3 +232,154 @@ def test_splice_bad_input(model):
     add_sae(model, clt)
     remove_sae(model, "blocks.1.hook_mlp_out")  # one layer's name takes the whole CLT out
     assert not model._sae_splices
+
+
+# ---- training ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def store(model, tmp_path_factory):
+    from workbench.analysis.dictionaries.trainer import clt_hooks
+    from workbench.analysis.store import ActivationStore
+    from workbench.data import get_task
+
+    return ActivationStore.collect(model, get_task("induction", vocab=32), clt_hooks(3), 3000,
+                                   tmp_path_factory.mktemp("acts") / "s", batch_size=8, tokens_per_shard=1000,
+                                   progress=False)
+
+
+def test_train_sae_clt_run_folder_resume_metrics(model, store, tmp_path):
+    import pandas as pd
+
+    from workbench.analysis.dictionaries import reconstruction_metrics, train_sae
+
+    kw = dict(kind="clt", d_sae=48, batch_size=128, log_every=5, progress=False, lr=3e-3, warmup_steps=2,
+              eval_sequences=8, skip=True)
+    full = train_sae(store, steps=30, out=tmp_path / "full", model=model, **kw)
+    assert isinstance(full, CrossLayerTranscoder) and full.skip and full.n_layers == 3
+    assert {p.name for p in (tmp_path / "full").iterdir()} == {
+        "clt.json", "clt.safetensors", "metrics.csv", "train_state.safetensors", "train_state.json"}
+    m = full.metrics
+    for key in ["l0", "explained_variance", "ce_loss_recovered", "ce_loss_zero_ablated"] + \
+            [f"{name}_layer{layer}" for name in ("explained_variance", "l0") for layer in range(3)]:
+        assert key in m and m[key] == m[key], key
+    assert sum(m[f"l0_layer{layer}"] for layer in range(3)) == pytest.approx(m["l0"])
+    assert m["explained_variance"] > 0.5 and m["ce_loss_recovered"] > 0.2, m  # 30 steps: well above zeroing the MLPs
+    assert pd.read_csv(tmp_path / "full" / "metrics.csv")["step"].tolist() == list(range(5, 31, 5))
+
+    # per-layer explained variance recomputed by hand from the store's held-out shard
+    held = store.subset([store.n_shards - 1]).load_shard(0)
+    xs = [held[full.hook_in(layer)] for layer in range(3)]
+    for layer, y_hat in enumerate(full(xs)):
+        y = held[full.hook_out(layer)]
+        ev = 1 - (y_hat - y).pow(2).sum() / (y - y.mean(0)).pow(2).sum()
+        assert float(ev) == pytest.approx(m[f"explained_variance_layer{layer}"], abs=1e-4)
+
+    # resume continues exactly; the saved CLT takes raw activations
+    short = {**kw, "eval_sequences": 0, "log_every": 2}
+    straight = train_sae(store, steps=8, out=tmp_path / "straight", **short)
+    train_sae(store, steps=8, out=tmp_path / "half", callback=lambda row: row["step"] == 4, **short)
+    resumed = train_sae(store, steps=8, out=tmp_path / "half", resume=True, **short)
+    for (name, p), (_, q) in zip(straight.named_parameters(), resumed.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    loaded = load_dictionary(tmp_path / "full")
+    again, _ = reconstruction_metrics(loaded, store.subset([store.n_shards - 1]))
+    assert again["explained_variance"] == pytest.approx(m["explained_variance"], rel=1e-5)
+
+
+def test_train_sae_clt_topk_and_bad_input(model, store):
+    from workbench.analysis.dictionaries import train_sae
+    from workbench.analysis.store import ActivationStore
+
+    top = train_sae(store, kind="clt", activation="topk", k=3, d_sae=32, steps=10, batch_size=128, progress=False,
+                    eval_sequences=0)
+    assert top.activation == "topk" and top.metrics["l0"] <= 9 + 1e-6
+    with pytest.raises(ValueError, match="leave hook= and hook_out= empty"):
+        train_sae(store, kind="clt", hook="blocks.0.ln2.hook_normalized", steps=1, progress=False)
+    with pytest.raises(ValueError, match="integer k"):
+        train_sae(store, kind="clt", activation="topk", k=2.5, steps=1, progress=False)
+    partial = ActivationStore(store.path)
+    partial.manifest = {**partial.manifest, "hooks": {h: v for h, v in partial.manifest["hooks"].items()
+                                                      if not h.startswith("blocks.1.")}}
+    with pytest.raises(ValueError, match="every layer's MLP input and output"):
+        train_sae(partial, kind="clt", d_sae=8, batch_size=64, steps=1, progress=False)
+
+
+# ---- circuit-tracer's files -------------------------------------------------------------------------
+def test_circuit_tracer_files_both_ways(model, tmp_path):
+    from safetensors.torch import load_file
+
+    from workbench.analysis.dictionaries import DictionaryConfig
+    from workbench.analysis.dictionaries.circuit_tracer import load_circuit_tracer, save_circuit_tracer
+
+    import copy
+
+    model = copy.deepcopy(model)
+    with torch.no_grad():  # norm weights that are not ones, so folding them in and out is tested
+        for block in model.blocks:
+            block.ln2.w.copy_(torch.rand_like(block.ln2.w) + 0.5)
+    tokens = torch.randint(0, 40, (2, 9))
+    _, cache = model.run_with_cache(tokens)
+    torch.manual_seed(3)
+    tcs = []
+    for layer in range(3):
+        tc = make_dictionary(DictionaryConfig(kind="skip_transcoder", d_in=32, d_sae=40, d_out=32, k=5,
+                                              hook_name=f"blocks.{layer}.ln2.hook_normalized",
+                                              hook_name_out=f"blocks.{layer}.hook_mlp_out"))
+        with torch.no_grad():
+            for p in tc.parameters():
+                p.copy_(torch.randn_like(p) * 0.3)
+        tcs.append(tc)
+    save_circuit_tracer(tcs, tmp_path / "set", model=model)
+    state = load_file(str(tmp_path / "set" / "layer_1.safetensors"))
+    assert {k: tuple(v.shape) for k, v in state.items()} == {
+        "W_enc": (40, 32), "W_dec": (40, 32), "b_enc": (40,), "b_dec": (32,), "W_skip": (32, 32)}
+    # circuit-tracer's map on its hook (the MLP input after the norm weight) equals ours on ours
+    mlp_in = cache["blocks.1.ln2.hook_normalized"] * model.blocks[1].ln2.w
+    pre = torch.nn.functional.linear(mlp_in, state["W_enc"], state["b_enc"])
+    torch.testing.assert_close(pre, tcs[1].pre_acts(cache["blocks.1.ln2.hook_normalized"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mlp_in @ state["W_skip"].T,
+                               cache["blocks.1.ln2.hook_normalized"] @ tcs[1].W_skip.T, rtol=1e-5, atol=1e-5)
+    back = load_circuit_tracer(tmp_path / "set", model=model)
+    assert [type(t).__name__ for t in back] == ["SkipTranscoder"] * 3 and back[2].cfg.k == 5
+    for a, b in zip(tcs, back):
+        x = cache[a.cfg.hook_name]
+        torch.testing.assert_close(b(x), a(x), rtol=1e-5, atol=1e-5)
+
+    clt = random_clt(model, skip=False)
+    save_circuit_tracer(clt, tmp_path / "clt", model=model)
+    enc = load_file(str(tmp_path / "clt" / "W_enc_2.safetensors"))
+    assert {k: tuple(v.shape) for k, v in enc.items()} == {
+        "W_enc_2": (24, 32), "b_enc_2": (24,), "b_dec_2": (32,), "threshold_2": (24,)}
+    assert tuple(load_file(str(tmp_path / "clt" / "W_dec_1.safetensors"))["W_dec_1"].shape) == (24, 2, 32)
+    again = load_circuit_tracer(tmp_path / "clt", model=model)
+    xs = [cache[clt.hook_in(layer)] for layer in range(3)]
+    for y, z in zip(clt(xs), again(xs)):
+        torch.testing.assert_close(z, y, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no skip connection"):
+        save_circuit_tracer(random_clt(model, skip=True), tmp_path / "bad")
+    with pytest.raises(ValueError, match="layer 0 needs"):
+        save_circuit_tracer(tcs[1:], tmp_path / "bad")
+
+
+@pytest.mark.slow
+def test_clt_command_under_torchrun_matches_one_process(model, tmp_path):
+    import workbench as wb
+    from factories import run_torchrun
+
+    from workbench.analysis.dictionaries import train_sae
+    from workbench.analysis.dictionaries.trainer import clt_hooks
+    from workbench.analysis.store import ActivationStore
+    from workbench.data import get_task
+
+    task = get_task("induction", vocab=32)
+    wb.save_checkpoint(model, tmp_path / "ckpt", meta={"task": "induction", "task_options": task.options()})
+    store = ActivationStore.collect(model, task, clt_hooks(3), 1200, tmp_path / "acts", batch_size=8,
+                                    tokens_per_shard=600, progress=False)
+    flags = ["--kind", "clt", "--d-sae", "16", "--steps", "3", "--batch-size", "64", "--lr", "3e-3",
+             "--warmup-steps", "1", "--threads", "1", "--eval-sequences", "0", "--no-progress"]
+    run_torchrun(["train-sae", str(tmp_path / "ckpt"), *flags, "--store", str(tmp_path / "acts"), "--tokens", "1200",
+                  "--out", str(tmp_path / "ddp")])
+    single = train_sae(store, kind="clt", d_sae=16, steps=3, batch_size=64, lr=3e-3, warmup_steps=1,
+                       eval_sequences=0, progress=False)
+    ddp = load_dictionary(tmp_path / "ddp")
+    for (name, p), (_, q) in zip(single.named_parameters(), ddp.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)

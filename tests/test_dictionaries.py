@@ -42,7 +42,7 @@ def model():
 
 def random_dictionary(kind, d_in=32, d_sae=64, hook=SAE_HOOK, seed=0, **cfg):
     tc = kind in TRANSCODERS
-    config = DictionaryConfig(kind=kind, d_in=d_in, d_sae=d_sae, k=4, hook_name=TC_IN if tc else hook,
+    config = DictionaryConfig(kind=kind, d_in=d_in, d_sae=d_sae, k=0 if tc else 4, hook_name=TC_IN if tc else hook,
                               hook_name_out=TC_OUT if tc else "", **cfg)
     sae = make_dictionary(config)
     sae.init_weights(torch.Generator().manual_seed(seed))

@@ -6,6 +6,7 @@
     python -m workbench train-sae ... --out saes/s26-l1 --resume --steps 4000      # continue a run
     python -m workbench train-sae ... --live                                         # no store on disk
     torchrun --nproc_per_node=2 -m workbench train-sae ...                            # data parallel
+    python -m workbench train-sae checkpoints/stories-2026 --kind clt --d-sae 256      # a cross-layer transcoder
 
 The activations come from the checkpoint's own task (``meta.json``; ``--task`` picks another) and
 are collected into ``--store`` (default ``acts/NAME-HOOK``; an interrupted collection resumes),
@@ -69,11 +70,17 @@ def cmd_train_sae(args: argparse.Namespace) -> int:
     hooks = [config.hook] if config.hook else []
     if config.hook_out:
         hooks.append(config.hook_out)
+    if config.kind == "clt":  # every layer's MLP input and output
+        from workbench.analysis.dictionaries.trainer import clt_hooks
+
+        if hooks:
+            raise ValueError("--kind clt reads every layer's MLP input and output: leave --hook and --hook-out out")
+        hooks = clt_hooks(model.cfg.n_layers)
     if not hooks:
         raise ValueError("say which hook: --hook blocks.L.hook_resid_post (and --hook-out for a transcoder)")
     excluded = [_token_id(model, t) for t in args.exclude_token]
     ckpt = args.checkpoint.resolve().name
-    slug = "-".join(h.replace(".", "_") for h in hooks)
+    slug = "mlps" if config.kind == "clt" else "-".join(h.replace(".", "_") for h in hooks)
     out = args.out or Path("saes") / f"{ckpt}-{slug}-{config.kind}-{config.d_sae}"
     progress = not args.no_progress
     common = dict(batch_size=args.collect_batch_size, seq_len=args.seq_len, exclude_token_ids=excluded)

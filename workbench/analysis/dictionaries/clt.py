@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from workbench.analysis.dictionaries.topk import topk_relu
 from workbench.analysis.dictionaries.base import DictionaryConfig
 from workbench.analysis.dictionaries.jumprelu import BANDWIDTH, INIT_THRESHOLD, _JumpReLU, _Step
 
@@ -132,8 +133,7 @@ class CrossLayerTranscoder(nn.Module):
 
     def activate_layer(self, layer: int, pre: Tensor) -> Tensor:
         if self.activation == "topk":
-            values, indices = pre.topk(self.cfg.k, dim=-1, sorted=False)
-            return torch.zeros_like(pre).scatter_(-1, indices, values.relu())
+            return topk_relu(pre, self.cfg.k)
         return pre.relu() * (pre > self.threshold[layer].relu())
 
     def encode(self, layer: int, x: Float[Tensor, "*rows d_in"]) -> Float[Tensor, "*rows d_sae"]:

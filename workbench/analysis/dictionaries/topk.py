@@ -15,6 +15,12 @@ import torch.nn.functional as F
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig, SparseActs
 
 
+def topk_relu(pre: Tensor, k: int) -> Tensor:
+    """Each row's ``k`` largest pre-activations (ReLU'd), zeros elsewhere."""
+    values, indices = pre.topk(int(k), dim=-1, sorted=False)
+    return torch.zeros_like(pre).scatter_(-1, indices, values.relu())
+
+
 class TopKSAE(Dictionary):
     kind = "topk"
     architecture = "topk"
@@ -25,8 +31,7 @@ class TopKSAE(Dictionary):
         super().__init__(cfg.replace(k=int(cfg.k)))
 
     def activate(self, pre: Tensor) -> Tensor:
-        values, indices = pre.topk(int(self.cfg.k), dim=-1, sorted=False)
-        return torch.zeros_like(pre).scatter_(-1, indices, values.relu())
+        return topk_relu(pre, self.cfg.k)
 
     def train_encode(self, pre: Tensor) -> SparseActs:
         k = int(self.cfg.k)

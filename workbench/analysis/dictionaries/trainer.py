@@ -23,6 +23,10 @@ How it trains (the choices of SAELens and EleutherAI's sparsify, unless noted):
 - The last shard of a store with several is held out for the final metrics.
 - Under torchrun every process reads the same global batch and takes its slice; gradients,
   firing counts and the BatchTopK threshold are averaged over processes; rank 0 writes.
+- A cross-layer transcoder (kind ``clt``) trains on a store holding every layer's MLP input and
+  output (``clt_hooks(n_layers)``); its rows concatenate the layers, each layer scaled on its own,
+  and its metrics add each layer's explained variance and L0 (``explained_variance_layer0``, ...)
+  and CE loss recovered with every MLP replaced.
 """
 
 from __future__ import annotations
@@ -46,21 +50,24 @@ from tqdm.auto import tqdm
 
 from workbench import distributed
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig, SparseActs
+from workbench.analysis.dictionaries.clt import CONFIG_FILE as CLT_CONFIG_FILE
+from workbench.analysis.dictionaries.clt import HOOK_IN, HOOK_OUT, CrossLayerTranscoder, clt_config
 from workbench.analysis.dictionaries.evaluate import ce_loss_recovered, reconstruction_metrics
 from workbench.analysis.dictionaries.registry import DICTIONARIES, make_dictionary
 from workbench.analysis.dictionaries.saelens import CFG_FILE, save_dictionary
 from workbench.analysis.dictionaries.topk import aux_k_loss
-from workbench.analysis.store import ActivationStore, LiveActivations, TensorActivations
+from workbench.analysis.store import ActivationStore, LiveActivations, TensorActivations, hook_layer
 from workbench.training import (METRICS_FILE, TrainingDiverged, _restore_train_state, _train_state, history_csv,
                                 option, read_history)
 
+AnyDictionary = Union[Dictionary, CrossLayerTranscoder]
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
 METRIC_COLUMNS = ["step", "loss", "mse", "sparsity_loss", "aux_loss", "l0", "explained_variance", "dead_fraction",
                   "lr", "tokens_per_s"]
 # Sparsity coefficients that gave L0 of a few per cent of d_sae on the shipped stories model and
 # on planted-feature data (inputs scaled to mean norm sqrt(d)); TopK-style kinds need none.
-DEFAULT_SPARSITY = {"relu": 1.0, "jumprelu": 0.3, "transcoder": 0.3, "skip_transcoder": 0.3}
+DEFAULT_SPARSITY = {"relu": 1.0, "jumprelu": 0.3, "transcoder": 0.3, "skip_transcoder": 0.3, "clt": 0.3}
 AUX_K_KINDS = ("topk", "batchtopk")
 
 
@@ -73,6 +80,8 @@ class SAETrainConfig:
     k: float = option(32.0, "TopK: features per token; BatchTopK: mean features per token")
     hook: str = option("", "the store hook to read (default: the store's only hook); a transcoder's input")
     hook_out: str = option("", "a transcoder's output hook (e.g. blocks.1.hook_mlp_out)")
+    activation: str = option("jumprelu", "a CLT's activation: jumprelu (L0 penalty) or topk (k per token and layer)")
+    skip: bool = option(False, "a CLT with a linear skip path per layer")
     steps: int = option(2000, "optimizer steps in total (a resumed run continues up to this)")
     batch_size: int = option(4096, "activation rows per step, summed over processes")
     lr: float = option(0.0, "peak learning rate (0: 2e-4 / sqrt(d_sae / 16384))")
@@ -104,6 +113,10 @@ class SAETrainConfig:
                 raise ValueError(f"SAETrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.decay_fraction <= 1:
             raise ValueError(f"SAETrainConfig.decay_fraction must lie in [0, 1], got {self.decay_fraction}")
+        if self.activation not in ("jumprelu", "topk"):
+            raise ValueError(f"activation={self.activation!r} is not a CLT activation; choose jumprelu or topk")
+        if self.kind == "clt" and self.activation == "topk" and not (float(self.k).is_integer() and 1 <= self.k <= self.d_sae):
+            raise ValueError(f"a TopK CLT needs an integer k in [1, d_sae={self.d_sae}] (per token and layer), got {self.k:g}")
         if self.kind in ("topk", "batchtopk") and not 0 < self.k <= self.d_sae:
             raise ValueError(f"k={self.k:g} must lie in (0, d_sae={self.d_sae}] for kind={self.kind!r}")
 
@@ -155,7 +168,7 @@ def train_sae(
     callback: Optional[Callable[[dict], Optional[bool]]] = None,
     dist: Optional[distributed.DistInfo] = None,
     **overrides: Any,
-) -> Dictionary:
+) -> AnyDictionary:
     """Train a dictionary on ``source`` (a store, its path, or ``LiveActivations``) and return it.
 
     The settings are ``config`` with ``kind``/``d_sae``/``k``/``steps`` and any other
@@ -170,7 +183,7 @@ def train_sae(
         source = ActivationStore(source)
     if model is not None:
         source.check_model(model)
-    hooks = _hooks(config, source)
+    layout = _layout(config, source)
     out = _check_out(out, resume)
     # State goes in: a data-parallel run is handed its DistInfo by the entry point (the CLI reads
     # torchrun's variables); without one this is a single process whatever the environment says.
@@ -181,34 +194,27 @@ def train_sae(
         torch.set_num_threads(config.threads)
     try:
         with distributed.process_group(dist_info, device):
-            return _train(source, config, hooks, dist_info, device, out, model, resume, progress, callback)
+            return _train(source, config, layout, dist_info, device, out, model, resume, progress, callback)
     finally:
         torch.set_num_threads(threads)  # the setting lasts for this call only
 
 
-def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, out, model, resume: bool,
-           progress: bool, callback) -> Dictionary:
+def _train(source, config: SAETrainConfig, layout: "_Layout", dist_info, device, out, model, resume: bool,
+           progress: bool, callback) -> AnyDictionary:
     micro = config.batch_size // dist_info.world_size
     if micro * dist_info.world_size != config.batch_size:
         raise ValueError(f"batch_size={config.batch_size} must be divisible by the {dist_info.world_size} processes")
     train_src, eval_src, held_out = _split(source)
 
-    d_in, d_out = source.d(hooks[0]), source.d(hooks[-1])
-    cfg = DictionaryConfig(kind=config.kind, d_in=d_in, d_sae=config.d_sae, d_out=d_out if len(hooks) > 1 else 0,
-                           k=config.k if config.kind in AUX_K_KINDS else 0, hook_name=hooks[0],
-                           hook_name_out=hooks[1] if len(hooks) > 1 else "",
-                           hook_shape=tuple(source.hook_shape(hooks[0])),
-                           model_name=source.model_info.get("name", ""),
-                           model_fingerprint=source.model_info.get("fingerprint", ""))
-    if config.kind in ("transcoder", "skip_transcoder") and len(hooks) < 2:
-        raise ValueError("a transcoder needs hook= (the MLP input) and hook_out= (the MLP output)")
+    hooks = layout.hooks
+    cfg = _dictionary_config(config, layout, source)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     sae = make_dictionary(cfg)
     sae.init_weights(torch.Generator().manual_seed(config.seed))
     sae.to(device).train()
     optimizer = torch.optim.Adam(sae.parameters(), lr=config.peak_lr, betas=(0.9, 0.999))
-    since_fired = torch.zeros(cfg.d_sae, dtype=torch.float64, device=device)
+    since_fired = torch.zeros(getattr(sae, "n_features", cfg.d_sae), dtype=torch.float64, device=device)
     dead_after = config.dead_after_tokens or max(config.batch_size, min(10_000_000, config.steps * config.batch_size // 10))
     step, history = 0, []
     state = _load_state(out) if resume else None
@@ -217,8 +223,9 @@ def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, 
         _restore(sae, optimizer, since_fired, train_src, state)
         history = read_history(out, step)
     else:
-        scales = _scales_and_bias(sae, train_src, hooks)
+        scales = _scales_and_bias(sae, train_src, layout)
     s_in, s_out = scales
+    scale_x, scale_y = layout.scale_rows(s_in, layout.ins, source), layout.scale_rows(s_out, layout.outs, source)
 
     def save_run(metrics: Optional[dict], density: Optional[torch.Tensor] = None) -> None:
         if out is None or not dist_info.is_main:
@@ -249,9 +256,9 @@ def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, 
     try:
         while step < config.steps:
             batch = next(stream)
-            x, y = (batch[0], batch[-1]) if isinstance(batch, tuple) else (batch, batch)
+            x, y = layout.rows(batch)
             lo = dist_info.rank * micro
-            x, y = x[lo : lo + micro] * s_in, y[lo : lo + micro] * s_out
+            x, y = x[lo : lo + micro] * scale_x, y[lo : lo + micro] * scale_y
             lr = config.lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -295,6 +302,8 @@ def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, 
                    dead_fraction_training=float((since_fired >= dead_after).double().mean()))
     if model is not None and config.eval_sequences:
         metrics.update(ce_loss_recovered(model, final, _eval_tokens(eval_src, config.eval_sequences)))
+    if getattr(final, "cross_layer", False):
+        metrics.update(n_layers=final.n_layers)
     final.metrics = metrics
     final.feature_density = density
     save_run(metrics, density)
@@ -304,7 +313,7 @@ def _train(source, config: SAETrainConfig, hooks: list[str], dist_info, device, 
 
 
 # ---- one step, in named parts -------------------------------------------------------------------
-def _losses(sae: Dictionary, x: torch.Tensor, y: torch.Tensor, config: SAETrainConfig, step: int,
+def _losses(sae: AnyDictionary, x: torch.Tensor, y: torch.Tensor, config: SAETrainConfig, step: int,
             dead: torch.Tensor) -> dict:
     """Reconstruction, sparsity and AuxK terms of one batch (``x`` and ``y`` already scaled)."""
     pre = sae.pre_acts(x)
@@ -319,7 +328,7 @@ def _losses(sae: Dictionary, x: torch.Tensor, y: torch.Tensor, config: SAETrainC
             "recons": recons, "rows": len(x)}
 
 
-def _optimize(sae: Dictionary, optimizer, loss: torch.Tensor, dist_info) -> None:
+def _optimize(sae: AnyDictionary, optimizer, loss: torch.Tensor, dist_info) -> None:
     """Backward, average gradients over processes, keep decoder rows unit norm around the Adam step."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -334,7 +343,7 @@ def _optimize(sae: Dictionary, optimizer, loss: torch.Tensor, dist_info) -> None
 
 
 @torch.no_grad()
-def _count_firing(sae: Dictionary, acts, since_fired: torch.Tensor, batch_size: int, dist_info) -> None:
+def _count_firing(sae: AnyDictionary, acts, since_fired: torch.Tensor, batch_size: int, dist_info) -> None:
     """Tokens since each feature last fired (any process), and BatchTopK's running threshold."""
     if isinstance(acts, SparseActs):
         fired = acts.fired(sae.cfg.d_sae).to(torch.float64)
@@ -361,7 +370,39 @@ def _batch_stats(terms: dict, y: torch.Tensor) -> dict:
 
 
 # ---- pieces ----------------------------------------------------------------------------------
-def _hooks(config: SAETrainConfig, source) -> list[str]:
+def clt_hooks(n_layers: int) -> list[str]:
+    """The hooks a store for a CLT over ``n_layers`` layers holds: every MLP input, then every MLP output."""
+    return [HOOK_IN.format(l=layer) for layer in range(n_layers)] + [HOOK_OUT.format(l=layer) for layer in range(n_layers)]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The hooks a dictionary reads (``ins``) and predicts (``outs``); a training row concatenates
+    them in this order (one hook each, except a CLT's layers)."""
+
+    ins: tuple
+    outs: tuple
+
+    @property
+    def hooks(self) -> list[str]:
+        return list(self.ins) + [h for h in self.outs if h not in self.ins]
+
+    def rows(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        by_hook = dict(zip(self.hooks, batch if isinstance(batch, tuple) else (batch,)))
+        return (torch.cat([by_hook[h] for h in self.ins], -1) if len(self.ins) > 1 else by_hook[self.ins[0]],
+                torch.cat([by_hook[h] for h in self.outs], -1) if len(self.outs) > 1 else by_hook[self.outs[0]])
+
+    @staticmethod
+    def scale_rows(scale, hooks, source) -> Union[float, torch.Tensor]:
+        """A float for one hook; for several (a CLT's layers), each hook's scale repeated over its columns."""
+        if isinstance(scale, (int, float)):
+            return float(scale)
+        return torch.cat([torch.full((source.d(h),), float(s)) for h, s in zip(hooks, scale)])
+
+
+def _layout(config: SAETrainConfig, source) -> _Layout:
+    if config.kind == "clt":
+        return _clt_layout(config, source)
     transcoder = config.kind in ("transcoder", "skip_transcoder")
     hook = config.hook or (source._single_hook() if not transcoder else "")
     if transcoder and not (config.hook and config.hook_out):
@@ -371,7 +412,34 @@ def _hooks(config: SAETrainConfig, source) -> list[str]:
     for h in hooks:
         if h not in source.manifest["hooks"]:
             raise ValueError(f"the source has no hook {h!r}; it holds {list(source.manifest['hooks'])}")
-    return hooks
+    return _Layout((hooks[0],), (hooks[-1],))
+
+
+def _clt_layout(config: SAETrainConfig, source) -> _Layout:
+    """Every layer's MLP input and output, layers 0..L-1 with none missing."""
+    held = set(source.manifest["hooks"])
+    layers = {hook_layer(h) for h in held if h in (HOOK_IN.format(l=hook_layer(h)), HOOK_OUT.format(l=hook_layer(h)))}
+    n_layers = len(layers)
+    if not layers or set(clt_hooks(n_layers)) - held:
+        raise ValueError(f"a CLT trains on every layer's MLP input and output ({HOOK_IN} and {HOOK_OUT} for layers "
+                         f"0..L-1: collect hooks=clt_hooks(n_layers)); the source holds {sorted(held)}")
+    if config.hook or config.hook_out:
+        raise ValueError("a CLT reads every layer's MLP input and output: leave hook= and hook_out= empty")
+    hooks = clt_hooks(n_layers)
+    return _Layout(tuple(hooks[:n_layers]), tuple(hooks[n_layers:]))
+
+
+def _dictionary_config(config: SAETrainConfig, layout: _Layout, source) -> DictionaryConfig:
+    d_in, d_out = source.d(layout.ins[0]), source.d(layout.outs[0])
+    model = dict(model_name=source.model_info.get("name", ""), model_fingerprint=source.model_info.get("fingerprint", ""))
+    if config.kind == "clt":
+        return clt_config(len(layout.ins), d_in, config.d_sae, d_out, activation=config.activation,
+                          k=int(config.k) if config.activation == "topk" else 0, skip=config.skip, **model)
+    transcoder = layout.outs != layout.ins
+    return DictionaryConfig(kind=config.kind, d_in=d_in, d_sae=config.d_sae, d_out=d_out if transcoder else 0,
+                            k=config.k if config.kind in AUX_K_KINDS else 0, hook_name=layout.ins[0],
+                            hook_name_out=layout.outs[0] if transcoder else "",
+                            hook_shape=tuple(source.hook_shape(layout.ins[0])), **model)
 
 
 def _check_out(out, resume: bool) -> Optional[Path]:
@@ -382,7 +450,7 @@ def _check_out(out, resume: bool) -> Optional[Path]:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder; choose another out=")
-    if out.is_dir() and any(out.iterdir()) and not (out / CFG_FILE).exists():
+    if out.is_dir() and any(out.iterdir()) and not ((out / CFG_FILE).exists() or (out / CLT_CONFIG_FILE).exists()):
         raise ValueError(f"{out} is a non-empty folder that is not a dictionary run; choose a new or empty folder")
     if resume and not (out / STATE_JSON_FILE).exists():
         raise ValueError(f"nothing to resume in {out}: it holds no {STATE_JSON_FILE}")
@@ -399,23 +467,32 @@ def _split(source) -> tuple[Any, Any, str]:
 
 
 @torch.no_grad()
-def _scales_and_bias(sae: Dictionary, source, hooks: list[str], rows: int = 32768) -> tuple[float, float]:
-    """Scales that give mean norm sqrt(d) to inputs and targets, and b_dec at the scaled targets' mean."""
-    parts_x, parts_y, n, shard = [], [], 0, 0
+def _scales_and_bias(sae, source, layout: _Layout, rows: int = 32768) -> tuple:
+    """Scales that give mean norm sqrt(d) to inputs and targets, and b_dec at the scaled targets' mean.
+
+    One float each for a single hook; one per layer (lists) for a CLT.
+    """
+    parts, n, shard = {h: [] for h in layout.hooks}, 0, 0
     while n < rows and (source.n_shards is None or shard < source.n_shards):
-        data = source.load_shard(shard, hooks)
-        parts_x.append(data[hooks[0]].float())
-        parts_y.append(data[hooks[-1]].float())
-        n += len(parts_x[-1])
+        data = source.load_shard(shard, layout.hooks)
+        for h in layout.hooks:
+            parts[h].append(data[h].float())
+        n += len(data[layout.hooks[0]])
         shard += 1
-    x, y = torch.cat(parts_x)[:rows], torch.cat(parts_y)[:rows]
-    s_in = math.sqrt(x.shape[1]) / float(x.norm(dim=1).mean().clamp_min(1e-12))
-    s_out = math.sqrt(y.shape[1]) / float(y.norm(dim=1).mean().clamp_min(1e-12))
-    sae.b_dec.copy_((y * s_out).mean(0).to(sae.b_dec.device))
+    acts = {h: torch.cat(p)[:rows] for h, p in parts.items()}
+
+    def scale(h: str) -> float:
+        return math.sqrt(acts[h].shape[1]) / float(acts[h].norm(dim=1).mean().clamp_min(1e-12))
+
+    s_in, s_out = [scale(h) for h in layout.ins], [scale(h) for h in layout.outs]
+    y_mean = torch.cat([(acts[h] * s).mean(0) for h, s in zip(layout.outs, s_out)])
+    sae.b_dec.copy_(y_mean.view_as(sae.b_dec).to(sae.b_dec.device))
+    if len(layout.ins) == 1:
+        return s_in[0], s_out[0]
     return s_in, s_out
 
 
-def _folded(sae: Dictionary, scales) -> Dictionary:
+def _folded(sae: AnyDictionary, scales) -> AnyDictionary:
     final = copy.deepcopy(sae)
     final.fold_scaling(*scales)
     final.eval()
@@ -450,7 +527,7 @@ def _load_state(out: Path) -> dict:
     return {"json": info, "tensors": tensors}
 
 
-def _restore(sae: Dictionary, optimizer, since_fired, source, state: dict) -> None:
+def _restore(sae: AnyDictionary, optimizer, since_fired, source, state: dict) -> None:
     tensors, info = state["tensors"], state["json"]
     with torch.no_grad():
         for name, p in list(sae.named_parameters()) + list(sae.named_buffers()):

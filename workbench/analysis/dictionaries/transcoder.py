@@ -7,6 +7,10 @@ A skip-transcoder (Paulo et al. 2025) adds a dense linear path ``x W_skip^T`` (z
 so the features only carry what a linear map cannot. Both train with ReLU + L1 and match
 SAELens' ``transcoder`` / ``skip_transcoder`` (no ``b_dec`` subtracted from the input, whose
 width may differ from the output's).
+
+With ``k`` set in the config (``DictionaryConfig(kind="transcoder", ..., k=16)``) the activation is
+TopK instead of ReLU: each token keeps its k largest pre-activations, the form circuit-tracer's
+TopK transcoders take (they are built in code; its files hold ReLU and JumpReLU ones).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from workbench.analysis.dictionaries.topk import topk_relu
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
 
 
@@ -25,9 +30,13 @@ class Transcoder(Dictionary):
     is_transcoder = True
 
     def __init__(self, cfg: DictionaryConfig):
-        super().__init__(cfg.replace(apply_b_dec_to_input=False))
+        if cfg.k and (not float(cfg.k).is_integer() or not 1 <= cfg.k <= cfg.d_sae):
+            raise ValueError(f"a TopK transcoder needs an integer k in [1, d_sae={cfg.d_sae}], got k={cfg.k}")
+        super().__init__(cfg.replace(apply_b_dec_to_input=False, k=int(cfg.k)))
 
     def activate(self, pre: Tensor) -> Tensor:
+        if self.cfg.k:
+            return topk_relu(pre, self.cfg.k)
         return pre.relu()
 
     def sparsity_loss(self, acts: Tensor, pre: Tensor, coefficient: float) -> dict[str, Tensor]:
