@@ -1,0 +1,254 @@
+"""A compiled HookedDecoder honours every hook, or refuses (workbench.compiled).
+
+Each test builds two models with the same seed, compiles one (``model.compile``) and runs every
+intervention the library makes on both: the compiled results must equal the eager ones to 1e-5.
+Most of the matrix compiles with ``backend="aot_eager"`` (dynamo's tracing, guards and AOT
+autograd as inductor gets them, without inductor's C++ compile, which takes seconds per graph on
+this CPU); ``test_inductor_*`` runs the real inductor backend. Each test checks that its model
+really ran compiled (dynamo traced graphs), so a silent fallback to eager cannot pass.
+"""
+
+import jaxtyping
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from factories import tiny
+
+import workbench as wb
+from workbench.analysis import Direction, activation_patching, attribution_patching, logit_diff_metric
+from workbench.analysis.ablation import AblationSpec, ablate, ablation_sweep
+from workbench.analysis.dictionaries import DictionaryConfig, make_dictionary
+from workbench.analysis.splice import spliced
+from workbench.compiled import compile_counters, is_compiled, uncompile
+
+ATOL = 1e-5
+# Block layouts and component families: pre-norm, post-norm + ALiBi, parallel + RoPE + GQA + RMSNorm
+# + SwiGLU, and a top-k MoE (whose routing breaks the graph: those parts run eagerly, hooks too).
+CONFIGS = {
+    "pre": {},
+    "post-alibi": {"norm_placement": "post", "positional": "alibi"},
+    "parallel-rope-gqa": {"parallel_residual": True, "positional": "rope", "n_kv_heads": 2,
+                          "norm": "rmsnorm", "ffn": "swiglu"},
+    "moe": {"ffn": "moe", "n_experts": 4, "experts_per_token": 2},
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # The suite's jaxtyping shape checks (beartype) cannot check the fake tensors dynamo traces with:
+    # off here, as they are for every user (they run in tests only).
+    was = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    torch._dynamo.reset()  # every test's graphs counted from zero, no cache entries of another test's model
+    yield
+    torch._dynamo.reset()
+    jaxtyping.config.update("jaxtyping_disable", was)
+
+
+def pair(backend="aot_eager", **cfg):
+    eager = wb.HookedDecoder(tiny(**cfg)).eval()
+    compiled = wb.HookedDecoder(tiny(**cfg)).eval()
+    compiled.compile(backend=backend)
+    assert is_compiled(compiled) and not is_compiled(eager)
+    return eager, compiled
+
+
+def close(a, b, what=""):
+    if isinstance(a, pd.DataFrame):
+        num = a.select_dtypes("number").columns
+        pd.testing.assert_frame_equal(a.drop(columns=num), b.drop(columns=num))
+        np.testing.assert_allclose(a[num].to_numpy(float), b[num].to_numpy(float), atol=ATOL, rtol=0, err_msg=what)
+        return
+    assert a.shape == b.shape, what
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= ATOL, f"{what}: compiled differs from eager by {err}"
+
+
+def head_zero(layer, head):
+    def hook(z, hook):
+        z = z.clone()
+        z[:, :, head] = 0
+        return z
+    return (f"blocks.{layer}.attn.hook_z", hook)
+
+
+def both(models, fn):
+    return [fn(m) for m in models]
+
+
+def tokens(seed=0, shape=(2, 9)):
+    return torch.randint(0, 50, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def random_sae(kind, hook, hook_out="", d_in=32, seed=0):
+    cfg = DictionaryConfig(kind=kind, d_in=d_in, d_sae=64, k=4, hook_name=hook, hook_name_out=hook_out)
+    sae = make_dictionary(cfg)
+    sae.init_weights(torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        sae.b_enc.copy_(torch.randn(sae.b_enc.shape, generator=g) * 0.1)
+        sae.b_dec.copy_(torch.randn(sae.b_dec.shape, generator=g) * 0.1)
+    return sae
+
+
+def half(resid, hook):
+    return resid * 0.5
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_layout_honours_hooks_before_and_after_compiling(name):
+    eager = wb.HookedDecoder(tiny(**CONFIGS[name])).eval()
+    compiled = wb.HookedDecoder(tiny(**CONFIGS[name])).eval()
+    x = tokens()
+    with torch.no_grad():
+        for m in (eager, compiled):  # attached before compiling, in the second block (the code all blocks share)
+            m.blocks[1].hook_resid_mid.add_perma_hook(half) if "resid_mid" in m.blocks[1].sites else \
+                m.blocks[1].hook_resid_pre.add_perma_hook(half)
+        compiled.compile(backend="eager")
+        close(eager(x), compiled(x), "hook attached before compiling")
+        with eager.hooks(fwd_hooks=[head_zero(1, 2)]), compiled.hooks(fwd_hooks=[head_zero(1, 2)]):
+            a, b = eager(x), compiled(x)
+        close(a, b, "hook attached after compiling")
+        assert (a - eager(x)).abs().max() > 1e-4  # the ablation does change the logits
+        for m in (eager, compiled):
+            m.reset_hooks(including_permanent=True)
+        close(eager(x), compiled(x), "every hook removed")
+    assert compile_counters()["graphs"] >= 3
+
+
+def test_hooks_moved_changed_and_cached():
+    eager, compiled = pair(backend="aot_eager")
+    x = tokens()
+    with torch.no_grad():
+        close(eager(x), compiled(x), "no hook")
+        seen = []
+        for layer, head in [(1, 1), (0, 1), (1, 2), (1, 3), (0, 1), (1, 1)]:
+            with eager.hooks(fwd_hooks=[head_zero(layer, head)]), compiled.hooks(fwd_hooks=[head_zero(layer, head)]):
+                a, b = eager(x), compiled(x)
+            close(a, b, f"zero head {layer}.{head}")
+            assert (a - eager(x)).abs().max() > 1e-4
+            seen.append(compile_counters()["graphs"])
+        close(eager(x), compiled(x), "hook removed")
+        # each configuration compiled once: back at (0, 1) and (1, 1) nothing new is traced
+        assert seen[-1] == seen[-2] == seen[-3], seen
+
+
+@pytest.mark.parametrize("name", ["pre", "parallel-rope-gqa"])
+def test_ablations_patching_and_resumed_sweeps(name):
+    models = pair(**CONFIGS[name])
+    x, ref = tokens(1), tokens(2, (4, 9))
+    with torch.no_grad():
+        for spec in [AblationSpec("head", 1, head=2), AblationSpec("head", 0, head=1, method="mean"),
+                     AblationSpec("mlp", 1, method="resample", seed=3), AblationSpec("attn", 0, positions=(2, 3)),
+                     AblationSpec("resid", 1, method="mean")]:
+            a, b = both(models, lambda m: ablate(m, x, spec, reference=ref))
+            close(a, b, str(spec))
+        metric = logit_diff_metric(3, 7)
+        for naive in (False, True):  # the resumed sweep (Block.resume from the ablated site) and the plain one
+            a, b = both(models, lambda m: ablation_sweep(m, x, unit="head", methods=("zero", "mean"), metric=metric,
+                                                        reference=ref, naive=naive))
+            close(a, b, f"head sweep naive={naive}")
+        corrupted = x.clone()
+        corrupted[:, 3] = (corrupted[:, 3] + 11) % 50
+        a, b = both(models, lambda m: activation_patching(m, x, corrupted, metric, sites=("resid_pre", "attn_out", "head")))
+        close(a, b, "activation patching")
+    # gradients through backward hooks (attribution patching)
+    a, b = both(models, lambda m: attribution_patching(m, x, corrupted, metric))
+    close(a, b, "attribution patching")
+    assert compile_counters()["graphs"] >= 2
+
+
+@pytest.mark.parametrize("name", ["pre", "post-alibi"])
+def test_steering_every_mode_and_generation(name):
+    eager, compiled = pair(**CONFIGS[name])
+    x = tokens(3)
+    v = torch.randn(32, generator=torch.Generator().manual_seed(4))
+    direction = Direction(v, "blocks.0.hook_resid_post")
+    with torch.no_grad():
+        for mode, scale, positions in [("add", 4.0, "all"), ("ablate", 1.0, "all"), ("clamp", 2.0, [1, 4]),
+                                       ("add", [1.0, -3.0], [0, 2])]:
+            batch = x.repeat(2, 1) if isinstance(scale, list) else x
+            a, b = both((eager, compiled), lambda m: _steered(m, direction, scale, mode, positions, batch))
+            close(a, b, f"steer {mode} {scale} {positions}")
+        # a steered greedy generation with the KV cache, token for token
+        a, b = both((eager, compiled), lambda m: _steered_generate(m, direction, x[:1, :5]))
+        assert torch.equal(a, b)
+
+
+def _steered(model, direction, scale, mode, positions, batch):
+    with model.steer(direction, scale, mode, positions):
+        return model(batch)
+
+
+def _steered_generate(model, direction, prompt):
+    with model.steer(direction, 3.0, "add", [5, 6, 7]):
+        return model.generate(prompt, max_new_tokens=6)
+
+
+@pytest.mark.parametrize("name", ["pre", "parallel-rope-gqa"])
+def test_run_with_cache_and_dictionary_splices(name):
+    eager, compiled = pair(**CONFIGS[name])
+    x = tokens(5)
+    with torch.no_grad():
+        for _ in range(2):  # the second run reuses the first one's graph with a new cache dict
+            (la, ca), (lb, cb) = both((eager, compiled), lambda m: m.run_with_cache(x))
+            close(la, lb, "run_with_cache logits")
+            assert set(ca.keys()) == set(cb.keys())
+            for key in ca.keys():
+                close(ca[key], cb[key], key)
+        sae = random_sae("topk", "blocks.0.hook_resid_post")
+        transcoder = random_sae("transcoder", "blocks.1.ln2.hook_normalized", "blocks.1.hook_mlp_out")
+        for dictionary in (sae, transcoder):
+            for error_term in (False, True):
+                with spliced(eager, dictionary, error_term=error_term), spliced(compiled, dictionary,
+                                                                                error_term=error_term):
+                    (la, ca), (lb, cb) = both((eager, compiled), lambda m: m.run_with_cache(x))
+                    close(la, lb, f"{dictionary.cfg.kind} error_term={error_term}")
+                    acts = [k for k in ca.keys() if k.endswith("hook_sae_acts_post")]
+                    assert acts and all(torch.allclose(ca[k], cb[k], atol=ATOL) for k in acts)
+
+                    def kill(acts, hook):  # a feature ablation is a hook on the spliced features
+                        acts = acts.clone()
+                        acts[..., :8] = 0
+                        return acts
+                    a, b = both((eager, compiled),
+                                lambda m: m.run_with_hooks(x, fwd_hooks=[(acts[0], kill)]))
+                    close(a, b, f"{dictionary.cfg.kind} feature ablation error_term={error_term}")
+        close(eager(x), compiled(x), "dictionaries removed")
+
+
+def test_plain_torch_compile_refuses_a_hooked_model():
+    model = wb.HookedDecoder(tiny()).eval()
+    x = tokens()
+    plain = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        close(model(x), plain(x), "plain compile without hooks")
+        with model.hooks(fwd_hooks=[head_zero(1, 1)]):
+            with pytest.raises(ValueError, match=r"blocks\.1\.attn\.hook_z.*model\.compile\(\)"):
+                plain(x)
+        close(model(x), plain(x), "hook removed again")
+
+
+def test_compiled_model_checks_tokens_and_uncompiles():
+    model = wb.HookedDecoder(tiny()).eval().compile(backend="aot_eager")
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 50\)"):
+        model(torch.tensor([[1, 2, 50]]))
+    with torch.no_grad():
+        x = tokens()
+        out = model(x)
+        assert torch.equal(uncompile(model)(x), out) and not is_compiled(model)
+
+
+def test_inductor_honours_hooks():
+    eager, compiled = pair(backend="inductor", **CONFIGS["parallel-rope-gqa"])
+    x = tokens(6)
+    with torch.no_grad():
+        close(eager(x), compiled(x), "inductor, no hook")
+        for layer, head in [(1, 2), (0, 0)]:
+            with eager.hooks(fwd_hooks=[head_zero(layer, head)]), compiled.hooks(fwd_hooks=[head_zero(layer, head)]):
+                close(eager(x), compiled(x), f"inductor, zero head {layer}.{head}")
+        (la, ca), (lb, cb) = both((eager, compiled), lambda m: m.run_with_cache(x, names_filter=lambda n: "resid" in n))
+        close(la, lb, "inductor run_with_cache")
+        for key in ca.keys():
+            close(ca[key], cb[key], key)
