@@ -61,7 +61,8 @@ def close(a, b, what=""):
         np.testing.assert_allclose(a[num].to_numpy(float), b[num].to_numpy(float), atol=ATOL, rtol=0, err_msg=what)
         return
     assert a.shape == b.shape, what
-    err = (a.float() - b.float()).abs().max().item()
+    a, b = a.float(), b.float()
+    err = torch.where(a == b, 0.0, (a - b).abs()).max().item()  # equal infinities (masked scores) agree
     assert err <= ATOL, f"{what}: compiled differs from eager by {err}"
 
 
@@ -134,24 +135,23 @@ def test_hooks_moved_changed_and_cached():
         assert seen[-1] == seen[-2] == seen[-3], seen
 
 
-@pytest.mark.parametrize("name", ["pre", "parallel-rope-gqa"])
-def test_ablations_patching_and_resumed_sweeps(name):
-    models = pair(**CONFIGS[name])
-    x, ref = tokens(1), tokens(2, (4, 9))
+def test_ablations_patching_and_resumed_sweeps():
+    models = pair(**CONFIGS["parallel-rope-gqa"])
+    x, ref = tokens(1, (2, 6)), tokens(2, (4, 6))
+    metric = logit_diff_metric(3, 7)
+    specs = [AblationSpec("head", 1, head=2), AblationSpec("mlp", 1, method="mean"),
+             AblationSpec("resid", 1, method="resample", seed=3), AblationSpec("attn", 0, positions=(2, 3))]
     with torch.no_grad():
-        for spec in [AblationSpec("head", 1, head=2), AblationSpec("head", 0, head=1, method="mean"),
-                     AblationSpec("mlp", 1, method="resample", seed=3), AblationSpec("attn", 0, positions=(2, 3)),
-                     AblationSpec("resid", 1, method="mean")]:
+        for spec in specs:
             a, b = both(models, lambda m: ablate(m, x, spec, reference=ref))
             close(a, b, str(spec))
-        metric = logit_diff_metric(3, 7)
-        for naive in (False, True):  # the resumed sweep (Block.resume from the ablated site) and the plain one
-            a, b = both(models, lambda m: ablation_sweep(m, x, unit="head", methods=("zero", "mean"), metric=metric,
-                                                        reference=ref, naive=naive))
-            close(a, b, f"head sweep naive={naive}")
+        # the resumed sweep: each ablation starts from the clean run's cache at its block (Block.resume)
+        a, b = both(models, lambda m: ablation_sweep(m, x, specs=specs, metric=metric, reference=ref))
+        close(a, b, "resumed sweep")
         corrupted = x.clone()
         corrupted[:, 3] = (corrupted[:, 3] + 11) % 50
-        a, b = both(models, lambda m: activation_patching(m, x, corrupted, metric, sites=("resid_pre", "attn_out", "head")))
+        a, b = both(models, lambda m: activation_patching(m, x, corrupted, metric, sites=("resid_pre", "head"),
+                                                          positions=[3, -1]))
         close(a, b, "activation patching")
     # gradients through backward hooks (attribution patching)
     a, b = both(models, lambda m: attribution_patching(m, x, corrupted, metric))
@@ -159,9 +159,8 @@ def test_ablations_patching_and_resumed_sweeps(name):
     assert compile_counters()["graphs"] >= 2
 
 
-@pytest.mark.parametrize("name", ["pre", "post-alibi"])
-def test_steering_every_mode_and_generation(name):
-    eager, compiled = pair(**CONFIGS[name])
+def test_steering_every_mode_and_generation():
+    eager, compiled = pair(**CONFIGS["post-alibi"])
     x = tokens(3)
     v = torch.randn(32, generator=torch.Generator().manual_seed(4))
     direction = Direction(v, "blocks.0.hook_resid_post")
@@ -186,9 +185,8 @@ def _steered_generate(model, direction, prompt):
         return model.generate(prompt, max_new_tokens=6)
 
 
-@pytest.mark.parametrize("name", ["pre", "parallel-rope-gqa"])
-def test_run_with_cache_and_dictionary_splices(name):
-    eager, compiled = pair(**CONFIGS[name])
+def test_run_with_cache_and_dictionary_splices():
+    eager, compiled = pair(**CONFIGS["pre"])
     x = tokens(5)
     with torch.no_grad():
         for _ in range(2):  # the second run reuses the first one's graph with a new cache dict
