@@ -97,7 +97,7 @@ def half(resid, hook):
     return resid * 0.5
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", [name for name in CONFIGS if name != "pre"])  # pre: the test below
 def test_every_layout_honours_hooks_before_and_after_compiling(name):
     eager = wb.HookedDecoder(tiny(**CONFIGS[name])).eval()
     compiled = wb.HookedDecoder(tiny(**CONFIGS[name])).eval()
@@ -165,8 +165,7 @@ def test_steering_every_mode_and_generation():
     v = torch.randn(32, generator=torch.Generator().manual_seed(4))
     direction = Direction(v, "blocks.0.hook_resid_post")
     with torch.no_grad():
-        for mode, scale, positions in [("add", 4.0, "all"), ("ablate", 1.0, "all"), ("clamp", 2.0, [1, 4]),
-                                       ("add", [1.0, -3.0], [0, 2])]:
+        for mode, scale, positions in [("ablate", 1.0, "all"), ("clamp", 2.0, [1, 4]), ("add", [1.0, -3.0], [0, 2])]:
             batch = x.repeat(2, 1) if isinstance(scale, list) else x
             a, b = both((eager, compiled), lambda m: _steered(m, direction, scale, mode, positions, batch))
             close(a, b, f"steer {mode} {scale} {positions}")
@@ -197,23 +196,22 @@ def test_run_with_cache_and_dictionary_splices():
                 close(ca[key], cb[key], key)
         sae = random_sae("topk", "blocks.0.hook_resid_post")
         transcoder = random_sae("transcoder", "blocks.1.ln2.hook_normalized", "blocks.1.hook_mlp_out")
-        for dictionary in (sae, transcoder):
-            for error_term in (False, True):
-                with spliced(eager, dictionary, error_term=error_term), spliced(compiled, dictionary,
-                                                                                error_term=error_term):
-                    (la, ca), (lb, cb) = both((eager, compiled), lambda m: m.run_with_cache(x))
-                    close(la, lb, f"{dictionary.cfg.kind} error_term={error_term}")
-                    acts = [k for k in ca.keys() if k.endswith("hook_sae_acts_post")]
-                    assert acts and all(torch.allclose(ca[k], cb[k], atol=ATOL) for k in acts)
-
-                    def kill(acts, hook):  # a feature ablation is a hook on the spliced features
-                        acts = acts.clone()
-                        acts[..., :8] = 0
-                        return acts
-                    a, b = both((eager, compiled),
-                                lambda m: m.run_with_hooks(x, fwd_hooks=[(acts[0], kill)]))
-                    close(a, b, f"{dictionary.cfg.kind} feature ablation error_term={error_term}")
+        for dictionary, error_term in ((sae, False), (transcoder, True)):
+            with spliced(eager, dictionary, error_term=error_term), spliced(compiled, dictionary, error_term=error_term):
+                (la, ca), (lb, cb) = both((eager, compiled), lambda m: m.run_with_cache(x))
+                close(la, lb, f"{dictionary.cfg.kind} error_term={error_term}")
+                acts = [k for k in ca.keys() if k.endswith("hook_sae_acts_post")]
+                assert acts and all(torch.allclose(ca[k], cb[k], atol=ATOL) for k in acts)
+                # a feature ablation is a hook on the spliced features
+                a, b = both((eager, compiled), lambda m: m.run_with_hooks(x, fwd_hooks=[(acts[0], kill_features)]))
+                close(a, b, f"{dictionary.cfg.kind} feature ablation error_term={error_term}")
         close(eager(x), compiled(x), "dictionaries removed")
+
+
+def kill_features(acts, hook):
+    acts = acts.clone()
+    acts[..., :8] = 0
+    return acts
 
 
 def test_plain_torch_compile_refuses_a_hooked_model():
@@ -238,15 +236,12 @@ def test_compiled_model_checks_tokens_and_uncompiles():
         assert torch.equal(uncompile(model)(x), out) and not is_compiled(model)
 
 
+@pytest.mark.slow  # inductor writes and compiles C++ for each graph: tens of seconds on a loaded CPU
 def test_inductor_honours_hooks():
     eager, compiled = pair(backend="inductor", **CONFIGS["parallel-rope-gqa"])
     x = tokens(6)
     with torch.no_grad():
         close(eager(x), compiled(x), "inductor, no hook")
-        for layer, head in [(1, 2), (0, 0)]:
-            with eager.hooks(fwd_hooks=[head_zero(layer, head)]), compiled.hooks(fwd_hooks=[head_zero(layer, head)]):
-                close(eager(x), compiled(x), f"inductor, zero head {layer}.{head}")
-        (la, ca), (lb, cb) = both((eager, compiled), lambda m: m.run_with_cache(x, names_filter=lambda n: "resid" in n))
-        close(la, lb, "inductor run_with_cache")
-        for key in ca.keys():
-            close(ca[key], cb[key], key)
+        with eager.hooks(fwd_hooks=[head_zero(1, 2)]), compiled.hooks(fwd_hooks=[head_zero(1, 2)]):
+            close(eager(x), compiled(x), "inductor, zero head 1.2 attached after compiling")
+    assert compile_counters()["graphs"] == 2
