@@ -227,6 +227,10 @@ def test_plain_torch_compile_refuses_a_hooked_model():
 
 
 def test_compiled_model_checks_tokens_and_uncompiles():
+    with pytest.raises(ValueError, match="recompile_limit must be a positive integer"):
+        wb.HookedDecoder(tiny()).compile(recompile_limit=0)
+    with pytest.raises(ValueError, match="needs a workbench HookedDecoder"):
+        wb.compile_model(torch.nn.Linear(2, 2))
     model = wb.HookedDecoder(tiny()).eval().compile(backend="aot_eager")
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 50\)"):
         model(torch.tensor([[1, 2, 50]]))

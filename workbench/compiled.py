@@ -79,10 +79,13 @@ def _tokens_of(args: tuple, kwargs: dict) -> list[Tensor]:
 class _GuardedCall:
     """The compiled ``_call_impl`` of a HookedDecoder, run with dynamo's hook guards on."""
 
-    def __init__(self, model: nn.Module, compiled: Any, options: dict):
+    def __init__(self, model: nn.Module, compiled: Any, options: dict, recompile_limit: Optional[int]):
         self.model = model
         self.compiled = compiled
         self.options = options
+        self.config = {"skip_nnmodule_hook_guards": False}
+        if recompile_limit is not None:
+            self.config["recompile_limit"] = recompile_limit
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch._dynamo
@@ -93,24 +96,28 @@ class _GuardedCall:
         was = model._hooks_guarded
         model._hooks_guarded = True
         try:
-            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+            with torch._dynamo.config.patch(**self.config):
                 return self.compiled(*args, **kwargs)
         finally:
             model._hooks_guarded = was
 
 
-def compile_model(model: nn.Module, **options: Any) -> nn.Module:
+def compile_model(model: nn.Module, recompile_limit: Optional[int] = None, **options: Any) -> nn.Module:
     """Compile ``model`` (a HookedDecoder) in place with ``torch.compile(**options)``; returns it.
 
     Every call of the model (``model(...)``, ``run_with_cache``, ``run_with_hooks``, ``generate``,
     the analyses) then runs compiled, with every hook attached at that moment. ``options`` go to
     ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ``fullgraph``, ``options``).
+    ``recompile_limit``: how many hook configurations (and shapes) dynamo keeps compiled before it
+    runs the model eagerly (its default: 8); a sweep over more layers than that needs a larger one.
     ``uncompile(model)`` restores the eager model.
     """
     if not hasattr(model, "_check_token_range"):
         raise ValueError(f"compile_model needs a workbench HookedDecoder, got {type(model).__name__}")
+    if recompile_limit is not None and (not isinstance(recompile_limit, int) or recompile_limit < 1):
+        raise ValueError(f"recompile_limit must be a positive integer, got {recompile_limit!r}")
     compiled = torch.compile(model._call_impl, **options)
-    model._compiled_call_impl = _GuardedCall(model, compiled, dict(options))
+    model._compiled_call_impl = _GuardedCall(model, compiled, dict(options), recompile_limit)
     return model
 
 

@@ -336,12 +336,12 @@ class HookedDecoder(HookedRootModule):
                 f"[{int(tokens.min())}, {int(tokens.max())}]"
             )
 
-    def compile(self, **options: Any) -> "HookedDecoder":
+    def compile(self, recompile_limit: Optional[int] = None, **options: Any) -> "HookedDecoder":
         """``torch.compile`` this model in place, every hook honoured (``workbench.compiled``);
         ``options`` go to torch.compile. ``workbench.compiled.uncompile(model)`` undoes it."""
         from workbench.compiled import compile_model
 
-        return compile_model(self, **options)
+        return compile_model(self, recompile_limit, **options)
 
     def run_with_cache(self, *args: Any, remove_batch_dim: bool = False, **kwargs: Any):
         """Like HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``: a
