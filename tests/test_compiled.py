@@ -249,3 +249,24 @@ def test_inductor_honours_hooks():
         with eager.hooks(fwd_hooks=[head_zero(1, 2)]), compiled.hooks(fwd_hooks=[head_zero(1, 2)]):
             close(eager(x), compiled(x), "inductor, zero head 1.2 attached after compiling")
     assert compile_counters()["graphs"] == 2
+
+
+def test_training_compile_runs_the_hooks(monkeypatch):
+    """``TrainConfig.compile`` trains through ``model.compile()``: a permanent hook in the second block
+    (dropped by plain torch.compile) shapes the losses exactly as in eager training."""
+    from workbench.data import get_task
+    from workbench.training import TrainConfig, train
+
+    monkeypatch.setattr(wb.HookedDecoder, "compile", lambda self, **kw: wb.compile_model(self, backend="eager"))
+    task = get_task("stories", seed=0)
+    config = TrainConfig(task="stories", steps=3, batch_size=4, seq_len=16, lr=3e-3, warmup_steps=1, eval_every=0,
+                         log_every=1, save_every=0)
+    losses = {}
+    for compiled in (False, True):
+        model = wb.HookedDecoder(tiny(d_vocab=task.vocab_size, n_ctx=16))
+        model.add_hook("blocks.1.hook_resid_pre", lambda r, hook: r * 0.0, is_permanent=True)
+        result = train(config.replace(compile=compiled), model=model, progress=False)
+        assert not is_compiled(result.model)  # handed back eager
+        losses[compiled] = result.history["train_loss"].to_numpy()
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    assert compile_counters()["graphs"] >= 1
