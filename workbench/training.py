@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from workbench import distributed
 from workbench.checkpoint import CheckpointError, check_replaceable, load_checkpoint, read_meta, save_checkpoint
-from workbench.compiled import uncompile
+from workbench.compiled import is_compiled, uncompile
 from workbench.config import ModelConfig
 from workbench.data import Task, get_task
 from workbench.distributed import DistInfo
@@ -203,13 +203,14 @@ def train(
     dist = dist or DistInfo()
     device = distributed.device_for(dist, config.device)
     with distributed.process_group(dist, device):
+        compiled_before = model is not None and is_compiled(model)
         run = _prepare_run(config, model_config, out_dir, resume=resume, model=model, task=task, dist=dist,
                            device=device)
         try:
             _run_steps(run, progress, callback)
             return _finish(run)
         finally:
-            if config.compile:  # the model handed back is the eager one, as it came in
+            if config.compile and not compiled_before:  # the model is handed back as it came in
                 uncompile(run.model)
 
 
@@ -271,7 +272,7 @@ def _prepare_run(config: TrainConfig, model_config: Optional[ModelConfig], out_d
     optimizer = _make_optimizer(model, config)
     if state is not None:
         _restore_train_state(optimizer, state)
-    if config.compile:  # in place, every hook honoured (workbench.compiled); train() undoes it at the end
+    if config.compile and not is_compiled(model):  # in place, every hook honoured; train() undoes it at the end
         model.compile()
     wrapped: torch.nn.Module = model
     if dist.enabled:
