@@ -16,6 +16,8 @@ from workbench.data.prompts import PromptSet
 from workbench.snapshots import Series, load_series
 from workbench.interop import from_hf, to_hf
 from workbench import analysis, viz  # noqa: E402  (the analysis library and its figures)
+from workbench import compiled  # noqa: E402  (model.compile(): torch.compile with every hook honoured)
+from workbench.compiled import compile_model  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -40,4 +42,6 @@ __all__ = [
     "to_hf",
     "analysis",
     "viz",
+    "compiled",
+    "compile_model",
 ]

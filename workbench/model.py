@@ -132,6 +132,10 @@ class KVCache:
 
 
 class HookedDecoder(HookedRootModule):
+    # True while ``model.compile()``'s compiled call runs (workbench.compiled): dynamo then guards on
+    # every hook point's hooks. Under any other torch.compile a hooked model refuses to run.
+    _hooks_guarded = False
+
     def __init__(self, cfg: ModelConfig, tokenizer: Any = None):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
@@ -207,6 +211,8 @@ class HookedDecoder(HookedRootModule):
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
+        if torch.compiler.is_compiling() and not self._hooks_guarded:
+            _refuse_unguarded_hooks(self)
         n = self.cfg.n_layers  # as TransformerLens: a negative layer counts from the end
         if start_at_layer is not None:
             start_at_layer = check_int("start_at_layer", start_at_layer, -n, n)
@@ -319,12 +325,23 @@ class HookedDecoder(HookedRootModule):
                 f"n_ctx={self.cfg.n_ctx}; shorten the prompt or use a model with a larger n_ctx"
             )
         tokens = tokens.long()
+        if not (torch.compiler.is_compiling() and self._hooks_guarded):  # model.compile() checks before its graph
+            self._check_token_range(tokens)
+        return tokens.to(self.device)
+
+    def _check_token_range(self, tokens: Tensor) -> None:
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.d_vocab):
             raise ValueError(
                 f"token ids must lie in [0, {self.cfg.d_vocab}); got range "
                 f"[{int(tokens.min())}, {int(tokens.max())}]"
             )
-        return tokens.to(self.device)
+
+    def compile(self, recompile_limit: Optional[int] = None, **options: Any) -> "HookedDecoder":
+        """``torch.compile`` this model in place, every hook honoured (``workbench.compiled``);
+        ``options`` go to torch.compile. ``workbench.compiled.uncompile(model)`` undoes it."""
+        from workbench.compiled import compile_model
+
+        return compile_model(self, recompile_limit, **options)
 
     def run_with_cache(self, *args: Any, remove_batch_dim: bool = False, **kwargs: Any):
         """Like HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``: a
@@ -651,6 +668,13 @@ class HookedDecoder(HookedRootModule):
             entries[0]["point"].sae.unsplice(self, which)
         elif which is not None:
             raise ValueError(f"no dictionary is spliced in at {which!r}; spliced: none")
+
+
+def _refuse_unguarded_hooks(model: HookedDecoder) -> None:
+    """Run eagerly (outside any graph) on each call of a model under plain torch.compile."""
+    from workbench.compiled import refuse_unguarded_hooks
+
+    torch._dynamo.disable(refuse_unguarded_hooks)(model)
 
 
 def _generators(

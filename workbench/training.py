@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 
 from workbench import distributed
 from workbench.checkpoint import CheckpointError, check_replaceable, load_checkpoint, read_meta, save_checkpoint
+from workbench.compiled import is_compiled, uncompile
 from workbench.config import ModelConfig
 from workbench.data import Task, get_task
 from workbench.distributed import DistInfo
@@ -94,7 +95,7 @@ class TrainConfig:
     seed: int = option(0, "seed of the initial weights, the data and the task's held-out split")
     device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
     autocast: Literal["auto", "bf16", "none"] = option("auto", "bf16 autocast (auto: on CUDA only)")
-    compile: bool = option(False, "torch.compile the model")
+    compile: bool = option(False, "torch.compile the model (model.compile(): hooks honoured)")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
 
     def __post_init__(self) -> None:
@@ -203,10 +204,15 @@ def train(
     dist = dist or DistInfo()
     device = distributed.device_for(dist, config.device)
     with distributed.process_group(dist, device):
+        compiled_before = model is not None and is_compiled(model)
         run = _prepare_run(config, model_config, out_dir, resume=resume, model=model, task=task, dist=dist,
                            device=device)
-        _run_steps(run, progress, callback)
-        return _finish(run)
+        try:
+            _run_steps(run, progress, callback)
+            return _finish(run)
+        finally:
+            if config.compile and not compiled_before:  # the model is handed back as it came in
+                uncompile(run.model)
 
 
 @dataclass
@@ -267,11 +273,11 @@ def _prepare_run(config: TrainConfig, model_config: Optional[ModelConfig], out_d
     optimizer = _make_optimizer(model, config)
     if state is not None:
         _restore_train_state(optimizer, state)
+    if config.compile and not is_compiled(model):  # in place, every hook honoured; train() undoes it at the end
+        model.compile()
     wrapped: torch.nn.Module = model
     if dist.enabled:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    if config.compile:
-        wrapped = torch.compile(wrapped)
     use_bf16 = config.autocast == "bf16" or (config.autocast == "auto" and device.type == "cuda")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
     meta = {"task": task.name, "task_options": jsonable(task.options()), "train_config": config.to_dict()}

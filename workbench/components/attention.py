@@ -282,7 +282,10 @@ class Attention(nn.Module):
         # NaN, where the explicit softmax (and the math) gives NaN: a broken weight would hide
         # behind finite logits. Non-finite queries or keys (one summed reduction each, far
         # cheaper than the attention) take the explicit path, so both paths always agree.
-        if not bool(torch.isfinite(q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32))):
+        finite = torch.isfinite(q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32))
+        if torch.compiler.is_compiling():  # no data-dependent branch in a graph: NaN everywhere instead
+            return torch.where(finite, self._sdpa(q, k, v, bias, offset, visible), float("nan"))
+        if not bool(finite):
             return self._explicit(q, k, v, bias, offset, visible)
         return self._sdpa(q, k, v, bias, offset, visible)
 
