@@ -158,7 +158,8 @@ def test_compare_page_draws_both_models(page):
     assert page.locator(".js-plotly-plot", has=page.locator(".gtitle", has_text="Every head of")).count() == 2
     assert_drawn(figure(page, "Every head of"), "attention grid")
     choose(page, "Checkpoint B", "induction-attn2l")
-    sync_api.expect(page.get_by_text("cannot read this prompt")).to_be_visible()
+    # A's untouched default prompt that B cannot read: B gets its own default, and a caption says why
+    sync_api.expect(page.get_by_text("cannot read A's default prompt")).to_be_visible()
     no_exception(page)
     shot(page, "compare")
 
