@@ -153,11 +153,11 @@ class CrossLayerTranscoder(nn.Module):
                              f"not into layer {target}")
         return self.W_dec[source][:, target - source]
 
-    def decode(self, target: int, acts_by_source: Sequence[Tensor], x_target: Optional[Tensor] = None
+    def decode(self, target: int, acts_by_source: Sequence[Optional[Tensor]], x_target: Optional[Tensor] = None
                ) -> Float[Tensor, "*rows d_out"]:
         """Target layer ``target``'s MLP output from the activations of source layers ``0..target``.
 
-        ``acts_by_source[s]`` is layer ``s``'s activations (entries past ``target`` are ignored);
+        ``acts_by_source[s]`` is layer ``s``'s activations (entries past ``target`` are ignored, and may be None);
         a skip-CLT also needs ``x_target``, that layer's MLP input.
         """
         target = self._layer(target)
