@@ -153,8 +153,8 @@ def render() -> None:
     if not features:
         st.info("The pruned graph keeps no feature: raise the node threshold to keep some.")
         return
-    _card(ckpt, ref, nodes, features)
-    _intervene(ckpt, pruned, nodes, features, target)
+    opened = _card(ckpt, ref, nodes, features)
+    _intervene(ckpt, pruned, nodes, features, target, opened)
 
 
 def _is_text(ckpt: common.Checkpoint) -> bool:
@@ -228,7 +228,8 @@ def _contexts(key: tuple[str, int], ref: tuple[str, int], layer: int, feature: i
                                        k=10, n_sequences=n_sequences)
 
 
-def _card(ckpt: common.Checkpoint, ref, nodes: pd.DataFrame, features: list[str]) -> None:
+def _card(ckpt: common.Checkpoint, ref, nodes: pd.DataFrame, features: list[str]) -> str:
+    """The open feature's card; returns its node id."""
     st.subheader("A feature")
     if st.session_state.get("graph_node") not in features:
         st.session_state["graph_node"] = features[0]
@@ -243,14 +244,15 @@ def _card(ckpt: common.Checkpoint, ref, nodes: pd.DataFrame, features: list[str]
         task_from_meta(ckpt.meta)
     except ValueError:
         st.info("meta.json names no task, so there is no text to find this feature's contexts in.")
-        return
+        return chosen
     contexts = _contexts(ckpt.key, ref, int(row["layer"]), int(row["feature"]), 64)
     if contexts.empty:
         st.info(f"Feature {int(row['feature'])} of layer {int(row['layer'])} never fires on 64 task sequences.")
-        return
+        return chosen
     fig = viz.feature_contexts_figure(contexts)
     fig.update_layout(title=f"{chosen}: max-activating contexts (64 validation sequences)")
     common.show(fig, key="graph_contexts")
+    return chosen
 
 
 # ---- interventions --------------------------------------------------------------------------------------
@@ -264,9 +266,10 @@ def target_rows(graph, target, logits: torch.Tensor) -> dict[str, float]:
     return {label: float(last[i]) for label, i in zip(graph.logit_labels, ids) if i >= 0}
 
 
-def _intervene(ckpt: common.Checkpoint, graph, nodes: pd.DataFrame, features: list[str], target) -> None:
+def _intervene(ckpt: common.Checkpoint, graph, nodes: pd.DataFrame, features: list[str], target, opened: str) -> None:
     st.subheader("Intervene")
     a, b, c = st.columns([2, 1, 3])
+    common.follow_default("graph_iv_feature", opened, opened)  # the feature whose card is open, until changed here
     chosen = a.selectbox("Set the feature", features, key="graph_iv_feature", persist_state="session")
     value = b.number_input("to", value=0.0, step=0.5, key="graph_iv_value", persist_state="session")
     mode = c.radio("In", list(MODES), key="graph_iv_mode", format_func=MODES.get, persist_state="session")

@@ -1219,6 +1219,8 @@ def fourier_norms_figure(norms: pd.DataFrame, matrix: str = "embed", title: str 
 
 # ---- attribution graphs (workbench.analysis.graphs) ------------------------------------------------
 GRAPH_SYMBOLS = {"token": "diamond", "feature": "circle", "error": "square", "logit": "star", "supernode": "hexagon"}
+# Node colours apart from the edges' blue and red: grey embeddings, orange features, green errors, purple logits.
+GRAPH_COLOURS = {"token": "#7f7f7f", "feature": "#ff7f0e", "error": "#2ca02c", "logit": "#9467bd", "supernode": "#8c564b"}
 _WIDTH_BINS = 4  # edges are drawn in this many widths per sign: one trace each, not one per edge
 
 
@@ -1291,7 +1293,7 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
                 + f"<br>influence {influence[i]:.3g}" for i in part]
         fig.add_scatter(x=x[part], y=y[part], mode="markers", name=kind, text=text,
                         customdata=[[nodes["id"][i]] for i in part], hovertemplate="%{text}<extra></extra>",
-                        marker=dict(size=size[part], symbol=symbol, color=PALETTE[list(GRAPH_SYMBOLS).index(kind)],
+                        marker=dict(size=size[part], symbol=symbol, color=GRAPH_COLOURS[kind],
                                     line=dict(width=1, color="white")))
     if selected is not None and selected in set(nodes["id"]):
         i = int(np.nonzero((nodes["id"] == selected).to_numpy())[0][0])
