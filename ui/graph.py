@@ -140,7 +140,12 @@ def render() -> None:
         return
     _summary(full, pruned)
     groups = _supernodes(nodes)
-    drawn_nodes, drawn_edges = an.collapse_frames(nodes, edges, groups) if groups else (nodes, edges)
+    drawn_nodes, drawn_edges = nodes, edges
+    if groups:
+        try:
+            drawn_nodes, drawn_edges = an.collapse_frames(nodes, edges, groups)
+        except ValueError as e:  # a group name that is already a node's id
+            st.warning(f"Cannot collapse this group: {e}")
     selected = st.session_state.get("graph_node")
     fig = viz.attribution_graph_figure(drawn_nodes, drawn_edges, selected=selected, str_tokens=pruned.str_tokens,
                                        title=f"{len(pruned.nodes_of('feature'))} features, {pruned.n_edges} edges "

@@ -112,3 +112,11 @@ def test_a_checkpoint_without_transcoders_is_not_offered(app, checkpoints_dir):
     for name in options:
         assert any((Path(checkpoints_dir) / name / "saes").glob("*/*.safetensors")) or \
             any((Path(checkpoints_dir) / name / "saes").glob("*/*/*.safetensors"))
+
+
+def test_a_supernode_named_as_a_node_is_a_message(app):
+    at = app("Graph")
+    at.multiselect(key="graph_group").set_value(at.multiselect(key="graph_group").options[:2])
+    at.text_input(key="graph_group_name").set_value("T0").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("already a node id" in str(w.value) for w in at.warning)
