@@ -10,7 +10,7 @@ import os
 import streamlit as st
 import torch
 
-from ui import ablate, build_train, circuit, common, compare, features, inspect, patch, steer, sweeps, training
+from ui import ablate, build_train, circuit, common, compare, features, graph, inspect, patch, steer, sweeps, training
 from workbench import viz
 
 PAGES = {
@@ -24,6 +24,7 @@ PAGES = {
     "Sweeps": sweeps.render,
     "Training": training.render,
     "Circuit": circuit.render,
+    "Graph": graph.render,
 }
 
 # One thread: the app's forwards are small and latency-bound, and extra threads only

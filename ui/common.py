@@ -463,9 +463,10 @@ def _id_prompt(ckpt: Checkpoint) -> list[int]:
     return segment * 2
 
 
-def prompt_box(ckpt: Optional[Checkpoint], key: str = "prompt", label: str = "Prompt", where=st) -> str:
-    """A text area whose default follows the checkpoint until the user edits it."""
-    default = default_prompt(ckpt)
+def prompt_box(ckpt: Optional[Checkpoint], key: str = "prompt", label: str = "Prompt", where=st,
+               default: Optional[str] = None) -> str:
+    """A text area whose default (``default``, else the checkpoint's) follows the checkpoint until the user edits it."""
+    default = default if default is not None else default_prompt(ckpt)
     last_default = st.session_state.get(f"{key}__default")
     if key not in st.session_state or st.session_state[key] == last_default:
         st.session_state[key] = default

@@ -1215,3 +1215,96 @@ def fourier_norms_figure(norms: pd.DataFrame, matrix: str = "embed", title: str 
     fig.update_layout(title=title or f"Norm of W_{'E' if matrix == 'embed' else 'U'} per Fourier frequency",
                       template=_template(theme), height=max(300, 220 * len(steps)))
     return fig
+
+
+# ---- attribution graphs (workbench.analysis.graphs) ------------------------------------------------
+GRAPH_SYMBOLS = {"token": "diamond", "feature": "circle", "error": "square", "logit": "star", "supernode": "hexagon"}
+# Node colours apart from the edges' blue and red: grey embeddings, orange features, green errors, purple logits.
+GRAPH_COLOURS = {"token": "#7f7f7f", "feature": "#ff7f0e", "error": "#2ca02c", "logit": "#9467bd", "supernode": "#8c564b"}
+_WIDTH_BINS = 4  # edges are drawn in this many widths per sign: one trace each, not one per edge
+
+
+def _graph_layout(nodes: pd.DataFrame, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """x = position (the nodes of one layer and position spread across its cell), y = layer
+    (token embeddings below layer 0, the logits above the last layer)."""
+    y = nodes["layer"].to_numpy(dtype=float).copy()
+    y[(nodes["kind"] == "token").to_numpy()] = -1.0
+    y[(nodes["kind"] == "logit").to_numpy()] = float(n_layers)
+    x = nodes["pos"].to_numpy(dtype=float).copy()
+    for _, index in nodes.groupby([y, x]).groups.items():
+        rows = np.asarray([nodes.index.get_loc(i) for i in index])
+        if len(rows) > 1:  # most influential in the middle of the cell
+            order = rows[np.argsort(-nodes["influence"].to_numpy()[rows], kind="stable")]
+            offsets = np.linspace(-0.38, 0.38, len(rows))
+            x[order] = x[order] + offsets[np.argsort(np.abs(offsets), kind="stable")]
+    return x, y
+
+
+def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: str = "Attribution graph",
+                             selected: Optional[str] = None, str_tokens: Optional[list[str]] = None,
+                             theme: Optional[str] = "default") -> go.Figure:
+    """An attribution graph as circuit-tracer draws it, from ``Graph.to_frame()`` (usually of a pruned graph).
+
+    x is the token position and y the layer (embeddings at the bottom, the logits at the top);
+    a node's size follows its influence on the logits (a logit's: its weight), an edge's width
+    |weight| and its colour the sign (blue excites, red inhibits). Each node point carries its id
+    as ``customdata`` (what a page's selection event returns); ``selected`` is ringed.
+    """
+    missing = [c for c in ("id", "kind", "layer", "pos", "influence") if c not in nodes]
+    missing += [c for c in ("source", "target", "weight") if c not in edges]
+    if missing:
+        raise ValueError(f"the tables need the columns of Graph.to_frame(); missing {missing}")
+    nodes = nodes.reset_index(drop=True)
+    inner = nodes["kind"].isin(["feature", "error", "supernode"])
+    n_layers = int(nodes.loc[nodes["kind"] == "logit", "layer"].max()) if (nodes["kind"] == "logit").any() else \
+        int(nodes.loc[inner, "layer"].max(initial=0)) + 1
+    x, y = _graph_layout(nodes, n_layers)
+    fig = go.Figure()
+    weight = edges["weight"].to_numpy(dtype=float)
+    top = float(np.abs(weight).max()) if len(weight) else 1.0
+    top = top if top > 0 else 1.0
+    bins = np.minimum((np.abs(weight) / top * _WIDTH_BINS).astype(int), _WIDTH_BINS - 1)
+    src, dst = edges["source"].to_numpy(dtype=int), edges["target"].to_numpy(dtype=int)
+    for sign, colour, name in ((1, POSITIVE, "excites"), (-1, NEGATIVE, "inhibits")):
+        shown = False
+        for b in range(_WIDTH_BINS):
+            part = np.nonzero((np.sign(weight) == sign) & (bins == b))[0]
+            if not len(part):
+                continue
+            xs = np.stack([x[src[part]], x[dst[part]], np.full(len(part), np.nan)], 1).ravel()
+            ys = np.stack([y[src[part]], y[dst[part]], np.full(len(part), np.nan)], 1).ravel()
+            fig.add_scatter(x=xs, y=ys, mode="lines", hoverinfo="skip", name=name, legendgroup=name,
+                            showlegend=not shown, line=dict(color=colour, width=0.5 + 1.5 * b),
+                            opacity=0.35 + 0.15 * b)
+            shown = True
+    influence = nodes["influence"].to_numpy(dtype=float).copy()
+    if "logit_weight" in nodes:
+        logit = (nodes["kind"] == "logit").to_numpy()
+        influence[logit] = nodes["logit_weight"].to_numpy(dtype=float)[logit]
+    scale = float(influence.max()) if len(influence) and influence.max() > 0 else 1.0
+    size = 7 + 23 * np.sqrt(np.clip(influence, 0, None) / scale)
+    labels = nodes["label"].astype(str) if "label" in nodes else pd.Series([""] * len(nodes))
+    for kind, symbol in GRAPH_SYMBOLS.items():
+        part = np.nonzero((nodes["kind"] == kind).to_numpy())[0]
+        if not len(part):
+            continue
+        text = [f"{nodes['id'][i]}" + (f" {labels[i]!r}" if labels[i] else "")
+                + (f"<br>activation {nodes['activation'][i]:.3g}" if "activation" in nodes else "")
+                + f"<br>influence {influence[i]:.3g}" for i in part]
+        fig.add_scatter(x=x[part], y=y[part], mode="markers", name=kind, text=text,
+                        customdata=[[nodes["id"][i]] for i in part], hovertemplate="%{text}<extra></extra>",
+                        marker=dict(size=size[part], symbol=symbol, color=GRAPH_COLOURS[kind],
+                                    line=dict(width=1, color="white")))
+    if selected is not None and selected in set(nodes["id"]):
+        i = int(np.nonzero((nodes["id"] == selected).to_numpy())[0][0])
+        fig.add_scatter(x=[x[i]], y=[y[i]], mode="markers", hoverinfo="skip", showlegend=False,
+                        marker=dict(size=size[i] + 12, color="rgba(0,0,0,0)", line=dict(width=3, color=STEP_MARK)))
+    positions = sorted(set(nodes["pos"].tolist()))
+    ticktext = [f"{p}: {str_tokens[p]!r}" if str_tokens is not None and p < len(str_tokens) else str(p) for p in positions]
+    fig.update_xaxes(tickvals=positions, ticktext=ticktext, title_text="position", showgrid=False, zeroline=False)
+    fig.update_yaxes(tickvals=list(range(-1, n_layers + 1)),
+                     ticktext=["embed", *(f"L{layer}" for layer in range(n_layers)), "logits"], title_text="layer",
+                     zeroline=False)
+    fig.update_layout(title=title, template=_template(theme), height=260 + 90 * n_layers, clickmode="event+select",
+                      dragmode=False, hovermode="closest", legend=dict(orientation="h", y=-0.25))
+    return fig

@@ -185,7 +185,7 @@ def test_choices_survive_tab_and_page_switches(browser, server):
 
 # ---- legible ---------------------------------------------------------------------------------------------
 PAGES = ["Inspect", "Ablate", "Patch", "Steer", "Features", "Compare", "Build & train", "Sweeps", "Training",
-         "Circuit"]
+         "Circuit", "Graph"]
 
 
 def test_no_figure_text_overlaps_on_any_page(browser, server):

@@ -140,6 +140,11 @@ class CrossLayerTranscoder(nn.Module):
         """Source layer ``layer``'s feature activations from that layer's MLP input."""
         return self.activate_layer(layer, self.pre_acts_layer(layer, x))
 
+    def layer_encoder(self, layer: int) -> "CLTLayerEncoder":
+        """Source layer ``layer``'s features as a one-hook dictionary (``cfg.hook_name``, ``encode(x)``),
+        what the feature analyses (``max_activating_contexts``, ``feature_table``) read."""
+        return CLTLayerEncoder(self, self._layer(layer))
+
     def decoder(self, source: int, target: int) -> Float[Tensor, "d_sae d_out"]:
         """How source layer ``source``'s features write into target layer ``target``'s MLP output."""
         source, target = self._layer(source), self._layer(target)
@@ -148,11 +153,11 @@ class CrossLayerTranscoder(nn.Module):
                              f"not into layer {target}")
         return self.W_dec[source][:, target - source]
 
-    def decode(self, target: int, acts_by_source: Sequence[Tensor], x_target: Optional[Tensor] = None
+    def decode(self, target: int, acts_by_source: Sequence[Optional[Tensor]], x_target: Optional[Tensor] = None
                ) -> Float[Tensor, "*rows d_out"]:
         """Target layer ``target``'s MLP output from the activations of source layers ``0..target``.
 
-        ``acts_by_source[s]`` is layer ``s``'s activations (entries past ``target`` are ignored);
+        ``acts_by_source[s]`` is layer ``s``'s activations (entries past ``target`` are ignored, and may be None);
         a skip-CLT also needs ``x_target``, that layer's MLP input.
         """
         target = self._layer(target)
@@ -273,6 +278,22 @@ class CrossLayerTranscoder(nn.Module):
 
 
 # ---- on disk ------------------------------------------------------------------------------------
+class CLTLayerEncoder(nn.Module):
+    """One source layer of a CLT seen as an encoder-only dictionary at ``blocks.{layer}.ln2.hook_normalized``."""
+
+    def __init__(self, clt: CrossLayerTranscoder, layer: int):
+        super().__init__()
+        self.clt, self.layer = clt, layer
+        self.cfg = clt.cfg.replace(hook_name=clt.hook_in(layer), hook_name_out=clt.hook_out(layer))
+
+    @property
+    def device(self) -> torch.device:
+        return self.clt.device
+
+    def encode(self, x: Float[Tensor, "*rows d_in"]) -> Float[Tensor, "*rows d_sae"]:
+        return self.clt.encode(self.layer, x)
+
+
 def save_clt(clt: CrossLayerTranscoder, path: Union[str, Path], extra_meta: Optional[dict] = None) -> Path:
     """Write ``clt.json`` and ``clt.safetensors`` into the folder ``path`` (each by rename)."""
     from workbench.analysis.dictionaries.saelens import _DTYPES, _atomic, _json_default

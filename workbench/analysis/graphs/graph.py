@@ -55,6 +55,42 @@ def _threshold(scores: Tensor, fraction: float) -> Tensor:
     return ordered[i]
 
 
+def collapse_frames(nodes, edges, groups: dict[str, Sequence[str]]):
+    """``Graph.to_frame()``'s tables with each group of feature ids (``{name: ["F1.4.7", ...]}``)
+    collapsed into one ``supernode`` row: its activation and influence are the members' sums, its
+    layer and position their influence-weighted means (rounded); edges into or out of the members
+    become one edge whose weight is their sum, and edges among the members are dropped."""
+    import pandas as pd
+
+    where = {node_id: i for i, node_id in enumerate(nodes["id"])}
+    member = {}
+    for name, ids in groups.items():
+        if name in where:
+            raise ValueError(f"the group name {name!r} is already a node id; pick another")
+        for node_id in ids:
+            if node_id not in where or nodes["kind"].iloc[where[node_id]] != "feature":
+                raise ValueError(f"{node_id!r} is not a feature node of this graph")
+            if node_id in member:
+                raise ValueError(f"{node_id!r} is in two groups ({member[node_id]!r} and {name!r})")
+            member[node_id] = name
+    keep = nodes[~nodes["id"].isin(member)].reset_index(drop=True)
+    rows = []
+    for name, ids in groups.items():
+        part = nodes[nodes["id"].isin(list(ids))]
+        w = part["influence"].clip(lower=0) + 1e-12
+        rows.append({**{c: part[c].iloc[0] for c in nodes.columns}, "id": name, "kind": "supernode", "feature": -1,
+                     "layer": int(round(float((part["layer"] * w).sum() / w.sum()))),
+                     "pos": int(round(float((part["pos"] * w).sum() / w.sum()))), "label": name,
+                     "activation": float(part["activation"].sum()), "influence": float(part["influence"].sum())})
+    out = pd.concat([keep, pd.DataFrame(rows, columns=nodes.columns)], ignore_index=True)
+    index = {node_id: i for i, node_id in enumerate(out["id"])}
+    new = [index[member.get(node_id, node_id)] for node_id in nodes["id"]]
+    moved = pd.DataFrame({"source": [new[s] for s in edges["source"]], "target": [new[t] for t in edges["target"]],
+                          "weight": edges["weight"].to_numpy()})
+    moved = moved[moved["source"] != moved["target"]]
+    return out, moved.groupby(["source", "target"], as_index=False)["weight"].sum()
+
+
 class PruneResult(NamedTuple):
     node_mask: Tensor  # [n_nodes] bool
     edge_mask: Tensor  # [n_edges] bool

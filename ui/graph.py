@@ -1,0 +1,290 @@
+"""Graph: the attribution graph of one prompt, drawn as circuit-tracer draws it, with feature cards and interventions.
+
+Pick a checkpoint that ships a replacement for its MLPs (``saes/transcoders/layer{l}``, a
+transcoder per MLP, or ``saes/clt``, a cross-layer transcoder), a prompt (the stories IOI prompt by
+default) and a target (the top logits, a token, or a logit difference); the page calls
+``an.attribution_graph`` once (cached by those values, with a bounded number of feature rows so
+it stays quick on a CPU) and prunes it with ``Graph.prune`` at the two sliders' thresholds.
+The figure: x = position, y = layer, node size = influence on the logits, edge width = |weight|,
+colour = sign. A click on a feature node (or the picker below) opens its card: its
+max-activating contexts on the task's text (the Features page's ``max_activating_contexts``).
+The intervention panel sets one feature to a value and shows the target logits before and
+after (``graph.intervene``, live, attention frozen, or in the graph's own frozen model).
+Supernodes: several features named as a group, the graph redrawn with the group collapsed
+(``an.collapse_frames``).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+import torch
+
+from ui import common
+from ui.circuit import clicked_node
+from workbench import analysis as an
+from workbench import viz
+from workbench.analysis import max_activating_contexts, suggest_answer, task_from_meta
+from workbench.analysis.dictionaries.clt import is_clt_folder
+from workbench.analysis.dictionaries.saelens import CFG_FILE, WEIGHTS_FILE
+from workbench.analysis.features import dataset_tokens
+
+IOI_PROMPT = "Once Ella and Ivy went to the beach, Ivy gave a hat to"
+TARGETS = {"top": "top logits", "token": "a token, or a logit difference"}
+MODES = {"live": "live (attention and norms recomputed)", "frozen": "attention and norms frozen",
+         "direct": "the graph's frozen model (direct effects only)"}
+MAX_NODES = (32, 64, 128, 256, 512)  # feature rows: the graph's cost grows with them
+
+
+# ---- which checkpoints and replacements ---------------------------------------------------------------
+def replacements(checkpoint: str) -> dict[str, str]:
+    """Label -> folder of each replacement under ``<checkpoint>/saes/``: a CLT folder, or a folder of
+    per-layer transcoders (``layer0``, ``layer1``, ... each a SAELens folder)."""
+    root = Path(checkpoint) / "saes"
+    sets, clts = {}, {}
+    for folder in sorted(root.iterdir()) if root.is_dir() else ():
+        if folder.is_dir() and is_clt_folder(folder):
+            clts[f"{folder.name} (cross-layer transcoder)"] = str(folder)
+        elif folder.is_dir() and _layer_folders(folder):
+            sets[f"{folder.name} (transcoder set)"] = str(folder)
+    return {**sets, **clts}
+
+
+def _layer_folders(folder: Path) -> list[Path]:
+    layers = sorted((p for p in folder.glob("layer*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    ok = layers and all((p / CFG_FILE).is_file() and (p / WEIGHTS_FILE).is_file() for p in layers)
+    return layers if ok and [int(p.name[5:]) for p in layers] == list(range(len(layers))) else []
+
+
+def _stamp(folder: str) -> int:
+    files = [p for p in Path(folder).rglob("*.safetensors")]
+    return max((p.stat().st_mtime_ns for p in files), default=0)
+
+
+@st.cache_resource(max_entries=8, show_spinner="Loading the transcoders…")
+def _replacement(folder: str, stamp: int):
+    """A CLT, or the list of per-layer transcoders, with gradients off."""
+    layers = _layer_folders(Path(folder))
+    loaded = [an.load_dictionary(str(p)) for p in layers] if layers else an.load_dictionary(folder)
+    for module in loaded if isinstance(loaded, list) else [loaded]:
+        module.eval()
+        for p in module.parameters():
+            p.requires_grad_(False)
+    return loaded
+
+
+def _layer_dictionary(replacement, layer: int):
+    """Layer ``layer``'s features as a one-hook dictionary (what the feature analyses read)."""
+    return replacement[layer] if isinstance(replacement, list) else replacement.layer_encoder(layer)
+
+
+# ---- the graph, cached --------------------------------------------------------------------------------
+@st.cache_resource(max_entries=16, show_spinner="Computing the attribution graph…")
+def _graph(key: tuple[str, int], ref: tuple[str, int], ids: tuple[int, ...], target: Any, max_nodes: int):
+    """The (bound) attribution graph of ``ids``; keyed by value."""
+    model, lock = common.model_for(key)
+    with lock:
+        return an.attribution_graph(model, _replacement(*ref), torch.tensor([ids], device=model.device),
+                                    target=target, max_feature_nodes=max_nodes)
+
+
+@st.cache_resource(max_entries=64, show_spinner=False)
+def _pruned(key, ref, ids, target, max_nodes: int, node_threshold: float, edge_threshold: float):
+    """(pruned graph, nodes, edges) at these thresholds."""
+    pruned = _graph(key, ref, ids, target, max_nodes).prune(node_threshold, edge_threshold)
+    nodes, edges = pruned.to_frame()
+    return pruned, nodes, edges
+
+
+# ---- the page -----------------------------------------------------------------------------------------
+def render() -> None:
+    st.header("Graph")
+    options = {name: path for name, path in common.all_checkpoints().items() if replacements(path)}
+    if not options:
+        st.info("No checkpoint here ships transcoders or a CLT under `saes/`. Make them with "
+                "`python scripts/make_transcoders.py` (see docs/reference/cross-layer-transcoders.md).")
+        return
+    names = list(options)
+    name = st.selectbox("Checkpoint (with transcoders)", names, key="graph_ckpt", persist_state="session",
+                        index=names.index(common.DEFAULT_CHECKPOINT) if common.DEFAULT_CHECKPOINT in names else 0)
+    ckpt = common.load(options[name], name=name)
+    if ckpt is None:
+        return
+    kinds = replacements(ckpt.path)
+    kind = st.radio("Replacement", list(kinds), key="graph_kind", persist_state="session", horizontal=True)
+    ref = (kinds[kind], _stamp(kinds[kind]))
+    text = common.prompt_box(ckpt, key="graph_prompt", default=IOI_PROMPT if _is_text(ckpt) else None)
+    ids = common.prompt_ids(ckpt, text)
+    if ids is None:
+        return
+    target = _target(ckpt, ids)
+    if target is False:
+        return
+    a, b, c = st.columns(3)
+    max_nodes = a.select_slider("Feature rows (max)", MAX_NODES, value=128, key="graph_max_nodes",
+                                persist_state="session",
+                                help="How many features, most influential first, get their incoming edges computed.")
+    node_threshold = b.slider("Node threshold", 0.5, 1.0, 0.8, 0.01, key="graph_node_threshold",
+                              persist_state="session", help="Keep the nodes holding this share of the influence.")
+    edge_threshold = c.slider("Edge threshold", 0.5, 1.0, 0.98, 0.01, key="graph_edge_threshold",
+                              persist_state="session", help="Keep the edges holding this share of the edge influence.")
+    try:
+        full = _graph(ckpt.key, ref, ids, target, max_nodes)
+        pruned, nodes, edges = _pruned(ckpt.key, ref, ids, target, max_nodes, node_threshold, edge_threshold)
+    except ValueError as e:
+        st.error(f"Cannot build this graph: {e}")
+        return
+    _summary(full, pruned)
+    groups = _supernodes(nodes)
+    drawn_nodes, drawn_edges = nodes, edges
+    if groups:
+        try:
+            drawn_nodes, drawn_edges = an.collapse_frames(nodes, edges, groups)
+        except ValueError as e:  # a group name that is already a node's id
+            st.warning(f"Cannot collapse this group: {e}")
+    selected = st.session_state.get("graph_node")
+    fig = viz.attribution_graph_figure(drawn_nodes, drawn_edges, selected=selected, str_tokens=pruned.str_tokens,
+                                       title=f"{len(pruned.nodes_of('feature'))} features, {pruned.n_edges} edges "
+                                             f"(node {node_threshold:g}, edge {edge_threshold:g})")
+    common.show(fig, key="graph_figure", selection_mode="points", on_select=functools.partial(_select, "graph_figure"))
+    with st.expander("Nodes"):
+        common.table(nodes.sort_values("influence", ascending=False)[
+            ["id", "kind", "layer", "pos", "feature", "label", "activation", "influence"]].round(4), height=260)
+    features = nodes.loc[nodes["kind"] == "feature", "id"].tolist()
+    if not features:
+        st.info("The pruned graph keeps no feature: raise the node threshold to keep some.")
+        return
+    opened = _card(ckpt, ref, nodes, features)
+    _intervene(ckpt, pruned, nodes, features, target, opened)
+
+
+def _is_text(ckpt: common.Checkpoint) -> bool:
+    return not isinstance(ckpt.tokenizer, common.IdTokenizer)
+
+
+def _target(ckpt: common.Checkpoint, ids: tuple[int, ...]):
+    """None (the top logits), a token id, or (a, b) for a logit difference; False after a message."""
+    a, b, c = st.columns([2, 2, 2])
+    how = a.radio("Target", list(TARGETS), key="graph_target", format_func=TARGETS.get, persist_state="session")
+    if how == "top":
+        return None
+    suggestion = common.analysis(suggest_answer, ckpt.key, ids, pos=len(ids) - 1, meta=ckpt.meta)
+    common.follow_default("graph_answer", suggestion["answer_str"], ids)
+    common.follow_default("graph_wrong", suggestion["wrong_str"], ids)
+    answer = b.text_input("Token", key="graph_answer", help=f"Default: {suggestion['source']}.")
+    wrong = c.text_input("minus token (optional)", key="graph_wrong", help="Empty: the token's logit alone.")
+    try:
+        first = common.token_id(ckpt, answer, "Token")
+        return (first, common.token_id(ckpt, wrong, "Minus token")) if wrong.strip() else first
+    except ValueError as e:
+        st.warning(str(e))
+        return False
+
+
+def _summary(full, pruned) -> None:
+    scores = full.scores()
+    cols = st.columns(4)
+    cols[0].metric("Nodes kept", f"{pruned.n_nodes} of {full.n_nodes}")
+    cols[1].metric("Edges kept", f"{pruned.n_edges:,} of {full.n_edges:,}")
+    cols[2].metric("Replacement score", f"{scores['replacement']:.2f}",
+                   help="circuit-tracer's: the share of influence from tokens rather than error nodes.")
+    cols[3].metric("Completeness", f"{scores['completeness']:.2f}",
+                   help="circuit-tracer's: the share of the nodes' inputs not from error nodes, weighted by influence.")
+    st.caption("Targets: " + ", ".join(f"{label!r}" for label in full.logit_labels)
+               + ". x: position, y: layer; size: influence on the targets; width: |edge weight|; blue excites, "
+                 "red inhibits. Click a feature for its card.")
+
+
+def _select(key: str) -> None:
+    """A click on a node of the graph opens it (before the page redraws)."""
+    node = clicked_node(st.session_state.get(key))
+    if node is not None and node.startswith("F"):
+        st.session_state["graph_node"] = node
+
+
+def _supernodes(nodes: pd.DataFrame) -> dict[str, list[str]]:
+    """{name: feature ids} of the group the user names (empty: nothing collapsed)."""
+    with st.expander("Supernodes"):
+        features = nodes.loc[nodes["kind"] == "feature", "id"].tolist()
+        kept = [f for f in st.session_state.get("graph_group", []) if f in features]
+        st.session_state["graph_group"] = kept
+        chosen = st.multiselect("Features to group", features, key="graph_group")
+        name = st.text_input("Group name", value="group", key="graph_group_name")
+        if len(chosen) < 2:
+            st.caption("Pick two or more features: the graph redraws with them collapsed into one node.")
+            return {}
+        return {name.strip() or "group": chosen}
+
+
+# ---- a feature's card ---------------------------------------------------------------------------------
+@st.cache_data(max_entries=64, show_spinner=False)
+def _contexts(key: tuple[str, int], ref: tuple[str, int], layer: int, feature: int, n_sequences: int) -> pd.DataFrame:
+    """``max_activating_contexts`` of one layer's feature on the task's first validation sequences."""
+    model, lock = common.model_for(key)
+    from workbench.checkpoint import read_meta
+
+    with lock, torch.no_grad():
+        tokens = dataset_tokens(model, task_from_meta(read_meta(key[0])), n_sequences)
+        return max_activating_contexts(model, _layer_dictionary(_replacement(*ref), layer), tokens, feature=feature,
+                                       k=10, n_sequences=n_sequences)
+
+
+def _card(ckpt: common.Checkpoint, ref, nodes: pd.DataFrame, features: list[str]) -> str:
+    """The open feature's card; returns its node id."""
+    st.subheader("A feature")
+    if st.session_state.get("graph_node") not in features:
+        st.session_state["graph_node"] = features[0]
+    chosen = st.selectbox("Feature node", features, key="graph_node",
+                          help="Layer.position.feature id; a click on the graph picks one too.")
+    row = nodes.set_index("id").loc[chosen]
+    cols = st.columns(3)
+    cols[0].metric("Activation here", f"{row['activation']:.3f}")
+    cols[1].metric("Influence", f"{row['influence']:.3f}")
+    cols[2].metric("At", f"layer {int(row['layer'])}, position {int(row['pos'])}")
+    try:
+        task_from_meta(ckpt.meta)
+    except ValueError:
+        st.info("meta.json names no task, so there is no text to find this feature's contexts in.")
+        return chosen
+    contexts = _contexts(ckpt.key, ref, int(row["layer"]), int(row["feature"]), 64)
+    if contexts.empty:
+        st.info(f"Feature {int(row['feature'])} of layer {int(row['layer'])} never fires on 64 task sequences.")
+        return chosen
+    fig = viz.feature_contexts_figure(contexts)
+    fig.update_layout(title=f"{chosen}: max-activating contexts (64 validation sequences)")
+    common.show(fig, key="graph_contexts")
+    return chosen
+
+
+# ---- interventions --------------------------------------------------------------------------------------
+def target_rows(graph, target, logits: torch.Tensor) -> dict[str, float]:
+    """label -> value at the last position of what the graph targets (logits, or a logit difference)."""
+    last = logits[-1]
+    if isinstance(target, tuple):
+        a, b = target
+        return {graph.logit_labels[0]: float(last[a] - last[b])}
+    ids = graph.feature[graph.nodes_of("logit")].tolist()
+    return {label: float(last[i]) for label, i in zip(graph.logit_labels, ids) if i >= 0}
+
+
+def _intervene(ckpt: common.Checkpoint, graph, nodes: pd.DataFrame, features: list[str], target, opened: str) -> None:
+    st.subheader("Intervene")
+    a, b, c = st.columns([2, 1, 3])
+    common.follow_default("graph_iv_feature", opened, opened)  # the feature whose card is open, until changed here
+    chosen = a.selectbox("Set the feature", features, key="graph_iv_feature", persist_state="session")
+    value = b.number_input("to", value=0.0, step=0.5, key="graph_iv_value", persist_state="session")
+    mode = c.radio("In", list(MODES), key="graph_iv_mode", format_func=MODES.get, persist_state="session")
+    row = nodes.set_index("id").loc[chosen]
+    triple = (int(row["layer"]), int(row["pos"]), int(row["feature"]))
+    with ckpt.lock:
+        before = graph.intervene([], 0.0)
+        after = graph.intervene([triple], float(value), freeze_attention=mode == "frozen", direct_only=mode == "direct")
+    old, new = target_rows(graph, target, before), target_rows(graph, target, after)
+    frame = pd.DataFrame({"target": list(old), "before": list(old.values()), "after": [new[k] for k in old]})
+    frame["change"] = frame["after"] - frame["before"]
+    st.caption(f"{chosen} (activation {row['activation']:.3f}) set to {value:g}; at the last position.")
+    common.table(frame.round(4))
