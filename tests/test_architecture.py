@@ -10,10 +10,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "workbench"
 # Layers, bottom first: a module may import its own layer and those below it, never one above.
 LAYERS = [
-    {"utils", "padding", "stats"},
+    {"utils", "padding", "stats", "archive"},
     {"config"},
     {"components"},
-    {"tokenizer", "model", "cache", "processing", "checkpoint", "snapshots", "accounting", "data", "training", "distributed", "interop"},
+    {"tokenizer", "model", "cache", "processing", "checkpoint", "snapshots", "accounting", "data", "training", "distributed", "interop",
+     "compiled"},
     {"analysis", "planted"},
     {"viz"},
     {"__main__"},

@@ -11,11 +11,13 @@ so it runs in .ci/run, not here.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import runpy
 import warnings
 from pathlib import Path
 
+import jaxtyping
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +48,18 @@ def python_blocks(path: Path) -> list[tuple[int, str, str | None]]:
     return blocks
 
 
+@contextlib.contextmanager
+def _as_a_reader_runs_it():
+    """Without the suite's jaxtyping shape checks, as a reader's session has them: they run in tests
+    only, and cannot check the fake tensors ``model.compile()`` traces with (docs/reference/compiled.md)."""
+    was = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", was)
+
+
 def pages() -> list[Path]:
     return [ROOT / "README.md"] + sorted(DOCS.rglob("*.md"))
 
@@ -67,7 +81,7 @@ def test_every_python_block_of_a_page_runs_as_written(page, monkeypatch):
         if reason is not None:
             continue
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _as_a_reader_runs_it():
                 warnings.simplefilter("ignore")
                 exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), namespace)
         except Exception as err:  # noqa: BLE001 - any failure of a documented example is the bug

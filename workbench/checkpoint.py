@@ -26,6 +26,7 @@ are cleaned (or, when the target itself is missing, the old version restored) by
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -451,8 +452,6 @@ def _keep_dictionaries_of(model: torch.nn.Module, old: Path, new: Path) -> None:
     recorded = {d: (_read_json_dict(d / "sae_meta.json") or {}).get("config", {}) for d in folders}
     if not any(isinstance(c, dict) and c.get("model_fingerprint") for c in recorded.values()):
         return
-    from workbench.analysis.store import model_fingerprint  # the one the dictionaries record
-
     mine = model_fingerprint(model)
     for folder, config in recorded.items():
         if isinstance(config, dict) and config.get("model_fingerprint") == mine:
@@ -670,3 +669,18 @@ def _warn_not_finite(path: Path, bad: list[str]) -> None:
         "(the run that saved it probably diverged: re-train with a lower learning rate or an earlier checkpoint)",
         NonFiniteWeightsWarning, stacklevel=3,
     )
+
+
+def model_fingerprint(model) -> str:
+    """A short hash of the config (its non-default fields) and every parameter's shape, sum and
+    sum of squares.
+
+    Cheap (one pass, no copies), and two different trainings of one config differ in it. It is what
+    the dictionaries, stores and checkpoints record as "the weights they were made on".
+    """
+    digest = hashlib.sha256(json.dumps(model.cfg.identity_dict(), sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in sorted(model.state_dict().items()):
+            q = p.detach().double()
+            digest.update(f"{name}:{tuple(p.shape)}:{float(q.sum()):.10e}:{float((q * q).sum()):.10e}".encode())
+    return digest.hexdigest()[:16]

@@ -49,6 +49,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from workbench.checkpoint import model_fingerprint  # noqa: F401  (re-exported: its historical home)
 from workbench.utils import jsonable
 
 MANIFEST = "manifest.json"
@@ -102,20 +103,6 @@ def hook_shapes(model, hooks: Sequence[str]) -> dict[str, tuple[int, ...]]:
     model.run_with_hooks(tokens, return_type=None, stop_at_layer=stop_layer(model, hooks),
                          fwd_hooks=[(h, record) for h in hooks])
     return {h: seen[h] for h in hooks}
-
-
-def model_fingerprint(model) -> str:
-    """A short hash of the config (its non-default fields) and every parameter's shape, sum and
-    sum of squares.
-
-    Cheap (one pass, no copies), and two different trainings of one config differ in it.
-    """
-    digest = hashlib.sha256(json.dumps(model.cfg.identity_dict(), sort_keys=True, default=str).encode())
-    with torch.no_grad():
-        for name, p in sorted(model.state_dict().items()):
-            q = p.detach().double()
-            digest.update(f"{name}:{tuple(p.shape)}:{float(q.sum()):.10e}:{float((q * q).sum()):.10e}".encode())
-    return digest.hexdigest()[:16]
 
 
 # ---- positions ------------------------------------------------------------------------------
