@@ -133,54 +133,46 @@ def test_sweeps_never_pool_runs_of_different_models_into_one_cell(browser, serve
 
 
 # ---- defaults that fit -------------------------------------------------------------------------------
-def test_default_prompts_fit_the_context_and_circuit_opens_on_a_method_that_uses_top_k(browser, server):
-    page = open_app(browser, server, "Inspect")
-    try:
-        for name in ("planted-iit-modular", "planted-hand-induction"):  # contexts of 4 and 16 tokens
-            choose(page, "Checkpoint", name)
-            figure(page, "Attention L0H0").wait_for(state="visible", timeout=20_000)
-            assert "Shorten the prompt" not in page_text(page), name
-        go_to(page, "Compare")
-        choose(page, "Checkpoint B", "planted-iit-modular")
-        assert "Shorten the prompt" not in page_text(page)
-        go_to(page, "Circuit")
-        assert "ACDC" not in _value(page, "Method")
-        choose(page, "Method", "ACDC (greedy pruning)")  # ACDC alone: no "top k" to pick
-        assert page.locator("[data-testid=stNumberInput]", has=page.locator("label", has_text="Top k")).count() == 0
-        no_exception(page)
-    finally:
-        page.context.close()
+def test_default_prompts_fit_the_context_and_circuit_opens_on_a_method_that_uses_top_k(page):
+    for name in ("planted-iit-modular", "planted-hand-induction"):  # contexts of 4 and 16 tokens
+        choose(page, "Checkpoint", name)
+        figure(page, "Attention L0H0").wait_for(state="visible", timeout=20_000)
+        assert "Shorten the prompt" not in page_text(page), name
+    go_to(page, "Compare")
+    choose(page, "Checkpoint B", "planted-iit-modular")
+    assert "Shorten the prompt" not in page_text(page)
+    go_to(page, "Circuit")
+    assert "ACDC" not in _value(page, "Method")
+    choose(page, "Method", "ACDC (greedy pruning)")  # ACDC alone: no "top k" to pick
+    assert page.locator("[data-testid=stNumberInput]", has=page.locator("label", has_text="Top k")).count() == 0
+    no_exception(page)
 
 
 # ---- state that stays -----------------------------------------------------------------------------------
-def test_choices_survive_tab_and_page_switches(browser, server):
-    page = open_app(browser, server, "Inspect")
-    try:
-        choose(page, "Layer", "1")
-        choose(page, "Head", "2")
-        choose(page, "Colour", "rank of the next token")
-        page.get_by_role("tab", name="Every head").click()
-        wait_idle(page)
-        page.get_by_role("tab", name="One head").click()
-        wait_idle(page)
-        assert (_value(page, "Layer"), _value(page, "Head")) == ("1", "2")
-        sync_api.expect(figure(page, "Attention L1H2")).to_be_visible()
-        page.get_by_role("tab", name="Head scores").click()
-        wait_idle(page)
-        go_to(page, "Patch")
-        radio(page, "the task's possession pairs")
-        go_to(page, "Inspect")
-        assert page.get_by_role("tab", name="Head scores").get_attribute("aria-selected") == "true"
-        page.get_by_role("tab", name="One head").click()
-        wait_idle(page)
-        assert (_value(page, "Layer"), _value(page, "Head")) == ("1", "2")
-        assert "rank of the next token" in _value(page, "Colour")
-        go_to(page, "Patch")
-        checked = page.locator("[data-testid=stRadio] label", has_text="possession pairs").locator("input")
-        assert checked.first.is_checked()
-        no_exception(page)
-    finally:
-        page.context.close()
+def test_choices_survive_tab_and_page_switches(page):
+    choose(page, "Layer", "1")
+    choose(page, "Head", "2")
+    choose(page, "Colour", "rank of the next token")
+    page.get_by_role("tab", name="Every head").click()
+    wait_idle(page)
+    page.get_by_role("tab", name="One head").click()
+    wait_idle(page)
+    assert (_value(page, "Layer"), _value(page, "Head")) == ("1", "2")
+    sync_api.expect(figure(page, "Attention L1H2")).to_be_visible()
+    page.get_by_role("tab", name="Head scores").click()
+    wait_idle(page)
+    go_to(page, "Patch")
+    radio(page, "the task's possession pairs")
+    go_to(page, "Inspect")
+    assert page.get_by_role("tab", name="Head scores").get_attribute("aria-selected") == "true"
+    page.get_by_role("tab", name="One head").click()
+    wait_idle(page)
+    assert (_value(page, "Layer"), _value(page, "Head")) == ("1", "2")
+    assert "rank of the next token" in _value(page, "Colour")
+    go_to(page, "Patch")
+    checked = page.locator("[data-testid=stRadio] label", has_text="possession pairs").locator("input")
+    assert checked.first.is_checked()
+    no_exception(page)
 
 
 # ---- legible ---------------------------------------------------------------------------------------------
@@ -188,25 +180,21 @@ PAGES = ["Inspect", "Ablate", "Patch", "Steer", "Features", "Compare", "Build & 
          "Circuit", "Graph"]
 
 
-def test_no_figure_text_overlaps_on_any_page(browser, server):
-    page = open_app(browser, server, "Inspect")
+def test_no_figure_text_overlaps_on_any_page(page):
     found, seen = [], 0
-    try:
-        for name in PAGES:
-            if name != "Inspect":
-                go_to(page, name)
-            heading(page, name).wait_for()
-            page.wait_for_timeout(500)  # plotly lays out its text after the script has finished
-            seen += page.locator(".js-plotly-plot").count()
-            found += [f"{name}: {line}" for line in overlaps(page)]
-            if name == "Inspect":  # the lazy tabs' figures too
-                for tab in ("Every head", "Head scores"):
-                    page.get_by_role("tab", name=tab).click()
-                    wait_idle(page)
-                    page.wait_for_timeout(500)
-                    seen += page.locator(".js-plotly-plot").count()
-                    found += [f"{name} ({tab}): {line}" for line in overlaps(page)]
-        assert seen >= 15, f"only {seen} figures were drawn"
-        assert not found, _summary(found)
-    finally:
-        page.context.close()
+    for name in PAGES:
+        if name != "Inspect":
+            go_to(page, name)
+        heading(page, name).wait_for()
+        page.wait_for_timeout(500)  # plotly lays out its text after the script has finished
+        seen += page.locator(".js-plotly-plot").count()
+        found += [f"{name}: {line}" for line in overlaps(page)]
+        if name == "Inspect":  # the lazy tabs' figures too
+            for tab in ("Every head", "Head scores"):
+                page.get_by_role("tab", name=tab).click()
+                wait_idle(page)
+                page.wait_for_timeout(500)
+                seen += page.locator(".js-plotly-plot").count()
+                found += [f"{name} ({tab}): {line}" for line in overlaps(page)]
+    assert seen >= 15, f"only {seen} figures were drawn"
+    assert not found, _summary(found)
