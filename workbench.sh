@@ -25,14 +25,18 @@ fi
 # The editable install, checked on every run (a find_spec from another folder, no import: ~50 ms), so a
 # venv made before it, or one whose link points at another clone, is fixed without a rebuild.
 # --no-deps: requirements.txt above is the one list of pins.
+here="$PWD"  # read before the subshell's cd: inside it $PWD would be /
 if ! (cd / && "$VENV/bin/python" -c 'import importlib.util as u, sys; s = u.find_spec("workbench")
-sys.exit(0 if s is not None and s.origin == sys.argv[1] else 1)' "$PWD/workbench/__init__.py"); then
+sys.exit(0 if s is not None and s.origin == sys.argv[1] else 1)' "$here/workbench/__init__.py"); then
   echo "installing this repository into $VENV (editable)" >&2
   "$VENV/bin/python" -m pip install --quiet --no-deps -e . >&2
 fi
 cmd="${1:-help}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
+  help|-h|--help)
+    sed -n '6,10s/^#  //p' "$0"  # the usage lines at the top of this file
+    exec "$VENV/bin/python" -m workbench --help ;;
   app)  exec "$VENV/bin/python" -m ui.serve "$@" ;;  # streamlit run app.py, imports and default model preloaded
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
   lint) exec "$VENV/bin/ruff" check "$@" . ;;

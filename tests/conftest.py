@@ -14,8 +14,10 @@ import pytest
 import torch
 from factories import tiny
 
-# Two cores on CI: keep intra-op threads from oversubscribing when pytest runs alone.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two cores on CI: keep intra-op threads from oversubscribing. Under pytest-xdist (the default,
+# pyproject.toml) each worker is one process of several, so one thread each; alone, two.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 def pytest_addoption(parser):

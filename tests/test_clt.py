@@ -383,3 +383,22 @@ def test_clt_command_under_torchrun_matches_one_process(model, tmp_path):
     ddp = load_dictionary(tmp_path / "ddp")
     for (name, p), (_, q) in zip(single.named_parameters(), ddp.named_parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_clt_saved_inside_a_checkpoint_goes_when_new_weights_replace_it(model, tmp_path):
+    import workbench as wb
+    from factories import tiny
+    import dataclasses
+
+    from workbench.checkpoint import model_fingerprint
+
+    ckpt = wb.save_checkpoint(model, tmp_path / "ckpt")
+    clt = random_clt(model)
+    clt.cfg = dataclasses.replace(clt.cfg, model_fingerprint=model_fingerprint(model))  # as train_sae records it
+    save_dictionary(clt, ckpt / "saes" / "clt")
+    wb.save_checkpoint(model, ckpt)  # the same weights again: the CLT still belongs to them
+    assert (ckpt / "saes" / "clt" / "clt.json").is_file()
+    torch.manual_seed(1)
+    other = wb.HookedDecoder(tiny(d_vocab=40, n_layers=3, norm="rmsnorm", ffn="swiglu", positional="rope"))
+    wb.save_checkpoint(other, ckpt)  # new weights: a CLT fitted to the old ones must not stay beside them
+    assert not (ckpt / "saes").exists()

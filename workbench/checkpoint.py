@@ -449,7 +449,9 @@ def _keep_dictionaries_of(model: torch.nn.Module, old: Path, new: Path) -> None:
     # Only those recorded as the checkpoint's: any other folder there is carried over as it is anyway.
     folders = [d for d in sorted(old.glob("saes/*")) if d.is_dir() and not d.is_symlink()
                and f"saes/{d.name}/" in (owned or ())]
-    recorded = {d: (_read_json_dict(d / "sae_meta.json") or {}).get("config", {}) for d in folders}
+    # sae_meta.json: a dictionary's; clt.json: a cross-layer transcoder's (both keep a "config").
+    recorded = {d: (_read_json_dict(d / "sae_meta.json") or _read_json_dict(d / "clt.json") or {}).get("config", {})
+                for d in folders}
     if not any(isinstance(c, dict) and c.get("model_fingerprint") for c in recorded.values()):
         return
     mine = model_fingerprint(model)

@@ -295,8 +295,9 @@ class CLTLayerEncoder(nn.Module):
 
 
 def save_clt(clt: CrossLayerTranscoder, path: Union[str, Path], extra_meta: Optional[dict] = None) -> Path:
-    """Write ``clt.json`` and ``clt.safetensors`` into the folder ``path`` (each by rename)."""
-    from workbench.analysis.dictionaries.saelens import _DTYPES, _atomic, _json_default
+    """Write ``clt.json`` and ``clt.safetensors`` into the folder ``path`` (each by rename). A folder
+    inside a checkpoint (``<checkpoint>/saes/NAME``) is recorded in its meta.json, as a dictionary is."""
+    from workbench.analysis.dictionaries.saelens import _DTYPES, _atomic, _json_default, _record_in_checkpoint
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -306,6 +307,7 @@ def save_clt(clt: CrossLayerTranscoder, path: Union[str, Path], extra_meta: Opti
             **(extra_meta or {})}
     _atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp)))
     _atomic(path / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=_json_default)))
+    _record_in_checkpoint(path)  # inside a checkpoint: a save of new weights there drops it, as an SAE's
     return path
 
 
