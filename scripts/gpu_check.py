@@ -327,7 +327,9 @@ def section_tests(sec: Section) -> None:
     sec.put("command", " ".join(cmd))
     sec.put("files", len(files))
     sec.note(f"pytest on {len(files)} files, {box:.0f} s box: {' '.join(cmd[3:])}")
-    env = {**os.environ, "GPU_CHECK_TEST_LOG": str(log),
+    # Not an xdist worker's variables (this check may itself run inside one, as the suite runs it): the
+    # nested pytest would take itself for a worker and its plugin would record nothing.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}, "GPU_CHECK_TEST_LOG": str(log),
            "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])])}
     # A session of its own, so the box kills pytest and its xdist workers together; its id is recorded
     # so the orchestrator sweeps them too if this whole section is cut off.
