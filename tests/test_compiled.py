@@ -18,7 +18,7 @@ from factories import tiny
 
 import workbench as wb
 from workbench.analysis import Direction, activation_patching, attribution_patching, logit_diff_metric
-from workbench.analysis.ablation import AblationSpec, ablate, ablation_sweep
+from workbench.analysis.ablation import AblationSpec, ablate, ablation_hooks, ablation_sweep
 from workbench.analysis.dictionaries import DictionaryConfig, make_dictionary
 from workbench.analysis.splice import spliced
 from workbench.compiled import compile_counters, is_compiled, uncompile
@@ -270,3 +270,21 @@ def test_training_compile_runs_the_hooks(monkeypatch):
         losses[compiled] = result.history["train_loss"].to_numpy()
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
     assert compile_counters()["graphs"] >= 1
+
+
+def test_run_with_hooks_runs_compiled_and_a_head_sweep_shares_one_graph():
+    # TransformerLens' run_with_hooks calls .forward, which is the eager code of a compiled model: the
+    # library's hooked runs (ablations, patching) never ran compiled. And the ablation hook held its head
+    # as a Python int, a constant of the traced graph: one graph per head, eager past dynamo's limit of 8.
+    # Now run_with_hooks calls the model, and the head is a tensor made outside the hook (head_index).
+    eager, compiled = pair(n_heads=4)
+    x = tokens(3, (2, 7))
+    seen = []
+    with torch.no_grad():
+        for head in range(4):
+            spec = AblationSpec("head", 1, head=head)
+            a, b = (m.run_with_hooks(x, fwd_hooks=ablation_hooks(m, x, spec)) for m in (eager, compiled))
+            close(a, b, f"zero ablation of head 1.{head}")
+            assert (a - eager(x)).abs().max() > 1e-4, "the ablation changed nothing"
+            seen.append(compile_counters()["graphs"])
+    assert seen[0] >= 1 and seen[1:] == [seen[0]] * 3, f"graphs traced after each head: {seen}"

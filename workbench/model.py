@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import logging
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
@@ -342,6 +343,18 @@ class HookedDecoder(HookedRootModule):
         from workbench.compiled import compile_model
 
         return compile_model(self, recompile_limit, **options)
+
+    def run_with_hooks(self, *model_args: Any, fwd_hooks: Sequence = (), bwd_hooks: Sequence = (),
+                       reset_hooks_end: bool = True, clear_contexts: bool = False, **model_kwargs: Any):
+        """HookedRootModule's, but the forward is a call of the model (``model(...)``), not of its
+        ``forward``: a model compiled by ``model.compile()`` then runs its hooks compiled (its guarded
+        call is the module's call; ``.forward`` is the eager code), and every analysis that takes a
+        compiled model (ablations, patching, sweeps) runs on the compiled path."""
+        if len(bwd_hooks) > 0 and reset_hooks_end:
+            logging.warning("WARNING: Hooks will be reset at the end of run_with_hooks. This removes the backward "
+                            "hooks before a backward pass can occur.")
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts) as hooked_model:
+            return hooked_model(*model_args, **model_kwargs)
 
     def run_with_cache(self, *args: Any, remove_batch_dim: bool = False, **kwargs: Any):
         """Like HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``: a

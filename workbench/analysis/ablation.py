@@ -258,13 +258,21 @@ def source_activations(spec: AblationSpec, act: Tensor, mask: Tensor, rows: Tens
     return values[src[:, None], within.clamp(0, values.shape[1] - 1)].to(act.dtype)
 
 
-def replacement(spec: AblationSpec, act: Tensor, source: Tensor, sel: Tensor) -> Tensor:
-    """``act`` with the spec's part replaced by ``source`` at the tokens ``sel`` (a new tensor)."""
+def head_index(spec: AblationSpec) -> Optional[Tensor]:
+    """The spec's head as a one-element tensor (None unless it ablates a head), made once, outside the
+    hook: a hook that reads the head as a Python int is a graph per head under ``model.compile()``
+    (the int is a constant of the traced graph); one that reads it from a tensor shares one graph."""
+    return torch.tensor([spec.head]) if spec.target == "head" else None
+
+
+def replacement(spec: AblationSpec, act: Tensor, source: Tensor, sel: Tensor, head: Optional[Tensor] = None) -> Tensor:
+    """``act`` with the spec's part replaced by ``source`` at the tokens ``sel`` (a new tensor).
+    ``head``: the spec's head as ``head_index`` gives it (computed from the spec when None)."""
     keep = sel.view(sel.shape + (1,))
     if spec.target == "head":
-        out = act.clone()
-        out[:, :, spec.head] = torch.where(keep, source[:, :, spec.head], act[:, :, spec.head])
-        return out
+        head = head_index(spec) if head is None else head
+        which = torch.zeros(act.shape[2], dtype=torch.bool, device=act.device).index_fill(0, head.to(act.device), True)
+        return torch.where(keep[..., None] & which[:, None], source, act)  # [batch, pos, head, d_head]
     if spec.target == "neurons":
         idx = torch.as_tensor(list(spec.neurons), device=act.device)
         out = act.clone()
@@ -278,12 +286,13 @@ def replacement(spec: AblationSpec, act: Tensor, source: Tensor, sel: Tensor) ->
     return torch.where(keep, source, act)
 
 
-def ablated(spec: AblationSpec, act: Tensor, batch: TokenBatch, refs: dict, own: bool, n_data: int) -> Tensor:
+def ablated(spec: AblationSpec, act: Tensor, batch: TokenBatch, refs: dict, own: bool, n_data: int,
+            head: Optional[Tensor] = None) -> Tensor:
     """``act`` (one batch's activation at ``spec.hook``) with ``spec`` applied."""
     rows = getattr(batch, "rows", None)
     rows = torch.arange(len(batch)) if rows is None else rows.cpu()
     source = source_activations(spec, act, batch.attention_mask, rows, refs, own, n_data)
-    return replacement(spec, act, source, ablated_positions(spec, batch.attention_mask, rows))
+    return replacement(spec, act, source, ablated_positions(spec, batch.attention_mask, rows), head)
 
 
 def check_reference(n: int, reference: Optional[DataLike], methods) -> None:
@@ -303,7 +312,8 @@ def check_reference(n: int, reference: Optional[DataLike], methods) -> None:
 
 
 def _hooks(spec: AblationSpec, batch: TokenBatch, refs: dict, own: bool, n_data: int) -> list:
-    return [(spec.hook, lambda act, hook: ablated(spec, act, batch, refs, own, n_data))]
+    head = head_index(spec)  # here, not in the hook: see head_index
+    return [(spec.hook, lambda act, hook: ablated(spec, act, batch, refs, own, n_data, head))]
 
 
 def _check_spec(spec: Any) -> None:
