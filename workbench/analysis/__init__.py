@@ -149,7 +149,7 @@ __all__ = [
     "evaluate_circuit", "faithfulness", "node_attribution", "path_patching",
 ]
 
-from workbench.analysis.graphs import Graph, attribution_graph, collapse_frames  # noqa: E402
+from workbench.analysis.graphs import Graph, attribution_graph, collapse_frames, qk_attribution  # noqa: E402
 
-__all__ += ["Graph", "attribution_graph", "collapse_frames"]
+__all__ += ["Graph", "attribution_graph", "collapse_frames", "qk_attribution"]
 

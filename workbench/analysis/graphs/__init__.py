@@ -6,12 +6,14 @@
                     choice of which features to expand
     graph.py        Graph: node table and edges, influence, pruning, DataFrames, JSON (ours and
                     circuit-tracer's), interventions on the replacement model
+    qk.py           qk_attribution: an attention score split into (query node, key node) pairs
 """
 
 from workbench.analysis.graphs.attribute import attribution_graph, logit_targets
 from workbench.analysis.graphs.graph import NODE_KINDS, Graph, PruneResult, collapse_frames, compute_influence_sparse
+from workbench.analysis.graphs.qk import qk_attribution
 from workbench.analysis.graphs.replacement import (CLTView, TranscoderSet, capture, check_model, frozen_forward,
                                                    live_forward, replacement_set)
 
-__all__ = ["attribution_graph", "logit_targets", "NODE_KINDS", "Graph", "PruneResult", "compute_influence_sparse",
+__all__ = ["attribution_graph", "qk_attribution", "logit_targets", "NODE_KINDS", "Graph", "PruneResult", "compute_influence_sparse",
            "collapse_frames", "CLTView", "TranscoderSet", "capture", "check_model", "frozen_forward", "live_forward", "replacement_set"]

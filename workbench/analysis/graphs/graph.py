@@ -401,7 +401,7 @@ class Graph:
         """Attach the model and transcoders the graph was made from (after ``load``), for ``intervene``."""
         from workbench.analysis.graphs.replacement import capture, check_model, replacement_set
 
-        rs = replacement_set(transcoders)
+        rs = replacement_set(transcoders, model)
         check_model(model, rs)
         if cap is None:
             if bool((self.tokens < 0).any()):
