@@ -50,6 +50,9 @@ def attribution_graph(
     update_interval: int = 4,
     chunk: int = 8192,
     verbose: bool = False,
+    qk: bool = False,
+    qk_entries: int = 2,
+    qk_top: int = 5,
 ) -> Union[Graph, list[Graph]]:
     """The attribution graph of ``prompt`` (a list of prompts or a padded batch: one graph each).
 
@@ -59,6 +62,11 @@ def attribution_graph(
     unembedding's input, or a list of these. Token logits are demeaned over the vocabulary, as
     circuit-tracer does. ``max_feature_nodes``: how many features get rows (None: all active
     ones); ``edge_mass`` < 1 / ``max_edges_per_node`` keep each row sparse.
+
+    ``transcoders``: a list of per-layer (skip-)transcoders or a cross-layer transcoder; None for an
+    attention-only model (its replacement model is the model itself: token and logit nodes only).
+    ``qk``: attach ``graph.qk`` (``qk.qk_table``): for every head its ``qk_entries`` attention
+    entries of largest weight in the graph, each with its ``qk_top`` QK pairs.
     """
     if not 0 < edge_mass <= 1:
         raise ValueError(f"edge_mass must lie in (0, 1], got {edge_mass}")
@@ -76,6 +84,11 @@ def attribution_graph(
         graphs = [_attribute(model, rs, cap, target, max_n_logits, desired_logit_prob, max_feature_nodes,
                              batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose)
                   for cap in caps]
+        if qk:
+            from workbench.analysis.graphs.qk import qk_table
+
+            for graph in graphs:
+                graph.qk = qk_table(graph, entries=qk_entries, top=qk_top)
     finally:
         model.train(was)
     return graphs[0] if single else graphs

@@ -61,16 +61,16 @@ def _norm_parts(norm, vectors: Tensor, scale: Optional[Tensor], weighted: bool =
 
     if isinstance(norm, NoNorm) or norm is None:
         return vectors
-    x = vectors.float()
+    x = vectors.double()
     if isinstance(norm, (LayerNorm, LayerNormPre)):
         x = x - x.mean(-1, keepdim=True)
-    x = x / scale.float()
+    x = x / scale.double()
     if not weighted:
         return x
-    x = x * norm.w.detach().float()
+    x = x * norm.w.detach().double()
     b = getattr(norm, "b", None)
     if b is not None:
-        x[0] = x[0] + b.detach().float()
+        x[0] = x[0] + b.detach().double()
     return x
 
 
@@ -115,17 +115,17 @@ class QKContext:
         if key in self._parts:
             return self._parts[key]
         model, rs, cap = self.model, self.rs, self.cap
-        embed = cap.embed[pos].detach().float()
-        parts = _Parts(embed.shape[-1], embed.device, torch.float32)
+        embed = cap.embed[pos].detach().double()
+        parts = _Parts(embed.shape[-1], embed.device, torch.float64)
         parts.add(("tok", pos), f"tok {self.str_tokens[pos]!r} @{pos}", "token", -1, embed)
         for l in range(layer):
             attn = model.blocks[l].attn
             mlp_reads = parts.stack() if self.parallel else None  # a parallel block's MLP reads resid_pre
-            result = torch.einsum("he,hed->hd", self.cache[f"blocks.{l}.attn.hook_z"][pos].float(), attn.W_O.float())
+            result = torch.einsum("he,hed->hd", self.cache[f"blocks.{l}.attn.hook_z"][pos].double(), attn.W_O.double())
             for h in range(model.cfg.n_heads):
                 parts.add(("head", l, h), f"L{l} H{h} @{pos}", "head", l, result[h])
             if attn.b_O is not None:
-                parts.rows[0] = parts.rows[0] + attn.b_O.detach().float()
+                parts.rows[0] = parts.rows[0] + attn.b_O.detach().double()
             if rs.n_layers:
                 self._add_mlp(parts, l, pos, parts.stack() if mlp_reads is None else mlp_reads)
         self._parts[key] = parts
@@ -141,20 +141,20 @@ class QKContext:
                     raise ValueError(f"a skip path reading {hook!r} is not supported here (ln2.hook_normalized is)")
                 scale = self.cache[f"blocks.{layer}.ln2.hook_scale"][pos]
                 x = _norm_parts(self.model.blocks[layer].ln2, reads, scale, weighted=False)
-                skip = rs.skip_out(layer, x.to(reads.dtype)).float()
+                skip = rs.skip_out(layer, x.to(reads.dtype)).double()
                 for i in range(len(skip)):
                     parts.rows[i] = parts.rows[i] + skip[i]
             zeros = [a[:1] * 0 for a in cap.acts]
-            parts.rows[0] = parts.rows[0] + rs.decode(layer, zeros, cap.x_in[layer][:1] * 0)[0].float()
+            parts.rows[0] = parts.rows[0] + rs.decode(layer, zeros, cap.x_in[layer][:1] * 0)[0].double()
             sources = range(layer + 1) if rs.cross_layer else (layer,)
             for s in sources:
                 active = cap.acts[s][pos].nonzero().squeeze(-1)
                 if not len(active):
                     continue
-                writes = cap.acts[s][pos, active, None].float() * rs.decoder(s, layer)[active].float()
+                writes = cap.acts[s][pos, active, None].double() * rs.decoder(s, layer)[active].double()
                 for f, w in zip(active.tolist(), writes):
                     parts.add(("feature", s, f), f"F{s}:{f} @{pos}", "feature", s, w)
-            parts.add(("error", layer), f"err L{layer} @{pos}", "error", layer, cap.errors[layer][pos].float())
+            parts.add(("error", layer), f"err L{layer} @{pos}", "error", layer, cap.errors[layer][pos].double())
 
     # ---- into query / key space ---------------------------------------------------------------------
     def rotation(self, layer: int) -> Optional[Tensor]:
@@ -166,7 +166,7 @@ class QKContext:
             e = self.model.cfg.d_head
             basis = torch.eye(e, device=self.cap.embed.device)[:, None, None, :].expand(e, self.n_pos, 1, e)
             with torch.no_grad():
-                self._rot[layer] = attn.position.rotate(basis.contiguous(), 0).float()[:, :, 0].transpose(0, 1)
+                self._rot[layer] = attn.position.rotate(basis.contiguous(), 0).double()[:, :, 0].transpose(0, 1)
         return self._rot[layer]
 
     def project(self, layer: int, head: int, pos: int, side: str) -> tuple[_Parts, Tensor, Tensor]:
@@ -183,18 +183,18 @@ class QKContext:
             else:
                 idx = head // attn.group
                 W, b, norm = attn._W_K[idx], attn._b_K, getattr(attn, "k_norm", None)
-            proj = x @ W.detach().float()
+            proj = x @ W.detach().double()
             if b is not None:
-                proj[0] = proj[0] + b[idx].detach().float()
+                proj[0] = proj[0] + b[idx].detach().double()
             out = proj
             if norm is not None:  # QK-norm with its scale held: linear
                 s = self.cache[f"blocks.{layer}.attn.{side}_norm.hook_scale"][pos]
                 e = model.cfg.d_head
                 if model.cfg.qk_norm == "head":
-                    s, w = s[idx], norm.w.detach().float()
+                    s, w = s[idx], norm.w.detach().double()
                 else:
-                    w = norm.w.detach().float()[idx * e:(idx + 1) * e]
-                out = out / s.float() * w
+                    w = norm.w.detach().double()[idx * e:(idx + 1) * e]
+                out = out / s.double() * w
             R = self.rotation(layer)
             if R is not None:
                 out = out @ R[pos]
@@ -287,7 +287,7 @@ def _pattern_change(ctx: QKContext, layer: int, head: int, query_pos: int, key_p
         return hook
 
     def read(pattern: Tensor, hook) -> None:
-        got["pattern"] = pattern[:, head, query_pos, key_pos].float()
+        got["pattern"] = pattern[:, head, query_pos, key_pos].double()
 
     hooks = [(f"{prefix}.hook_k", edit_key), (f"{prefix}.hook_pattern", read)]
     hooks += [(f"{prefix}.{s}_norm.hook_scale", held(ctx.cache[f"{prefix}.{s}_norm.hook_scale"]))
@@ -301,3 +301,82 @@ def _pattern_change(ctx: QKContext, layer: int, head: int, query_pos: int, key_p
         model.train(was)
     clean = float(ctx.cache[f"{prefix}.hook_pattern"][head, query_pos, key_pos])
     return (got["pattern"] - clean).tolist()
+
+
+# ---- the attention entries a graph keeps, and their QK pairs ------------------------------------------
+def attention_entries(graph, context: Optional[QKContext] = None):
+    """Every attention entry (layer, head, query, key) of the graph's prompt with its weight in the graph:
+    ``pattern[query, key] (v_key W_O) . g``, where ``g`` is the gradient of the graph's weighted
+    logit targets (``sum_j logit_weight_j * target_j``) with respect to that head's output at the
+    query in the frozen replacement model. With attention frozen a head's output is a sum over keys,
+    and this is the part of the targets that flows through one key: the entries sum, over keys,
+    to the head's gradient x output. A DataFrame sorted by |weight|."""
+    import pandas as pd
+
+    from workbench.analysis.graphs.replacement import final_read, frozen_forward
+
+    ctx = context if context is not None else QKContext(graph)
+    model, rs, cap = ctx.model, ctx.rs, ctx.cap
+    cfg = model.cfg
+    logit_nodes = graph.nodes_of("logit")
+    weights = graph.logit_weight[logit_nodes].to(cap.embed)
+    vectors = graph.logit_vectors.to(cap.embed)
+    results: dict[int, Tensor] = {}
+
+    def leaf(act: Tensor, hook) -> Tensor:
+        results[int(hook.name.split(".")[1])] = out = act.detach().requires_grad_(True)
+        return out
+
+    hooks = [(f"blocks.{l}.attn.hook_result", leaf) for l in range(cfg.n_layers)]
+    run = frozen_forward(model, rs, cap)
+    was = model.training
+    model.eval()
+    try:
+        with torch.enable_grad(), model.hooks(fwd_hooks=hooks):
+            run()
+            final = run.final[0, -1] * final_read(model)[1]
+            objective = ((vectors @ final) * weights).sum()
+            grads = torch.autograd.grad(objective, [results[l] for l in range(cfg.n_layers)], allow_unused=True)
+    finally:
+        model.train(was)
+    rows = []
+    P = ctx.n_pos
+    causal = torch.ones(P, P, dtype=torch.bool).tril()
+    for l, g in enumerate(grads):
+        if g is None:
+            continue
+        attn = model.blocks[l].attn
+        with torch.no_grad():
+            v = ctx.cache[f"blocks.{l}.attn.hook_v"].repeat_interleave(attn.group, dim=1).double()  # [key, head, e]
+            ov = torch.einsum("khe,hed->khd", v, attn.W_O.double())
+            pattern = ctx.cache[f"blocks.{l}.attn.hook_pattern"].double()  # [head, query, key]
+            weight = pattern * torch.einsum("khd,qhd->hqk", ov, g[0].double())
+        h, q, k = (causal[None].expand_as(weight) & (weight != 0)).nonzero(as_tuple=True)
+        rows.append(pd.DataFrame({"layer": l, "head": h.tolist(), "query_pos": q.tolist(), "key_pos": k.tolist(),
+                                  "pattern": pattern[h, q, k].tolist(), "weight": weight[h, q, k].tolist()}))
+    frame = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(
+        columns=["layer", "head", "query_pos", "key_pos", "pattern", "weight"])
+    frame = frame.astype({"layer": int, "head": int, "query_pos": int, "key_pos": int, "pattern": float,
+                          "weight": float})
+    return frame.reindex(frame["weight"].abs().sort_values(ascending=False).index).reset_index(drop=True)
+
+
+def qk_table(graph, entries: int = 2, top: int = 5, exact: int = 0, context: Optional[QKContext] = None):
+    """For each head, its ``entries`` attention entries of largest |weight| in the graph
+    (``attention_entries``), each with its ``top`` QK pairs (``qk_attribution``): one DataFrame,
+    a row per (entry, pair), with the entry's ``layer head query_pos key_pos pattern weight``,
+    ``score`` and ``residual`` beside the pair's columns and its ``rank`` within the entry."""
+    import pandas as pd
+
+    ctx = context if context is not None else QKContext(graph)
+    kept = attention_entries(graph, ctx).groupby(["layer", "head"], sort=False).head(entries)
+    frames = []
+    for e in kept.itertuples(index=False):
+        pairs = qk_attribution(graph, int(e.layer), int(e.head), int(e.query_pos), int(e.key_pos), top=top,
+                               exact=exact, context=ctx)
+        lead = pd.DataFrame({"layer": e.layer, "head": e.head, "query_pos": e.query_pos, "key_pos": e.key_pos,
+                             "pattern": e.pattern, "weight": e.weight, "score": pairs.attrs["score"],
+                             "residual": pairs.attrs["residual"], "rank": range(len(pairs))})
+        frames.append(pd.concat([lead, pairs.reset_index(drop=True)], axis=1))
+    columns = ["layer", "head", "query_pos", "key_pos", "pattern", "weight", "score", "residual", "rank", *COLUMNS]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)

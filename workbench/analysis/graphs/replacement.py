@@ -272,7 +272,9 @@ class FrozenRun:
 
         def write(act: Tensor, hook, layer: int) -> Tensor:
             x = self.x[layer]
-            return self.write(layer, x.flatten(2) if x.ndim > 3 else x).to(act.dtype).view(act.shape)
+            out = self.write(layer, x.flatten(2) if x.ndim > 3 else x).to(act.dtype)
+            # held activations without a skip path decode to [pos, d]: the same for every copy of a batch
+            return out.expand(act.shape) if out.ndim < act.ndim else out.view(act.shape)
 
         def read_final(act: Tensor, hook) -> Tensor:
             self.final = act
