@@ -165,7 +165,7 @@ def test_head_loadings_sum_to_the_edge(name):
     graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=10)
     nodes, edges = graph.to_frame()
     checked = 0
-    for row in edges.reindex(edges.weight.abs().sort_values(ascending=False).index).head(4).itertuples():
+    for row in edges.reindex(edges.weight.abs().sort_values(ascending=False).index).head(3).itertuples():
         s_layer = -1 if nodes.kind[row.source] == "token" else int(nodes.layer[row.source])
         t_layer = 2 if nodes.kind[row.target] == "logit" else int(nodes.layer[row.target])
         for layer in range(s_layer + 1, t_layer + 1):
@@ -258,8 +258,8 @@ def test_planted_pairs_and_score():
     assert planted_qk_pairs(TRUTH) == {"L1H0": ({("embed", "L0H0")}, set())}
     p = load_planted("iit-induction")
     assert planted_qk_pairs(p.truth, p.unscored) == {"L1H1": ({("embed", "L0H2")}, {("embed", "embed")})}
-    summary, entries = score_planted_qk(p, n_prompts=2, seed=0)
-    assert summary["qk_precision"] >= 0.9 and summary["qk_recall"] >= 0.9 and len(entries) == 2 * 9
+    summary, entries = score_planted_qk(p, n_prompts=1, seed=0)
+    assert summary["qk_precision"] >= 0.9 and summary["qk_recall"] >= 0.9 and len(entries) == 9
 
 
 def test_bad_input_is_refused():

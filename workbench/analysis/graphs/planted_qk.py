@@ -81,6 +81,7 @@ def score_planted_qk(planted, n_prompts: int = 32, seed: int = 0, ratio: float =
     half, start = spec["half"], 1 if spec.get("bos") is not None else 0
     queries = range(start + half, start + 2 * half - 1)
     graphs = attribution_graph(model, None, clean, max_n_logits=1)
+    graphs = graphs if isinstance(graphs, list) else [graphs]  # one prompt: one graph
     rows = []
     for b, graph in enumerate(graphs):
         ctx = QKContext(graph)
