@@ -281,3 +281,33 @@ def test_bad_input_is_refused():
         an.head_loadings(graph, feature, int(graph.nodes_of("token")[0]), 2)
     with pytest.raises(ValueError, match="not a node id"):
         an.head_loadings(graph, "F9.9.9", logit, 2)
+
+
+def test_attention_entry_weights_sum_to_a_head_ablation_in_the_frozen_model():
+    """Over keys, an entry's weight sums to the change of the graph's weighted targets when that head's
+    output at the query is zeroed in the frozen replacement model (linear there, so exactly)."""
+    from workbench.analysis.graphs.replacement import final_read, frozen_forward
+
+    model, tcs, tokens = _setup("pre-rmsnorm-rope-gqa", n_tokens=6)
+    graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=4)
+    entries = an.attention_entries(graph)
+    _, rs, cap = graph._context
+    weights = graph.logit_weight[graph.nodes_of("logit")]
+
+    def objective(hooks):
+        run = frozen_forward(model, rs, cap)
+        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+            run()
+        return float(((graph.logit_vectors @ (run.final[0, -1] * final_read(model)[1])) * weights).sum())
+
+    clean = objective([])
+    for layer, head, q in [(2, 1, 5), (1, 3, 5), (0, 0, 2)]:
+        def zero(result, hook):
+            result = result.clone()
+            result[0, q, head] = 0
+            return result
+
+        change = clean - objective([(f"blocks.{layer}.attn.hook_result", zero)])
+        mine = entries[(entries.layer == layer) & (entries["head"] == head) & (entries.query_pos == q)].weight.sum()
+        assert mine == pytest.approx(change, abs=TOL, rel=TOL)
+    assert entries.weight.abs().is_monotonic_decreasing
