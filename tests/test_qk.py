@@ -144,9 +144,9 @@ def test_padded_batch_gives_each_prompt_its_qk_table(tmp_path):
     model, tcs, _ = _setup("pre-rmsnorm-rope-gqa")
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(0, 40, (n,), generator=g) for n in (7, 5)]
-    alone = [an.attribution_graph(model, tcs, row, qk=True, max_feature_nodes=8) for row in rows]
+    alone = [an.attribution_graph(model, tcs, row, qk=True, qk_entries=1, max_feature_nodes=8) for row in rows]
     batch = TokenBatch.from_ids([r.tolist() for r in rows], 0, "left", torch.device("cpu"))
-    for graph, single in zip(an.attribution_graph(model, tcs, batch, qk=True, max_feature_nodes=8), alone):
+    for graph, single in zip(an.attribution_graph(model, tcs, batch, qk=True, qk_entries=1, max_feature_nodes=8), alone):
         assert len(graph.qk) == len(single.qk) > 0
         assert (graph.qk[["layer", "head", "query_pos", "key_pos", "query_node", "key_node"]]
                 .equals(single.qk[["layer", "head", "query_pos", "key_pos", "query_node", "key_node"]]))
