@@ -36,6 +36,8 @@ CONFIGS = {  # (model overrides, replacement)
     "alibi": (dict(positional="alibi", ffn="relu"), "transcoder"),
     "qknorm-softcap": (dict(norm="rmsnorm", positional="rope", qk_norm="head", attn_logit_softcap=5.0), "transcoder"),
     "attn-only": (dict(attn_only=True, positional="rope"), None),
+    "parallel-gemma-norm-scalar": (dict(parallel_residual=True, norm="gemma_rmsnorm", positional="rope", bias=False,
+                                        query_pre_attn_scalar=12), "skip_transcoder"),
 }
 
 
@@ -53,7 +55,7 @@ def _reference_score(model, cache, layer, head, q, k):
     which = "hook_rot_{}" if attn.position.rotates else "hook_{}_normed" if model.cfg.qk_norm != "none" else "hook_{}"
     query = cache[f"{pre}.{which.format('q')}"][0, q, head]
     key = cache[f"{pre}.{which.format('k')}"][0, k, head // attn.group]
-    raw = float(query.double() @ key.double()) / math.sqrt(model.cfg.d_head)
+    raw = float(query.double() @ key.double()) / math.sqrt(model.cfg.query_pre_attn_scalar or model.cfg.d_head)
     score, bilinear = raw, raw
     if attn.softcap is not None:
         score = attn.softcap * math.tanh(raw / attn.softcap)
@@ -65,7 +67,7 @@ def _reference_score(model, cache, layer, head, q, k):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_pairs_sum_to_the_score(name):
+def test_pairs_sum_to_the_score(name):  # the parallel layout's MLP reads the block's input, not resid_mid
     model, tcs, tokens = _setup(name)
     graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=8)  # QK reads every active feature anyway
     ctx = QKContext(graph)
