@@ -84,11 +84,24 @@ def _square(frame: pd.DataFrame) -> tuple[np.ndarray, list[str], list[str]]:
     return z, labels, labels
 
 
+def _cell_points(fig: go.Figure, xs: list, ys: list, customdata: list, hovertemplate: str) -> None:
+    """A clickable scatter point on every cell of a heatmap: plotly heatmaps emit no selection
+    events, scatter points do, so a click on a cell selects its point (``customdata`` is what a
+    page's selection event returns). Invisible until selected; hover moves from the heatmap here."""
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", customdata=customdata, hovertemplate=hovertemplate,
+                             marker=dict(symbol="square-open", size=18, color="white", line=dict(width=3), opacity=0),
+                             selected=dict(marker=dict(opacity=1)), unselected=dict(marker=dict(opacity=0)),
+                             showlegend=False, name="cells"))
+    fig.data[0].hoverinfo = "skip"
+    fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
+
+
 def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optional[int] = 0,
-                     theme: Optional[str] = "default", difference: bool = False) -> go.Figure:
+                     theme: Optional[str] = "default", difference: bool = False, clickable: bool = False) -> go.Figure:
     """One head's pattern: query tokens down, key tokens across (every token labelled), hover
     shows both and the weight. ``difference``: the table holds a change of attention
-    (``pattern_difference``: clean - changed), drawn on a diverging scale around 0."""
+    (``pattern_difference``: clean - changed), drawn on a diverging scale around 0. ``clickable``:
+    a click on a cell selects it (``customdata`` [query_pos, key_pos, weight]: the attention edge)."""
     frame = _one_batch(patterns, batch)
     frame = frame[(frame["layer"] == layer) & (frame["head"] == head)]
     if frame.empty:
@@ -107,6 +120,11 @@ def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optio
         hovertemplate="query %{y}<br>key %{x}<br>" + what + " %{z:.3f}<extra></extra>",
     ))
     n = len(xs)
+    if clickable:
+        q, k = np.tril_indices(n)
+        _cell_points(fig, [xs[j] for j in k], [ys[i] for i in q],
+                     [[int(i), int(j), float(z[i, j])] for i, j in zip(q, k)],
+                     "query %{y}<br>key %{x}<br>" + what + " %{customdata[2]:.3f}<br>click for its QK pairs<extra></extra>")
     fig.update_yaxes(autorange="reversed", title="query", type="category", tickmode="array", tickvals=ys, ticktext=ys)
     fig.update_xaxes(title="key", tickangle=-60, type="category", tickmode="array", tickvals=xs, ticktext=xs)
     fig.update_layout(title=f"{'Attention change' if difference else 'Attention'} {unit_label(layer, head)}",
@@ -1392,7 +1410,7 @@ def qk_over_training_figure(summary: pd.DataFrame, head: Optional[int] = None, p
 
 def qk_heatmap_figure(table: pd.DataFrame, title: str = "", theme: Optional[str] = "default") -> go.Figure:
     """A query-node x key-node heatmap of ``qk_attribution``'s contributions (pairs the table does not
-    hold are blank); each cell carries (query node, key node) as ``customdata`` for a click."""
+    hold are blank); a click on a cell selects it (``customdata`` [query node, key node, contribution])."""
     for column in ("query_node", "key_node", "contribution"):
         if column not in table:
             raise ValueError(f"the table has no column {column!r} (make it with analysis.qk_attribution)")
@@ -1402,12 +1420,13 @@ def qk_heatmap_figure(table: pd.DataFrame, title: str = "", theme: Optional[str]
     grid = grid.reindex(index=queries, columns=keys)
     z = grid.to_numpy(float)
     top = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
-    custom = [[[q, k] for k in keys] for q in queries]
     fig = go.Figure(go.Heatmap(z=z, x=keys, y=queries, colorscale=DIVERGING, zmid=0, zmin=-top, zmax=top,
-                               customdata=custom, colorbar=dict(title="contribution"),
-                               hovertemplate="query %{y}<br>key %{x}<br>contribution %{z:.4f}<extra></extra>"))
+                               colorbar=dict(title="contribution"), hoverongaps=False))
+    cells = [(q, k, z[i, j]) for i, q in enumerate(queries) for j, k in enumerate(keys) if np.isfinite(z[i, j])]
+    _cell_points(fig, [k for _, k, _ in cells], [q for q, _, _ in cells], [[q, k, float(v)] for q, k, v in cells],
+                 "query %{y}<br>key %{x}<br>contribution %{customdata[2]:.4f}<br>click to remove its key node"
+                 "<extra></extra>")
     fig.update_xaxes(title_text="key-side node", type="category")
     fig.update_yaxes(title_text="query-side node", type="category", autorange="reversed")
-    fig.update_layout(title=title or "QK pairs", template=_template(theme), height=220 + 24 * len(queries),
-                      clickmode="event+select")
+    fig.update_layout(title=title or "QK pairs", template=_template(theme), height=220 + 24 * len(queries))
     return fig

@@ -28,6 +28,8 @@ def _components(cache, model, layer: int, pos: int):
         z = cache[f"blocks.{l}.attn.hook_z"][0, pos]  # [head, d_head]
         for h in range(model.cfg.n_heads):
             out.append((f"A{l}.{h}", "head", l, z[h] @ model.blocks[l].attn.W_O[h]))
+        if f"blocks.{l}.hook_mlp_out" in cache:
+            out.append((f"E{l}.{pos}", "error", l, cache[f"blocks.{l}.hook_mlp_out"][0, pos]))
     return out
 
 
@@ -58,7 +60,8 @@ def _side(model, cache, layer, head, pos, which):
 
 @torch.no_grad()
 def qk_attribution(graph, layer, head, query_pos, key_pos, *, top=20, exact=5):
-    model, tokens = graph.model, graph.tokens[None]
+    model = graph.model if hasattr(graph, "model") else graph._context[0]
+    tokens = graph.tokens[None].to(model.device)
     _, cache = model.run_with_cache(tokens)
     attn = model.blocks[layer].attn
     qs = _side(model, cache, layer, head, query_pos, "q")
