@@ -1349,7 +1349,8 @@ def qk_over_training_figure(summary: pd.DataFrame, head: Optional[int] = None, p
 
     Top panel: the top QK pair's contribution to the score (each prompt's rank-1 pair; hover names
     the commonest and its share of prompts) and the followed pair's (``summary.attrs["pair"]``, e.g.
-    the K-composition pairs), each mean over prompts with its interval as a band. Middle: the
+    the K-composition pairs: the best of them, and all of them summed, dashed), each mean over prompts
+    with its interval as a band. Middle: the
     followed pair's median rank among the pairs (1 = the top pair; log axis) and its share of prompts
     where it is the top pair. Bottom: the run's loss curve (``history``, default the one
     ``over_training`` attached). ``phase`` (``qk_training.loss_drop``) is shaded on every panel.
@@ -1366,24 +1367,33 @@ def qk_over_training_figure(summary: pd.DataFrame, head: Optional[int] = None, p
     pair = str(part["pair"].iloc[0]) if "pair" in part else summary.attrs.get("pair", "pair")
     layer = int(part["layer"].iloc[0]) if "layer" in part else None
     confidence = summary.attrs.get("confidence", 0.95)
-    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.42, 0.25, 0.33], vertical_spacing=0.05)
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.42, 0.25, 0.33], vertical_spacing=0.05,
+                        specs=[[{}], [{"secondary_y": True}], [{}]])
     steps = part["step"]
     top_text = [f"{p} on {s:.0%} of prompts" for p, s in zip(part["top_pair"], part["top_pair_share"])] \
         if "top_pair_share" in part else list(part["top_pair"])
-    for column, name, colour, text in (("top_contribution", "top pair", PALETTE[0], top_text),
-                                       ("pair_contribution", pair, PALETTE[1], None)):
+    several = "/" in pair or " + " in pair
+    lines = [("top_contribution", "top pair", PALETTE[0], "solid", top_text),
+             ("pair_best_contribution", f"best of {pair}" if several else pair, PALETTE[1], "solid", None)]
+    if several:
+        lines.append(("pair_contribution", f"{pair}, summed", PALETTE[1], "dash", None))
+    for column, name, colour, dash, text in lines:
+        if column not in part:
+            continue
         if f"{column}_low" in part:
             _band(fig, steps, part[f"{column}_low"], part[f"{column}_high"], colour,
                   f"{name}, {confidence:.0%} interval", 1)
-        fig.add_trace(go.Scatter(x=steps, y=part[column], mode="lines+markers", name=name, line=dict(color=colour),
-                                 text=text, hovertemplate="step %{x}<br>%{y:.3f}" + ("<br>%{text}" if text else "")
+        fig.add_trace(go.Scatter(x=steps, y=part[column], mode="lines+markers", name=name,
+                                 line=dict(color=colour, dash=dash), text=text,
+                                 hovertemplate="step %{x}<br>%{y:.3f}" + ("<br>%{text}" if text else "")
                                  + f"<extra>{name}</extra>"), row=1, col=1)
     fig.add_trace(go.Scatter(x=steps, y=part["pair_rank"], mode="lines+markers", name=f"{pair}: median rank",
                              line=dict(color=PALETTE[1], dash="dot"),
                              hovertemplate="step %{x}<br>median rank %{y:g}<extra></extra>"), row=2, col=1)
     fig.add_trace(go.Scatter(x=steps, y=part["pair_is_top"], mode="lines+markers", name=f"{pair}: share top",
-                             line=dict(color=PALETTE[2]), yaxis="y4",
-                             hovertemplate="step %{x}<br>top pair on %{y:.0%} of prompts<extra></extra>"), row=2, col=1)
+                             line=dict(color=PALETTE[2]),
+                             hovertemplate="step %{x}<br>top pair on %{y:.0%} of prompts<extra></extra>"),
+                  row=2, col=1, secondary_y=True)
     curve = _history_of(summary, history)
     for column, dash in (("train_loss", "solid"), ("val_loss", "dot")):
         if column in curve and curve[column].notna().any():
@@ -1398,12 +1408,12 @@ def qk_over_training_figure(summary: pd.DataFrame, head: Optional[int] = None, p
                            showarrow=False, text="loss drop", font=dict(color=STEP_MARK))
     where = f"L{layer}H{head}" if layer is not None else f"head {head}"
     fig.update_yaxes(title_text="contribution to the score", row=1, col=1)
-    fig.update_yaxes(title_text="median rank", type="log", autorange="reversed", row=2, col=1)
+    fig.update_yaxes(title_text="median rank", type="log", autorange="reversed", row=2, col=1, secondary_y=False)
+    fig.update_yaxes(title_text="share top", range=[0, 1.05], tickformat=".0%", showgrid=False, row=2, col=1,
+                     secondary_y=True)
     fig.update_yaxes(title_text="loss", row=3, col=1)
     fig.update_xaxes(title_text="training step", row=3, col=1)
-    fig.update_layout(yaxis4=dict(overlaying="y2", side="right", range=[0, 1.05], tickformat=".0%",
-                                  title=dict(text="share top"), showgrid=False),
-                      title=title or f"{where}: why it attends, over training", template=_template(theme),
+    fig.update_layout(title=title or f"{where}: why it attends, over training", template=_template(theme),
                       hovermode="x unified", height=680, legend=dict(orientation="h", y=-0.12))
     return fig
 

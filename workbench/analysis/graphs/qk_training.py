@@ -53,7 +53,7 @@ def node_label(name: str, kind: str, layer: int) -> str:
     if kind == "head":  # the head's index is the last number that is not the layer or a position
         head = numbers[1] if len(numbers) >= 2 else numbers[-1]
         return f"L{layer}H{head}"
-    return f"F{layer}.{numbers[-1]}" if numbers else name
+    return f"F{layer}.{numbers[1]}" if len(numbers) >= 2 else name  # "F1:37 @5": feature 37 of layer 1
 
 
 def _per_prompt(value, n: int, what: str) -> list[int]:
@@ -165,7 +165,8 @@ def qk_summary(table: pd.DataFrame, pair=None, confidence: float = 0.95) -> pd.D
     ``score``: the attention score; ``top_contribution``: each prompt's rank-1 pair's contribution
     (``top_pair``: the commonest rank-1 pair, ``top_pair_share``: on what share of prompts);
     ``pair_contribution``: the summed contribution of ``pair`` = (query label, key label), or of a list
-    of such pairs (the K-composition pairs of several previous-token heads), ``pair_rank``: the best
+    of such pairs (the K-composition pairs of several previous-token heads), ``pair_best_contribution``:
+    the contribution of the highest-ranked of them (to compare with the top pair's), ``pair_rank``: the best
     rank any of them reaches (median over prompts), ``pair_is_top``: the share of prompts where one of
     them is the top pair. ``_low`` / ``_high``: the Student-t interval of the mean over prompts at
     ``confidence``. ``pair`` None: the commonest top pair at the last step.
@@ -184,15 +185,17 @@ def qk_summary(table: pd.DataFrame, pair=None, confidence: float = 0.95) -> pd.D
         prompts = sorted(part["prompt"].unique())
         tops = part[part["rank"] == 1]
         commonest = tops["pair_label"].value_counts()
-        ours = part[part["pair_label"].isin(family)].groupby("prompt").agg(
-            contribution=("contribution", "sum"), rank=("rank", "min")).reindex(prompts)
+        mine = part[part["pair_label"].isin(family)].sort_values("rank")
+        ours = mine.groupby("prompt").agg(contribution=("contribution", "sum"), rank=("rank", "min"),
+                                          best=("contribution", "first")).reindex(prompts)
         # A pair below the table's `top` on a prompt: contribution unknown (NaN), rank past the last kept.
         ranks = ours["rank"].fillna(part.groupby("prompt")["rank"].max() + 1)
         row = dict(step=step, layer=layer, head=head, prompts=len(prompts), pair=pair_name(pair), top_pair=commonest.index[0],
                    top_pair_share=commonest.iloc[0] / len(prompts))
         for key, values in (("score", part.groupby("prompt")["score"].first()),
                             ("top_contribution", tops["contribution"]),
-                            ("pair_contribution", ours["contribution"])):
+                            ("pair_contribution", ours["contribution"]),
+                            ("pair_best_contribution", ours["best"])):
             row[key], row[f"{key}_low"], row[f"{key}_high"] = _interval(values.to_numpy(float), confidence)
         row["pair_rank"] = float(ranks.median())
         row["pair_is_top"] = float((ours["rank"] == 1).sum() / len(prompts))
