@@ -208,7 +208,7 @@ def test_other_layouts_refused_by_name(overrides, name):
         attribution_graph(model, _transcoders(model), torch.randint(0, 40, (1, 5)))
     attn_only = _model(attn_only=True)
     with pytest.raises(ValueError, match="no MLPs"):
-        attribution_graph(attn_only, [], torch.randint(0, 40, (1, 5)))
+        attribution_graph(attn_only, _transcoders(_model()), torch.randint(0, 40, (1, 5)))
 
 
 def test_bad_transcoders_refused():

@@ -149,7 +149,8 @@ __all__ = [
     "evaluate_circuit", "faithfulness", "node_attribution", "path_patching",
 ]
 
-from workbench.analysis.graphs import Graph, attribution_graph, collapse_frames  # noqa: E402
+from workbench.analysis.graphs import (Graph, attention_entries, attribution_graph, collapse_frames,  # noqa: E402
+                                       head_loadings, qk_attribution)
 
-__all__ += ["Graph", "attribution_graph", "collapse_frames"]
+__all__ += ["Graph", "attribution_graph", "collapse_frames", "qk_attribution", "attention_entries", "head_loadings"]
 

@@ -6,12 +6,16 @@
                     choice of which features to expand
     graph.py        Graph: node table and edges, influence, pruning, DataFrames, JSON (ours and
                     circuit-tracer's), interventions on the replacement model
+    qk.py           qk_attribution: an attention score split into (query node, key node) pairs
+    loadings.py     head_loadings: a graph edge split over the heads of one attention layer
 """
 
 from workbench.analysis.graphs.attribute import attribution_graph, logit_targets
 from workbench.analysis.graphs.graph import NODE_KINDS, Graph, PruneResult, collapse_frames, compute_influence_sparse
+from workbench.analysis.graphs.loadings import head_loadings
+from workbench.analysis.graphs.qk import attention_entries, qk_attribution, qk_table
 from workbench.analysis.graphs.replacement import (CLTView, TranscoderSet, capture, check_model, frozen_forward,
                                                    live_forward, replacement_set)
 
-__all__ = ["attribution_graph", "logit_targets", "NODE_KINDS", "Graph", "PruneResult", "compute_influence_sparse",
+__all__ = ["attribution_graph", "qk_attribution", "qk_table", "attention_entries", "head_loadings", "logit_targets", "NODE_KINDS", "Graph", "PruneResult", "compute_influence_sparse",
            "collapse_frames", "CLTView", "TranscoderSet", "capture", "check_model", "frozen_forward", "live_forward", "replacement_set"]

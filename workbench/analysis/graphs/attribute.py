@@ -50,6 +50,9 @@ def attribution_graph(
     update_interval: int = 4,
     chunk: int = 8192,
     verbose: bool = False,
+    qk: bool = False,
+    qk_entries: int = 2,
+    qk_top: int = 5,
 ) -> Union[Graph, list[Graph]]:
     """The attribution graph of ``prompt`` (a list of prompts or a padded batch: one graph each).
 
@@ -59,6 +62,11 @@ def attribution_graph(
     unembedding's input, or a list of these. Token logits are demeaned over the vocabulary, as
     circuit-tracer does. ``max_feature_nodes``: how many features get rows (None: all active
     ones); ``edge_mass`` < 1 / ``max_edges_per_node`` keep each row sparse.
+
+    ``transcoders``: a list of per-layer (skip-)transcoders or a cross-layer transcoder; None for an
+    attention-only model (its replacement model is the model itself: token and logit nodes only).
+    ``qk``: attach ``graph.qk`` (``qk.qk_table``): for every head its ``qk_entries`` attention
+    entries of largest weight in the graph, each with its ``qk_top`` QK pairs.
     """
     if not 0 < edge_mass <= 1:
         raise ValueError(f"edge_mass must lie in (0, 1], got {edge_mass}")
@@ -66,7 +74,7 @@ def attribution_graph(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     check_layout(model)
-    rs = replacement_set(transcoders)
+    rs = replacement_set(transcoders, model)
     check_model(model, rs)
     tokens, mask, single = _tokens(model, prompt)
     was = model.training
@@ -76,6 +84,11 @@ def attribution_graph(
         graphs = [_attribute(model, rs, cap, target, max_n_logits, desired_logit_prob, max_feature_nodes,
                              batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose)
                   for cap in caps]
+        if qk:
+            from workbench.analysis.graphs.qk import qk_table
+
+            for graph in graphs:
+                graph.qk = qk_table(graph, entries=qk_entries, top=qk_top)
     finally:
         model.train(was)
     return graphs[0] if single else graphs
@@ -158,8 +171,10 @@ class _Sources:
         for layer, acts in enumerate(cap.acts):
             pos, f = acts.nonzero(as_tuple=True)
             feats.append(torch.stack([torch.full_like(pos, layer), pos, f], 1))
-        self.features = torch.cat(feats)  # [n, 3] (layer, pos, feature)
-        self.values = torch.cat([cap.acts[l][ft[:, 1], ft[:, 2]] for l, ft in enumerate(feats)]).detach()
+        # [n, 3] (layer, pos, feature); an attention-only model has none
+        self.features = torch.cat(feats) if feats else torch.zeros(0, 3, dtype=torch.long, device=cap.tokens.device)
+        values = [cap.acts[l][ft[:, 1], ft[:, 2]] for l, ft in enumerate(feats)]
+        self.values = torch.cat(values).detach() if values else cap.embed.new_zeros(0)
         self.n_feat, self.n_pos, self.n_layers = len(self.features), len(cap.tokens), rs.n_layers
         self.error_start = self.n_feat
         self.token_start = self.n_feat + self.n_layers * self.n_pos
@@ -331,16 +346,16 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
     targets, sources, w = _edges(row_ids, row_edges)
     targets, sources = old_to_new[targets], old_to_new[sources]
     keep = (targets >= 0) & (sources >= 0)
-    L, P = src.n_layers, src.n_pos
+    L, P = src.n_layers, src.n_pos  # L: MLP layers (0 in an attention-only model)
     err_layer = torch.arange(L).repeat_interleave(P)
     err_pos = torch.arange(P).repeat(L)
     feats = src.features[selected]
     kind = torch.cat([torch.full((n_sel,), FEATURE), torch.full((L * P,), ERROR), torch.full((P,), TOKEN),
                       torch.full((len(labels),), LOGIT)])
-    layer = torch.cat([feats[:, 0], err_layer, torch.full((P,), -1), torch.full((len(labels),), L)])
+    layer = torch.cat([feats[:, 0], err_layer, torch.full((P,), -1), torch.full((len(labels),), model.cfg.n_layers)])
     pos = torch.cat([feats[:, 1], err_pos, torch.arange(P), torch.full((len(labels),), P - 1)])
     feature = torch.cat([feats[:, 2], torch.full((L * P,), -1), cap.tokens.cpu(), torch.tensor(ids, dtype=torch.long)])
-    err_norm = torch.stack([e.norm(dim=-1) for e in cap.errors]).flatten()
+    err_norm = torch.stack([e.norm(dim=-1) for e in cap.errors]).flatten() if cap.errors else torch.zeros(0)
     activation = torch.cat([src.values[selected].float(), err_norm.float(), torch.zeros(P),
                             values.detach().float().reshape(-1)])
     logit_weight = torch.zeros(len(kind))
@@ -348,7 +363,7 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
     graph = Graph(kind=kind, layer=layer, pos=pos, feature=feature, activation=activation.cpu(),
                   logit_weight=logit_weight, logit_labels=list(labels),
                   edge_target=targets[keep], edge_source=sources[keep], edge_weight=w[keep].cpu(),
-                  tokens=cap.tokens.cpu(), str_tokens=_str_tokens(model, cap.tokens), n_layers=L,
+                  tokens=cap.tokens.cpu(), str_tokens=_str_tokens(model, cap.tokens), n_layers=model.cfg.n_layers,
                   logit_vectors=vecs.detach().cpu().float(),
                   meta=dict(model=getattr(model.cfg, "name", ""), d_vocab=model.cfg.d_vocab, n_active_features=src.n_feat,
                             replacement="clt" if rs.cross_layer else "transcoders", **settings))

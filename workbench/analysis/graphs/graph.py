@@ -114,6 +114,7 @@ class Graph:
     n_layers: int
     logit_vectors: Optional[Tensor] = None  # [n_logits, d_model] target directions at the unembedding input
     meta: dict = field(default_factory=dict)
+    qk: Any = None  # a DataFrame of the kept attention entries' QK pairs (attribution_graph(..., qk=True))
 
     def __post_init__(self) -> None:
         self._context = None
@@ -226,6 +227,7 @@ class Graph:
                     self.logit_weight[keep], labels, t[e], s[e], self.edge_weight[e], self.tokens, self.str_tokens,
                     self.n_layers, vectors, dict(self.meta))
         sub._context = self._context
+        sub.qk = self.qk
         return sub
 
     def scores(self) -> dict[str, float]:
@@ -265,6 +267,9 @@ class Graph:
             out[name] = getattr(self, name).tolist()
         out.update(logit_labels=self.logit_labels, str_tokens=self.str_tokens, n_layers=self.n_layers,
                    logit_vectors=None if self.logit_vectors is None else self.logit_vectors.tolist(), meta=self.meta)
+        if self.qk is not None:
+            out["qk"] = {"columns": list(self.qk.columns), "rows": self.qk.astype(object).where(self.qk.notna(), None)
+                         .values.tolist()}
         return out
 
     def save(self, path: Union[str, Path]) -> Path:
@@ -280,8 +285,14 @@ class Graph:
         ints = {"kind", "layer", "pos", "feature", "edge_target", "edge_source", "tokens"}
         arrays = {n: torch.tensor(d[n], dtype=torch.long if n in ints else torch.float32) for n in _ARRAYS}
         vectors = torch.tensor(d["logit_vectors"]) if d.get("logit_vectors") is not None else None
+        qk = None
+        if d.get("qk") is not None:
+            import pandas as pd
+
+            qk = pd.DataFrame(d["qk"]["rows"], columns=d["qk"]["columns"]).infer_objects()
+            qk["pattern_change"] = qk["pattern_change"].astype(float)
         return cls(**arrays, logit_labels=d["logit_labels"], str_tokens=d["str_tokens"], n_layers=d["n_layers"],
-                   logit_vectors=vectors, meta=d.get("meta", {}))
+                   logit_vectors=vectors, meta=d.get("meta", {}), qk=qk)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Graph":
@@ -401,7 +412,7 @@ class Graph:
         """Attach the model and transcoders the graph was made from (after ``load``), for ``intervene``."""
         from workbench.analysis.graphs.replacement import capture, check_model, replacement_set
 
-        rs = replacement_set(transcoders)
+        rs = replacement_set(transcoders, model)
         check_model(model, rs)
         if cap is None:
             if bool((self.tokens < 0).any()):

@@ -19,6 +19,10 @@ A per-layer set of (skip-)transcoders is the cross-layer case whose decoder from
 layer t is zero unless s == t: ``TranscoderSet`` gives it the cross-layer API, and one code
 path serves both. Only the pre-norm and parallel layouts are supported: in the others the MLP's
 output passes through a norm (post, sandwich, reordered) before the residual stream.
+
+An attention-only model (``attn_only``, pre-norm) has no MLP to replace: its replacement model is
+the model itself with attention and norms frozen (``AttentionOnly``, an empty set: no features,
+no error nodes), so its graph has token and logit nodes only.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-SUPPORTED_LAYOUTS = ("pre", "parallel")
+SUPPORTED_LAYOUTS = ("pre", "parallel", "attn_only_pre")
 
 
 class TranscoderSet(nn.Module):
@@ -117,11 +121,24 @@ class CLTView:
         return self
 
 
-def replacement_set(transcoders) -> "TranscoderSet | CLTView":
+class AttentionOnly:
+    """The replacement of an attention-only model: nothing (no MLPs, so no features and no errors)."""
+
+    cross_layer, skip, n_layers, d_sae = False, False, 0, 0
+
+    def to(self, *args, **kwargs) -> "AttentionOnly":
+        return self
+
+
+def replacement_set(transcoders, model=None) -> "TranscoderSet | CLTView | AttentionOnly":
     """What replaces the MLPs: a ``TranscoderSet``/``CLTView`` as given, a list of per-layer
-    transcoders, or a cross-layer transcoder."""
-    if isinstance(transcoders, (TranscoderSet, CLTView)):
+    transcoders, or a cross-layer transcoder; None (or, for an attention-only ``model``, an empty
+    list) for an attention-only model, which has nothing to replace."""
+    if isinstance(transcoders, (TranscoderSet, CLTView, AttentionOnly)):
         return transcoders
+    attn_only = model is not None and model.cfg.attn_only
+    if transcoders is None or (attn_only and isinstance(transcoders, (list, tuple, nn.ModuleList)) and not len(transcoders)):
+        return AttentionOnly()
     if getattr(transcoders, "cross_layer", False):
         return CLTView(transcoders)
     if isinstance(transcoders, nn.Module) and getattr(transcoders, "is_transcoder", False):
@@ -142,8 +159,6 @@ def check_layout(model) -> None:
     from workbench.components.block import layout_of
 
     layout = layout_of(model.cfg)
-    if model.cfg.attn_only:
-        raise ValueError("this model has no MLPs (attn_only): there is nothing for transcoders to replace")
     if layout not in SUPPORTED_LAYOUTS:
         raise ValueError(f"attribution graphs need a layout where the MLP's output enters the residual stream "
                          f"as it is; this model's layout is {layout!r} (supported: {list(SUPPORTED_LAYOUTS)}): "
@@ -153,6 +168,13 @@ def check_layout(model) -> None:
 def check_model(model, rs) -> None:
     """A ValueError naming the problem unless ``rs`` can replace ``model``'s MLPs."""
     check_layout(model)
+    if model.cfg.attn_only != isinstance(rs, AttentionOnly):
+        if model.cfg.attn_only:
+            raise ValueError("this model has no MLPs (attn_only): there is nothing for transcoders to replace; "
+                             "pass transcoders=None (its replacement model is the model itself)")
+        raise ValueError("this model has MLPs: give transcoders (one per MLP layer) or a cross-layer transcoder")
+    if isinstance(rs, AttentionOnly):
+        return
     if rs.n_layers != model.cfg.n_layers:
         raise ValueError(f"the transcoders cover {rs.n_layers} layers, the model has {model.cfg.n_layers}: "
                          "give one per MLP layer")
@@ -250,7 +272,9 @@ class FrozenRun:
 
         def write(act: Tensor, hook, layer: int) -> Tensor:
             x = self.x[layer]
-            return self.write(layer, x.flatten(2) if x.ndim > 3 else x).to(act.dtype).view(act.shape)
+            out = self.write(layer, x.flatten(2) if x.ndim > 3 else x).to(act.dtype)
+            # held activations without a skip path decode to [pos, d]: the same for every copy of a batch
+            return out.expand(act.shape) if out.ndim < act.ndim else out.view(act.shape)
 
         def read_final(act: Tensor, hook) -> Tensor:
             self.final = act
