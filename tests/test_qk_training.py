@@ -17,9 +17,9 @@ import torch
 import workbench as wb
 from workbench import analysis as an
 from workbench import viz
-from workbench.analysis.graphs import qk_training
-from workbench.analysis.graphs.qk_training import (ALL_PAIRS, induction_qk_prompts, loss_drop, node_label, qk_pairs,
+from workbench.analysis.graphs.qk_training import (induction_qk_prompts, loss_drop, node_label, qk_pairs,
                                                    qk_summary)
+from workbench.analysis.graphs.qk import QKContext
 from workbench.stats import t_interval
 
 RUN = Path(__file__).resolve().parents[1] / "checkpoints" / "induction-attn2l"
@@ -30,34 +30,36 @@ def run():
     if not (RUN / "snapshots").is_dir():
         pytest.skip(f"{RUN} has no snapshots: make the checkpoints (docs/reference/checkpoints.md)")
     series = wb.load_series(RUN)
-    prompts, queries, keys = induction_qk_prompts(series.config.d_vocab, n=3, half=8, seed=0)
-    part = series[-3:]  # steps 1200, 1350, 1500
+    prompts, queries, keys = induction_qk_prompts(series.config.d_vocab, n=2, half=8, seed=0)
+    part = series[-2:]  # steps 1350, 1500
     table = an.over_training(part, qk_pairs, tokens=prompts, layer=1, head=[0, 4], query_pos=queries, key_pos=keys,
                              progress=False)
     return series, part, prompts, queries, keys, table
 
 
-def _attribution(model, ids, head, q, k):
-    graph = qk_training.attribution_graph(model, None, ids)
-    return qk_training.qk_attribution(graph, 1, head, q, k, top=ALL_PAIRS, exact=0)
+def _attributions(model, ids, heads, q, k):
+    graph = an.attribution_graph(model, None, ids)
+    context = QKContext(graph)
+    return {h: an.qk_attribution(graph, 1, h, q, k, top=None, exact=0, context=context) for h in heads}
 
 
 def test_the_last_snapshot_gives_qk_attribution_of_that_model_and_of_the_final_checkpoint(run):
     series, part, prompts, queries, keys, table = run
-    assert sorted(table["step"].unique()) == part.steps == [1200, 1350, 1500]
+    assert sorted(table["step"].unique()) == part.steps == [1350, 1500]
     final, _ = wb.load_checkpoint(RUN)
     last = series.load(len(series) - 1)
     at_end = table[table["step"] == 1500]
     for i, (ids, q, k) in enumerate(zip(prompts, queries, keys)):
+        references, finals = _attributions(last, ids, (0, 4), q, k), _attributions(final, ids, (0, 4), q, k)
         for head in (0, 4):
             ours = at_end[(at_end["prompt"] == i) & (at_end["head"] == head)].reset_index(drop=True)
-            reference = _attribution(last, ids, head, q, k)
+            reference = references[head]
             assert list(ours["query_node"]) == list(reference["query_node"])
             assert list(ours["key_node"]) == list(reference["key_node"])
             np.testing.assert_allclose(ours["contribution"], reference["contribution"], rtol=0, atol=1e-6)
             assert ours["score"].iloc[0] == pytest.approx(reference.attrs["score"], abs=1e-6)
             # the final checkpoint: the same pairs on top, contributions equal up to the snapshot's half precision
-            full = _attribution(final, ids, head, q, k).set_index(["query_node", "key_node"])["contribution"]
+            full = finals[head].set_index(["query_node", "key_node"])["contribution"]
             mine = ours.set_index(["query_node", "key_node"])["contribution"]
             assert list(mine.index[:3]) == list(full.index[:3])
             np.testing.assert_allclose(mine.loc[full.index], full, rtol=0, atol=0.02 * float(full.abs().max()))
@@ -128,7 +130,7 @@ def test_summary_against_a_hand_made_table():
     assert both.loc[1, "pair_contribution"] == pytest.approx((5.0 + 1.5) / 2)  # summed per prompt, then the mean
     assert both.loc[1, "pair_best_contribution"] == pytest.approx((4.0 + 1.5) / 2)
     assert both.loc[1, "pair_rank"] == pytest.approx(1.5) and both.loc[1, "score"] == pytest.approx(8.0)
-    assert qk_summary(table).attrs["pair"] == "token x L0H2"  # default: the commonest top pair at the last step
+    assert qk_summary(table[table["prompt"] == 0]).attrs["pair"] == "token x L0H2"  # default: the top pair at the end
     with pytest.raises(ValueError, match="lacks"):
         qk_summary(table.drop(columns="rank"))
 
@@ -175,3 +177,11 @@ def test_the_heatmap_is_the_pairs_and_its_cells_are_clickable(run):
         assert z.loc[r["query_node"], r["key_node"]] == pytest.approx(r["contribution"])
     assert sorted((q, k) for q, k, _ in cells.customdata) == sorted(zip(rows["query_node"], rows["key_node"]))
     assert fig.layout.clickmode == "event+select"
+
+
+def test_over_training_takes_an_analysis_that_returns_a_graph(run):
+    series, part, prompts, *_ = run
+    nodes = an.over_training(part[-1:], an.attribution_graph, transcoders=None, prompt=prompts[0], progress=False)
+    reference = an.attribution_graph(series.load(len(series) - 1), None, prompts[0]).to_frame()[0]
+    assert (nodes["step"] == 1500).all()
+    pd.testing.assert_frame_equal(nodes.drop(columns="step"), reference)

@@ -1,8 +1,10 @@
 """The Graph page's QK panel: why a head attended where it did (``analysis.qk_attribution``).
 
-Opened with its toggle under the graph. The user picks an attention edge: a layer, a head, a query
-position and a key position (the selectors, or a click on a cell of the head's attention pattern;
-the key defaults to where the head attends most from the query). The page shows the edge's score
+Opened with its toggle under the graph. The user picks an attention edge: one of the graph's
+attention entries (``analysis.attention_entries``: each (layer, head, query, key) weighted by how
+much of the graph's targets flows through it; the largest is the default), or a layer, a head, a
+query position and a key position (the selectors, or a click on a cell of the head's attention
+pattern; the key follows where the head attends most from the query until picked). The page shows the edge's score
 split into (query-side node, key-side node) pairs as a table and as a query x key heatmap, the
 bilinear part and the residual, and, for a pair picked in the table's top rows (or clicked on the
 heatmap), the exact change of the attention weight when that pair's key-side node is removed (a
@@ -20,7 +22,6 @@ import streamlit as st
 from ui import common
 from workbench import analysis as an
 from workbench import viz
-from workbench.analysis.graphs import qk_training
 
 TOP = 20  # pairs in the table and the heatmap
 EXACT = 5  # pairs whose key-side node's removal is re-run exactly
@@ -33,8 +34,37 @@ def _qk(graph_key: tuple, layer: int, head: int, query_pos: int, key_pos: int) -
 
     model, lock = common.model_for(graph_key[0])
     with lock:
-        table = qk_training.qk_attribution(_graph(*graph_key), layer, head, query_pos, key_pos, top=TOP, exact=EXACT)
+        table = an.qk_attribution(_graph(*graph_key), layer, head, query_pos, key_pos, top=TOP, exact=EXACT)
     return table, dict(table.attrs)
+
+
+ENTRIES = 30  # the graph's attention entries offered, largest |weight| first
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def _entries(graph_key: tuple) -> pd.DataFrame:
+    """The graph's attention entries of largest |weight| (``analysis.attention_entries``)."""
+    from ui.graph import _graph
+
+    model, lock = common.model_for(graph_key[0])
+    with lock:
+        return an.attention_entries(_graph(*graph_key)).head(ENTRIES)
+
+
+def _entry_label(e) -> str:
+    return (f"L{int(e.layer)}H{int(e.head)}: query {int(e.query_pos)} -> key {int(e.key_pos)} "
+            f"(weight {e.weight:+.3f}, attention {e.pattern:.2f})")
+
+
+def _set_edge(layer: int, head: int, query: int, key: int) -> None:
+    st.session_state["graph_qk_layer"], st.session_state["graph_qk_head"] = int(layer), int(head)
+    st.session_state["graph_qk_query"] = int(query)
+    st.session_state["graph_qk_key_clicked"] = int(key)  # set after the key's default follows the query
+
+
+def _entry_chosen(entries: dict) -> None:
+    """An attention entry picked in the list sets the four selectors."""
+    _set_edge(*entries[st.session_state["graph_qk_entry"]])
 
 
 def _clicked(event: Any, n: int) -> list | None:
@@ -71,8 +101,18 @@ def render(ckpt: common.Checkpoint, graph_key: tuple, ids: tuple[int, ...], str_
         return
     cfg = ckpt.model.cfg
     patterns = common.analysis(an.attention_patterns, ckpt.key, ids)
+    entries = _entries(graph_key)
+    options = {_entry_label(e): (e.layer, e.head, e.query_pos, e.key_pos) for e in entries.itertuples()}
+    if options:
+        fresh = st.session_state.get("graph_qk_entry__context") != graph_key
+        common.follow_default("graph_qk_entry", next(iter(options)), graph_key)
+        if fresh:  # a new graph: open its largest attention entry
+            _set_edge(*options[st.session_state["graph_qk_entry"]])
+        st.selectbox("Attention edge of the graph (largest weight first)", list(options), key="graph_qk_entry",
+                     on_change=_entry_chosen, args=(options,),
+                     help="Weight: how much of the graph's targets flows through this entry of the frozen pattern.")
     a, b, c, d = st.columns(4)
-    layer = a.selectbox("Layer", range(cfg.n_layers), index=cfg.n_layers - 1, key="graph_qk_layer")
+    layer = a.selectbox("Layer", range(cfg.n_layers), key="graph_qk_layer")
     head = b.selectbox("Head", range(cfg.n_heads), key="graph_qk_head")
     positions = list(range(len(ids)))
     label = lambda p: f"{p}: {str_tokens[p]!r}" if p < len(str_tokens) else str(p)  # noqa: E731

@@ -31,13 +31,8 @@ from torch import Tensor
 from workbench.stats import t_interval
 from workbench.utils import check_int, check_seed
 
-try:  # h-qk's QK attribution; until it lands, a stand-in with its interface
-    from workbench.analysis.graphs.qk import qk_attribution
-    from workbench.analysis.graphs.attribute import attribution_graph
-except ImportError:  # pragma: no cover
-    from workbench.analysis.graphs._qk_shim import attribution_graph, qk_attribution
-
-ALL_PAIRS = 100_000  # ``top`` that keeps every pair, so a pair's rank is known however low it sits
+from workbench.analysis.graphs.attribute import attribution_graph
+from workbench.analysis.graphs.qk import QKContext, qk_attribution
 
 
 def node_label(name: str, kind: str, layer: int) -> str:
@@ -75,15 +70,16 @@ def _prompts(tokens) -> list[Tensor]:
 
 
 def qk_pairs(model, tokens, layer: int, head: Union[int, Sequence[int]], query_pos, key_pos, *,
-             top: int = ALL_PAIRS, exact: int = 0, transcoders=None) -> pd.DataFrame:
+             top: Optional[int] = None, exact: int = 0, transcoders=None) -> pd.DataFrame:
     """The QK attribution of head(s) ``head`` of ``layer`` reading ``key_pos`` from ``query_pos`` on each prompt.
 
     ``tokens``: one prompt ([pos]), a batch ([batch, pos]) or a list of prompts of different lengths;
     ``query_pos`` / ``key_pos``: one position for all, or one per prompt. One row per (prompt, head,
     pair) with ``qk_attribution``'s columns, plus ``prompt``, ``layer``, ``head``, ``query_pos``,
     ``key_pos``, ``rank`` (1 = the largest |contribution|), ``query_label`` / ``key_label``
-    (``node_label``), and the score, its bilinear part and residual. ``transcoders``: None for an
-    attention-only model (the model is its own replacement), else what ``attribution_graph`` takes.
+    (``node_label``), and the score, its bilinear part and residual. ``top`` None keeps every pair (so a
+    pair's rank is known however low it sits). ``transcoders``: None for an attention-only model (the
+    model is its own replacement), else what ``attribution_graph`` takes.
     """
     prompts = _prompts(tokens)
     queries, keys = _per_prompt(query_pos, len(prompts), "query_pos"), _per_prompt(key_pos, len(prompts), "key_pos")
@@ -97,8 +93,9 @@ def qk_pairs(model, tokens, layer: int, head: Union[int, Sequence[int]], query_p
             raise ValueError(f"prompt {i}: need 0 <= key_pos <= query_pos < {len(ids)} (causal attention), "
                              f"got query {q}, key {k}")
         graph = attribution_graph(model, transcoders, ids.to(model.device))
+        context = QKContext(graph)  # one clean run per prompt, whatever the number of heads
         for h in heads:
-            table = qk_attribution(graph, layer, int(h), q, k, top=top, exact=exact)
+            table = qk_attribution(graph, layer, int(h), q, k, top=top, exact=exact, context=context)
             frame = table.reset_index(drop=True).assign(
                 prompt=i, layer=layer, head=int(h), query_pos=q, key_pos=k, rank=np.arange(1, len(table) + 1),
                 score=table.attrs["score"], bilinear=table.attrs["bilinear"], residual=table.attrs["residual"])
