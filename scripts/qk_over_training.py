@@ -73,13 +73,13 @@ def first_top(summary, head: int, share: float = 0.5):
 
 def step_table(summary, head: int) -> str:
     part = summary[summary["head"] == head].sort_values("step")
-    lines = ["| step | score | top pair (share of prompts) | its contribution | K-composition pairs' contribution "
-             "(95% interval) | their median rank | share where top |",
-             "|---:|---:|---|---:|---:|---:|---:|"]
+    lines = ["| step | score | top pair (share of prompts) | its contribution | best K-composition pair's | "
+             "K-composition pairs summed (95% interval) | their best rank (median) | share where top |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|"]
     for _, r in part.iterrows():
         lines.append(f"| {r.step} | {r.score:.2f} | {r.top_pair} ({r.top_pair_share:.0%}) | {r.top_contribution:.3f} | "
-                     f"{r.pair_contribution:.3f} ({r.pair_contribution_low:.3f} to {r.pair_contribution_high:.3f}) | "
-                     f"{r.pair_rank:g} | {r.pair_is_top:.0%} |")
+                     f"{r.pair_best_contribution:.3f} | {r.pair_contribution:.3f} ({r.pair_contribution_low:.3f} to "
+                     f"{r.pair_contribution_high:.3f}) | {r.pair_rank:g} | {r.pair_is_top:.0%} |")
     return "\n".join(lines)
 
 

@@ -201,9 +201,9 @@ def _qk_over_training(name: str, series, lock: threading.Lock, scores, step: int
     best = induction.loc[induction["score"].idxmax()] if len(induction) else None
     prev = last[(last["kind"] == "previous_token") & (last["layer"] == 0) & (last["score"] >= 0.5)]
     a, b, c = st.columns(3)
-    layer = a.selectbox("Layer", range(1, cfg.n_layers), key="training_qk_layer",
+    layer = a.selectbox("QK layer", range(1, cfg.n_layers), key="training_qk_layer",
                         index=int(best["layer"]) - 1 if best is not None else 0)
-    head = b.selectbox("Head", range(cfg.n_heads), key="training_qk_head",
+    head = b.selectbox("QK head", range(cfg.n_heads), key="training_qk_head",
                        index=int(best["head"]) if best is not None else 0,
                        help="Default: the best induction head at the last snapshot.")
     n = c.number_input("Prompts", 2, 64, 4, key="training_qk_prompts",

@@ -1409,7 +1409,8 @@ def qk_over_training_figure(summary: pd.DataFrame, head: Optional[int] = None, p
     where = f"L{layer}H{head}" if layer is not None else f"head {head}"
     fig.update_yaxes(title_text="contribution to the score", row=1, col=1)
     fig.update_yaxes(title_text="median rank", type="log", autorange="reversed", row=2, col=1, secondary_y=False)
-    fig.update_yaxes(title_text="share top", range=[0, 1.05], tickformat=".0%", showgrid=False, row=2, col=1,
+    fig.update_yaxes(title_text="share top", range=[0, 1.05], tickformat=".0%", tick0=0, dtick=0.5, showgrid=False,
+                     row=2, col=1,
                      secondary_y=True)
     fig.update_yaxes(title_text="loss", row=3, col=1)
     fig.update_xaxes(title_text="training step", row=3, col=1)

@@ -1,0 +1,73 @@
+"""The QK panel of the Graph page and the QK figure of the Training page, in Chromium with real clicks.
+
+Graph: on planted-hand-induction (attention-only: the model is its own replacement) a click on the
+toggle opens the QK panel at the graph's largest attention entry, the induction head reading the
+token after the earlier occurrence, whose top pair is the K-composition the weights were written
+for; a real click on another cell of the head's attention pattern picks that edge, and the
+selectors, the heatmap's title and the table follow. Training: a click on the toggle draws the top
+QK pair and the K-composition pairs over the snapshots of induction-attn2l, above the loss curve.
+"""
+
+import pytest
+
+from browser_kit import BROWSER_MARKS, assert_drawn, choose, figure, no_exception, shot, wait_idle, widget
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+pytestmark = BROWSER_MARKS
+
+TRACES = """(title) => {
+  const plot = [...document.querySelectorAll('.js-plotly-plot')].find(p => (p.layout.title.text || '').includes(title));
+  return plot ? plot.data.map(t => t.name) : null;
+}"""
+
+
+def selected(page, label: str) -> str:
+    return widget(page, "stSelectbox", label).get_by_role("combobox").input_value()
+
+
+def toggle(page, label: str) -> None:
+    page.locator("[data-testid=stCheckbox]", has_text=label).first.locator("label").click()
+    wait_idle(page)
+
+
+@pytest.mark.page("Graph")
+def test_qk_panel_opens_on_a_click_and_follows_a_clicked_attention_cell(page):
+    choose(page, "Checkpoint (with transcoders, or attention-only)", "planted-hand-induction")
+    no_exception(page)
+    toggle(page, "Open the QK panel")
+    heatmap = figure(page, "QK pairs")
+    assert_drawn(heatmap, "the QK heatmap")
+    title = heatmap.locator(".gtitle").text_content()
+    assert title.startswith("L1H0, query 14 -> key 8"), title  # the graph's largest attention entry
+    assert selected(page, "Head") == "0" and selected(page, "Query position").startswith("14")
+    removal = page.locator("[data-testid=stMetric]", has_text="at the key").first
+    assert "L0 H0 @8" in removal.inner_text()  # the K-composition pair's key node: the previous-token head
+    # a real click on another cell of the pattern: query 12, key 3 (of 15 positions)
+    pattern = figure(page, "Attention L1H0")
+    pattern.scroll_into_view_if_needed()
+    box = pattern.locator(".nsewdrag").first.bounding_box()
+    n, query, key = 15, 12, 3
+    x, y = box["x"] + (key + 0.5) * box["width"] / n, box["y"] + (query + 0.5) * box["height"] / n
+    page.mouse.move(x, y)
+    page.wait_for_timeout(300)
+    page.mouse.click(x, y)
+    wait_idle(page)
+    no_exception(page)
+    assert selected(page, "Query position").startswith("12") and selected(page, "Key position").startswith("3")
+    after = figure(page, "QK pairs")
+    assert_drawn(after, "the QK heatmap of the clicked edge")
+    assert after.locator(".gtitle").text_content().startswith("L1H0, query 12 -> key 3")
+    assert "@3" in page.locator("[data-testid=stMetric]", has_text="at the key").first.inner_text()
+    shot(page, "graph-qk")
+
+
+@pytest.mark.page("Training")
+def test_training_draws_the_qk_pairs_over_the_snapshots_on_a_click(page):
+    toggle(page, "QK pairs of a head's induction edge")
+    fig = figure(page, "the top QK pair and")
+    assert_drawn(fig, "the QK pairs over training")
+    names = page.evaluate(TRACES, "the top QK pair and")
+    assert {"top pair", "train_loss"} <= set(names) and any(n.endswith("median rank") for n in names), names
+    assert any(n.startswith("best of token x L0H") for n in names), names  # the K-composition pairs followed
+    no_exception(page)
+    shot(page, "training-qk")
