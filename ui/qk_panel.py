@@ -130,7 +130,7 @@ def render(ckpt: common.Checkpoint, graph_key: tuple, ids: tuple[int, ...], str_
         st.session_state["graph_qk_key"] = most
     key = d.selectbox("Key position", positions[: query + 1], key="graph_qk_key", format_func=label)
     fig = viz.attention_figure(patterns, layer, head, clickable=True)
-    fig.update_layout(title=f"Attention L{layer}H{head} (click a cell for its QK pairs)")
+    fig.update_layout(title=f"Attention L{layer}H{head} (click a cell to open that edge)")
     common.show(fig, key="graph_qk_pattern", selection_mode="points", on_select=_edge_clicked)
     weight = float(row.loc[row["key_pos"] == key, "attention"].iloc[0])
     try:

@@ -88,6 +88,10 @@ def _cell_points(fig: go.Figure, xs: list, ys: list, customdata: list, hovertemp
     """A clickable scatter point on every cell of a heatmap: plotly heatmaps emit no selection
     events, scatter points do, so a click on a cell selects its point (``customdata`` is what a
     page's selection event returns). Invisible until selected; hover moves from the heatmap here."""
+    n_x, n_y = len(fig.data[0].x), len(fig.data[0].y)  # the heatmap's cells fill the axes: no padding for markers
+    fig.update_xaxes(range=[-0.5, n_x - 0.5], autorange=False)
+    fig.update_yaxes(range=[n_y - 0.5, -0.5] if fig.layout.yaxis.autorange == "reversed" else [-0.5, n_y - 0.5],
+                     autorange=False)
     fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", customdata=customdata, hovertemplate=hovertemplate,
                              marker=dict(symbol="square-open", size=18, color="white", line=dict(width=3), opacity=0),
                              selected=dict(marker=dict(opacity=1)), unselected=dict(marker=dict(opacity=0)),
@@ -120,12 +124,12 @@ def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optio
         hovertemplate="query %{y}<br>key %{x}<br>" + what + " %{z:.3f}<extra></extra>",
     ))
     n = len(xs)
+    fig.update_yaxes(autorange="reversed", title="query", type="category", tickmode="array", tickvals=ys, ticktext=ys)
     if clickable:
         q, k = np.tril_indices(n)
         _cell_points(fig, [xs[j] for j in k], [ys[i] for i in q],
                      [[int(i), int(j), float(z[i, j])] for i, j in zip(q, k)],
-                     "query %{y}<br>key %{x}<br>" + what + " %{customdata[2]:.3f}<br>click for its QK pairs<extra></extra>")
-    fig.update_yaxes(autorange="reversed", title="query", type="category", tickmode="array", tickvals=ys, ticktext=ys)
+                     "query %{y}<br>key %{x}<br>" + what + " %{customdata[2]:.3f}<br>click to open this edge<extra></extra>")
     fig.update_xaxes(title="key", tickangle=-60, type="category", tickmode="array", tickvals=xs, ticktext=xs)
     fig.update_layout(title=f"{'Attention change' if difference else 'Attention'} {unit_label(layer, head)}",
                       template=_template(theme), height=max(360, min(900, 18 * n + 180)),
@@ -1433,11 +1437,11 @@ def qk_heatmap_figure(table: pd.DataFrame, title: str = "", theme: Optional[str]
     top = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
     fig = go.Figure(go.Heatmap(z=z, x=keys, y=queries, colorscale=DIVERGING, zmid=0, zmin=-top, zmax=top,
                                colorbar=dict(title="contribution"), hoverongaps=False))
+    fig.update_xaxes(title_text="key-side node", type="category")
+    fig.update_yaxes(title_text="query-side node", type="category", autorange="reversed")
     cells = [(q, k, z[i, j]) for i, q in enumerate(queries) for j, k in enumerate(keys) if np.isfinite(z[i, j])]
     _cell_points(fig, [k for _, k, _ in cells], [q for q, _, _ in cells], [[q, k, float(v)] for q, k, v in cells],
                  "query %{y}<br>key %{x}<br>contribution %{customdata[2]:.4f}<br>click to remove its key node"
                  "<extra></extra>")
-    fig.update_xaxes(title_text="key-side node", type="category")
-    fig.update_yaxes(title_text="query-side node", type="category", autorange="reversed")
     fig.update_layout(title=title or "QK pairs", template=_template(theme), height=220 + 24 * len(queries))
     return fig

@@ -21,6 +21,23 @@ TRACES = """(title) => {
 }"""
 
 
+# The page coordinates of a heatmap cell's centre (category index -> pixel, by plotly's own axes).
+CELL = """([title, x, y]) => {
+  const plot = [...document.querySelectorAll('.js-plotly-plot')].find(p => (p.layout.title.text || '').includes(title));
+  const xa = plot._fullLayout.xaxis, ya = plot._fullLayout.yaxis, box = plot.getBoundingClientRect();
+  return [box.left + xa._offset + xa.l2p(x), box.top + ya._offset + ya.l2p(y)];
+}"""
+
+
+ROW = """([title, y]) => {
+  const plot = [...document.querySelectorAll('.js-plotly-plot')].find(p => (p.layout.title.text || '').includes(title));
+  const cells = plot.data.find(t => t.name === 'cells').customdata;  // [query, key, weight] per cell
+  const row = [];
+  cells.filter(c => c[0] === y).forEach(c => { row[c[1]] = c[2]; });
+  return row;
+}"""
+
+
 def selected(page, label: str) -> str:
     return widget(page, "stSelectbox", label).get_by_role("combobox").input_value()
 
@@ -42,22 +59,23 @@ def test_qk_panel_opens_on_a_click_and_follows_a_clicked_attention_cell(page):
     assert selected(page, "Head") == "0" and selected(page, "Query position").startswith("14")
     removal = page.locator("[data-testid=stMetric]", has_text="at the key").first
     assert "L0 H0 @8" in removal.inner_text()  # the K-composition pair's key node: the previous-token head
-    # a real click on another cell of the pattern: query 12, key 3 (of 15 positions)
+    # a real click on another cell of the pattern: query 12, at the key it attends to most
     pattern = figure(page, "Attention L1H0")
     pattern.scroll_into_view_if_needed()
-    box = pattern.locator(".nsewdrag").first.bounding_box()
-    n, query, key = 15, 12, 3
-    x, y = box["x"] + (key + 0.5) * box["width"] / n, box["y"] + (query + 0.5) * box["height"] / n
+    row = page.evaluate(ROW, ["Attention L1H0", 12])
+    key = max(range(len(row)), key=lambda k: row[k])
+    assert key != 8 and row[key] > 0.5, row  # an induction step of its own, not the edge open before
+    x, y = page.evaluate(CELL, ["Attention L1H0", key, 12])
     page.mouse.move(x, y)
     page.wait_for_timeout(300)
     page.mouse.click(x, y)
     wait_idle(page)
     no_exception(page)
-    assert selected(page, "Query position").startswith("12") and selected(page, "Key position").startswith("3")
+    assert selected(page, "Query position").startswith("12") and selected(page, "Key position").startswith(f"{key}:")
     after = figure(page, "QK pairs")
     assert_drawn(after, "the QK heatmap of the clicked edge")
-    assert after.locator(".gtitle").text_content().startswith("L1H0, query 12 -> key 3")
-    assert "@3" in page.locator("[data-testid=stMetric]", has_text="at the key").first.inner_text()
+    assert after.locator(".gtitle").text_content().startswith(f"L1H0, query 12 -> key {key}")
+    assert f"L0 H0 @{key}" in page.locator("[data-testid=stMetric]", has_text="at the key").first.inner_text()
     shot(page, "graph-qk")
 
 
