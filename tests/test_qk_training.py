@@ -185,3 +185,17 @@ def test_over_training_takes_an_analysis_that_returns_a_graph(run):
     reference = an.attribution_graph(series.load(len(series) - 1), None, prompts[0]).to_frame()[0]
     assert (nodes["step"] == 1500).all()
     pd.testing.assert_frame_equal(nodes.drop(columns="step"), reference)
+
+
+def test_a_clickable_attention_pattern_carries_each_edge_and_fills_its_axes(run):
+    series, part, prompts, *_ = run
+    patterns = an.attention_patterns(series.load(len(series) - 1), prompts[0][None])
+    fig = viz.attention_figure(patterns, 1, 4, clickable=True)
+    cells = next(t for t in fig.data if t.name == "cells")
+    mine = patterns[(patterns["layer"] == 1) & (patterns["head"] == 4)]
+    expected = {(int(q), int(k)): w for q, k, w in zip(mine["query_pos"], mine["key_pos"], mine["attention"])}
+    assert {(q, k) for q, k, _ in cells.customdata} == set(expected)
+    assert all(w == pytest.approx(expected[(q, k)]) for q, k, w in cells.customdata)
+    n = len(prompts[0])
+    assert list(fig.layout.xaxis.range) == [-0.5, n - 0.5] and list(fig.layout.yaxis.range) == [n - 0.5, -0.5]
+    assert len(viz.attention_figure(patterns, 1, 4).data) == 1  # not clickable: the heatmap alone
