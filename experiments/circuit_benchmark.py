@@ -10,6 +10,13 @@ Methods (workbench.analysis.circuits): exact edge patching, EAP, EAP-IG, ACDC (e
 scored on every edge the truth decides), and the node-level activation and attribution patching
 (scored on heads only).
 
+Method ``qk`` (workbench.analysis.graphs.planted_qk) scores QK attribution instead of edges: at every
+induction entry of an induction head the truth gives both a query and a key edge, the planted QK pairs
+(query-side sender x key-side sender, both from the truth) against the top pairs of ``an.qk_attribution``
+(every pair at least half the largest contribution there): qk_precision, qk_recall (pooled over entries
+and prompts) and qk_top1 (the share of entries whose largest pair is planted). A model whose truth names
+no query and key edges of one head (iit-modular: its heads' q and k inputs are unscored) gets no qk row.
+
 Columns: edge_auroc (|score| ranks the truth's edges above the rest; ACDC ranks by the distance
 each edge added when tried), node_auroc (the same for heads, an edge method scoring a head by
 its largest edge), faithfulness_topk (the share of the behaviour kept by the k best-scored edges,
@@ -19,6 +26,8 @@ seconds (the method's own time on the prompt set).
 
 from __future__ import annotations
 
+import time
+
 import _common
 import numpy as np
 import pandas as pd
@@ -26,6 +35,7 @@ import pandas as pd
 NAME = "circuit_benchmark"
 EDGE_METHODS = ("exact", "eap", "eap-ig", "acdc")
 NODE_METHODS = ("activation", "attribution")
+QK_METHODS = ("qk",)
 
 
 def main(argv=None) -> pd.DataFrame:
@@ -33,7 +43,7 @@ def main(argv=None) -> pd.DataFrame:
 
     p = _common.parser(NAME, __doc__)
     p.add_argument("--models", default=",".join(PLANTED), help=f"comma-separated, from {list(PLANTED)}")
-    p.add_argument("--methods", default=",".join(EDGE_METHODS + NODE_METHODS))
+    p.add_argument("--methods", default=",".join(EDGE_METHODS + NODE_METHODS + QK_METHODS))
     p.add_argument("--batch", type=int, default=32, help="prompts per prompt set")
     p.add_argument("--steps", type=int, default=16, help="EAP-IG steps")
     p.add_argument("--threshold", type=float, default=0.01, help="ACDC threshold, a fraction of the metric's gap")
@@ -51,10 +61,10 @@ def main(argv=None) -> pd.DataFrame:
 
     models = [m for m in args.models.split(",") if m]
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in models if m not in PLANTED] + [m for m in methods if m not in EDGE_METHODS + NODE_METHODS]
+    every = EDGE_METHODS + NODE_METHODS + QK_METHODS
+    unknown = [m for m in models if m not in PLANTED] + [m for m in methods if m not in every]
     if unknown:
-        raise SystemExit(f"unknown model(s) or method(s) {unknown}; models: {list(PLANTED)}, "
-                         f"methods: {list(EDGE_METHODS + NODE_METHODS)}")
+        raise SystemExit(f"unknown model(s) or method(s) {unknown}; models: {list(PLANTED)}, methods: {list(every)}")
     if args.quick:  # the hand-built model needs no checkpoint: build it here
         models, args.batch, args.steps = ["hand-induction"], 8, 4
 
@@ -75,6 +85,17 @@ def main(argv=None) -> pd.DataFrame:
         truth, unscored = model_info.truth, model_info.unscored
         heads = [f"L{l}H{h}" for l in range(model.cfg.n_layers) for h in range(model.cfg.n_heads)]
         row = {"model": name, "method": method, "truth_edges": len(truth), "truth_by": model_info.established_by}
+        if method in QK_METHODS:
+            from workbench.analysis.graphs.planted_qk import planted_qk_pairs, score_planted_qk
+
+            if not planted_qk_pairs(truth, unscored):
+                return  # no head of the truth has both a query and a key edge: no planted QK pair
+            started = time.perf_counter()
+            summary, _ = score_planted_qk(model_info, n_prompts=args.batch, seed=args.seed)
+            row.update({k: summary[k] for k in ("qk_precision", "qk_recall", "qk_top1")},
+                       qk_entries=summary["entries"], seconds=time.perf_counter() - started)
+            yield row
+            return
         if method in NODE_METHODS:
             table = node_attribution(model, ds, metric, method)
             row.update(edge_auroc=np.nan, node_auroc=auroc(table.abs_score, table.node.isin(truth_nodes(truth))),
@@ -106,11 +127,15 @@ def main(argv=None) -> pd.DataFrame:
     if results is None:
         return None
     columns = ["model", "method", "edge_auroc", "node_auroc", "faithfulness_topk", "n_found", "faithfulness_found",
-               "seconds", "truth_edges", "truth_by"]
+               "qk_precision", "qk_recall", "qk_top1", "qk_entries", "seconds", "truth_edges", "truth_by"]
     results = results.reindex(columns=columns)
     figures = {"edge_auroc": viz.circuit_benchmark_figure(results, "edge_auroc", title="Edge AUROC against the truth"),
                "faithfulness_topk": viz.circuit_benchmark_figure(results, "faithfulness_topk",
                                                                  title="Faithfulness of the top-k edges")}
+    qk_rows = results[results.method.isin(QK_METHODS)]
+    for value in ("qk_precision", "qk_recall") if len(qk_rows) else ():
+        figures[value] = viz.circuit_benchmark_figure(qk_rows, value, title=f"QK attribution: {value[3:]} of the "
+                                                      "planted QK pairs among the top pairs")
     for name, info in loaded.items():
         truth = Circuit.from_edges(info.model, info.truth).to_frame()
         figures[f"truth_{name}"] = viz.circuit_figure(truth, title=f"{name}: the planted circuit")

@@ -310,7 +310,8 @@ def attention_entries(graph, context: Optional[QKContext] = None):
     logit targets (``sum_j logit_weight_j * target_j``) with respect to that head's output at the
     query in the frozen replacement model. With attention frozen a head's output is a sum over keys,
     and this is the part of the targets that flows through one key: the entries sum, over keys,
-    to the head's gradient x output. A DataFrame sorted by |weight|."""
+    to the head's gradient x output (the whole effect of that output, through later heads' value paths
+    too, since attention is frozen). A DataFrame sorted by |weight|."""
     import pandas as pd
 
     from workbench.analysis.graphs.replacement import final_read, frozen_forward
@@ -324,8 +325,9 @@ def attention_entries(graph, context: Optional[QKContext] = None):
     results: dict[int, Tensor] = {}
 
     def leaf(act: Tensor, hook) -> Tensor:
-        results[int(hook.name.split(".")[1])] = out = act.detach().requires_grad_(True)
-        return out
+        # a zero added, not the output detached: the gradient then also runs through later heads' values
+        results[int(hook.name.split(".")[1])] = zero = torch.zeros_like(act, requires_grad=True)
+        return act + zero
 
     hooks = [(f"blocks.{l}.attn.hook_result", leaf) for l in range(cfg.n_layers)]
     run = frozen_forward(model, rs, cap)
