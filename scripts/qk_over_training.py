@@ -2,6 +2,7 @@
 
     python scripts/qk_over_training.py                 # table + docs/qk_over_training.html
     python scripts/qk_over_training.py --prompts 32 --seed 1
+    python scripts/qk_over_training.py --check         # no figure; fail unless the docs' table is measured again
 
 For every snapshot and every head of ``--layer``, on ``--prompts`` induction prompts ``[r, r[:m]]``
 (``graphs.qk_training.induction_qk_prompts``, seed ``--seed``: the query is the last token, the key
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+DOC = REPO / "docs" / "reference" / "qk-over-training.md"  # the table --check measures again
 
 import workbench as wb  # noqa: E402
 from workbench import analysis as an  # noqa: E402
@@ -94,6 +97,9 @@ def main(argv=None) -> int:
     parser.add_argument("--half", type=int, default=16, help="length of the repeated segment r")
     parser.add_argument("--prev-threshold", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--check", action="store_true",
+                        help="write no figure; fail unless every row of the table in docs/reference/qk-over-training.md "
+                             "is measured again to the printed digits (run with the defaults)")
     args = parser.parse_args(argv)
     import torch
 
@@ -106,7 +112,15 @@ def main(argv=None) -> int:
     print(f"K-composition pairs: {pair_name(pairs)}; loss drop (metrics.csv): steps {phase['start']} to "
           f"{phase['end']}, steepest at {phase['steepest']}, {phase['drop']:.2f} nats")
     print(f"\nL{args.layer}H{head} (the best induction head at the last snapshot)\n")
-    print(step_table(summary, head))
+    measured = step_table(summary, head)
+    print(measured)
+    if args.check:
+        documented = [line for line in DOC.read_text().splitlines() if re.match(r"^\| \d+ \|", line)]
+        stale = [line for line in documented if line not in measured.splitlines()]
+        print(f"{len(documented) - len(stale)} of {len(documented)} documented rows measured again")
+        for line in stale:
+            print("  no longer holds:", line)
+        return 1 if stale or not documented else 0
     print("\n| head | first step where the K-composition pairs are the top pair on >= half the prompts | share at the end |")
     print("|---|---:|---:|")
     for h in sorted(summary["head"].unique()):

@@ -4,7 +4,8 @@ Graph: on planted-hand-induction (attention-only: the model is its own replaceme
 toggle opens the QK panel at the graph's largest attention entry, the induction head reading the
 token after the earlier occurrence, whose top pair is the K-composition the weights were written
 for; a real click on another cell of the head's attention pattern picks that edge, and the
-selectors, the heatmap's title and the table follow. Training: a click on the toggle draws the top
+selectors, the heatmap's title and the removal follow; a real click on the QK heatmap's top cell picks
+that pair for the removal, after another was picked in its list. Training: a click on the toggle draws the top
 QK pair and the K-composition pairs over the snapshots of induction-attn2l, above the loss curve.
 """
 
@@ -35,6 +36,15 @@ ROW = """([title, y]) => {
   const row = [];
   cells.filter(c => c[0] === y).forEach(c => { row[c[1]] = c[2]; });
   return row;
+}"""
+
+
+# The QK heatmap's axes and its pair of largest |contribution| (the table's first row).
+PAIRS = """(title) => {
+  const plot = [...document.querySelectorAll('.js-plotly-plot')].find(p => (p.layout.title.text || '').includes(title));
+  const cells = plot.data.find(t => t.name === 'cells').customdata;  // [query node, key node, contribution]
+  const top = cells.reduce((a, c) => Math.abs(c[2]) > Math.abs(a[2]) ? c : a);
+  return {queries: [...plot.data[0].y], keys: [...plot.data[0].x], top: [top[0], top[1]]};
 }"""
 
 
@@ -76,6 +86,25 @@ def test_qk_panel_opens_on_a_click_and_follows_a_clicked_attention_cell(page):
     assert_drawn(after, "the QK heatmap of the clicked edge")
     assert after.locator(".gtitle").text_content().startswith(f"L1H0, query 12 -> key {key}")
     assert f"L0 H0 @{key}" in page.locator("[data-testid=stMetric]", has_text="at the key").first.inner_text()
+    # another pair picked in the list (keys), then a real click on the QK heatmap's top cell picks that one
+    box = widget(page, "stSelectbox", "Remove the key-side node of")
+    box.scroll_into_view_if_needed()
+    box.click()
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("Enter")
+    wait_idle(page)
+    pairs = page.evaluate(PAIRS, "QK pairs")
+    query_node, key_node = pairs["top"]
+    assert selected(page, "Remove the key-side node of") != f"{query_node} x {key_node}"
+    after.scroll_into_view_if_needed()
+    x, y = page.evaluate(CELL, ["QK pairs", pairs["keys"].index(key_node), pairs["queries"].index(query_node)])
+    page.mouse.move(x, y)
+    page.wait_for_timeout(300)
+    page.mouse.click(x, y)
+    wait_idle(page)
+    no_exception(page)
+    assert selected(page, "Remove the key-side node of") == f"{query_node} x {key_node}"
+    assert key_node in page.locator("[data-testid=stMetric]", has_text="at the key").first.inner_text()
     shot(page, "graph-qk")
 
 
