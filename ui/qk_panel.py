@@ -101,7 +101,11 @@ def render(ckpt: common.Checkpoint, graph_key: tuple, ids: tuple[int, ...], str_
         return
     cfg = ckpt.model.cfg
     patterns = common.analysis(an.attention_patterns, ckpt.key, ids)
-    entries = _entries(graph_key)
+    try:
+        entries = _entries(graph_key)
+    except ValueError as e:  # attention QK attribution cannot open (MLA's latent queries and keys)
+        st.info(f"QK attribution does not apply here: {e}")
+        return
     options = {_entry_label(e): (e.layer, e.head, e.query_pos, e.key_pos) for e in entries.itertuples()}
     if options:
         fresh = st.session_state.get("graph_qk_entry__context") != graph_key
@@ -111,6 +115,9 @@ def render(ckpt: common.Checkpoint, graph_key: tuple, ids: tuple[int, ...], str_
         st.selectbox("Attention edge of the graph (largest weight first)", list(options), key="graph_qk_entry",
                      on_change=_entry_chosen, args=(options,),
                      help="Weight: how much of the graph's targets flows through this entry of the frozen pattern.")
+    for name, n in (("graph_qk_layer", cfg.n_layers), ("graph_qk_head", cfg.n_heads)):
+        if st.session_state.get(name) not in range(n):  # from a checkpoint with more layers or heads
+            st.session_state[name] = n - 1 if name == "graph_qk_layer" else 0
     a, b, c, d = st.columns(4)
     layer = a.selectbox("Layer", range(cfg.n_layers), key="graph_qk_layer")
     head = b.selectbox("Head", range(cfg.n_heads), key="graph_qk_head")
