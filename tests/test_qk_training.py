@@ -145,6 +145,12 @@ def test_loss_drop_finds_the_steepest_fall():
         loss_drop(pd.DataFrame({"step": [1, 2]}))
 
 
+def test_the_loss_drop_of_the_shipped_run_is_the_documented_window(run):
+    phase = loss_drop(run[0].history)
+    assert (phase["start"], phase["steepest"], phase["end"]) == (640, 660, 690)  # docs/reference/qk-over-training.md
+    assert phase["drop"] == pytest.approx(0.48, abs=0.005)
+
+
 def test_the_figure_has_the_traces_it_claims(run):
     series, part, prompts, queries, keys, table = run
     summary = qk_summary(table, pair=[("token", "L0H2"), ("token", "L0H4")])
