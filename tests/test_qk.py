@@ -36,6 +36,8 @@ CONFIGS = {  # (model overrides, replacement)
     "alibi": (dict(positional="alibi", ffn="relu"), "transcoder"),
     "qknorm-softcap": (dict(norm="rmsnorm", positional="rope", qk_norm="head", attn_logit_softcap=5.0), "transcoder"),
     "attn-only": (dict(attn_only=True, positional="rope"), None),
+    "parallel-gemma-norm-scalar": (dict(parallel_residual=True, norm="gemma_rmsnorm", positional="rope", bias=False,
+                                        query_pre_attn_scalar=12), "skip_transcoder"),
 }
 
 
@@ -53,7 +55,7 @@ def _reference_score(model, cache, layer, head, q, k):
     which = "hook_rot_{}" if attn.position.rotates else "hook_{}_normed" if model.cfg.qk_norm != "none" else "hook_{}"
     query = cache[f"{pre}.{which.format('q')}"][0, q, head]
     key = cache[f"{pre}.{which.format('k')}"][0, k, head // attn.group]
-    raw = float(query.double() @ key.double()) / math.sqrt(model.cfg.d_head)
+    raw = float(query.double() @ key.double()) / math.sqrt(model.cfg.query_pre_attn_scalar or model.cfg.d_head)
     score, bilinear = raw, raw
     if attn.softcap is not None:
         score = attn.softcap * math.tanh(raw / attn.softcap)
@@ -65,7 +67,7 @@ def _reference_score(model, cache, layer, head, q, k):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_pairs_sum_to_the_score(name):
+def test_pairs_sum_to_the_score(name):  # the parallel layout's MLP reads the block's input, not resid_mid
     model, tcs, tokens = _setup(name)
     graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=8)  # QK reads every active feature anyway
     ctx = QKContext(graph)
@@ -144,9 +146,9 @@ def test_padded_batch_gives_each_prompt_its_qk_table(tmp_path):
     model, tcs, _ = _setup("pre-rmsnorm-rope-gqa")
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(0, 40, (n,), generator=g) for n in (7, 5)]
-    alone = [an.attribution_graph(model, tcs, row, qk=True, max_feature_nodes=8) for row in rows]
+    alone = [an.attribution_graph(model, tcs, row, qk=True, qk_entries=1, max_feature_nodes=8) for row in rows]
     batch = TokenBatch.from_ids([r.tolist() for r in rows], 0, "left", torch.device("cpu"))
-    for graph, single in zip(an.attribution_graph(model, tcs, batch, qk=True, max_feature_nodes=8), alone):
+    for graph, single in zip(an.attribution_graph(model, tcs, batch, qk=True, qk_entries=1, max_feature_nodes=8), alone):
         assert len(graph.qk) == len(single.qk) > 0
         assert (graph.qk[["layer", "head", "query_pos", "key_pos", "query_node", "key_node"]]
                 .equals(single.qk[["layer", "head", "query_pos", "key_pos", "query_node", "key_node"]]))

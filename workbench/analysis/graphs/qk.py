@@ -37,12 +37,12 @@ COLUMNS = ["query_node", "key_node", "query_kind", "key_kind", "query_layer", "k
 
 
 class _Parts:
-    """A residual-stream vector at one position as a sum of node writes: ``vectors.sum(0)``."""
+    """A residual-stream vector at one position as a sum of node writes, ``stack().sum(0)``; row 0 is ``bias``."""
 
     def __init__(self, d_model: int, device, dtype):
-        self.labels, self.kinds, self.layers, self.rows = ["bias"], ["bias"], [-1], [torch.zeros(d_model, device=device,
-                                                                                                  dtype=dtype)]
-        self.index: dict = {}
+        self.labels, self.kinds, self.layers = ["bias"], ["bias"], [-1]
+        self.rows = [torch.zeros(d_model, device=device, dtype=dtype)]
+        self.index: dict = {}  # node key -> row
 
     def add(self, key, label: str, kind: str, layer: int, vector: Tensor) -> None:
         if key in self.index:
