@@ -1,7 +1,8 @@
 """Graph: the attribution graph of one prompt, drawn as circuit-tracer draws it, with feature cards and interventions.
 
 Pick a checkpoint that ships a replacement for its MLPs (``saes/transcoders/layer{l}``, a
-transcoder per MLP, or ``saes/clt``, a cross-layer transcoder), a prompt (the stories IOI prompt by
+transcoder per MLP, or ``saes/clt``, a cross-layer transcoder), or an attention-only model (no
+MLP to replace: the model is its own replacement model, ``transcoders=None``), a prompt (the stories IOI prompt by
 default) and a target (the top logits, a token, or a logit difference); the page calls
 ``an.attribution_graph`` once (cached by those values, with a bounded number of feature rows so
 it stays quick on a CPU) and prunes it with ``Graph.prune`` at the two sliders' thresholds.
@@ -11,12 +12,13 @@ max-activating contexts on the task's text (the Features page's ``max_activating
 The intervention panel sets one feature to a value and shows the target logits before and
 after (``graph.intervene``, live, attention frozen, or in the graph's own frozen model).
 Supernodes: several features named as a group, the graph redrawn with the group collapsed
-(``an.collapse_frames``).
+(``an.collapse_frames``). The QK panel (``ui/qk_panel.py``) says why a head attended where it did.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from ui import common
+from ui import common, qk_panel
 from ui.circuit import clicked_node
 from workbench import analysis as an
 from workbench import viz
@@ -38,6 +40,7 @@ TARGETS = {"top": "top logits", "token": "a token, or a logit difference"}
 MODES = {"live": "live (attention and norms recomputed)", "frozen": "attention and norms frozen",
          "direct": "the graph's frozen model (direct effects only)"}
 MAX_NODES = (32, 64, 128, 256, 512)  # feature rows: the graph's cost grows with them
+ITSELF = "none: attention-only, the model is its own replacement"  # the replacement of a model without MLPs
 
 
 # ---- which checkpoints and replacements ---------------------------------------------------------------
@@ -52,6 +55,14 @@ def replacements(checkpoint: str) -> dict[str, str]:
         elif folder.is_dir() and _layer_folders(folder):
             sets[f"{folder.name} (transcoder set)"] = str(folder)
     return {**sets, **clts}
+
+
+def attention_only(checkpoint: str) -> bool:
+    """Whether the checkpoint's config.json says it has no MLPs (read without loading the weights)."""
+    try:
+        return bool(json.loads((Path(checkpoint) / "config.json").read_text()).get("attn_only", False))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _layer_folders(folder: Path) -> list[Path]:
@@ -88,8 +99,8 @@ def _graph(key: tuple[str, int], ref: tuple[str, int], ids: tuple[int, ...], tar
     """The (bound) attribution graph of ``ids``; keyed by value."""
     model, lock = common.model_for(key)
     with lock:
-        return an.attribution_graph(model, _replacement(*ref), torch.tensor([ids], device=model.device),
-                                    target=target, max_feature_nodes=max_nodes)
+        return an.attribution_graph(model, _replacement(*ref) if ref[0] else None,
+                                    torch.tensor([ids], device=model.device), target=target, max_feature_nodes=max_nodes)
 
 
 @st.cache_resource(max_entries=64, show_spinner=False)
@@ -103,20 +114,21 @@ def _pruned(key, ref, ids, target, max_nodes: int, node_threshold: float, edge_t
 # ---- the page -----------------------------------------------------------------------------------------
 def render() -> None:
     st.header("Graph")
-    options = {name: path for name, path in common.all_checkpoints().items() if replacements(path)}
+    options = {name: path for name, path in common.all_checkpoints().items()
+               if replacements(path) or attention_only(path)}
     if not options:
-        st.info("No checkpoint here ships transcoders or a CLT under `saes/`. Make them with "
-                "`python scripts/make_transcoders.py` (see docs/reference/cross-layer-transcoders.md).")
+        st.info("No checkpoint here ships transcoders or a CLT under `saes/`, and none is attention-only. Make "
+                "transcoders with `python scripts/make_transcoders.py` (see docs/reference/cross-layer-transcoders.md).")
         return
     names = list(options)
-    name = st.selectbox("Checkpoint (with transcoders)", names, key="graph_ckpt", persist_state="session",
+    name = st.selectbox("Checkpoint (with transcoders, or attention-only)", names, key="graph_ckpt", persist_state="session",
                         index=names.index(common.DEFAULT_CHECKPOINT) if common.DEFAULT_CHECKPOINT in names else 0)
     ckpt = common.load(options[name], name=name)
     if ckpt is None:
         return
-    kinds = replacements(ckpt.path)
+    kinds = replacements(ckpt.path) if not ckpt.model.cfg.attn_only else {ITSELF: ""}
     kind = st.radio("Replacement", list(kinds), key="graph_kind", persist_state="session", horizontal=True)
-    ref = (kinds[kind], _stamp(kinds[kind]))
+    ref = (kinds[kind], _stamp(kinds[kind])) if kinds[kind] else ("", 0)
     text = common.prompt_box(ckpt, key="graph_prompt", default=IOI_PROMPT if _is_text(ckpt) else None)
     ids = common.prompt_ids(ckpt, text)
     if ids is None:
@@ -154,9 +166,11 @@ def render() -> None:
     with st.expander("Nodes"):
         common.table(nodes.sort_values("influence", ascending=False)[
             ["id", "kind", "layer", "pos", "feature", "label", "activation", "influence"]].round(4), height=260)
+    qk_panel.render(ckpt, (ckpt.key, ref, ids, target, max_nodes), ids, full.str_tokens)
     features = nodes.loc[nodes["kind"] == "feature", "id"].tolist()
     if not features:
-        st.info("The pruned graph keeps no feature: raise the node threshold to keep some.")
+        if ref[0]:
+            st.info("The pruned graph keeps no feature: raise the node threshold to keep some.")
         return
     opened = _card(ckpt, ref, nodes, features)
     _intervene(ckpt, pruned, nodes, features, target, opened)

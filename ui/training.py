@@ -5,7 +5,10 @@ folder that the Sweeps page reads); a slider snaps to the snapshot steps. At tha
 loss curve with the step marked, every head's scores as a layer x head heatmap, and, on a
 prompt, one head's attention pattern and the logit lens. Head scores over the whole run
 (``analysis.over_training``: the induction-head phase change) sit above, with the step
-marked; a second run can be compared, aligned by step (its nearest snapshot).
+marked; a second run can be compared, aligned by step (its nearest snapshot). For an
+attention-only run, a toggle adds why a head attends over training: the QK attribution of the
+head's induction edge at every snapshot (``graphs.qk_training``), its top pair and the
+K-composition pairs above the loss curve, the loss drop shaded.
 
 Caching: a run's ``Series`` is a ``st.cache_resource`` keyed by the folder and its snapshot
 index's mtime; the library keeps each snapshot's head scores in it (``over_training``),
@@ -16,6 +19,7 @@ progress bar's callback goes into ``over_training`` directly, never into a cache
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 import warnings
@@ -29,6 +33,7 @@ import workbench as wb
 from ui import common, fourier_panel, sweeps
 from workbench import viz
 from workbench.analysis import attention_patterns, head_scores, logit_lens, over_training
+from workbench.analysis.graphs import qk_training
 from workbench.checkpoint import read_meta
 from workbench.snapshots import INDEX_FILE, SNAPSHOT_DIR
 from workbench.tokenizer import IdTokenizer
@@ -154,6 +159,7 @@ def render() -> None:
             compared = (other, loaded_b[0], scores_over_training(other, *loaded_b))
     step = _step_slider(series)
     _over_training(name, scores, step, compared)
+    _qk_over_training(name, series, lock, scores, step)
     _at_step(name, series, path, stamp, scores, step, compared)
 
 
@@ -177,6 +183,55 @@ def _over_training(name: str, scores, step: int, compared) -> None:
         fig = viz.runs_over_training_figure({name: scores, other: scores_b}, step=step,
                                             title=f"{name} and {other}: head scores and loss, aligned by step")
         common.show(fig, key="training_over_compare")
+
+
+def _qk_over_training(name: str, series, lock: threading.Lock, scores, step: int) -> None:
+    st.subheader("Why a head attends, over training")
+    cfg = series.config
+    if not cfg.attn_only:
+        st.caption("QK attribution over training needs the replacement model at every snapshot: an attention-only "
+                   "model is its own; a model with MLPs would need transcoders fitted per snapshot.")
+        return
+    if cfg.n_layers < 2 or not st.toggle("QK pairs of a head's induction edge at every snapshot", key="training_qk_open",
+                                         help="At each snapshot: the attribution graph of each prompt (the model "
+                                              "is its own replacement) and the QK attribution of the edge."):
+        return
+    last = scores[scores["step"] == scores["step"].max()]
+    induction = last[(last["kind"] == "induction") & (last["layer"] > 0)]
+    best = induction.loc[induction["score"].idxmax()] if len(induction) else None
+    prev = last[(last["kind"] == "previous_token") & (last["layer"] == 0) & (last["score"] >= 0.5)]
+    a, b, c = st.columns(3)
+    layer = a.selectbox("QK layer", range(1, cfg.n_layers), key="training_qk_layer",
+                        index=int(best["layer"]) - 1 if best is not None else 0)
+    head = b.selectbox("QK head", range(cfg.n_heads), key="training_qk_head",
+                       index=int(best["head"]) if best is not None else 0,
+                       help="Default: the best induction head at the last snapshot.")
+    n = c.number_input("Prompts", 2, 64, 4, key="training_qk_prompts",
+                       help="Induction prompts [r, r[:m]] of seed 0; more prompts, a tighter interval, a longer wait.")
+    half = max(2, min(16, (cfg.n_ctx - 1) // 2, cfg.d_vocab - 1))
+    prompts, queries, keys = qk_training.induction_qk_prompts(cfg.d_vocab, n=int(n), half=half, seed=0, n_ctx=cfg.n_ctx)
+    analysis = functools.partial(qk_training.qk_pairs, tokens=prompts, layer=layer, head=[head], query_pos=queries,
+                                 key_pos=keys)
+    bar = st.progress(0.0, text="QK pairs at every snapshot…")
+    with lock:
+        table = over_training(series, analysis,
+                              progress=lambda done, total: bar.progress(done / total, text=f"snapshot {done} of {total}"))
+    bar.empty()
+    pairs = [("token", f"L0H{int(h)}") for h in prev["head"]] or None  # the K-composition pairs, else the top one
+    summary = qk_training.qk_summary(table, pair=pairs)
+    try:
+        phase = qk_training.loss_drop(series.history)
+    except ValueError:  # no metrics.csv to find the loss drop in
+        phase = None
+    fig = viz.qk_over_training_figure(summary, head=head, phase=phase,
+                                      title=f"{name}, L{layer}H{head}: the top QK pair and {summary.attrs['pair']} "
+                                            f"over training ({int(n)} prompts)")
+    common.show(viz.mark_step(fig, step), key="training_qk")
+    st.caption(f"Followed: {summary.attrs['pair']}"
+               + (" (the current token at the query x a previous-token head's output at the key: K-composition)"
+                  if pairs else " (the commonest top pair at the last snapshot)")
+               + ". Bands: 95% interval of the mean over the prompts."
+               + (f" Shaded: the loss drop, steps {phase['start']} to {phase['end']}." if phase else ""))
 
 
 def _at_step(name: str, series, path: str, stamp: int, scores, step: int, compared) -> None:

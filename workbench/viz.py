@@ -84,11 +84,28 @@ def _square(frame: pd.DataFrame) -> tuple[np.ndarray, list[str], list[str]]:
     return z, labels, labels
 
 
+def _cell_points(fig: go.Figure, xs: list, ys: list, customdata: list, hovertemplate: str) -> None:
+    """A clickable scatter point on every cell of a heatmap: plotly heatmaps emit no selection
+    events, scatter points do, so a click on a cell selects its point (``customdata`` is what a
+    page's selection event returns). Invisible until selected; hover moves from the heatmap here."""
+    n_x, n_y = len(fig.data[0].x), len(fig.data[0].y)  # the heatmap's cells fill the axes: no padding for markers
+    fig.update_xaxes(range=[-0.5, n_x - 0.5], autorange=False)
+    fig.update_yaxes(range=[n_y - 0.5, -0.5] if fig.layout.yaxis.autorange == "reversed" else [-0.5, n_y - 0.5],
+                     autorange=False)
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", customdata=customdata, hovertemplate=hovertemplate,
+                             marker=dict(symbol="square-open", size=18, color="white", line=dict(width=3), opacity=0),
+                             selected=dict(marker=dict(opacity=1)), unselected=dict(marker=dict(opacity=0)),
+                             showlegend=False, name="cells"))
+    fig.data[0].hoverinfo = "skip"
+    fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
+
+
 def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optional[int] = 0,
-                     theme: Optional[str] = "default", difference: bool = False) -> go.Figure:
+                     theme: Optional[str] = "default", difference: bool = False, clickable: bool = False) -> go.Figure:
     """One head's pattern: query tokens down, key tokens across (every token labelled), hover
     shows both and the weight. ``difference``: the table holds a change of attention
-    (``pattern_difference``: clean - changed), drawn on a diverging scale around 0."""
+    (``pattern_difference``: clean - changed), drawn on a diverging scale around 0. ``clickable``:
+    a click on a cell selects it (``customdata`` [query_pos, key_pos, weight]: the attention edge)."""
     frame = _one_batch(patterns, batch)
     frame = frame[(frame["layer"] == layer) & (frame["head"] == head)]
     if frame.empty:
@@ -108,6 +125,11 @@ def attention_figure(patterns: pd.DataFrame, layer: int, head: int, batch: Optio
     ))
     n = len(xs)
     fig.update_yaxes(autorange="reversed", title="query", type="category", tickmode="array", tickvals=ys, ticktext=ys)
+    if clickable:
+        q, k = np.tril_indices(n)
+        _cell_points(fig, [xs[j] for j in k], [ys[i] for i in q],
+                     [[int(i), int(j), float(z[i, j])] for i, j in zip(q, k)],
+                     "query %{y}<br>key %{x}<br>" + what + " %{customdata[2]:.3f}<br>click to open this edge<extra></extra>")
     fig.update_xaxes(title="key", tickangle=-60, type="category", tickmode="array", tickvals=xs, ticktext=xs)
     fig.update_layout(title=f"{'Attention change' if difference else 'Attention'} {unit_label(layer, head)}",
                       template=_template(theme), height=max(360, min(900, 18 * n + 180)),
@@ -1307,4 +1329,119 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
                      zeroline=False)
     fig.update_layout(title=title, template=_template(theme), height=260 + 90 * n_layers, clickmode="event+select",
                       dragmode=False, hovermode="closest", legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+# ---- why a head attended: QK attribution (analysis.graphs.qk_attribution, qk_training) --------------
+def _band(fig: go.Figure, x, low, high, colour: str, name: str, row: int) -> None:
+    """A filled interval behind a line (one polygon trace, skipped by hover)."""
+    x, low, high = np.asarray(x, float), np.asarray(low, float), np.asarray(high, float)
+    keep = np.isfinite(low) & np.isfinite(high)
+    if not keep.any():
+        return
+    x, low, high = x[keep], low[keep], high[keep]
+    r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    fig.add_trace(go.Scatter(x=np.r_[x, x[::-1]], y=np.r_[high, low[::-1]], fill="toself", mode="lines",
+                             line=dict(width=0), fillcolor=f"rgba({r},{g},{b},0.18)", hoverinfo="skip",
+                             name=name, showlegend=False), row=row, col=1)
+
+
+def qk_over_training_figure(summary: pd.DataFrame, head: Optional[int] = None, phase: Optional[dict] = None,
+                            history: Optional[pd.DataFrame] = None, title: str = "",
+                            theme: Optional[str] = "default") -> go.Figure:
+    """Why a head attends, over training, above the loss curve (``qk_training.qk_summary``'s table).
+
+    Top panel: the top QK pair's contribution to the score (each prompt's rank-1 pair; hover names
+    the commonest and its share of prompts) and the followed pair's (``summary.attrs["pair"]``, e.g.
+    the K-composition pairs: the best of them, and all of them summed, dashed), each mean over prompts
+    with its interval as a band. Middle: the
+    followed pair's median rank among the pairs (1 = the top pair; log axis) and its share of prompts
+    where it is the top pair. Bottom: the run's loss curve (``history``, default the one
+    ``over_training`` attached). ``phase`` (``qk_training.loss_drop``) is shaded on every panel.
+    """
+    need = {"step", "head", "top_contribution", "pair_contribution", "pair_rank", "pair_is_top", "top_pair"}
+    missing = need - set(summary.columns)
+    if missing:
+        raise ValueError(f"the table lacks {sorted(missing)}: make it with qk_training.qk_summary")
+    heads = sorted(summary["head"].unique())
+    head = heads[0] if head is None else head
+    if head not in heads:
+        raise ValueError(f"head {head} is not in the table (heads {heads})")
+    part = summary[summary["head"] == head].sort_values("step")
+    pair = str(part["pair"].iloc[0]) if "pair" in part else summary.attrs.get("pair", "pair")
+    layer = int(part["layer"].iloc[0]) if "layer" in part else None
+    confidence = summary.attrs.get("confidence", 0.95)
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.42, 0.25, 0.33], vertical_spacing=0.05,
+                        specs=[[{}], [{"secondary_y": True}], [{}]])
+    steps = part["step"]
+    top_text = [f"{p} on {s:.0%} of prompts" for p, s in zip(part["top_pair"], part["top_pair_share"])] \
+        if "top_pair_share" in part else list(part["top_pair"])
+    several = "/" in pair or " + " in pair
+    lines = [("top_contribution", "top pair", PALETTE[0], "solid", top_text),
+             ("pair_best_contribution", f"best of {pair}" if several else pair, PALETTE[1], "solid", None)]
+    if several:
+        lines.append(("pair_contribution", f"{pair}, summed", PALETTE[1], "dash", None))
+    for column, name, colour, dash, text in lines:
+        if column not in part:
+            continue
+        if f"{column}_low" in part:
+            _band(fig, steps, part[f"{column}_low"], part[f"{column}_high"], colour,
+                  f"{name}, {confidence:.0%} interval", 1)
+        fig.add_trace(go.Scatter(x=steps, y=part[column], mode="lines+markers", name=name,
+                                 line=dict(color=colour, dash=dash), text=text,
+                                 hovertemplate="step %{x}<br>%{y:.3f}" + ("<br>%{text}" if text else "")
+                                 + f"<extra>{name}</extra>"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=steps, y=part["pair_rank"], mode="lines+markers", name=f"{pair}: median rank",
+                             line=dict(color=PALETTE[1], dash="dot"),
+                             hovertemplate="step %{x}<br>median rank %{y:g}<extra></extra>"), row=2, col=1)
+    fig.add_trace(go.Scatter(x=steps, y=part["pair_is_top"], mode="lines+markers", name=f"{pair}: share top",
+                             line=dict(color=PALETTE[2]),
+                             hovertemplate="step %{x}<br>top pair on %{y:.0%} of prompts<extra></extra>"),
+                  row=2, col=1, secondary_y=True)
+    curve = _history_of(summary, history)
+    for column, dash in (("train_loss", "solid"), ("val_loss", "dot")):
+        if column in curve and curve[column].notna().any():
+            rows = curve[curve[column].notna()]
+            fig.add_trace(go.Scatter(x=rows["step"], y=rows[column], mode="lines", name=column,
+                                     line=dict(dash=dash, width=1.5, color=PALETTE[7])), row=3, col=1)
+    if phase:
+        for row in (1, 2, 3):
+            fig.add_vrect(x0=phase["start"], x1=phase["end"], fillcolor=STEP_MARK, opacity=0.12, line_width=0,
+                          row=row, col=1)
+        fig.add_annotation(x=(phase["start"] + phase["end"]) / 2, y=1, xref="x", yref="paper", yanchor="bottom",
+                           showarrow=False, text="loss drop", font=dict(color=STEP_MARK))
+    where = f"L{layer}H{head}" if layer is not None else f"head {head}"
+    fig.update_yaxes(title_text="contribution to the score", row=1, col=1)
+    fig.update_yaxes(title_text="median rank", type="log", autorange="reversed", row=2, col=1, secondary_y=False)
+    fig.update_yaxes(title_text="share top", range=[0, 1.05], tickformat=".0%", tick0=0, dtick=0.5, showgrid=False,
+                     row=2, col=1,
+                     secondary_y=True)
+    fig.update_yaxes(title_text="loss", row=3, col=1)
+    fig.update_xaxes(title_text="training step", row=3, col=1)
+    fig.update_layout(title=title or f"{where}: why it attends, over training", template=_template(theme),
+                      hovermode="x unified", height=680, legend=dict(orientation="h", y=-0.12))
+    return fig
+
+
+def qk_heatmap_figure(table: pd.DataFrame, title: str = "", theme: Optional[str] = "default") -> go.Figure:
+    """A query-node x key-node heatmap of ``qk_attribution``'s contributions (pairs the table does not
+    hold are blank); a click on a cell selects it (``customdata`` [query node, key node, contribution])."""
+    for column in ("query_node", "key_node", "contribution"):
+        if column not in table:
+            raise ValueError(f"the table has no column {column!r} (make it with analysis.qk_attribution)")
+    queries = list(dict.fromkeys(table["query_node"]))
+    keys = list(dict.fromkeys(table["key_node"]))
+    grid = table.pivot_table(index="query_node", columns="key_node", values="contribution", aggfunc="sum")
+    grid = grid.reindex(index=queries, columns=keys)
+    z = grid.to_numpy(float)
+    top = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
+    fig = go.Figure(go.Heatmap(z=z, x=keys, y=queries, colorscale=DIVERGING, zmid=0, zmin=-top, zmax=top,
+                               colorbar=dict(title="contribution"), hoverongaps=False))
+    fig.update_xaxes(title_text="key-side node", type="category")
+    fig.update_yaxes(title_text="query-side node", type="category", autorange="reversed")
+    cells = [(q, k, z[i, j]) for i, q in enumerate(queries) for j, k in enumerate(keys) if np.isfinite(z[i, j])]
+    _cell_points(fig, [k for _, k, _ in cells], [q for q, _, _ in cells], [[q, k, float(v)] for q, k, v in cells],
+                 "query %{y}<br>key %{x}<br>contribution %{customdata[2]:.4f}<br>click to remove its key node"
+                 "<extra></extra>")
+    fig.update_layout(title=title or "QK pairs", template=_template(theme), height=220 + 24 * len(queries))
     return fig

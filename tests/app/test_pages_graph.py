@@ -105,13 +105,15 @@ def test_a_supernode_collapses_its_features(app):
     assert any(t.get("name") == "supernode" for t in traces)
 
 
-def test_a_checkpoint_without_transcoders_is_not_offered(app, checkpoints_dir):
+def test_a_checkpoint_without_transcoders_is_offered_only_when_attention_only(app, checkpoints_dir):
     at = app("Graph")
     options = at.selectbox(key="graph_ckpt").options
-    assert DEFAULT in options
+    assert DEFAULT in options and "planted-hand-induction" in options  # attention-only: its own replacement
     for name in options:
-        assert any((Path(checkpoints_dir) / name / "saes").glob("*/*.safetensors")) or \
+        attn_only = json.loads((Path(checkpoints_dir) / name / "config.json").read_text()).get("attn_only")
+        assert attn_only or any((Path(checkpoints_dir) / name / "saes").glob("*/*.safetensors")) or \
             any((Path(checkpoints_dir) / name / "saes").glob("*/*/*.safetensors"))
+    assert "modular-grokking" not in options  # MLPs and no transcoders: nothing to build the graph with
 
 
 def test_a_supernode_named_as_a_node_is_a_message(app):

@@ -154,3 +154,7 @@ from workbench.analysis.graphs import (Graph, attention_entries, attribution_gra
 
 __all__ += ["Graph", "attribution_graph", "collapse_frames", "qk_attribution", "attention_entries", "head_loadings"]
 
+
+from workbench.analysis.graphs.qk_training import induction_qk_prompts, loss_drop, qk_pairs, qk_summary  # noqa: E402
+
+__all__ += ["qk_pairs", "qk_summary", "induction_qk_prompts", "loss_drop"]

@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from workbench.analysis.common import Progress, ProgressLike
+from workbench.analysis.graphs.graph import Graph
 from workbench.snapshots import Series, SnapshotError
 
 Analysis = Callable[..., Any]
@@ -31,8 +32,9 @@ def over_training(series: Series, analysis: Union[Analysis, Mapping[str, Analysi
                   **kwargs: Any) -> Union[pd.DataFrame, dict[str, pd.DataFrame]]:
     """``analysis(model, **kwargs)`` at every snapshot of ``series``, stacked with a ``step`` column first.
 
-    ``analysis`` may return a DataFrame (its rows are kept), a dict (one row) or a number
-    (column ``value``). A mapping ``{name: analysis}`` (use ``functools.partial`` for
+    ``analysis`` may return a DataFrame (its rows are kept), a dict (one row), a number
+    (column ``value``) or an attribution ``Graph`` (its node table, ``Graph.to_frame``'s first; for
+    why a head attended at each step, ``graphs.qk_training.qk_pairs`` returns the QK pairs' table). A mapping ``{name: analysis}`` (use ``functools.partial`` for
     arguments) runs them all in one pass and returns ``{name: DataFrame}``. The returned
     frames carry the run's loss curve in ``.attrs["history"]`` (columns as lists) for the figures. ``progress``:
     True for a tqdm bar, or ``progress(done, total)`` called after each snapshot (an app's bar).
@@ -110,10 +112,12 @@ def _freeze(value: Any) -> Any:
 def _as_frame(result: Any, analysis: Any) -> pd.DataFrame:
     if isinstance(result, pd.DataFrame):
         return result.reset_index(drop=True)
+    if isinstance(result, Graph):  # an attribution graph: its node table (kind, layer, pos, activation, influence)
+        return result.to_frame()[0]
     if isinstance(result, Mapping):
         return pd.DataFrame([dict(result)])
     if isinstance(result, (int, float, np.number)) or (isinstance(result, torch.Tensor) and result.numel() == 1):
         return pd.DataFrame({"value": [float(result)]})
     name = getattr(analysis, "__name__", analysis)
     raise ValueError(f"analysis {name!r} returned a {type(result).__name__}; over_training needs a DataFrame, "
-                     "a dict or a number")
+                     "a dict, a number or a Graph")
