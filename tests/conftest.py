@@ -52,3 +52,11 @@ def _seed():
 @pytest.fixture
 def tiny_cfg():
     return tiny()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with slow tests (a browser, torchrun, the nested GPU-check run) first, each file's tests in
+    their own order: pytest-xdist hands out whole files in this order, so the long ones start at once
+    instead of one of them running alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: order within a file is kept
