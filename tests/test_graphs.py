@@ -171,6 +171,38 @@ def test_cross_layer_transcoder_edges_and_frozen_logits(activation, skip):
     assert far.any()
 
 
+def test_every_backward_and_read_path_gives_the_same_checked_graph():
+    """TopK transcoders (each layer's features read as a [pos, k] grid), the backward through stored
+    patterns and through frozen queries and keys, one layer or mixed layers per batch: one graph."""
+    model = _model(**LAYOUTS["pre-rmsnorm-rope-swiglu-gqa"])
+    g = torch.Generator().manual_seed(1)
+    tcs = []
+    for layer in range(model.cfg.n_layers):
+        tc = make_dictionary(DictionaryConfig(kind="skip_transcoder", d_in=32, d_sae=64, d_out=32, k=4,
+                                              hook_name=f"blocks.{layer}.ln2.hook_normalized",
+                                              hook_name_out=f"blocks.{layer}.hook_mlp_out"))
+        tc.init_weights(g)
+        with torch.no_grad():
+            tc.W_dec.mul_(0.3)
+            tc.W_skip.copy_(0.1 * torch.randn(32, 32, generator=g))
+        tcs.append(tc.eval())
+    tokens = torch.randint(0, 40, (1, 9))
+    stored = attribution_graph(model, tcs, tokens, stored_patterns=True)
+    assert stored._context[2].patterns and _check_edges(model, stored) == 6
+    for kw in (dict(stored_patterns=False, batch_size=5), dict(stored_patterns=True, batch_size=7)):
+        other = attribution_graph(model, tcs, tokens, **kw)
+        assert not other._context[2].patterns or kw["stored_patterns"]
+        torch.testing.assert_close(other.adjacency(), stored.adjacency(), atol=ATOL, rtol=ATOL)
+    # rows chosen by influence: batches that mix layers
+    budget = attribution_graph(model, tcs, tokens, max_feature_nodes=20, batch_size=6, stored_patterns=False)
+    keep = torch.tensor([(l, p, f) in set(zip(budget.layer.tolist(), budget.pos.tolist(), budget.feature.tolist()))
+                         for l, p, f in zip(stored.layer.tolist(), stored.pos.tolist(), stored.feature.tolist())])
+    keep |= stored.kind != 0
+    sub = stored.subgraph(keep)
+    rows = torch.unique(budget.edge_target)
+    torch.testing.assert_close(budget.adjacency()[rows], sub.adjacency()[rows], atol=ATOL, rtol=ATOL)
+
+
 def test_target_kinds():
     model = _model()
     tcs = _transcoders(model)
