@@ -387,3 +387,34 @@ def test_intervention_direct_effect_is_the_edge():
     assert not torch.allclose(live, before)
     with pytest.raises(ValueError, match="not a feature node"):
         graph.intervene([int(graph.nodes_of("error")[0])])
+
+
+def test_supernode_intervention_sets_every_member():
+    from workbench.analysis.graphs import Supernode
+
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    graph = attribution_graph(model, tcs, torch.randint(0, 40, (1, 8)), max_n_logits=1)
+    logit = int(graph.nodes_of("logit")[0])
+    into = (graph.edge_target == logit) & (graph.kind[graph.edge_source] == 0)
+    members = graph.edge_source[into][graph.edge_weight[into].abs().argsort(descending=True)[:3]].tolist()
+    ids = [graph.node_ids()[m] for m in members]
+    group = Supernode("group", ids)
+    for kw in (dict(), dict(freeze_attention=True), dict(direct_only=True)):
+        one_by_one = graph.intervene(members, 0.0, **kw)
+        torch.testing.assert_close(graph.intervene([group], 0.0, **kw), one_by_one, atol=0, rtol=0)
+        torch.testing.assert_close(graph.intervene(["group"], [0.0], supernodes={"group": ids}, **kw), one_by_one,
+                                   atol=0, rtol=0)
+    # in the graph's own frozen model the target moves by minus the members' summed direct edges
+    before, after = graph.intervene([], direct_only=True), graph.intervene([group], 0.0, direct_only=True)
+    token = int(graph.feature[logit])
+    change = (before[-1, token] - before[-1].mean()) - (after[-1, token] - after[-1].mean())
+    assert float(change) == pytest.approx(sum(graph.edge(logit, m) for m in members), abs=ATOL)
+    mixed = graph.intervene([Supernode("two", ids[:2]), ids[2]], [0.0, 0.0], direct_only=True)
+    torch.testing.assert_close(mixed, after, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="set twice"):
+        graph.intervene([group, ids[0]], [0.0, 1.0])
+    with pytest.raises(ValueError, match="supernode"):
+        graph.intervene(["nobody"])
+    with pytest.raises(ValueError, match="non-empty"):
+        Supernode("empty", [])

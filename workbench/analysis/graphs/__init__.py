@@ -9,9 +9,10 @@
 """
 
 from workbench.analysis.graphs.attribute import attribution_graph, logit_targets
-from workbench.analysis.graphs.graph import NODE_KINDS, Graph, PruneResult, collapse_frames, compute_influence_sparse
+from workbench.analysis.graphs.graph import (NODE_KINDS, Graph, PruneResult, Supernode, collapse_frames,
+                                            compute_influence_sparse)
 from workbench.analysis.graphs.replacement import (CLTView, TranscoderSet, capture, check_model, frozen_forward,
                                                    live_forward, replacement_set)
 
-__all__ = ["attribution_graph", "logit_targets", "NODE_KINDS", "Graph", "PruneResult", "compute_influence_sparse",
+__all__ = ["attribution_graph", "logit_targets", "NODE_KINDS", "Graph", "PruneResult", "Supernode", "compute_influence_sparse",
            "collapse_frames", "CLTView", "TranscoderSet", "capture", "check_model", "frozen_forward", "live_forward", "replacement_set"]

@@ -470,7 +470,8 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
             print(f"  {n_visited}/{budget} feature rows, {time.time() - t0:.1f}s", flush=True)
     del engine
     return _package(model, rs, cap, src, visited, labels, ids, weights, vecs, final_values[-1], store,
-                    dict(max_feature_nodes=max_feature_nodes, edge_mass=edge_mass,
+                    dict(max_feature_nodes=max_feature_nodes, edge_mass=edge_mass, batch_size=batch_size,
+                         stored_patterns=bool(cap.patterns),
                          max_edges_per_node=max_edges_per_node, seconds=time.time() - t0))
 
 

@@ -91,6 +91,22 @@ def collapse_frames(nodes, edges, groups: dict[str, Sequence[str]]):
     return out, moved.groupby(["source", "target"], as_index=False)["weight"].sum()
 
 
+@dataclass(frozen=True)
+class Supernode:
+    """A named group of features (what ``collapse_frames`` and the Graph page's supernodes collapse):
+    ``members`` are node ids (``"F1.4.7"``), feature node indices or (layer, pos, feature) triples.
+    ``graph.intervene([Supernode("say Ella", ["F0.2.5", "F1.2.7"])], 0.0)`` sets every member."""
+
+    name: str
+    members: tuple
+
+    def __init__(self, name: str, members: Sequence) -> None:
+        if isinstance(members, (str, bytes)) or not len(members):
+            raise ValueError(f"supernode {name!r} needs a non-empty list of member features")
+        object.__setattr__(self, "name", str(name))
+        object.__setattr__(self, "members", tuple(members))
+
+
 class PruneResult(NamedTuple):
     node_mask: Tensor  # [n_nodes] bool
     edge_mask: Tensor  # [n_edges] bool
@@ -416,10 +432,14 @@ class Graph:
         return self
 
     def intervene(self, features: Sequence, value: Union[float, Sequence[float]] = 0.0, *,
-                  freeze_attention: bool = False, direct_only: bool = False) -> Tensor:
+                  freeze_attention: bool = False, direct_only: bool = False,
+                  supernodes: Optional[dict[str, Sequence]] = None) -> Tensor:
         """Logits [pos, d_vocab] of the replacement model with ``features`` set to ``value``.
 
-        ``features``: (layer, pos, feature id) triples or node indices of this graph. By default
+        ``features``: (layer, pos, feature id) triples, node indices or node ids (``"F1.4.7"``) of
+        this graph, or supernodes: a ``Supernode``, or the name of a group in ``supernodes``
+        (``{name: [member features]}``, the groups ``collapse_frames`` takes); a supernode's value
+        (one per item of ``features``) goes to each of its members. By default
         every other feature is re-encoded from its live input (errors held at their values on
         this prompt) and attention and norms run live; ``freeze_attention`` holds them as the
         graph does; ``direct_only`` also holds every other feature (the graph's own frozen model,
@@ -430,10 +450,17 @@ class Graph:
         if self._context is None:
             raise ValueError("this graph is not bound to a model: call graph.bind(model, transcoders) first")
         model, rs, cap = self._context
-        triples = [self._triple(f) for f in features]
-        values = [float(value)] * len(triples) if isinstance(value, (int, float)) else [float(v) for v in value]
-        if len(values) != len(triples):
-            raise ValueError(f"{len(triples)} features but {len(values)} values")
+        items = list(features)
+        values = [float(value)] * len(items) if isinstance(value, (int, float)) else [float(v) for v in value]
+        if len(values) != len(items):
+            raise ValueError(f"{len(items)} features but {len(values)} values")
+        setting: dict[tuple[int, int, int], float] = {}
+        for item, v in zip(items, values):
+            for triple in self._members(item, supernodes or {}):
+                if setting.get(triple, v) != v:
+                    raise ValueError(f"feature {triple} is set twice, to {setting[triple]} and {v}")
+                setting[triple] = v
+        triples, values = list(setting), list(setting.values())
 
         def edit(layer: int, acts: Tensor) -> Tensor:
             mine = [(p, f, v) for (l, p, f), v in zip(triples, values) if l == layer]
@@ -452,14 +479,29 @@ class Graph:
                 run = live_forward(model, rs, cap, edit, freeze=freeze_attention)
             return run()[0]
 
+    def _members(self, item, supernodes: dict[str, Sequence]) -> list[tuple[int, int, int]]:
+        """The (layer, pos, feature) triples an item of ``intervene``'s ``features`` stands for."""
+        if isinstance(item, str) and item in supernodes:
+            item = Supernode(item, supernodes[item])
+        if isinstance(item, Supernode):
+            return [self._triple(m) for m in item.members]
+        return [self._triple(item)]
+
     def _triple(self, f) -> tuple[int, int, int]:
+        if isinstance(f, str):
+            parts = f[1:].split(".")
+            if not (f.startswith("F") and len(parts) == 3 and all(p.lstrip("-").isdigit() for p in parts)):
+                raise ValueError(f"{f!r} is neither a feature node id (\"F<layer>.<pos>.<feature>\") nor a supernode "
+                                 "named in supernodes=")
+            return int(parts[0]), int(parts[1]), int(parts[2])
         if isinstance(f, (int,)) and not isinstance(f, bool):
             if not 0 <= f < self.n_nodes or int(self.kind[f]) != 0:
                 raise ValueError(f"node {f} is not a feature node of this graph")
             return int(self.layer[f]), int(self.pos[f]), int(self.feature[f])
         if isinstance(f, (tuple, list)) and len(f) == 3:
             return int(f[0]), int(f[1]), int(f[2])
-        raise ValueError(f"a feature is a (layer, pos, feature id) triple or a feature node index, got {f!r}")
+        raise ValueError(f"a feature is a (layer, pos, feature id) triple, a feature node index, a node id or a "
+                         f"supernode, got {f!r}")
 
     def __repr__(self) -> str:
         counts = {k: int((self.kind == i).sum()) for i, k in enumerate(NODE_KINDS)}
