@@ -418,3 +418,26 @@ def test_supernode_intervention_sets_every_member():
         graph.intervene(["nobody"])
     with pytest.raises(ValueError, match="non-empty"):
         Supernode("empty", [])
+
+
+def test_spilled_edges_give_the_in_memory_graph(tmp_path):
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    tokens = torch.randint(0, 40, (1, 8))
+    for kw in (dict(), dict(max_feature_nodes=30, batch_size=8)):  # all rows; rows chosen by influence from the files
+        folder = tmp_path / str(len(kw))
+        memory = attribution_graph(model, tcs, tokens, **kw)
+        spilled = attribution_graph(model, tcs, tokens, spill_dir=folder, edge_chunk=500, **kw)
+        assert len(spilled.edge_files) > 3 and spilled.__dict__["_edge_weight"] is None
+        assert sorted(p.name for p in folder.iterdir()) == [p.name for p in spilled.edge_files]  # raw chunks removed
+        assert spilled.n_edges == memory.n_edges
+        for name in ("edge_target", "edge_source", "edge_weight"):  # read back from the files
+            assert torch.equal(getattr(spilled, name), getattr(memory, name))
+        torch.testing.assert_close(spilled.influence(), memory.influence(), atol=1e-7, rtol=1e-5)
+        a, b = spilled.prune_masks(0.8, 0.98), memory.prune_masks(0.8, 0.98)
+        assert torch.equal(a.node_mask, b.node_mask) and torch.equal(a.edge_mask, b.edge_mask)
+        p, q = spilled.prune(), memory.prune()
+        assert not p.edge_files and torch.equal(p.adjacency(), q.adjacency())
+        assert spilled.scores() == pytest.approx(memory.scores(), abs=1e-6)
+    with pytest.raises(ValueError, match="already holds edge files"):
+        attribution_graph(model, tcs, tokens, spill_dir=tmp_path / "0")

@@ -52,6 +52,8 @@ def attribution_graph(
     update_interval: int = 4,
     chunk: int = 8192,
     stored_patterns: Optional[bool] = None,
+    spill_dir: Optional[Union[str, Path]] = None,
+    edge_chunk: int = 1 << 20,
     verbose: bool = False,
 ) -> Union[Graph, list[Graph]]:
     """The attribution graph of ``prompt`` (a list of prompts or a padded batch: one graph each).
@@ -67,10 +69,17 @@ def attribution_graph(
     attention patterns stored from the clean run (faster; heads x pos^2 floats per layer) rather than
     through the fused attention with frozen queries and keys (memory linear in the context); None:
     stored when they take at most 64 MB. Both give the same graph.
+
+    ``spill_dir``: a folder for the edges, written as they are computed in safetensors files of
+    ``edge_chunk`` edges (``graph-edges-00000.safetensors``, ...; a batch of prompts: one
+    ``prompt-{i}`` subfolder each), so at most one chunk of edges is ever in memory; the graph
+    reads them back chunk by chunk for influence, pruning and subgraphs (see ``Graph.edge_files``).
+    The folder must hold no such files already; they are the caller's to delete.
     """
     if not 0 < edge_mass <= 1:
         raise ValueError(f"edge_mass must lie in (0, 1], got {edge_mass}")
-    for name, value in (("batch_size", batch_size), ("max_n_logits", max_n_logits), ("chunk", chunk)):
+    for name, value in (("batch_size", batch_size), ("max_n_logits", max_n_logits), ("chunk", chunk),
+                        ("edge_chunk", edge_chunk)):
         if (value is not None or name != "batch_size") and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     check_layout(model)
@@ -84,9 +93,19 @@ def attribution_graph(
     model.eval()
     try:
         caps = capture(model, rs, tokens, mask, patterns=bool(stored_patterns))
+        folders = [None] * len(caps)
+        if spill_dir is not None:
+            folders = [Path(spill_dir) if single else Path(spill_dir) / f"prompt-{b}" for b in range(len(caps))]
+            for folder in folders:
+                folder.mkdir(parents=True, exist_ok=True)
+                taken = sorted(folder.glob("*edges-*.safetensors"))
+                if taken:
+                    raise ValueError(f"spill_dir {folder} already holds edge files ({taken[0].name}, ...): give an "
+                                     "empty folder (those files are not deleted or overwritten)")
         graphs = [_attribute(model, rs, cap, target, max_n_logits, desired_logit_prob, max_feature_nodes,
-                             batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose)
-                  for cap in caps]
+                             batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose,
+                             _EdgeStore(edge_chunk, folder))
+                  for cap, folder in zip(caps, folders)]
     finally:
         model.train(was)
     return graphs[0] if single else graphs
@@ -376,7 +395,7 @@ class _EdgeStore:
         if self.spill_dir is not None:
             from safetensors.torch import save_file
 
-            path = self.spill_dir / f"edges-{len(self.chunks):05d}.safetensors"
+            path = self.spill_dir / f"raw-edges-{len(self.chunks):05d}.safetensors"
             save_file(dict(zip(("target", "source", "weight"), (p.contiguous() for p in part))), str(path))
             self.chunks.append(path)
         else:
@@ -394,7 +413,11 @@ class _EdgeStore:
         """The chunks as ``__iter__`` gives them, each dropped from the store once given."""
         while self.chunks:
             chunk = self.chunks.pop(0)
-            yield _load_chunk(chunk) if isinstance(chunk, Path) else chunk
+            if isinstance(chunk, Path):
+                loaded = _load_chunk(chunk)
+                chunk.unlink()  # a file this store wrote
+                chunk = loaded
+            yield chunk
         if self.fill:
             last, self.fill = tuple(b[:self.fill] for b in self.buf), 0
             self.buf = None
@@ -415,7 +438,7 @@ def _load_chunk(path: Path) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob, max_feature_nodes, batch_size,
-               edge_mass, max_edges_per_node, update_interval, chunk, verbose) -> Graph:
+               edge_mass, max_edges_per_node, update_interval, chunk, verbose, store: "_EdgeStore") -> Graph:
     t0 = time.time()
     src = _Sources(rs, cap)
     labels, ids, weights, vecs = logit_targets(model, cap, target, max_n_logits, desired_logit_prob)
@@ -432,7 +455,6 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
     final_values = (cap.final.float() * engine.final_w) @ vecs.T  # without the norm's bias: a constant
     if getattr(model.ln_final, "b", None) is not None:
         final_values = final_values + (model.ln_final.b.detach() @ vecs.T)
-    store = _EdgeStore()
 
     def add(node_ids: Tensor, rows: Tensor) -> None:
         r, c, w = _sparsify(rows, edge_mass, max_edges_per_node)
@@ -490,12 +512,21 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
     old_to_new[rest] = torch.arange(n_sel, n_sel + len(rest))
     # renumbered chunk by chunk, so the peak holds the final edges and one chunk's temporaries
     parts = [(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0))]
+    files = []
     for t, s, w in store.drain():
         t, s = old_to_new[t.long()], old_to_new[s.long()]
         keep = (t >= 0) & (s >= 0)
-        parts.append((t[keep], s[keep], w[keep]))
+        if store.spill_dir is None:
+            parts.append((t[keep], s[keep], w[keep]))
+            continue
+        from safetensors.torch import save_file
+
+        files.append(store.spill_dir / f"graph-edges-{len(files):05d}.safetensors")
+        save_file({"target": t[keep].int(), "source": s[keep].int(), "weight": w[keep].float().contiguous()}, str(files[-1]))
     targets, sources, w = (torch.cat([p[i] for p in parts]) for i in range(3))
     del parts
+    if files:
+        targets = sources = w = None
     L, P = src.n_layers, src.n_pos
     err_layer = torch.arange(L).repeat_interleave(P)
     err_pos = torch.arange(P).repeat(L)
@@ -512,7 +543,8 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
     logit_weight[-len(labels):] = weights.float()
     graph = Graph(kind=kind, layer=layer, pos=pos, feature=feature, activation=activation.cpu(),
                   logit_weight=logit_weight, logit_labels=list(labels),
-                  edge_target=targets, edge_source=sources, edge_weight=w.float().cpu(),
+                  edge_target=targets, edge_source=sources, edge_weight=None if w is None else w.float().cpu(),
+                  edge_files=tuple(files),
                   tokens=cap.tokens.cpu(), str_tokens=_str_tokens(model, cap.tokens), n_layers=L,
                   logit_vectors=vecs.detach().cpu().float(),
                   meta=dict(model=getattr(model.cfg, "name", ""), d_vocab=model.cfg.d_vocab, n_active_features=src.n_feat,

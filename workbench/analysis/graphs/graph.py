@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -33,18 +33,40 @@ _ARRAYS = ("kind", "layer", "pos", "feature", "activation", "logit_weight", "edg
 def compute_influence_sparse(edges: tuple[Tensor, Tensor, Tensor], n: int, logit_weights: Tensor,
                              max_iter: int = 1000) -> Tensor:
     """Each node's influence ``w (A + A^2 + ...)`` on the weighted logits, over sparse ``(target, source, weight)``."""
-    target, source, weight = edges
-    mag = weight.abs().double()
-    row_sum = torch.zeros(n, dtype=torch.float64).index_add_(0, target, mag).clamp_min(1e-10)
-    norm = mag / row_sum[target]
-    current = torch.zeros(n, dtype=torch.float64).index_add_(0, source, norm * logit_weights.double()[target])
+    return _influence(lambda: [edges], n, logit_weights, max_iter)
+
+
+def _influence(chunks: Callable[[], Iterable[tuple[Tensor, Tensor, Tensor]]], n: int, logit_weights: Tensor,
+               max_iter: int = 1000) -> Tensor:
+    """``compute_influence_sparse`` over edges given chunk by chunk (``chunks()`` iterates them
+    afresh each pass: one pass per path length, so at most one chunk is held at a time)."""
+    row_sum = torch.zeros(n, dtype=torch.float64)
+    for target, _, weight in chunks():
+        row_sum.index_add_(0, target.long(), weight.abs().double())
+    row_sum.clamp_min_(1e-10)
+
+    def step(at_target: Tensor) -> Tensor:
+        out = torch.zeros(n, dtype=torch.float64)
+        for target, source, weight in chunks():
+            target = target.long()
+            out.index_add_(0, source.long(), weight.abs().double() / row_sum[target] * at_target[target])
+        return out
+
+    current = step(logit_weights.double())
     influence = current.clone()
     for _ in range(max_iter):
-        current = torch.zeros(n, dtype=torch.float64).index_add_(0, source, norm * current[target])
+        current = step(current)
         if not current.any():
             return influence.float()
         influence += current
     raise RuntimeError(f"influence did not converge in {max_iter} iterations: the graph has a cycle")
+
+
+def _file_length(path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_slice("weight").get_shape()[0]
 
 
 def _threshold(scores: Tensor, fraction: float) -> Tensor:
@@ -122,17 +144,39 @@ class Graph:
     activation: Tensor  # [n] feature activation; error: the error vector's norm; logit: its value; token: 0
     logit_weight: Tensor  # [n] logits: their weight (probability) in the influence; others 0
     logit_labels: list[str]
-    edge_target: Tensor  # [e] node index
-    edge_source: Tensor  # [e]
-    edge_weight: Tensor  # [e]
+    edge_target: Optional[Tensor]  # [e] node index (None: in edge_files)
+    edge_source: Optional[Tensor]  # [e]
+    edge_weight: Optional[Tensor]  # [e]
     tokens: Tensor  # [pos]
     str_tokens: list[str]
     n_layers: int
     logit_vectors: Optional[Tensor] = None  # [n_logits, d_model] target directions at the unembedding input
     meta: dict = field(default_factory=dict)
+    # a spilled graph (attribution_graph's spill_dir): its edges live in these safetensors files (target,
+    # source, weight), one chunk each, and the three edge fields are None; influence, pruning and
+    # subgraphs read the chunks one at a time; reading edge_target / edge_source / edge_weight loads them all
+    edge_files: tuple = ()
 
     def __post_init__(self) -> None:
         self._context = None
+        if self.edge_files and self.__dict__.get("_edge_weight") is not None:
+            raise ValueError("a graph has its edges in memory or in edge_files, not both")
+        self._n_spilled = sum(_file_length(p) for p in self.edge_files)
+
+    def _edge_chunks(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        """``(target, source, weight)`` chunk by chunk: the edges in memory as one chunk, or each edge file."""
+        if not self.edge_files:
+            yield self.edge_target.long(), self.edge_source.long(), self.edge_weight
+            return
+        from safetensors.torch import load_file
+
+        for path in self.edge_files:
+            d = load_file(str(path))
+            yield d["target"].long(), d["source"].long(), d["weight"]
+
+    def _load_edges(self, i: int) -> Tensor:
+        parts = [chunk[i] for chunk in self._edge_chunks()]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32 if i == 2 else torch.long)
 
     # ---- shape --------------------------------------------------------------------------------------
     @property
@@ -141,7 +185,7 @@ class Graph:
 
     @property
     def n_edges(self) -> int:
-        return len(self.edge_weight)
+        return self._n_spilled if self.edge_files else len(self.edge_weight)
 
     def nodes_of(self, kind: str) -> Tensor:
         return (self.kind == NODE_KINDS.index(kind)).nonzero().squeeze(-1)
@@ -175,17 +219,21 @@ class Graph:
     # ---- influence and pruning ----------------------------------------------------------------------------
     def influence(self) -> Tensor:
         """[n_nodes]: each node's influence on the weighted logits (0 for the logits themselves)."""
-        return compute_influence_sparse(self._edges(), self.n_nodes, self.logit_weight)
+        return _influence(self._edge_chunks, self.n_nodes, self.logit_weight)
 
     def edge_scores(self, node_mask: Optional[Tensor] = None) -> Tensor:
         """[n_edges]: each edge's share of influence (normalised weight x the influence reaching its target)."""
-        t, s, w = self._edges()
-        if node_mask is not None:
-            w = w * (node_mask[t] & node_mask[s])
-        influence = compute_influence_sparse((t, s, w), self.n_nodes, self.logit_weight) + self.logit_weight
-        mag = w.abs().double()
-        row = torch.zeros(self.n_nodes, dtype=torch.float64).index_add_(0, t, mag).clamp_min(1e-10)
-        return (mag / row[t] * influence.double()[t]).float()
+        def chunks():
+            for t, s, w in self._edge_chunks():
+                yield t, s, (w if node_mask is None else w * (node_mask[t] & node_mask[s]))
+
+        influence = _influence(chunks, self.n_nodes, self.logit_weight).double() + self.logit_weight.double()
+        row = torch.zeros(self.n_nodes, dtype=torch.float64)
+        for t, _, w in chunks():
+            row.index_add_(0, t, w.abs().double())
+        row.clamp_min_(1e-10)
+        parts = [(w.abs().double() / row[t] * influence[t]).float() for t, _, w in chunks()]
+        return torch.cat(parts) if parts else torch.zeros(0)
 
     def _edges(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.edge_target.long(), self.edge_source.long(), self.edge_weight
@@ -204,13 +252,18 @@ class Graph:
         scores = self.edge_scores(node_mask)
         edge_mask = scores >= _threshold(scores, edge_threshold)
         edge_mask &= scores > 0
-        t, s = self.edge_target.long(), self.edge_source.long()
         feature = self.kind == 0
         inner = (self.kind == 0) | (self.kind == 1)
         while True:
-            edge_mask &= node_mask[t] & node_mask[s]
-            has_out = torch.zeros(self.n_nodes, dtype=torch.bool).index_fill_(0, s[edge_mask], True)
-            has_in = torch.zeros(self.n_nodes, dtype=torch.bool).index_fill_(0, t[edge_mask], True)
+            has_out = torch.zeros(self.n_nodes, dtype=torch.bool)
+            has_in = torch.zeros(self.n_nodes, dtype=torch.bool)
+            at = 0
+            for t, s, _ in self._edge_chunks():
+                m = edge_mask[at:at + len(t)]
+                m &= node_mask[t] & node_mask[s]
+                has_out.index_fill_(0, s[m], True)
+                has_in.index_fill_(0, t[m], True)
+                at += len(t)
             new = node_mask & (~inner | has_out) & (~feature | has_in)
             if torch.equal(new, node_mask):
                 break
@@ -231,15 +284,21 @@ class Graph:
         keep = node_mask.nonzero().squeeze(-1)
         new = torch.full((self.n_nodes,), -1, dtype=torch.long)
         new[keep] = torch.arange(len(keep))
-        t, s = new[self.edge_target.long()], new[self.edge_source.long()]
-        e = (t >= 0) & (s >= 0) & (edge_mask if edge_mask is not None else True)
+        parts, at = [], 0
+        for t, s, w in self._edge_chunks():  # a spilled graph's subgraph is in memory: read chunk by chunk
+            t, s = new[t], new[s]
+            e = (t >= 0) & (s >= 0) & (edge_mask[at:at + len(t)] if edge_mask is not None else True)
+            parts.append((t[e], s[e], w[e]))
+            at += len(w)
+        t, s, w = (torch.cat([p[i] for p in parts]) for i in range(3)) if parts else (
+            torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         logit_nodes = self.nodes_of("logit").tolist()
         labels = [self.logit_labels[j] for j, i in enumerate(logit_nodes) if bool(node_mask[i])]
         vectors = None
         if self.logit_vectors is not None:
             vectors = self.logit_vectors[[j for j, i in enumerate(logit_nodes) if bool(node_mask[i])]]
         sub = Graph(self.kind[keep], self.layer[keep], self.pos[keep], self.feature[keep], self.activation[keep],
-                    self.logit_weight[keep], labels, t[e], s[e], self.edge_weight[e], self.tokens, self.str_tokens,
+                    self.logit_weight[keep], labels, t, s, w, self.tokens, self.str_tokens,
                     self.n_layers, vectors, dict(self.meta))
         sub._context = self._context
         return sub
@@ -248,11 +307,15 @@ class Graph:
         """circuit-tracer's replacement score (token vs error influence) and completeness score."""
         influence = self.influence()
         err, tok = self.kind == 1, self.kind == 2
-        t, s, w = self._edges()
-        mag = w.abs().double()
-        row = torch.zeros(self.n_nodes, dtype=torch.float64).index_add_(0, t, mag).clamp_min(1e-10)
-        from_err = torch.zeros(self.n_nodes, dtype=torch.float64).index_add_(0, t, mag * err[s] / row[t])
-        has_in = torch.zeros(self.n_nodes, dtype=torch.bool).index_fill_(0, t, True)
+        row = torch.zeros(self.n_nodes, dtype=torch.float64)
+        from_err = torch.zeros(self.n_nodes, dtype=torch.float64)
+        has_in = torch.zeros(self.n_nodes, dtype=torch.bool)
+        for t, _, w in self._edge_chunks():
+            row.index_add_(0, t, w.abs().double())
+            has_in.index_fill_(0, t, True)
+        row.clamp_min_(1e-10)
+        for t, s, w in self._edge_chunks():
+            from_err.index_add_(0, t, w.abs().double() * err[s] / row[t])
         weight = (influence.double() + self.logit_weight.double()) * has_in
         completeness = float(((1 - from_err) * weight).sum() / weight.sum().clamp_min(1e-30))
         replacement = float(influence[tok].sum() / (influence[tok].sum() + influence[err].sum()).clamp_min(1e-30))
@@ -507,3 +570,19 @@ class Graph:
         counts = {k: int((self.kind == i).sum()) for i, k in enumerate(NODE_KINDS)}
         return (f"Graph({len(self.tokens)} tokens, {counts['feature']} features, {counts['error']} errors, "
                 f"{counts['logit']} logits, {self.n_edges} edges)")
+
+
+def _edge_field(i: int, name: str) -> property:
+    """A Graph edge field: the tensor given, or for a spilled graph every edge file's column, loaded on each read."""
+    def get(self) -> Tensor:
+        value = self.__dict__.get("_" + name)
+        return value if value is not None or not self.__dict__.get("edge_files") else self._load_edges(i)
+
+    def put(self, value) -> None:
+        self.__dict__["_" + name] = value
+
+    return property(get, put)
+
+
+for _i, _name in enumerate(("edge_target", "edge_source", "edge_weight")):
+    setattr(Graph, _name, _edge_field(_i, _name))
