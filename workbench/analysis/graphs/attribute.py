@@ -104,7 +104,7 @@ def attribution_graph(
                                      "empty folder (those files are not deleted or overwritten)")
         graphs = [_attribute(model, rs, cap, target, max_n_logits, desired_logit_prob, max_feature_nodes,
                              batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose,
-                             _EdgeStore(edge_chunk, folder))
+                             _EdgeStore(edge_chunk, folder, _capacity(rs, cap, target, max_n_logits, max_feature_nodes)))
                   for cap, folder in zip(caps, folders)]
     finally:
         model.train(was)
@@ -362,32 +362,40 @@ def _sparsify(rows: Tensor, edge_mass: float, cap: Optional[int]) -> tuple[Tenso
 
 
 class _EdgeStore:
-    """The kept edges ``(target, source, weight)`` in chunks of ``chunk_edges`` (int32, int32, fp32).
+    """The kept edges ``(target, source, weight)`` as int32, int32, fp32, filled in place.
 
-    Fixed-size chunks, filled in place: the many small, differently sized row tensors a list of
-    rows would hold fragment the heap (glibc then keeps several times their size resident).
-    With ``spill_dir`` each full chunk is written to ``edges-{i:05d}.safetensors`` there and
-    dropped, so at most one chunk of edges is in memory."""
+    In memory: one buffer of ``capacity`` edges (every row's every source, an upper bound), which
+    costs nothing until written (the pages of a large allocation are mapped as they are first
+    touched), so the graph's edges end as views of it: no final concatenation doubling the peak,
+    and none of the many small, differently sized row tensors that fragment the heap (glibc then
+    kept several times their size resident). Where that bound is too large to reserve, chunks of
+    ``chunk_edges``. With ``spill_dir`` each full chunk is written to ``raw-edges-{i:05d}.safetensors``
+    there and dropped, so at most one chunk of edges is in memory."""
 
-    def __init__(self, chunk_edges: int = 1 << 20, spill_dir: Optional[Path] = None):
+    RESERVE_LIMIT = 8 << 30  # bytes of address space one graph's in-memory buffer may reserve
+
+    def __init__(self, chunk_edges: int = 1 << 20, spill_dir: Optional[Path] = None, capacity: Optional[int] = None):
         self.chunk_edges, self.spill_dir = chunk_edges, spill_dir
+        self.single = spill_dir is None and capacity is not None and 12 * capacity <= self.RESERVE_LIMIT
         self.chunks: list = []  # (t, s, w) tensors, or a Path to a spilled chunk
         self.n = 0
-        self._new()
+        self._new(capacity if self.single else chunk_edges)
 
-    def _new(self) -> None:
-        c = self.chunk_edges
-        self.buf = (torch.empty(c, dtype=torch.int32), torch.empty(c, dtype=torch.int32), torch.empty(c))
+    def _new(self, size: int) -> None:
+        self.size = size
+        self.buf = (torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32), torch.empty(size))
         self.fill = 0
 
     def add(self, t: Tensor, s: Tensor, w: Tensor) -> None:
         at = 0
         while at < len(w):
-            take = min(len(w) - at, self.chunk_edges - self.fill)
+            take = min(len(w) - at, self.size - self.fill)
             for buf, x in zip(self.buf, (t, s, w)):
                 buf[self.fill:self.fill + take] = x[at:at + take]
             self.fill, at, self.n = self.fill + take, at + take, self.n + take
-            if self.fill == self.chunk_edges:
+            if self.fill == self.size and at < len(w):
+                if self.single:
+                    raise RuntimeError("more edges than the store's capacity")
                 self._finish()
 
     def _finish(self) -> None:
@@ -400,7 +408,7 @@ class _EdgeStore:
             self.chunks.append(path)
         else:
             self.chunks.append(part)
-        self._new()
+        self._new(self.chunk_edges)
 
     def __iter__(self):
         """Each chunk's ``(target, source, weight)`` (the last one partly filled), read back if spilled."""
@@ -426,8 +434,34 @@ class _EdgeStore:
     def all(self) -> tuple[Tensor, Tensor, Tensor]:
         parts = list(self)
         if not parts:
-            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0)
+            return torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(0)
         return tuple(torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
+
+    def renumbered(self, old_to_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The single buffer's edges with node ids mapped by ``old_to_new`` (-1: dropped), compacted
+        in place (writes never pass the block being read), as views of the buffer."""
+        t, s, w = self.buf
+        if bool((old_to_new == torch.arange(len(old_to_new))).all()):
+            return t[:self.fill], s[:self.fill], w[:self.fill]
+        out = 0
+        for lo in range(0, self.fill, self.chunk_edges):
+            hi = min(lo + self.chunk_edges, self.fill)
+            nt, ns = old_to_new[t[lo:hi].long()], old_to_new[s[lo:hi].long()]
+            keep = (nt >= 0) & (ns >= 0)
+            k = int(keep.sum())
+            kept_w = w[lo:hi][keep]
+            t[out:out + k], s[out:out + k], w[out:out + k] = nt[keep], ns[keep], kept_w
+            out += k
+        return t[:out], s[:out], w[:out]
+
+
+def _capacity(rs, cap: Capture, target, max_n_logits: int, max_feature_nodes: Optional[int]) -> int:
+    """At most how many edges a graph can have: rows (logits and features) x sources."""
+    n_feat = sum(int((a != 0).sum()) for a in cap.acts)
+    n_pos = len(cap.tokens)
+    n_logits = max_n_logits if target is None else len(target) if isinstance(target, list) else 1
+    rows = n_logits + (n_feat if max_feature_nodes is None else min(int(max_feature_nodes), n_feat))
+    return rows * (n_feat + (rs.n_layers + 1) * n_pos)
 
 
 def _load_chunk(path: Path) -> tuple[Tensor, Tensor, Tensor]:
@@ -511,22 +545,26 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
     rest = torch.arange(src.n_feat, src.n + len(labels))
     old_to_new[rest] = torch.arange(n_sel, n_sel + len(rest))
     # renumbered chunk by chunk, so the peak holds the final edges and one chunk's temporaries
-    parts = [(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0))]
     files = []
-    for t, s, w in store.drain():
-        t, s = old_to_new[t.long()], old_to_new[s.long()]
-        keep = (t >= 0) & (s >= 0)
-        if store.spill_dir is None:
-            parts.append((t[keep], s[keep], w[keep]))
-            continue
-        from safetensors.torch import save_file
+    if store.single:
+        targets, sources, w = store.renumbered(old_to_new)
+    else:
+        parts = [(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(0))]
+        for t, s, w in store.drain():
+            t, s = old_to_new[t.long()], old_to_new[s.long()]
+            keep = (t >= 0) & (s >= 0)
+            t, s, w = t[keep].int(), s[keep].int(), w[keep].float().contiguous()
+            if store.spill_dir is None:
+                parts.append((t, s, w))
+                continue
+            from safetensors.torch import save_file
 
-        files.append(store.spill_dir / f"graph-edges-{len(files):05d}.safetensors")
-        save_file({"target": t[keep].int(), "source": s[keep].int(), "weight": w[keep].float().contiguous()}, str(files[-1]))
-    targets, sources, w = (torch.cat([p[i] for p in parts]) for i in range(3))
-    del parts
-    if files:
-        targets = sources = w = None
+            files.append(store.spill_dir / f"graph-edges-{len(files):05d}.safetensors")
+            save_file({"target": t, "source": s, "weight": w}, str(files[-1]))
+        targets, sources, w = (torch.cat([p[i] for p in parts]) for i in range(3))
+        del parts
+        if files:
+            targets = sources = w = None
     L, P = src.n_layers, src.n_pos
     err_layer = torch.arange(L).repeat_interleave(P)
     err_pos = torch.arange(P).repeat(L)

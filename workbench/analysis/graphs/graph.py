@@ -42,14 +42,13 @@ def _influence(chunks: Callable[[], Iterable[tuple[Tensor, Tensor, Tensor]]], n:
     afresh each pass: one pass per path length, so at most one chunk is held at a time)."""
     row_sum = torch.zeros(n, dtype=torch.float64)
     for target, _, weight in chunks():
-        row_sum.index_add_(0, target.long(), weight.abs().double())
+        row_sum.index_add_(0, target, weight.abs().double())
     row_sum.clamp_min_(1e-10)
 
     def step(at_target: Tensor) -> Tensor:
         out = torch.zeros(n, dtype=torch.float64)
         for target, source, weight in chunks():
-            target = target.long()
-            out.index_add_(0, source.long(), weight.abs().double() / row_sum[target] * at_target[target])
+            out.index_add_(0, source, weight.abs().double() / row_sum[target] * at_target[target])
         return out
 
     current = step(logit_weights.double())
@@ -144,7 +143,7 @@ class Graph:
     activation: Tensor  # [n] feature activation; error: the error vector's norm; logit: its value; token: 0
     logit_weight: Tensor  # [n] logits: their weight (probability) in the influence; others 0
     logit_labels: list[str]
-    edge_target: Optional[Tensor]  # [e] node index (None: in edge_files)
+    edge_target: Optional[Tensor]  # [e] node index, int32 or int64 (None: in edge_files)
     edge_source: Optional[Tensor]  # [e]
     edge_weight: Optional[Tensor]  # [e]
     tokens: Tensor  # [pos]
@@ -166,13 +165,13 @@ class Graph:
     def _edge_chunks(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         """``(target, source, weight)`` chunk by chunk: the edges in memory as one chunk, or each edge file."""
         if not self.edge_files:
-            yield self.edge_target.long(), self.edge_source.long(), self.edge_weight
+            yield self.edge_target, self.edge_source, self.edge_weight  # int32 or int64 node indices
             return
         from safetensors.torch import load_file
 
         for path in self.edge_files:
             d = load_file(str(path))
-            yield d["target"].long(), d["source"].long(), d["weight"]
+            yield d["target"], d["source"], d["weight"]
 
     def _load_edges(self, i: int) -> Tensor:
         parts = [chunk[i] for chunk in self._edge_chunks()]
@@ -235,9 +234,6 @@ class Graph:
         parts = [(w.abs().double() / row[t] * influence[t]).float() for t, _, w in chunks()]
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    def _edges(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.edge_target.long(), self.edge_source.long(), self.edge_weight
-
     def prune_masks(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
         """circuit-tracer's ``prune_graph`` on sparse edges: keep the nodes holding ``node_threshold``
         of the influence (tokens and logits always), then the edges holding ``edge_threshold`` of
@@ -261,8 +257,8 @@ class Graph:
             for t, s, _ in self._edge_chunks():
                 m = edge_mask[at:at + len(t)]
                 m &= node_mask[t] & node_mask[s]
-                has_out.index_fill_(0, s[m], True)
-                has_in.index_fill_(0, t[m], True)
+                has_out[s[m]] = True
+                has_in[t[m]] = True
                 at += len(t)
             new = node_mask & (~inner | has_out) & (~feature | has_in)
             if torch.equal(new, node_mask):
@@ -312,7 +308,7 @@ class Graph:
         has_in = torch.zeros(self.n_nodes, dtype=torch.bool)
         for t, _, w in self._edge_chunks():
             row.index_add_(0, t, w.abs().double())
-            has_in.index_fill_(0, t, True)
+            has_in[t] = True
         row.clamp_min_(1e-10)
         for t, s, w in self._edge_chunks():
             from_err.index_add_(0, t, w.abs().double() * err[s] / row[t])
