@@ -41,6 +41,7 @@ from workbench.padding import TokenBatch
 
 FEATURE, ERROR, TOKEN, LOGIT = (NODE_KINDS.index(k) for k in ("feature", "error", "token", "logit"))
 PATTERN_BUDGET = 64 << 20  # bytes of stored attention patterns (all layers) below which they are used
+GRID_BUDGET = 32 << 20  # bytes of decoder-row grids (all layers) below which the rows are read through them
 
 
 def attribution_graph(
@@ -241,11 +242,13 @@ class _Engine:
         self.final_w = final_read(model)[1]
         self.decoders, self.grids = {}, {}
         P = src.n_pos
+        # the grids hold pos x k_max x d_out floats per (source, target) layer pair: within GRID_BUDGET
+        size = sum(P * src.k_max[s] * rs.d_out * 4 for s in range(rs.n_layers) for _ in targets_of(rs, s))
         with torch.no_grad():
             for s in range(rs.n_layers):
                 idx, k = src.layer_slices[s], src.k_max[s]
                 # the grid pays off unless one crowded position makes most of it padding, or features are dense
-                grid = len(idx) and P * k <= 2 * len(idx) + P and 4 * k <= rs.d_sae
+                grid = len(idx) and P * k <= 2 * len(idx) + P and 4 * k <= rs.d_sae and size <= GRID_BUDGET
                 for t in targets_of(rs, s):
                     W = rs.decoder(s, t).detach()
                     if not grid:
