@@ -420,13 +420,20 @@ def test_supernode_intervention_sets_every_member():
         Supernode("empty", [])
 
 
-def test_spilled_edges_give_the_in_memory_graph(tmp_path):
+def test_spilled_edges_give_the_in_memory_graph(tmp_path, monkeypatch):
+    import workbench.analysis.graphs.attribute as attribute
+
     model = _model(norm="rmsnorm", positional="rope")
     tcs = _transcoders(model)
     tokens = torch.randint(0, 40, (1, 8))
     for kw in (dict(), dict(max_feature_nodes=30, batch_size=8)):  # all rows; rows chosen by influence from the files
         folder = tmp_path / str(len(kw))
         memory = attribution_graph(model, tcs, tokens, **kw)
+        with monkeypatch.context() as m:  # no room to reserve one buffer: chunks of 500 edges, joined at the end
+            m.setattr(attribute, "_reserve_limit", lambda: 0)
+            chunked = attribution_graph(model, tcs, tokens, edge_chunk=500, **kw)
+        for name in ("edge_target", "edge_source", "edge_weight"):
+            assert torch.equal(getattr(chunked, name), getattr(memory, name))
         spilled = attribution_graph(model, tcs, tokens, spill_dir=folder, edge_chunk=500, **kw)
         assert len(spilled.edge_files) > 3 and spilled.__dict__["_edge_weight"] is None
         assert sorted(p.name for p in folder.iterdir()) == [p.name for p in spilled.edge_files]  # raw chunks removed

@@ -381,11 +381,9 @@ class _EdgeStore:
     ``chunk_edges``. With ``spill_dir`` each full chunk is written to ``raw-edges-{i:05d}.safetensors``
     there and dropped, so at most one chunk of edges is in memory."""
 
-    RESERVE_LIMIT = 8 << 30  # bytes of address space one graph's in-memory buffer may reserve
-
     def __init__(self, chunk_edges: int = 1 << 20, spill_dir: Optional[Path] = None, capacity: Optional[int] = None):
         self.chunk_edges, self.spill_dir = chunk_edges, spill_dir
-        self.single = spill_dir is None and capacity is not None and 12 * capacity <= self.RESERVE_LIMIT
+        self.single = spill_dir is None and capacity is not None and 12 * capacity <= _reserve_limit()
         self.chunks: list = []  # (t, s, w) tensors, or a Path to a spilled chunk
         self.n = 0
         self._new(capacity if self.single else chunk_edges)
@@ -471,6 +469,18 @@ def _capacity(rs, cap: Capture, target, max_n_logits: int, max_feature_nodes: Op
     n_logits = max_n_logits if target is None else len(target) if isinstance(target, list) else 1
     rows = n_logits + (n_feat if max_feature_nodes is None else min(int(max_feature_nodes), n_feat))
     return rows * (n_feat + (rs.n_layers + 1) * n_pos)
+
+
+def _reserve_limit() -> int:
+    """Bytes of address space one graph's edge buffer may reserve: 8 GB, at most a quarter of the
+    physical memory (the kernel refuses one allocation far beyond it, touched or not)."""
+    import os
+
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 4 << 30
+    return min(8 << 30, physical // 4)
 
 
 def _load_chunk(path: Path) -> tuple[Tensor, Tensor, Tensor]:
