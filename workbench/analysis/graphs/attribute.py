@@ -280,7 +280,9 @@ class _Engine:
             def z_from_pattern(z: Tensor, hook, layer=layer, attn=attn, pattern=pattern) -> Tensor:
                 e = attn.cfg.d_head
                 v = F.linear(inputs.pop(layer), attn._W_V.transpose(1, 2).flatten(0, 1), attn._b_V.flatten())
-                v = v.unflatten(-1, (-1, e)).repeat_interleave(attn.group, dim=2)  # [b, pos, head, e]
+                v = v.unflatten(-1, (-1, e))
+                if attn.group > 1:  # grouped keys/values: each serves `group` query heads
+                    v = v.repeat_interleave(attn.group, dim=2)  # [b, pos, head, e]
                 b, P, h, _ = v.shape
                 out = torch.bmm(pattern.to(v.dtype), v.permute(2, 1, 0, 3).reshape(h, P, b * e))  # [head, pos, b * e]
                 return out.view(h, P, b, e).permute(2, 1, 0, 3).to(z.dtype)
