@@ -78,7 +78,8 @@ def child(args) -> None:
         graph = attribution_graph(model, tcs, tokens, max_feature_nodes=args.features, batch_size=args.batch,
                                   edge_mass=0.999, max_edges_per_node=args.edges, max_n_logits=10)
         row.update(seconds=time.perf_counter() - start, active_features=graph.meta["n_active_features"],
-                   feature_rows=int((graph.kind == 0).sum()), edges=graph.n_edges)
+                   feature_rows=int((graph.kind == 0).sum()), edges=graph.n_edges,
+                   stored_patterns=graph.meta["stored_patterns"])
     row["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(row), flush=True)
 
@@ -126,8 +127,8 @@ def main(argv=None):
         rows.append(row)
         print(f"{context:6d} tokens  {row['seconds']:8.1f} s  peak {row['peak_mb']:8.0f} MB  "
               f"(graph {row['graph_mb']:7.0f} MB over a {base['peak_mb']:.0f} MB baseline)  "
-              f"{row['active_features']} active features, {row['feature_rows']} feature rows, {row['edges']} edges",
-              flush=True)
+              f"{row['active_features']} active features, {row['feature_rows']} feature rows, {row['edges']} edges, "
+              f"backward through {'stored patterns' if row['stored_patterns'] else 'frozen queries/keys'}", flush=True)
     if len(rows) > 1:
         ctx = [r["context"] for r in rows]
         print(f"fitted exponent, graph memory vs context: {fit_exponent(ctx, [max(r['graph_mb'], 1.0) for r in rows]):.2f}"

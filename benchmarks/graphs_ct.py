@@ -159,7 +159,8 @@ def child_ours(args) -> None:
     (out / "timing.json").write_text(json.dumps({"context": args.context, "seconds": seconds,
                                                  "peak_rss_mb_before": before, "peak_rss_mb": after,
                                                  "n_nodes": graph.n_nodes, "n_edges": graph.n_edges,
-                                                 "threads": args.threads, "batch_size": args.batch_size}, indent=1))
+                                                 "threads": args.threads, "batch_size": graph.meta["batch_size"],
+                                                 "stored_patterns": graph.meta["stored_patterns"]}, indent=1))
 
 
 def run(cmd: list[str], timeout: int, env: dict | None = None) -> None:
@@ -240,6 +241,7 @@ def compare(out: Path, context: int) -> dict:
         "feature_sets_equal": ours_feats == ct_feats,
         "pruned_nodes_ct": len(pruned_ct), "pruned_nodes_ours": len(pruned_ours),
         "pruned_node_jaccard": len(pruned_ct & pruned_ours) / max(1, len(pruned_ct | pruned_ours)),
+        "batch_size_ct": t_ct.get("batch_size"), "batch_size_ours": t_ours.get("batch_size"),
         "seconds_ct": t_ct["seconds"], "seconds_ours": t_ours["seconds"],
         "time_ratio_ours_over_ct": t_ours["seconds"] / t_ct["seconds"],
         "peak_mb_ct": t_ct["peak_rss_mb"], "peak_mb_ours": t_ours["peak_rss_mb"],
@@ -267,7 +269,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads on each side")
     p.add_argument("--ct-batch-size", type=int, default=64, help="circuit-tracer's attribute batch_size")
-    p.add_argument("--batch-size", type=int, default=16, help="our attribution_graph batch_size")
+    p.add_argument("--batch-size", type=int, default=None, help="our attribution_graph batch_size (default: its own)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
     p.add_argument("--ct-only", action="store_true", help="run circuit-tracer's side only")
     p.add_argument("--compare-only", action="store_true", help="only compare what --out already holds")
@@ -312,7 +314,8 @@ def main() -> None:
             if have_ours:
                 run([sys.executable, __file__, "--child", "ours", "--context", str(context), "--max-context",
                      str(max(contexts)), "--seed", str(args.seed), "--threads", str(args.threads),
-                     "--batch-size", str(args.batch_size), "--out", str(out / f"ours-{context}")], args.timeout)
+                     *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
+                     "--out", str(out / f"ours-{context}")], args.timeout)
         if (out / f"ours-{context}" / "graph.safetensors").exists():
             results.append(compare(out, context))
             print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in results[-1].items()}), flush=True)

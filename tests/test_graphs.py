@@ -171,6 +171,38 @@ def test_cross_layer_transcoder_edges_and_frozen_logits(activation, skip):
     assert far.any()
 
 
+def test_every_backward_and_read_path_gives_the_same_checked_graph():
+    """TopK transcoders (each layer's features read as a [pos, k] grid), the backward through stored
+    patterns and through frozen queries and keys, one layer or mixed layers per batch: one graph."""
+    model = _model(**LAYOUTS["pre-rmsnorm-rope-swiglu-gqa"])
+    g = torch.Generator().manual_seed(1)
+    tcs = []
+    for layer in range(model.cfg.n_layers):
+        tc = make_dictionary(DictionaryConfig(kind="skip_transcoder", d_in=32, d_sae=64, d_out=32, k=4,
+                                              hook_name=f"blocks.{layer}.ln2.hook_normalized",
+                                              hook_name_out=f"blocks.{layer}.hook_mlp_out"))
+        tc.init_weights(g)
+        with torch.no_grad():
+            tc.W_dec.mul_(0.3)
+            tc.W_skip.copy_(0.1 * torch.randn(32, 32, generator=g))
+        tcs.append(tc.eval())
+    tokens = torch.randint(0, 40, (1, 9))
+    stored = attribution_graph(model, tcs, tokens, stored_patterns=True)
+    assert stored._context[2].patterns and _check_edges(model, stored) == 6
+    for kw in (dict(stored_patterns=False, batch_size=5), dict(stored_patterns=True, batch_size=7)):
+        other = attribution_graph(model, tcs, tokens, **kw)
+        assert not other._context[2].patterns or kw["stored_patterns"]
+        torch.testing.assert_close(other.adjacency(), stored.adjacency(), atol=ATOL, rtol=ATOL)
+    # rows chosen by influence: batches that mix layers
+    budget = attribution_graph(model, tcs, tokens, max_feature_nodes=20, batch_size=6, stored_patterns=False)
+    keep = torch.tensor([(l, p, f) in set(zip(budget.layer.tolist(), budget.pos.tolist(), budget.feature.tolist()))
+                         for l, p, f in zip(stored.layer.tolist(), stored.pos.tolist(), stored.feature.tolist())])
+    keep |= stored.kind != 0
+    sub = stored.subgraph(keep)
+    rows = torch.unique(budget.edge_target)
+    torch.testing.assert_close(budget.adjacency()[rows], sub.adjacency()[rows], atol=ATOL, rtol=ATOL)
+
+
 def test_target_kinds():
     model = _model()
     tcs = _transcoders(model)
@@ -355,3 +387,64 @@ def test_intervention_direct_effect_is_the_edge():
     assert not torch.allclose(live, before)
     with pytest.raises(ValueError, match="not a feature node"):
         graph.intervene([int(graph.nodes_of("error")[0])])
+
+
+def test_supernode_intervention_sets_every_member():
+    from workbench.analysis.graphs import Supernode
+
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    graph = attribution_graph(model, tcs, torch.randint(0, 40, (1, 8)), max_n_logits=1)
+    logit = int(graph.nodes_of("logit")[0])
+    into = (graph.edge_target == logit) & (graph.kind[graph.edge_source] == 0)
+    members = graph.edge_source[into][graph.edge_weight[into].abs().argsort(descending=True)[:3]].tolist()
+    ids = [graph.node_ids()[m] for m in members]
+    group = Supernode("group", ids)
+    for kw in (dict(), dict(freeze_attention=True), dict(direct_only=True)):
+        one_by_one = graph.intervene(members, 0.0, **kw)
+        torch.testing.assert_close(graph.intervene([group], 0.0, **kw), one_by_one, atol=0, rtol=0)
+        torch.testing.assert_close(graph.intervene(["group"], [0.0], supernodes={"group": ids}, **kw), one_by_one,
+                                   atol=0, rtol=0)
+    # in the graph's own frozen model the target moves by minus the members' summed direct edges
+    before, after = graph.intervene([], direct_only=True), graph.intervene([group], 0.0, direct_only=True)
+    token = int(graph.feature[logit])
+    change = (before[-1, token] - before[-1].mean()) - (after[-1, token] - after[-1].mean())
+    assert float(change) == pytest.approx(sum(graph.edge(logit, m) for m in members), abs=ATOL)
+    mixed = graph.intervene([Supernode("two", ids[:2]), ids[2]], [0.0, 0.0], direct_only=True)
+    torch.testing.assert_close(mixed, after, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="set twice"):
+        graph.intervene([group, ids[0]], [0.0, 1.0])
+    with pytest.raises(ValueError, match="supernode"):
+        graph.intervene(["nobody"])
+    with pytest.raises(ValueError, match="non-empty"):
+        Supernode("empty", [])
+
+
+def test_spilled_edges_give_the_in_memory_graph(tmp_path, monkeypatch):
+    import workbench.analysis.graphs.attribute as attribute
+
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    tokens = torch.randint(0, 40, (1, 8))
+    for kw in (dict(), dict(max_feature_nodes=30, batch_size=8)):  # all rows; rows chosen by influence from the files
+        folder = tmp_path / str(len(kw))
+        memory = attribution_graph(model, tcs, tokens, **kw)
+        with monkeypatch.context() as m:  # no room to reserve one buffer: chunks of 500 edges, joined at the end
+            m.setattr(attribute, "_reserve_limit", lambda: 0)
+            chunked = attribution_graph(model, tcs, tokens, edge_chunk=500, **kw)
+        for name in ("edge_target", "edge_source", "edge_weight"):
+            assert torch.equal(getattr(chunked, name), getattr(memory, name))
+        spilled = attribution_graph(model, tcs, tokens, spill_dir=folder, edge_chunk=500, **kw)
+        assert len(spilled.edge_files) > 3 and spilled.__dict__["_edge_weight"] is None
+        assert sorted(p.name for p in folder.iterdir()) == [p.name for p in spilled.edge_files]  # raw chunks removed
+        assert spilled.n_edges == memory.n_edges
+        for name in ("edge_target", "edge_source", "edge_weight"):  # read back from the files
+            assert torch.equal(getattr(spilled, name), getattr(memory, name))
+        torch.testing.assert_close(spilled.influence(), memory.influence(), atol=1e-7, rtol=1e-5)
+        a, b = spilled.prune_masks(0.8, 0.98), memory.prune_masks(0.8, 0.98)
+        assert torch.equal(a.node_mask, b.node_mask) and torch.equal(a.edge_mask, b.edge_mask)
+        p, q = spilled.prune(), memory.prune()
+        assert not p.edge_files and torch.equal(p.adjacency(), q.adjacency())
+        assert spilled.scores() == pytest.approx(memory.scores(), abs=1e-6)
+    with pytest.raises(ValueError, match="already holds edge files"):
+        attribution_graph(model, tcs, tokens, spill_dir=tmp_path / "0")

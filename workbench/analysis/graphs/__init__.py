@@ -11,11 +11,13 @@
 """
 
 from workbench.analysis.graphs.attribute import attribution_graph, logit_targets
-from workbench.analysis.graphs.graph import NODE_KINDS, Graph, PruneResult, collapse_frames, compute_influence_sparse
+from workbench.analysis.graphs.graph import (NODE_KINDS, Graph, PruneResult, Supernode, collapse_frames,
+                                            compute_influence_sparse)
 from workbench.analysis.graphs.loadings import head_loadings
 from workbench.analysis.graphs.qk import attention_entries, qk_attribution, qk_table
 from workbench.analysis.graphs.replacement import (CLTView, TranscoderSet, capture, check_model, frozen_forward,
                                                    live_forward, replacement_set)
 
-__all__ = ["attribution_graph", "qk_attribution", "qk_table", "attention_entries", "head_loadings", "logit_targets", "NODE_KINDS", "Graph", "PruneResult", "compute_influence_sparse",
+__all__ = ["attribution_graph", "qk_attribution", "qk_table", "attention_entries", "head_loadings", "logit_targets",
+           "NODE_KINDS", "Graph", "PruneResult", "Supernode", "compute_influence_sparse",
            "collapse_frames", "CLTView", "TranscoderSet", "capture", "check_model", "frozen_forward", "live_forward", "replacement_set"]

@@ -17,11 +17,18 @@ through the rows so far (as circuit-tracer does). Memory: rows are kept sparse, 
 its largest edges up to ``edge_mass`` of its absolute mass (and at most
 ``max_edges_per_node``), so what is held grows with rows x kept edges plus the per-copy
 activations, linearly in the context; nothing of size (active features)^2 is ever made.
+
+Speed (what made it faster than circuit-tracer on the same prompts): the real MLPs are skipped
+in the kept forward; at short context the backward runs through the stored attention patterns
+(one product per head) instead of the fused kernel's backward; a feature's edges are read by
+one batched product per position against a grid of the active features' decoder rows; the
+kept edges go into one buffer paged in as written (``_EdgeStore``), or to disk (``spill_dir``).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
@@ -29,10 +36,12 @@ from torch import Tensor
 
 from workbench.analysis.graphs.graph import Graph, NODE_KINDS, compute_influence_sparse
 from workbench.analysis.graphs.replacement import (Capture, FrozenRun, capture, check_layout, check_model, final_read,
-                                                   replacement_set, targets_of)
+                                                   pattern_layers, replacement_set, targets_of)
 from workbench.padding import TokenBatch
 
 FEATURE, ERROR, TOKEN, LOGIT = (NODE_KINDS.index(k) for k in ("feature", "error", "token", "logit"))
+PATTERN_BUDGET = 64 << 20  # bytes of stored attention patterns (all layers) below which they are used
+GRID_BUDGET = 32 << 20  # bytes of decoder-row grids (all layers) below which the rows are read through them
 
 
 def attribution_graph(
@@ -44,11 +53,14 @@ def attribution_graph(
     max_n_logits: int = 10,
     desired_logit_prob: float = 0.95,
     max_feature_nodes: Optional[int] = None,
-    batch_size: int = 16,
+    batch_size: Optional[int] = None,
     edge_mass: float = 1.0,
     max_edges_per_node: Optional[int] = None,
     update_interval: int = 4,
     chunk: int = 8192,
+    stored_patterns: Optional[bool] = None,
+    spill_dir: Optional[Union[str, Path]] = None,
+    edge_chunk: int = 1 << 20,
     verbose: bool = False,
     qk: bool = False,
     qk_entries: int = 2,
@@ -61,7 +73,18 @@ def attribution_graph(
     logit difference a - b), a [d_vocab] weighting of the logits or a [d_model] direction at the
     unembedding's input, or a list of these. Token logits are demeaned over the vocabulary, as
     circuit-tracer does. ``max_feature_nodes``: how many features get rows (None: all active
-    ones); ``edge_mass`` < 1 / ``max_edges_per_node`` keep each row sparse.
+    ones); ``edge_mass`` < 1 / ``max_edges_per_node`` keep each row sparse. ``batch_size``: targets
+    per backward pass (None: up to 64, fewer as the context grows, so the kept forward of that many
+    copies stays near 2^16 token copies). ``stored_patterns``: the backward passes run through the
+    attention patterns stored from the clean run (faster; heads x pos^2 floats per layer) rather than
+    through the fused attention with frozen queries and keys (memory linear in the context); None:
+    stored when they take at most 64 MB. Both give the same graph.
+
+    ``spill_dir``: a folder for the edges, written as they are computed in safetensors files of
+    ``edge_chunk`` edges (``graph-edges-00000.safetensors``, ...; a batch of prompts: one
+    ``prompt-{i}`` subfolder each), so at most one chunk of edges is ever in memory; the graph
+    reads them back chunk by chunk for influence, pruning and subgraphs (see ``Graph.edge_files``).
+    The folder must hold no such files already; they are the caller's to delete.
 
     ``transcoders``: a list of per-layer (skip-)transcoders or a cross-layer transcoder; None for an
     attention-only model (its replacement model is the model itself: token and logit nodes only).
@@ -70,20 +93,34 @@ def attribution_graph(
     """
     if not 0 < edge_mass <= 1:
         raise ValueError(f"edge_mass must lie in (0, 1], got {edge_mass}")
-    for name, value in (("batch_size", batch_size), ("max_n_logits", max_n_logits), ("chunk", chunk)):
-        if not isinstance(value, int) or value < 1:
+    for name, value in (("batch_size", batch_size), ("max_n_logits", max_n_logits), ("chunk", chunk),
+                        ("edge_chunk", edge_chunk)):
+        if (value is not None or name != "batch_size") and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     check_layout(model)
     rs = replacement_set(transcoders, model)
     check_model(model, rs)
     tokens, mask, single = _tokens(model, prompt)
+    if stored_patterns is None:
+        n_heads = sum(model.blocks[l].attn.cfg.n_heads for l in pattern_layers(model))
+        stored_patterns = n_heads * tokens.shape[1] ** 2 * 4 <= PATTERN_BUDGET
     was = model.training
     model.eval()
     try:
-        caps = capture(model, rs, tokens, mask)
+        caps = capture(model, rs, tokens, mask, patterns=bool(stored_patterns))
+        folders = [None] * len(caps)
+        if spill_dir is not None:
+            folders = [Path(spill_dir) if single else Path(spill_dir) / f"prompt-{b}" for b in range(len(caps))]
+            for folder in folders:
+                folder.mkdir(parents=True, exist_ok=True)
+                taken = sorted(folder.glob("*edges-*.safetensors"))
+                if taken:
+                    raise ValueError(f"spill_dir {folder} already holds edge files ({taken[0].name}, ...): give an "
+                                     "empty folder (those files are not deleted or overwritten)")
         graphs = [_attribute(model, rs, cap, target, max_n_logits, desired_logit_prob, max_feature_nodes,
-                             batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose)
-                  for cap in caps]
+                             batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose,
+                             _EdgeStore(edge_chunk, folder, _capacity(rs, cap, target, max_n_logits, max_feature_nodes)))
+                  for cap, folder in zip(caps, folders)]
         if qk:
             from workbench.analysis.graphs.qk import qk_table
 
@@ -169,7 +206,7 @@ class _Sources:
     def __init__(self, rs, cap: Capture):
         feats = []
         for layer, acts in enumerate(cap.acts):
-            pos, f = acts.nonzero(as_tuple=True)
+            pos, f = acts.nonzero(as_tuple=True)  # row-major: sorted by position, then feature id
             feats.append(torch.stack([torch.full_like(pos, layer), pos, f], 1))
         # [n, 3] (layer, pos, feature); an attention-only model has none
         self.features = torch.cat(feats) if feats else torch.zeros(0, 3, dtype=torch.long, device=cap.tokens.device)
@@ -181,6 +218,15 @@ class _Sources:
         self.n = self.token_start + self.n_pos
         by_layer = self.features[:, 0]
         self.layer_slices = [(by_layer == l).nonzero().squeeze(-1) for l in range(self.n_layers)]
+        # each layer's features as slots of a [pos, k_max] grid (k_max: the most active at one position),
+        # so a row's feature edges are one batched product per position instead of one per feature
+        self.k_max, self.slots = [], []
+        for ft in feats:
+            counts = torch.bincount(ft[:, 1], minlength=self.n_pos)
+            k = int(counts.max()) if len(ft) else 0
+            first = counts.cumsum(0) - counts
+            self.k_max.append(k)
+            self.slots.append(ft[:, 1] * k + torch.arange(len(ft)) - first[ft[:, 1]])
 
 
 class _Engine:
@@ -201,20 +247,77 @@ class _Engine:
             return leaf if skip is None else leaf + skip
 
         self.run = FrozenRun(model, rs, cap, write, self.embed)
-        with torch.enable_grad():
-            self.logits = self.run(batch)
+        extra, handles = self._pattern_hooks(model, cap, batch)
+        try:
+            with torch.enable_grad():
+                self.logits = self.run(batch, extra)
+        finally:
+            for h in handles:
+                h.remove()
         self.final_w = final_read(model)[1]
-        self.decoders = {(s, t): rs.decoder(s, t).detach() for s in range(rs.n_layers) for t in targets_of(rs, s)}
+        self.decoders, self.grids = {}, {}
+        P = src.n_pos
+        # the grids hold pos x k_max x d_out floats per (source, target) layer pair: within GRID_BUDGET
+        size = sum(P * src.k_max[s] * rs.d_out * 4 for s in range(rs.n_layers) for _ in targets_of(rs, s))
+        with torch.no_grad():
+            for s in range(rs.n_layers):
+                idx, k = src.layer_slices[s], src.k_max[s]
+                # the grid pays off unless one crowded position makes most of it padding, or features are dense
+                grid = len(idx) and P * k <= 2 * len(idx) + P and 4 * k <= rs.d_sae and size <= GRID_BUDGET
+                for t in targets_of(rs, s):
+                    W = rs.decoder(s, t).detach()
+                    if not grid:
+                        self.decoders[(s, t)] = W
+                        continue
+                    # [pos, d_out, k_max]: each active feature's decoder row times its activation, in its slot
+                    g = W.new_zeros(P * k, W.shape[1])
+                    g[src.slots[s]] = W[src.features[idx, 2]] * src.values[idx, None].to(W.dtype)
+                    self.grids[(s, t)] = g.view(P, k, -1).transpose(1, 2).contiguous()
+        # one row buffer, written in full by every read (no per-batch allocation of [batch, n_sources])
+        self.out = torch.empty(batch, src.n, dtype=self.embed.dtype, device=self.embed.device)
+
+    @staticmethod
+    def _pattern_hooks(model, cap: Capture, batch: int) -> tuple[list, list]:
+        """With the patterns captured, each such layer's attention output is recomputed as
+        ``pattern @ values`` from its input (at ``hook_z``): the backward then runs one product per
+        head, not the fused kernel's backward (which also forms the frozen queries' and keys'
+        gradients) nor the fused projection's (whose query and key parts get zero gradients)."""
+        import torch.nn.functional as F
+
+        inputs: dict[int, Tensor] = {}
+        hooks, handles = [], []
+        for layer, pattern in cap.patterns.items():
+            attn = model.blocks[layer].attn
+
+            def keep_input(module, args, layer=layer):
+                inputs[layer] = args[0]
+
+            def z_from_pattern(z: Tensor, hook, layer=layer, attn=attn, pattern=pattern) -> Tensor:
+                e = attn.cfg.d_head
+                v = F.linear(inputs.pop(layer), attn._W_V.transpose(1, 2).flatten(0, 1), attn._b_V.flatten())
+                v = v.unflatten(-1, (-1, e))
+                if attn.group > 1:  # grouped keys/values: each serves `group` query heads
+                    v = v.repeat_interleave(attn.group, dim=2)  # [b, pos, head, e]
+                b, P, h, _ = v.shape
+                out = torch.bmm(pattern.to(v.dtype), v.permute(2, 1, 0, 3).reshape(h, P, b * e))  # [head, pos, b * e]
+                return out.view(h, P, b, e).permute(2, 1, 0, 3).to(z.dtype)
+
+            handles.append(attn.register_forward_pre_hook(keep_input))
+            hooks.append((f"blocks.{layer}.attn.hook_z", z_from_pattern))
+        return hooks, handles
 
     def rows(self, layers: Tensor, positions: Tensor, vectors: Tensor, retain: bool = True) -> Tensor:
-        """[n, n_sources] direct effects on n <= batch targets: (layer or n_layers = logit, pos, vector)."""
+        """[n, n_sources] direct effects on n <= batch targets: (layer or n_layers = logit, pos, vector).
+
+        The result is a view of a buffer the next call overwrites."""
         n = len(layers)
         grads: dict[int, Tensor] = {}
-        for i in range(n):
-            layer = int(layers[i])
+        for layer in layers.unique().tolist():
+            at = (layers == layer).nonzero().squeeze(-1)
             where = self.run.final if layer == self.rs.n_layers else self.run.x[layer]
-            g = grads.setdefault(layer, torch.zeros_like(where))
-            g[i, int(positions[i])] = vectors[i].reshape(g.shape[2:]).to(g.dtype)
+            g = torch.zeros_like(where)
+            g[at, positions[at]] = vectors[at].reshape(-1, *g.shape[2:]).to(g.dtype)
+            grads[layer] = g
         tensors = [self.run.final if layer == self.rs.n_layers else self.run.x[layer] for layer in grads]
         leaves = [self.embed, *self.writes.values()]
         # autograd.grad, not backward: only the sources' gradients are computed (no weight gradients),
@@ -225,17 +328,26 @@ class _Engine:
     @torch.no_grad()
     def _read(self, n: int, g_embed: Optional[Tensor], g_writes: dict[int, Optional[Tensor]]) -> Tensor:
         src, cap, P = self.src, self.cap, self.src.n_pos
-        out = torch.zeros(n, src.n, dtype=self.embed.dtype, device=self.embed.device)
+        out = self.out[:n]
         zero = torch.zeros_like(self.embed[:n])
         gw = {t: (g[:n] if g is not None else zero) for t, g in g_writes.items()}
-        # a feature's edge is its activation times (gradient at the MLP outputs it writes) . (its decoder rows):
-        # project the gradients on every decoder row, a chunk of positions at a time, and pick the active ones
-        step = max(1, self.chunk * 64 // max(1, n * self.rs.d_sae))
+        gp = {}  # [pos, n, d_out]: the gradient at each MLP output, position-major for the batched products
         for s in range(src.n_layers):
             idx = src.layer_slices[s]
             if not len(idx):
                 continue
+            if (s, targets_of(self.rs, s)[0]) in self.grids:
+                # a feature's edge: its activation times (gradient at the MLP outputs it writes) . (its decoder rows)
+                proj = 0
+                for t in targets_of(self.rs, s):
+                    if t not in gp:
+                        gp[t] = gw[t].transpose(0, 1).contiguous()
+                    proj = proj + torch.bmm(gp[t], self.grids[(s, t)])  # [pos, n, k_max]
+                out[:, idx] = proj.transpose(0, 1).reshape(n, -1)[:, src.slots[s]]
+                continue
+            # dense or unevenly spread features: project on every decoder row, a chunk of positions at a time
             pos, f = src.features[idx, 1], src.features[idx, 2]
+            step = max(1, self.chunk * 64 // max(1, n * self.rs.d_sae))
             for lo in range(0, P, step):
                 a, b = torch.searchsorted(pos, torch.tensor([lo, lo + step]))
                 if a == b:
@@ -246,33 +358,157 @@ class _Engine:
                 out[:, idx[a:b]] = proj[:, pos[a:b] - lo, f[a:b]] * src.values[idx[a:b]]
         for t in range(src.n_layers):
             lo = src.error_start + t * P
-            out[:, lo:lo + P] = (gw[t] * cap.errors[t]).sum(-1)
+            out[:, lo:lo + P] = torch.einsum("npd,pd->np", gw[t], cap.errors[t])
         ge = g_embed[:n] if g_embed is not None else zero
-        out[:, src.token_start:] = (ge * cap.embed).sum(-1)
+        out[:, src.token_start:] = torch.einsum("npd,pd->np", ge, cap.embed)
         return out
 
 
-def _sparsify(rows: Tensor, edge_mass: float, cap: Optional[int]) -> list[tuple[Tensor, Tensor]]:
-    """Each row's largest entries up to ``edge_mass`` of its absolute sum (at most ``cap``): (index, value)."""
-    out = []
-    for row in rows:
+def _sparsify(rows: Tensor, edge_mass: float, cap: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's largest entries up to ``edge_mass`` of its absolute sum (at most ``cap``):
+    ``(row in the block, column, value)`` of the kept entries, row by row."""
+    if edge_mass >= 1 and cap is None:
+        r, c = rows.nonzero(as_tuple=True)
+        return r, c, rows[r, c]
+    out_r, out_c = [], []
+    for i, row in enumerate(rows):
         nz = row.nonzero().squeeze(-1)
         if edge_mass >= 1 and (cap is None or len(nz) <= cap):
-            out.append((nz, row[nz]))
-            continue
-        mag = row[nz].abs()
-        k = len(nz) if cap is None else min(cap, len(nz))
-        top, order = mag.topk(k)
-        total = mag.sum().clamp_min(1e-30)
-        keep = int(torch.searchsorted(top.cumsum(0) / total, torch.tensor(edge_mass, dtype=top.dtype))) + 1
-        keep = min(keep, k)
-        idx = nz[order[:keep]]
-        out.append((idx, row[idx]))
-    return out
+            out_c.append(nz)
+        else:
+            mag = row[nz].abs()
+            k = len(nz) if cap is None else min(cap, len(nz))
+            top, order = mag.topk(k)
+            total = mag.sum().clamp_min(1e-30)
+            keep = int(torch.searchsorted(top.cumsum(0) / total, torch.tensor(edge_mass, dtype=top.dtype))) + 1
+            out_c.append(nz[order[:min(keep, k)]])
+        out_r.append(torch.full_like(out_c[-1], i))
+    r, c = torch.cat(out_r), torch.cat(out_c)
+    return r, c, rows[r, c]
+
+
+class _EdgeStore:
+    """The kept edges ``(target, source, weight)`` as int32, int32, fp32, filled in place.
+
+    In memory: one buffer of ``capacity`` edges (every row's every source, an upper bound), which
+    costs nothing until written (the pages of a large allocation are mapped as they are first
+    touched), so the graph's edges end as views of it: no final concatenation doubling the peak,
+    and none of the many small, differently sized row tensors that fragment the heap (glibc then
+    kept several times their size resident). Where that bound is too large to reserve, chunks of
+    ``chunk_edges``. With ``spill_dir`` each full chunk is written to ``raw-edges-{i:05d}.safetensors``
+    there and dropped, so at most one chunk of edges is in memory."""
+
+    def __init__(self, chunk_edges: int = 1 << 20, spill_dir: Optional[Path] = None, capacity: Optional[int] = None):
+        self.chunk_edges, self.spill_dir = chunk_edges, spill_dir
+        self.single = spill_dir is None and capacity is not None and 12 * capacity <= _reserve_limit()
+        self.chunks: list = []  # (t, s, w) tensors, or a Path to a spilled chunk
+        self.n = 0
+        self._new(capacity if self.single else chunk_edges)
+
+    def _new(self, size: int) -> None:
+        self.size = size
+        self.buf = (torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32), torch.empty(size))
+        self.fill = 0
+
+    def add(self, t: Tensor, s: Tensor, w: Tensor) -> None:
+        at = 0
+        while at < len(w):
+            take = min(len(w) - at, self.size - self.fill)
+            for buf, x in zip(self.buf, (t, s, w)):
+                buf[self.fill:self.fill + take] = x[at:at + take]
+            self.fill, at, self.n = self.fill + take, at + take, self.n + take
+            if self.fill == self.size and at < len(w):
+                if self.single:
+                    raise RuntimeError("more edges than the store's capacity")
+                self._finish()
+
+    def _finish(self) -> None:
+        part = tuple(b[:self.fill] for b in self.buf)
+        if self.spill_dir is not None:
+            from safetensors.torch import save_file
+
+            path = self.spill_dir / f"raw-edges-{len(self.chunks):05d}.safetensors"
+            save_file(dict(zip(("target", "source", "weight"), (p.contiguous() for p in part))), str(path))
+            self.chunks.append(path)
+        else:
+            self.chunks.append(part)
+        self._new(self.chunk_edges)
+
+    def __iter__(self):
+        """Each chunk's ``(target, source, weight)`` (the last one partly filled), read back if spilled."""
+        for chunk in self.chunks:
+            yield _load_chunk(chunk) if isinstance(chunk, Path) else chunk
+        if self.fill:
+            yield tuple(b[:self.fill] for b in self.buf)
+
+    def drain(self):
+        """The chunks as ``__iter__`` gives them, each dropped from the store once given."""
+        while self.chunks:
+            chunk = self.chunks.pop(0)
+            if isinstance(chunk, Path):
+                loaded = _load_chunk(chunk)
+                chunk.unlink()  # a file this store wrote
+                chunk = loaded
+            yield chunk
+        if self.fill:
+            last, self.fill = tuple(b[:self.fill] for b in self.buf), 0
+            self.buf = None
+            yield last
+
+    def all(self) -> tuple[Tensor, Tensor, Tensor]:
+        parts = list(self)
+        if not parts:
+            return torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(0)
+        return tuple(torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
+
+    def renumbered(self, old_to_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The single buffer's edges with node ids mapped by ``old_to_new`` (-1: dropped), compacted
+        in place (writes never pass the block being read), as views of the buffer."""
+        t, s, w = self.buf
+        if bool((old_to_new == torch.arange(len(old_to_new))).all()):
+            return t[:self.fill], s[:self.fill], w[:self.fill]
+        out = 0
+        for lo in range(0, self.fill, self.chunk_edges):
+            hi = min(lo + self.chunk_edges, self.fill)
+            nt, ns = old_to_new[t[lo:hi].long()], old_to_new[s[lo:hi].long()]
+            keep = (nt >= 0) & (ns >= 0)
+            k = int(keep.sum())
+            kept_w = w[lo:hi][keep]
+            t[out:out + k], s[out:out + k], w[out:out + k] = nt[keep], ns[keep], kept_w
+            out += k
+        return t[:out], s[:out], w[:out]
+
+
+def _capacity(rs, cap: Capture, target, max_n_logits: int, max_feature_nodes: Optional[int]) -> int:
+    """At most how many edges a graph can have: rows (logits and features) x sources."""
+    n_feat = sum(int((a != 0).sum()) for a in cap.acts)
+    n_pos = len(cap.tokens)
+    n_logits = max_n_logits if target is None else len(target) if isinstance(target, list) else 1
+    rows = n_logits + (n_feat if max_feature_nodes is None else min(int(max_feature_nodes), n_feat))
+    return rows * (n_feat + (rs.n_layers + 1) * n_pos)
+
+
+def _reserve_limit() -> int:
+    """Bytes of address space one graph's edge buffer may reserve: 8 GB, at most a quarter of the
+    physical memory (the kernel refuses one allocation far beyond it, touched or not)."""
+    import os
+
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 4 << 30
+    return min(8 << 30, physical // 4)
+
+
+def _load_chunk(path: Path) -> tuple[Tensor, Tensor, Tensor]:
+    from safetensors.torch import load_file
+
+    d = load_file(str(path))
+    return d["target"], d["source"], d["weight"]
 
 
 def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob, max_feature_nodes, batch_size,
-               edge_mass, max_edges_per_node, update_interval, chunk, verbose) -> Graph:
+               edge_mass, max_edges_per_node, update_interval, chunk, verbose, store: "_EdgeStore") -> Graph:
     t0 = time.time()
     src = _Sources(rs, cap)
     labels, ids, weights, vecs = logit_targets(model, cap, target, max_n_logits, desired_logit_prob)
@@ -280,6 +516,8 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
     logit_start = src.n
     n_total = src.n + n_logits
     budget = src.n_feat if max_feature_nodes is None else min(int(max_feature_nodes), src.n_feat)
+    if batch_size is None:  # as many copies as keep the kept forward near 2^16 token copies, at most 64
+        batch_size = max(1, min(64, (1 << 16) // max(1, src.n_pos)))
     # no more copies of the prompt than there are targets to put in one backward pass
     engine = _Engine(model, rs, cap, src, min(batch_size, max(n_logits, budget, 1)), chunk)
     batch_size = engine.batch
@@ -287,54 +525,53 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
     final_values = (cap.final.float() * engine.final_w) @ vecs.T  # without the norm's bias: a constant
     if getattr(model.ln_final, "b", None) is not None:
         final_values = final_values + (model.ln_final.b.detach() @ vecs.T)
-    row_ids: list[int] = []
-    row_edges: list[tuple[Tensor, Tensor]] = []
 
-    def add(node_ids: Sequence[int], rows: Tensor) -> None:
-        row_ids.extend(int(i) for i in node_ids)
-        row_edges.extend(_sparsify(rows, edge_mass, max_edges_per_node))
+    def add(node_ids: Tensor, rows: Tensor) -> None:
+        r, c, w = _sparsify(rows, edge_mass, max_edges_per_node)
+        store.add(node_ids[r], c, w)
 
     last = len(cap.tokens) - 1
     for lo in range(0, n_logits, batch_size):
         hi = min(lo + batch_size, n_logits)
         layers = torch.full((hi - lo,), rs.n_layers)
-        add(range(logit_start + lo, logit_start + hi), engine.rows(layers, torch.full((hi - lo,), last), final_vecs[lo:hi]))
+        add(torch.arange(logit_start + lo, logit_start + hi),
+            engine.rows(layers, torch.full((hi - lo,), last), final_vecs[lo:hi]))
     visited = torch.zeros(src.n_feat, dtype=torch.bool)
     logit_weights = torch.zeros(n_total)
     logit_weights[logit_start:] = weights
+    encoders = [rs.encoder(l)[0].detach() for l in range(rs.n_layers)]
     n_visited = 0
     while n_visited < budget:
         if budget == src.n_feat:
             pending = torch.arange(src.n_feat)
         else:
-            influence = compute_influence_sparse(_edges(row_ids, row_edges), n_total, logit_weights)
+            influence = compute_influence_sparse(_long(store.all()), n_total, logit_weights)
             rank = influence[:src.n_feat].argsort(descending=True)
             pending = rank[~visited[rank]][:min(update_interval * batch_size, budget - n_visited)]
         for lo in range(0, len(pending), batch_size):
             idx = pending[lo:lo + batch_size]
-            layers, positions = src.features[idx, 0], src.features[idx, 1]
-            enc = torch.stack([rs.encoder(int(l))[0][:, int(f)].detach() for l, f in src.features[idx][:, [0, 2]]])
+            layers, positions, f = src.features[idx].unbind(1)
+            enc = torch.empty(len(idx), rs.d_in, dtype=encoders[0].dtype)
+            for layer in layers.unique().tolist():
+                at = (layers == layer).nonzero().squeeze(-1)
+                enc[at] = encoders[layer][:, f[at]].T
             n_visited += len(idx)
-            add(idx.tolist(), engine.rows(layers, positions, enc, retain=n_visited < budget))
+            add(idx, engine.rows(layers, positions, enc, retain=n_visited < budget))
             visited[idx] = True
         if verbose:
             print(f"  {n_visited}/{budget} feature rows, {time.time() - t0:.1f}s", flush=True)
     del engine
-    return _package(model, rs, cap, src, visited, labels, ids, weights, vecs, final_values[-1], row_ids, row_edges,
-                    dict(max_feature_nodes=max_feature_nodes, edge_mass=edge_mass,
+    return _package(model, rs, cap, src, visited, labels, ids, weights, vecs, final_values[-1], store,
+                    dict(max_feature_nodes=max_feature_nodes, edge_mass=edge_mass, batch_size=batch_size,
+                         stored_patterns=bool(cap.patterns),
                          max_edges_per_node=max_edges_per_node, seconds=time.time() - t0))
 
 
-def _edges(row_ids: list[int], row_edges: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
-    if not row_ids:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0)
-    targets = torch.cat([torch.full((len(i),), r, dtype=torch.long) for r, (i, _) in zip(row_ids, row_edges)])
-    sources = torch.cat([i for i, _ in row_edges]).long()
-    weights = torch.cat([w for _, w in row_edges]).float()
-    return targets, sources, weights
+def _long(edges: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    return edges[0].long(), edges[1].long(), edges[2].float()
 
 
-def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs, values, row_ids, row_edges,
+def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs, values, store: _EdgeStore,
              settings) -> Graph:
     """Keep the expanded features, every error and token node and the logits; renumber the edges."""
     selected = visited.nonzero().squeeze(-1)
@@ -343,9 +580,27 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
     old_to_new[selected] = torch.arange(n_sel)
     rest = torch.arange(src.n_feat, src.n + len(labels))
     old_to_new[rest] = torch.arange(n_sel, n_sel + len(rest))
-    targets, sources, w = _edges(row_ids, row_edges)
-    targets, sources = old_to_new[targets], old_to_new[sources]
-    keep = (targets >= 0) & (sources >= 0)
+    # renumbered chunk by chunk, so the peak holds the final edges and one chunk's temporaries
+    files = []
+    if store.single:
+        targets, sources, w = store.renumbered(old_to_new)
+    else:
+        parts = [(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(0))]
+        for t, s, w in store.drain():
+            t, s = old_to_new[t.long()], old_to_new[s.long()]
+            keep = (t >= 0) & (s >= 0)
+            t, s, w = t[keep].int(), s[keep].int(), w[keep].float().contiguous()
+            if store.spill_dir is None:
+                parts.append((t, s, w))
+                continue
+            from safetensors.torch import save_file
+
+            files.append(store.spill_dir / f"graph-edges-{len(files):05d}.safetensors")
+            save_file({"target": t, "source": s, "weight": w}, str(files[-1]))
+        targets, sources, w = (torch.cat([p[i] for p in parts]) for i in range(3))
+        del parts
+        if files:
+            targets = sources = w = None
     L, P = src.n_layers, src.n_pos  # L: MLP layers (0 in an attention-only model)
     err_layer = torch.arange(L).repeat_interleave(P)
     err_pos = torch.arange(P).repeat(L)
@@ -362,7 +617,8 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
     logit_weight[-len(labels):] = weights.float()
     graph = Graph(kind=kind, layer=layer, pos=pos, feature=feature, activation=activation.cpu(),
                   logit_weight=logit_weight, logit_labels=list(labels),
-                  edge_target=targets[keep], edge_source=sources[keep], edge_weight=w[keep].cpu(),
+                  edge_target=targets, edge_source=sources, edge_weight=None if w is None else w.float().cpu(),
+                  edge_files=tuple(files),
                   tokens=cap.tokens.cpu(), str_tokens=_str_tokens(model, cap.tokens), n_layers=model.cfg.n_layers,
                   logit_vectors=vecs.detach().cpu().float(),
                   meta=dict(model=getattr(model.cfg, "name", ""), d_vocab=model.cfg.d_vocab, n_active_features=src.n_feat,

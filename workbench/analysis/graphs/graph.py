@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -33,18 +33,39 @@ _ARRAYS = ("kind", "layer", "pos", "feature", "activation", "logit_weight", "edg
 def compute_influence_sparse(edges: tuple[Tensor, Tensor, Tensor], n: int, logit_weights: Tensor,
                              max_iter: int = 1000) -> Tensor:
     """Each node's influence ``w (A + A^2 + ...)`` on the weighted logits, over sparse ``(target, source, weight)``."""
-    target, source, weight = edges
-    mag = weight.abs().double()
-    row_sum = torch.zeros(n, dtype=torch.float64).index_add_(0, target, mag).clamp_min(1e-10)
-    norm = mag / row_sum[target]
-    current = torch.zeros(n, dtype=torch.float64).index_add_(0, source, norm * logit_weights.double()[target])
+    return _influence(lambda: [edges], n, logit_weights, max_iter)
+
+
+def _influence(chunks: Callable[[], Iterable[tuple[Tensor, Tensor, Tensor]]], n: int, logit_weights: Tensor,
+               max_iter: int = 1000) -> Tensor:
+    """``compute_influence_sparse`` over edges given chunk by chunk (``chunks()`` iterates them
+    afresh each pass: one pass per path length, so at most one chunk is held at a time)."""
+    row_sum = torch.zeros(n, dtype=torch.float64)
+    for target, _, weight in chunks():
+        row_sum.index_add_(0, target, weight.abs().double())
+    row_sum.clamp_min_(1e-10)
+
+    def step(at_target: Tensor) -> Tensor:
+        out = torch.zeros(n, dtype=torch.float64)
+        for target, source, weight in chunks():
+            out.index_add_(0, source, weight.abs().double() / row_sum[target] * at_target[target])
+        return out
+
+    current = step(logit_weights.double())
     influence = current.clone()
     for _ in range(max_iter):
-        current = torch.zeros(n, dtype=torch.float64).index_add_(0, source, norm * current[target])
+        current = step(current)
         if not current.any():
             return influence.float()
         influence += current
     raise RuntimeError(f"influence did not converge in {max_iter} iterations: the graph has a cycle")
+
+
+def _file_length(path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_slice("weight").get_shape()[0]
 
 
 def _threshold(scores: Tensor, fraction: float) -> Tensor:
@@ -91,6 +112,22 @@ def collapse_frames(nodes, edges, groups: dict[str, Sequence[str]]):
     return out, moved.groupby(["source", "target"], as_index=False)["weight"].sum()
 
 
+@dataclass(frozen=True)
+class Supernode:
+    """A named group of features (what ``collapse_frames`` and the Graph page's supernodes collapse):
+    ``members`` are node ids (``"F1.4.7"``), feature node indices or (layer, pos, feature) triples.
+    ``graph.intervene([Supernode("say Ella", ["F0.2.5", "F1.2.7"])], 0.0)`` sets every member."""
+
+    name: str
+    members: tuple
+
+    def __init__(self, name: str, members: Sequence) -> None:
+        if isinstance(members, (str, bytes)) or not len(members):
+            raise ValueError(f"supernode {name!r} needs a non-empty list of member features")
+        object.__setattr__(self, "name", str(name))
+        object.__setattr__(self, "members", tuple(members))
+
+
 class PruneResult(NamedTuple):
     node_mask: Tensor  # [n_nodes] bool
     edge_mask: Tensor  # [n_edges] bool
@@ -106,18 +143,40 @@ class Graph:
     activation: Tensor  # [n] feature activation; error: the error vector's norm; logit: its value; token: 0
     logit_weight: Tensor  # [n] logits: their weight (probability) in the influence; others 0
     logit_labels: list[str]
-    edge_target: Tensor  # [e] node index
-    edge_source: Tensor  # [e]
-    edge_weight: Tensor  # [e]
+    edge_target: Optional[Tensor]  # [e] node index, int32 or int64 (None: in edge_files)
+    edge_source: Optional[Tensor]  # [e]
+    edge_weight: Optional[Tensor]  # [e]
     tokens: Tensor  # [pos]
     str_tokens: list[str]
     n_layers: int
     logit_vectors: Optional[Tensor] = None  # [n_logits, d_model] target directions at the unembedding input
     meta: dict = field(default_factory=dict)
     qk: Any = None  # a DataFrame of the kept attention entries' QK pairs (attribution_graph(..., qk=True))
+    # a spilled graph (attribution_graph's spill_dir): its edges live in these safetensors files (target,
+    # source, weight), one chunk each, and the three edge fields are None; influence, pruning and
+    # subgraphs read the chunks one at a time; reading edge_target / edge_source / edge_weight loads them all
+    edge_files: tuple = ()
 
     def __post_init__(self) -> None:
         self._context = None
+        if self.edge_files and self.__dict__.get("_edge_weight") is not None:
+            raise ValueError("a graph has its edges in memory or in edge_files, not both")
+        self._n_spilled = sum(_file_length(p) for p in self.edge_files)
+
+    def _edge_chunks(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        """``(target, source, weight)`` chunk by chunk: the edges in memory as one chunk, or each edge file."""
+        if not self.edge_files:
+            yield self.edge_target, self.edge_source, self.edge_weight  # int32 or int64 node indices
+            return
+        from safetensors.torch import load_file
+
+        for path in self.edge_files:
+            d = load_file(str(path))
+            yield d["target"], d["source"], d["weight"]
+
+    def _load_edges(self, i: int) -> Tensor:
+        parts = [chunk[i] for chunk in self._edge_chunks()]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32 if i == 2 else torch.long)
 
     # ---- shape --------------------------------------------------------------------------------------
     @property
@@ -126,7 +185,7 @@ class Graph:
 
     @property
     def n_edges(self) -> int:
-        return len(self.edge_weight)
+        return self._n_spilled if self.edge_files else len(self.edge_weight)
 
     def nodes_of(self, kind: str) -> Tensor:
         return (self.kind == NODE_KINDS.index(kind)).nonzero().squeeze(-1)
@@ -160,20 +219,21 @@ class Graph:
     # ---- influence and pruning ----------------------------------------------------------------------------
     def influence(self) -> Tensor:
         """[n_nodes]: each node's influence on the weighted logits (0 for the logits themselves)."""
-        return compute_influence_sparse(self._edges(), self.n_nodes, self.logit_weight)
+        return _influence(self._edge_chunks, self.n_nodes, self.logit_weight)
 
     def edge_scores(self, node_mask: Optional[Tensor] = None) -> Tensor:
         """[n_edges]: each edge's share of influence (normalised weight x the influence reaching its target)."""
-        t, s, w = self._edges()
-        if node_mask is not None:
-            w = w * (node_mask[t] & node_mask[s])
-        influence = compute_influence_sparse((t, s, w), self.n_nodes, self.logit_weight) + self.logit_weight
-        mag = w.abs().double()
-        row = torch.zeros(self.n_nodes, dtype=torch.float64).index_add_(0, t, mag).clamp_min(1e-10)
-        return (mag / row[t] * influence.double()[t]).float()
+        def chunks():
+            for t, s, w in self._edge_chunks():
+                yield t, s, (w if node_mask is None else w * (node_mask[t] & node_mask[s]))
 
-    def _edges(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.edge_target.long(), self.edge_source.long(), self.edge_weight
+        influence = _influence(chunks, self.n_nodes, self.logit_weight).double() + self.logit_weight.double()
+        row = torch.zeros(self.n_nodes, dtype=torch.float64)
+        for t, _, w in chunks():
+            row.index_add_(0, t, w.abs().double())
+        row.clamp_min_(1e-10)
+        parts = [(w.abs().double() / row[t] * influence[t]).float() for t, _, w in chunks()]
+        return torch.cat(parts) if parts else torch.zeros(0)
 
     def prune_masks(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
         """circuit-tracer's ``prune_graph`` on sparse edges: keep the nodes holding ``node_threshold``
@@ -189,13 +249,18 @@ class Graph:
         scores = self.edge_scores(node_mask)
         edge_mask = scores >= _threshold(scores, edge_threshold)
         edge_mask &= scores > 0
-        t, s = self.edge_target.long(), self.edge_source.long()
         feature = self.kind == 0
         inner = (self.kind == 0) | (self.kind == 1)
         while True:
-            edge_mask &= node_mask[t] & node_mask[s]
-            has_out = torch.zeros(self.n_nodes, dtype=torch.bool).index_fill_(0, s[edge_mask], True)
-            has_in = torch.zeros(self.n_nodes, dtype=torch.bool).index_fill_(0, t[edge_mask], True)
+            has_out = torch.zeros(self.n_nodes, dtype=torch.bool)
+            has_in = torch.zeros(self.n_nodes, dtype=torch.bool)
+            at = 0
+            for t, s, _ in self._edge_chunks():
+                m = edge_mask[at:at + len(t)]
+                m &= node_mask[t] & node_mask[s]
+                has_out[s[m]] = True
+                has_in[t[m]] = True
+                at += len(t)
             new = node_mask & (~inner | has_out) & (~feature | has_in)
             if torch.equal(new, node_mask):
                 break
@@ -216,15 +281,21 @@ class Graph:
         keep = node_mask.nonzero().squeeze(-1)
         new = torch.full((self.n_nodes,), -1, dtype=torch.long)
         new[keep] = torch.arange(len(keep))
-        t, s = new[self.edge_target.long()], new[self.edge_source.long()]
-        e = (t >= 0) & (s >= 0) & (edge_mask if edge_mask is not None else True)
+        parts, at = [], 0
+        for t, s, w in self._edge_chunks():  # a spilled graph's subgraph is in memory: read chunk by chunk
+            t, s = new[t], new[s]
+            e = (t >= 0) & (s >= 0) & (edge_mask[at:at + len(t)] if edge_mask is not None else True)
+            parts.append((t[e], s[e], w[e]))
+            at += len(w)
+        t, s, w = (torch.cat([p[i] for p in parts]) for i in range(3)) if parts else (
+            torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         logit_nodes = self.nodes_of("logit").tolist()
         labels = [self.logit_labels[j] for j, i in enumerate(logit_nodes) if bool(node_mask[i])]
         vectors = None
         if self.logit_vectors is not None:
             vectors = self.logit_vectors[[j for j, i in enumerate(logit_nodes) if bool(node_mask[i])]]
         sub = Graph(self.kind[keep], self.layer[keep], self.pos[keep], self.feature[keep], self.activation[keep],
-                    self.logit_weight[keep], labels, t[e], s[e], self.edge_weight[e], self.tokens, self.str_tokens,
+                    self.logit_weight[keep], labels, t, s, w, self.tokens, self.str_tokens,
                     self.n_layers, vectors, dict(self.meta))
         sub._context = self._context
         sub.qk = self.qk
@@ -234,11 +305,15 @@ class Graph:
         """circuit-tracer's replacement score (token vs error influence) and completeness score."""
         influence = self.influence()
         err, tok = self.kind == 1, self.kind == 2
-        t, s, w = self._edges()
-        mag = w.abs().double()
-        row = torch.zeros(self.n_nodes, dtype=torch.float64).index_add_(0, t, mag).clamp_min(1e-10)
-        from_err = torch.zeros(self.n_nodes, dtype=torch.float64).index_add_(0, t, mag * err[s] / row[t])
-        has_in = torch.zeros(self.n_nodes, dtype=torch.bool).index_fill_(0, t, True)
+        row = torch.zeros(self.n_nodes, dtype=torch.float64)
+        from_err = torch.zeros(self.n_nodes, dtype=torch.float64)
+        has_in = torch.zeros(self.n_nodes, dtype=torch.bool)
+        for t, _, w in self._edge_chunks():
+            row.index_add_(0, t, w.abs().double())
+            has_in[t] = True
+        row.clamp_min_(1e-10)
+        for t, s, w in self._edge_chunks():
+            from_err.index_add_(0, t, w.abs().double() * err[s] / row[t])
         weight = (influence.double() + self.logit_weight.double()) * has_in
         completeness = float(((1 - from_err) * weight).sum() / weight.sum().clamp_min(1e-30))
         replacement = float(influence[tok].sum() / (influence[tok].sum() + influence[err].sum()).clamp_min(1e-30))
@@ -427,10 +502,14 @@ class Graph:
         return self
 
     def intervene(self, features: Sequence, value: Union[float, Sequence[float]] = 0.0, *,
-                  freeze_attention: bool = False, direct_only: bool = False) -> Tensor:
+                  freeze_attention: bool = False, direct_only: bool = False,
+                  supernodes: Optional[dict[str, Sequence]] = None) -> Tensor:
         """Logits [pos, d_vocab] of the replacement model with ``features`` set to ``value``.
 
-        ``features``: (layer, pos, feature id) triples or node indices of this graph. By default
+        ``features``: (layer, pos, feature id) triples, node indices or node ids (``"F1.4.7"``) of
+        this graph, or supernodes: a ``Supernode``, or the name of a group in ``supernodes``
+        (``{name: [member features]}``, the groups ``collapse_frames`` takes); a supernode's value
+        (one per item of ``features``) goes to each of its members. By default
         every other feature is re-encoded from its live input (errors held at their values on
         this prompt) and attention and norms run live; ``freeze_attention`` holds them as the
         graph does; ``direct_only`` also holds every other feature (the graph's own frozen model,
@@ -441,10 +520,17 @@ class Graph:
         if self._context is None:
             raise ValueError("this graph is not bound to a model: call graph.bind(model, transcoders) first")
         model, rs, cap = self._context
-        triples = [self._triple(f) for f in features]
-        values = [float(value)] * len(triples) if isinstance(value, (int, float)) else [float(v) for v in value]
-        if len(values) != len(triples):
-            raise ValueError(f"{len(triples)} features but {len(values)} values")
+        items = list(features)
+        values = [float(value)] * len(items) if isinstance(value, (int, float)) else [float(v) for v in value]
+        if len(values) != len(items):
+            raise ValueError(f"{len(items)} features but {len(values)} values")
+        setting: dict[tuple[int, int, int], float] = {}
+        for item, v in zip(items, values):
+            for triple in self._members(item, supernodes or {}):
+                if setting.get(triple, v) != v:
+                    raise ValueError(f"feature {triple} is set twice, to {setting[triple]} and {v}")
+                setting[triple] = v
+        triples, values = list(setting), list(setting.values())
 
         def edit(layer: int, acts: Tensor) -> Tensor:
             mine = [(p, f, v) for (l, p, f), v in zip(triples, values) if l == layer]
@@ -463,16 +549,47 @@ class Graph:
                 run = live_forward(model, rs, cap, edit, freeze=freeze_attention)
             return run()[0]
 
+    def _members(self, item, supernodes: dict[str, Sequence]) -> list[tuple[int, int, int]]:
+        """The (layer, pos, feature) triples an item of ``intervene``'s ``features`` stands for."""
+        if isinstance(item, str) and item in supernodes:
+            item = Supernode(item, supernodes[item])
+        if isinstance(item, Supernode):
+            return [self._triple(m) for m in item.members]
+        return [self._triple(item)]
+
     def _triple(self, f) -> tuple[int, int, int]:
+        if isinstance(f, str):
+            parts = f[1:].split(".")
+            if not (f.startswith("F") and len(parts) == 3 and all(p.lstrip("-").isdigit() for p in parts)):
+                raise ValueError(f"{f!r} is neither a feature node id (\"F<layer>.<pos>.<feature>\") nor a supernode "
+                                 "named in supernodes=")
+            return int(parts[0]), int(parts[1]), int(parts[2])
         if isinstance(f, (int,)) and not isinstance(f, bool):
             if not 0 <= f < self.n_nodes or int(self.kind[f]) != 0:
                 raise ValueError(f"node {f} is not a feature node of this graph")
             return int(self.layer[f]), int(self.pos[f]), int(self.feature[f])
         if isinstance(f, (tuple, list)) and len(f) == 3:
             return int(f[0]), int(f[1]), int(f[2])
-        raise ValueError(f"a feature is a (layer, pos, feature id) triple or a feature node index, got {f!r}")
+        raise ValueError(f"a feature is a (layer, pos, feature id) triple, a feature node index, a node id or a "
+                         f"supernode, got {f!r}")
 
     def __repr__(self) -> str:
         counts = {k: int((self.kind == i).sum()) for i, k in enumerate(NODE_KINDS)}
         return (f"Graph({len(self.tokens)} tokens, {counts['feature']} features, {counts['error']} errors, "
                 f"{counts['logit']} logits, {self.n_edges} edges)")
+
+
+def _edge_field(i: int, name: str) -> property:
+    """A Graph edge field: the tensor given, or for a spilled graph every edge file's column, loaded on each read."""
+    def get(self) -> Tensor:
+        value = self.__dict__.get("_" + name)
+        return value if value is not None or not self.__dict__.get("edge_files") else self._load_edges(i)
+
+    def put(self, value) -> None:
+        self.__dict__["_" + name] = value
+
+    return property(get, put)
+
+
+for _i, _name in enumerate(("edge_target", "edge_source", "edge_weight")):
+    setattr(Graph, _name, _edge_field(_i, _name))

@@ -215,12 +215,24 @@ class Capture:
     logits: Tensor  # [pos, d_vocab]
     acts: list[Tensor] = field(default_factory=list)  # per layer [pos, d_sae]
     errors: list[Tensor] = field(default_factory=list)  # per layer [pos, d_out]
+    patterns: dict[int, Tensor] = field(default_factory=dict)  # layer -> [head, pos, pos], when captured
+
+
+def pattern_layers(model) -> list[int]:
+    """The layers whose attention output is ``pattern @ values`` with the pattern at ``attn.hook_pattern``
+    and the values at ``attn.hook_v`` (the standard attention; MLA is not one of them)."""
+    from workbench.components.attention import Attention
+
+    return [l for l, block in enumerate(model.blocks) if type(block.attn) is Attention]
 
 
 @torch.no_grad()
-def capture(model, rs, tokens: Tensor, attention_mask: Optional[Tensor] = None) -> list[Capture]:
-    """Clean run(s): one ``Capture`` per row of ``tokens`` [batch, pos] (only its real positions)."""
+def capture(model, rs, tokens: Tensor, attention_mask: Optional[Tensor] = None, patterns: bool = False) -> list[Capture]:
+    """Clean run(s): one ``Capture`` per row of ``tokens`` [batch, pos] (only its real positions);
+    with ``patterns``, also the attention patterns of ``pattern_layers`` (memory: heads x pos^2 per layer)."""
     names = frozen_hook_names(model)
+    if patterns:
+        names = names + [f"blocks.{l}.attn.hook_pattern" for l in pattern_layers(model)]
     reads = {rs.hook_in(l): ("x", l) for l in range(rs.n_layers)}
     reads.update({rs.hook_out(l): ("y", l) for l in range(rs.n_layers)})
     final_hook, _ = final_read(model)
@@ -235,10 +247,10 @@ def capture(model, rs, tokens: Tensor, attention_mask: Optional[Tensor] = None) 
     out = []
     for b in range(tokens.shape[0]):
         real = mask[b].nonzero().squeeze(-1)
-        row = {name: value[b:b + 1, real] for name, value in store.items()}
+        row = {name: value[b:b + 1, real] for name, value in store.items() if not name.endswith("hook_pattern")}
         cap = Capture(
             tokens=tokens[b, real],
-            frozen={n: row[n] for n in names if n in row},
+            frozen={n: row[n] for n in names if n in row and not n.endswith("hook_pattern")},
             x_in=[row[rs.hook_in(l)][0].flatten(1) for l in range(rs.n_layers)],
             mlp_out=[row[rs.hook_out(l)][0].flatten(1) for l in range(rs.n_layers)],
             embed=row["blocks.0.hook_resid_pre"][0],
@@ -247,6 +259,9 @@ def capture(model, rs, tokens: Tensor, attention_mask: Optional[Tensor] = None) 
         )
         cap.acts = [rs.encode(l, cap.x_in[l]) for l in range(rs.n_layers)]
         cap.errors = [cap.mlp_out[l] - rs.decode(l, cap.acts, cap.x_in[l]) for l in range(rs.n_layers)]
+        for name in names:
+            if name.endswith("hook_pattern"):
+                cap.patterns[int(name.split(".")[1])] = store[name][b][:, real][:, :, real]
         out.append(cap)
     return out
 
@@ -289,10 +304,34 @@ class FrozenRun:
         hooks.append((final_read(self.model)[0], read_final))
         return hooks
 
-    def __call__(self, batch: int = 1) -> Tensor:
+    def __call__(self, batch: int = 1, extra_hooks: Sequence = ()) -> Tensor:
         tokens = self.cap.tokens[None].expand(batch, -1)
-        with self.model.hooks(fwd_hooks=self.hooks(batch)):
+        with self.model.hooks(fwd_hooks=self.hooks(batch) + list(extra_hooks)), mlps_skipped(self.model):
             return self.model(tokens)
+
+
+@contextlib.contextmanager
+def mlps_skipped(model) -> Iterator[None]:
+    """The real MLPs not computed: each returns a zero placeholder (a stride-0 view, no memory)
+    that the ``hook_mlp_out`` write of the replacement model replaces. Only for runs whose every
+    MLP output is written by a hook: everything inside the MLP (its hooks too) is skipped."""
+    mlps = [block.mlp for block in model.blocks if hasattr(block, "mlp")]
+    d_model = model.cfg.d_model
+
+    def placeholder(x: Tensor, token_mask: Optional[Tensor] = None) -> Tensor:
+        return x.new_zeros(()).expand(*x.shape[:-1], d_model)
+
+    had = [mlp.__dict__.get("forward") for mlp in mlps]
+    for mlp in mlps:
+        mlp.forward = placeholder
+    try:
+        yield
+    finally:
+        for mlp, before in zip(mlps, had):
+            if before is None:
+                del mlp.forward
+            else:
+                mlp.forward = before
 
 
 def _bind(fn, layer: int):
