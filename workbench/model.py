@@ -23,7 +23,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformer_lens import FactoredMatrix, HookedRootModule
-from transformer_lens.hook_points import HookPoint
+from transformer_lens.hook_points import HookPoint, LensHandle
 
 from workbench.cache import WorkbenchCache
 from workbench.components.mla import CACHE_ENTRIES
@@ -358,10 +358,47 @@ class HookedDecoder(HookedRootModule):
         """Like HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``: a
         ``WorkbenchCache``, whose ``apply_ln_to_stack`` (and so ``logit_attrs``, ``decompose_resid``,
         ... with ``apply_ln=True``) includes the norms' weights when they are not folded."""
-        out, cache_dict = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
+        fast = not remove_batch_dim and not set(kwargs) & _TL_CACHE_OPTIONS
+        if fast:  # the common call: torch's own forward hooks, one small closure per hook point
+            out, cache_dict = self._run_with_plain_cache(args, kwargs.pop("names_filter", None), kwargs)
+        else:
+            out, cache_dict = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
         cache = WorkbenchCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
         cache.attention_mask = self._mask_of(args, kwargs)  # bool [batch, pos], True = real; None: unpadded
         return out, cache
+
+    def _run_with_plain_cache(self, args: tuple, names_filter: Any, kwargs: dict) -> tuple[Any, dict]:
+        """``run_with_cache`` without a device move, position slice, batch-dim removal or backward pass:
+        what TransformerLens' caching hooks store (each activation, detached), from a plain
+        ``register_forward_hook`` per hook point, added after any hook already there and removed at
+        the end. TL's ``add_hook`` wraps each hook in a closure of its own, files a handle and, at the
+        end, walks every hook point; with every hook point cached that bookkeeping cost more than a
+        tenth of a small model's forward."""
+        if names_filter is None:
+            names = list(self.hook_dict)
+        elif isinstance(names_filter, str):
+            names = [names_filter] if names_filter in self.hook_dict else []
+        elif isinstance(names_filter, (list, tuple, set)):
+            names = [n for n in self.hook_dict if n in names_filter]
+        elif callable(names_filter):
+            names = [n for n in self.hook_dict if names_filter(n)]
+        else:
+            raise ValueError("names_filter must be a string, list of strings, or function")
+        cache: dict = {}
+        added = []
+        try:
+            for name in names:
+                point, save = self.hook_dict[name], _saver(cache, name)
+                # filed where TL's has_hooks() looks: components compute scores, pattern, per-head results
+                # only when a hook listens
+                lens = LensHandle(point.register_forward_hook(save), False, None, user_hook=save)
+                point.fwd_hooks.append(lens)
+                added.append((point, lens))
+            return self(*args, **kwargs), cache
+        finally:
+            for point, lens in added:
+                lens.hook.remove()
+                point.fwd_hooks.remove(lens)
 
     def _mask_of(self, args: tuple, kwargs: dict) -> Optional[Tensor]:
         """The attention mask a forward with these arguments used (None when there was none)."""
@@ -696,6 +733,16 @@ class HookedDecoder(HookedRootModule):
             entries[0]["point"].sae.unsplice(self, which)
         elif which is not None:
             raise ValueError(f"no dictionary is spliced in at {which!r}; spliced: none")
+
+
+# run_with_cache options that TransformerLens' own caching path handles (ours covers the rest)
+_TL_CACHE_OPTIONS = {"device", "incl_bwd", "pos_slice", "reset_hooks_end", "clear_contexts"}
+
+
+def _saver(cache: dict, name: str):
+    def save(module: nn.Module, inputs: Any, output: Tensor) -> None:
+        cache[name] = output.detach()
+    return save
 
 
 def _refuse_unguarded_hooks(model: HookedDecoder) -> None:
