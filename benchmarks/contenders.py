@@ -312,7 +312,11 @@ def main(argv=None, rows: Optional[list] = None) -> pd.DataFrame:
                       f"{(outputs[name].float() - reference).abs().max().item():.3g}")
 
     if "cache" in tasks:
+        from transformer_lens import HookedRootModule
+
         fns = {"ours run_with_cache": lambda: ours.run_with_cache(clean),
+               # the same cache through TransformerLens' hook bookkeeping (ours before it had its own path)
+               "ours via TL's caching hooks": lambda: HookedRootModule.run_with_cache(ours, clean),
                "ours without pattern/result": lambda: ours.run_with_cache(clean, names_filter=lambda n: not n.endswith(
                    EXTRA_WORK)),
                "transformers hidden_states": lambda: hf(clean, output_hidden_states=True).hidden_states}
