@@ -9,12 +9,25 @@ compiled with hooks faster than eager without; idle hooks free (compiled hooked 
 attached, equals the compiled model: it is the same graph here).
 
     python benchmarks/compiled.py [--backend inductor|aot_eager|eager] [--layers 4] [--batch 4] [--pos 128]
+
+``--decode``: greedy decode at batch 1, ms per new token, for ours eager with the dynamic KV cache,
+ours eager with the static cache (``generate(static_cache=True)``), ours compiled with the static
+cache, transformers' ``generate`` on the same weights (exported with ``wb.to_hf``) eager and with
+its own static cache compiled (``cache_implementation="static"`` + a ``CompileConfig``), and the
+weight-streaming floor: the model's bytes (and its KV cache's) over the copy bandwidth a large
+torch copy reaches in the same run. Two random Llama-shaped models (``--sizes 6m,44m``); one
+thread unless ``--threads``; contenders interleaved. On a GPU both compile with
+``mode="reduce-overhead"`` (CUDA graphs). Targets (issue 23): <= 1.5x the floor at >= 40M
+parameters, <= 3x at 6M, and ahead of transformers' compiled static-cache decode.
+
+    python benchmarks/compiled.py --decode [--sizes 6m,44m] [--new-tokens 64] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,12 +83,134 @@ def interventions(model, args):
             f"cache {len(residual)} resid hooks": cache}, tokens
 
 
+DECODE_SIZES = {  # Llama-shaped (RMSNorm, RoPE, SwiGLU, GQA), so transformers runs the same weights
+    "6m": dict(d_model=256, n_layers=6, n_heads=8, n_kv_heads=4, d_mlp=704, d_vocab=4096),
+    "44m": dict(d_model=512, n_layers=12, n_heads=8, n_kv_heads=4, d_mlp=1408, d_vocab=8192),
+}
+LLAMA = dict(norm="rmsnorm", positional="rope", ffn="swiglu", bias=False, tie_embeddings=False, seed=0)
+
+
+def copy_bandwidth(device: str, n_bytes: int = 128 << 20) -> float:
+    """Bytes read plus bytes written per second by a copy far larger than the caches: the fastest of 15
+    (a floor is what the memory can do; on a shared machine the slower copies measure the neighbours)."""
+    src = torch.ones(n_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(15):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * n_bytes / min(times)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def decode_contenders(size: str, args, directory: Path) -> tuple[dict, dict]:
+    """name -> (generate n new tokens) for one size, and what the floor needs (bytes)."""
+    import transformers
+    from transformers import CompileConfig
+
+    import workbench as wb
+
+    cfg = wb.ModelConfig(**DECODE_SIZES[size], **LLAMA, n_ctx=args.prompt + args.new_tokens + 64)
+    ours = wb.HookedDecoder(cfg).to(args.device).eval()
+    wb.to_hf(ours, directory / size)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory / size, dtype=torch.float32,
+                                                           attn_implementation="sdpa").to(args.device).eval()
+    mode = "reduce-overhead" if args.device.startswith("cuda") else "default"
+    compiled = wb.HookedDecoder(cfg).to(args.device).eval()
+    compiled.load_state_dict(ours.state_dict())
+    compiled.compile(mode=mode)
+    hf_compile = CompileConfig(mode=mode, fullgraph=False)
+    hf_compile._compile_all_devices = True  # transformers compiles its decode on GPUs only, unless told so
+    prompt = torch.randint(0, cfg.d_vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).to(args.device)
+
+    def hf_generate(n, **kw):
+        return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0, **kw)
+
+    fns = {
+        "ours eager, dynamic cache": lambda n: ours.generate(prompt, max_new_tokens=n),
+        "ours eager, static cache": lambda n: ours.generate(prompt, max_new_tokens=n, static_cache=True),
+        "ours compiled, static cache": lambda n: compiled.generate(prompt, max_new_tokens=n, static_cache=True),
+        "transformers eager": lambda n: hf_generate(n),
+        "transformers compiled, static cache": lambda n: hf_generate(n, cache_implementation="static",
+                                                                   compile_config=hf_compile),
+    }
+    with torch.no_grad():
+        diff = (ours(prompt) - hf(prompt).logits).abs().max().item()
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in ours.parameters()}.values())
+    kv = wb.kv_cache_bytes(cfg, context=args.prompt + args.new_tokens // 2, batch=1, bytes_per_value=4)
+    params = sum(p.numel() for p in ours.parameters())
+    return fns, {"weights": weights, "kv": kv, "params": params, "logit_diff": diff, "prompt": prompt}
+
+
+def decode_main(args) -> None:
+    torch.set_num_threads(args.threads)
+    n = args.new_tokens
+    bandwidth = copy_bandwidth(args.device)
+    print(f"decode at batch 1: prompt {args.prompt} random tokens (seed 0), {n} new tokens, greedy; "
+          f"{args.threads} thread(s); torch {torch.__version__}; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+          "(read + write of a 128 MiB copy, the fastest of 15)")
+    print("ms/token = (t(generate n) - t(generate 1)) / (n - 1): each contender's own prompt forward cancels")
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes.split(","):
+            fns, info = decode_contenders(size, args, Path(tmp))
+            bandwidth = max(bandwidth, copy_bandwidth(args.device))  # the best seen so far in this run
+            floor = 1e3 * (info["weights"] + info["kv"]) / bandwidth
+            print(f"\n{size}: {info['params'] / 1e6:.1f}M parameters, {info['weights'] / 2**20:.1f} MiB fp32; "
+                  f"max |ours - transformers| logits {info['logit_diff']:.1e}; floor {floor:.3f} ms/token "
+                  f"(copy bandwidth {bandwidth / 1e9:.1f} GB/s)")
+            tokens = {}
+            with torch.no_grad():
+                for name, fn in fns.items():  # the first calls compile
+                    start = time.perf_counter()
+                    tokens[name] = fn(n)[0, -n:]
+                    fn(1)
+                    print(f"  first calls of {name}: {time.perf_counter() - start:.1f} s")
+                timed = {(name, k): (lambda f=fn, k=k: f(k)) for name, fn in fns.items() for k in (1, n)}
+                src = torch.ones(64 << 20, device=args.device)  # 256 MiB: the copy runs in the same rounds
+                dst = torch.empty_like(src)
+                timed["copy", 0] = lambda d=dst, s=src: d.copy_(s)
+                seconds = interleaved(timed, args.repeats, warmup=False, sync=lambda: sync(args.device))
+                # the floor's bandwidth: the better of the copies before this size and the ones in its rounds
+                bandwidth = max(bandwidth, 2 * src.numel() * 4 / seconds.pop(("copy", 0)))
+                floor = 1e3 * (info["weights"] + info["kv"]) / bandwidth
+            reference = tokens["ours eager, dynamic cache"]
+            ms = {name: 1e3 * max(seconds[name, n] - seconds[name, 1], 0.0) / (n - 1) for name in fns}
+            hf_best = ms["transformers compiled, static cache"]
+            print(f"  {'contender':<38}{'ms/token':>9}{'x floor':>9}{'vs transformers compiled':>26}"
+                  f"{'same tokens as ours eager':>27}")
+            for name in fns:
+                same = bool((tokens[name] == reference).all())
+                print(f"  {name:<38}{ms[name]:9.2f}{ms[name] / floor:9.2f}{ms[name] / hf_best:25.2f}x"
+                      f"{str(same):>27}")
+            print(f"  floor {floor:.3f} ms/token at {bandwidth / 1e9:.1f} GB/s (the median copy in these rounds, or the "
+                  "best before them)")
+            target = 1.5 if info["params"] >= 40e6 else 3.0
+            ours_ms = ms["ours compiled, static cache"]
+            print(f"  targets: <= {target}x the floor: {'met' if ours_ms <= target * floor else 'not met'} "
+                  f"({ours_ms / floor:.2f}x); ahead of transformers' compiled static-cache decode: "
+                  f"{'met' if ours_ms < hf_best else 'not met'} ({ours_ms / hf_best:.2f}x its time)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, d_model=256, vocab=4096, batch=4, pos=128)
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--decode", action="store_true", help="decode ms/token vs transformers and the floor")
+    parser.add_argument("--sizes", default="6m,44m", help=f"--decode: model sizes, of {list(DECODE_SIZES)}")
+    parser.add_argument("--prompt", type=int, default=16, help="--decode: prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=64, help="--decode: new tokens per generation")
     parser.set_defaults(layers=4, threads=1)
     args = parser.parse_args()
+    if args.decode:
+        return decode_main(args)
     eager = random_model(args)
     compiled = random_model(args).compile(backend=args.backend)
     eager_fns, tokens = interventions(eager, args)

@@ -12,7 +12,9 @@ loads it from there in ``--dtype``, and three tasks run on the same random token
     forward        transformers (sdpa) | ours (``wb.from_hf``) | bridge | nnsight (a trace, nothing saved)
     cache          every activation: ours ``run_with_cache`` (every hook) | bridge ``run_with_cache`` |
                    nnsight saving every module's output (each module's output, in the order they run) |
-                   transformers ``output_hidden_states=True`` (the residual stream only)
+                   transformers ``output_hidden_states=True`` (the residual stream only); on a CPU also
+                   the bytes each result holds (storages counted once) and how far one call raised the
+                   process's resident memory (peak RSS, reset before each call)
     patch heads    per-head activation patching of layer ``--layer``'s attention z (o_proj's input) from
                    the clean run into the corrupted run, each head alone, metric = logit[1] - logit[2]
                    at the last position (mean over the batch); ``--all-layers``: every head of every layer
@@ -67,17 +69,55 @@ ANSWER, WRONG = 1, 2
 EXTRA_WORK = ("hook_attn_scores", "hook_pattern", "hook_result")
 
 
-def n_tensors(value: Any) -> int:
-    """How many tensors a returned structure holds (tuples, lists, dicts, model outputs, caches)."""
+def tensors_of(value: Any) -> list:
+    """The tensors a returned structure holds (tuples, lists, dicts, model outputs, caches)."""
     if isinstance(value, torch.Tensor):
-        return 1
+        return [value]
     if hasattr(value, "cache_dict"):
         value = value.cache_dict
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (tuple, list)):
-        return sum(n_tensors(v) for v in value)
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+def n_tensors(value: Any) -> int:
+    return len(tensors_of(value))
+
+
+def held_bytes(value: Any) -> int:
+    """Bytes of the storages the returned tensors keep alive, each storage counted once (views share)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors_of(value)}
+    return sum(storages.values())
+
+
+def _rss(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
     return 0
+
+
+def peak_rss_growth(fn: Callable) -> Optional[int]:
+    """How far one call of ``fn`` raised the process's resident memory above where it started (bytes),
+    the peak reset first (Linux /proc/self/clear_refs) and freed memory handed back to the system first
+    (glibc's malloc_trim), so that reused free memory does not hide the growth; None where that cannot be read."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    start = _rss("VmRSS:")
+    out = fn()
+    growth = _rss("VmHWM:") - start
+    del out
+    return growth
 
 
 # ---- the contenders -------------------------------------------------------------------------------------
@@ -272,7 +312,11 @@ def main(argv=None, rows: Optional[list] = None) -> pd.DataFrame:
                       f"{(outputs[name].float() - reference).abs().max().item():.3g}")
 
     if "cache" in tasks:
+        from transformer_lens import HookedRootModule
+
         fns = {"ours run_with_cache": lambda: ours.run_with_cache(clean),
+               # the same cache through TransformerLens' hook bookkeeping (ours before it had its own path)
+               "ours via TL's caching hooks": lambda: HookedRootModule.run_with_cache(ours, clean),
                "ours without pattern/result": lambda: ours.run_with_cache(clean, names_filter=lambda n: not n.endswith(
                    EXTRA_WORK)),
                "transformers hidden_states": lambda: hf(clean, output_hidden_states=True).hidden_states}
@@ -288,9 +332,20 @@ def main(argv=None, rows: Optional[list] = None) -> pd.DataFrame:
                         saved.append(lm.get(name).output.save())
                 return saved
             fns["nnsight every module"] = nnsight_cache
-        timed("cache", fns, count=True, note="cache: ours and the bridge cache every hook point; nnsight every submodule's "
-                                 "output; transformers the residual stream only (n_layers + 1 tensors); "
-                                 f"'ours without pattern/result': every hook but {', '.join(EXTRA_WORK)}")
+        outputs = timed("cache", fns, count=True, note="cache: ours and the bridge cache every hook point; nnsight every "
+                        "submodule's output; transformers the residual stream only (n_layers + 1 tensors); "
+                        f"'ours without pattern/result': every hook but {', '.join(EXTRA_WORK)}")
+        if device.type == "cpu":  # what each cache holds, and how far one call raised the process's memory
+            held = {name: held_bytes(out) for name, out in outputs.items()}
+            del outputs
+            with torch.no_grad():
+                peaks = {name: peak_rss_growth(fn) for name, fn in fns.items()}
+            print("cache memory (MiB), held by the result / peak resident growth during one call:")
+            for name in fns:
+                peak = "n/a" if peaks[name] is None else f"{peaks[name] / 2**20:.1f}"
+                print(f"  {name:<32}{held[name] / 2**20:9.1f} / {peak}")
+                rows_row = next(r for r in rows if r["task"] == "cache" and r["contender"] == name)
+                rows_row.update(held_mib=held[name] / 2**20, peak_mib=None if peaks[name] is None else peaks[name] / 2**20)
 
     if "patch" in tasks:
         where = "every layer" if args.all_layers else f"layer {layer}"

@@ -24,7 +24,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformer_lens import FactoredMatrix, HookedRootModule
-from transformer_lens.hook_points import HookPoint
+from transformer_lens.hook_points import HookPoint, LensHandle
 
 from workbench.cache import WorkbenchCache
 from workbench.components.mla import CACHE_ENTRIES
@@ -85,7 +85,10 @@ class KVCache:
     steps continue each row's positions and keep its pads out of sight; None: nothing padded.
     A sliding-window layer's entry holds only the latest positions (``KVCacheEntry``); setting
     the mask tells it how many a later query of some row can still see.
+    ``step``: None here; a ``StaticKVCache`` (``workbench.static_cache``) decodes in fixed-shape steps.
     """
+
+    step = None
 
     def __init__(
         self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, max_len: Optional[int] = None
@@ -182,9 +185,14 @@ class HookedDecoder(HookedRootModule):
     def device(self) -> torch.device:
         return self.embed.W_E.device
 
-    def make_kv_cache(self, batch: int, max_len: Optional[int] = None) -> KVCache:
-        """An empty KV cache for ``batch`` sequences of up to ``max_len`` (default n_ctx) positions."""
-        return KVCache(self.cfg, batch, self.device, self.embed.W_E.dtype, max_len)
+    def make_kv_cache(self, batch: int, max_len: Optional[int] = None, static: bool = False) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``max_len`` (default n_ctx) positions;
+        ``static``: a ``StaticKVCache``, whose decode steps all have one shape (``workbench.static_cache``)."""
+        if not static:
+            return KVCache(self.cfg, batch, self.device, self.embed.W_E.dtype, max_len)
+        from workbench.static_cache import StaticKVCache
+
+        return StaticKVCache(self.cfg, batch, self.device, self.embed.W_E.dtype, max_len)
 
     # ---- forward ----------------------------------------------------------------
     def forward(
@@ -220,15 +228,18 @@ class HookedDecoder(HookedRootModule):
             start_at_layer += n if start_at_layer < 0 else 0
         if stop_at_layer is not None:
             stop_at_layer = check_int("stop_at_layer", stop_at_layer, -n, n)
-        offset = kv_cache.length if kv_cache is not None else 0
-        self.pos_offset = offset
+        step = kv_cache.step if kv_cache is not None else None  # a static cache's fixed-shape decode step
+        if step is not None and attention_mask is not None:
+            raise ValueError("a static KV cache's decode step takes no attention_mask: it keeps the prompt's")
+        offset = kv_cache.length if kv_cache is not None and step is None else 0
+        self.pos_offset = offset if step is None else step.column  # a tensor in a static step: no constant
         input, attention_mask = unpack(input, attention_mask)
         tokens, attention_mask = unpack(tokens, attention_mask) if tokens is not None else (tokens, attention_mask)
         if start_at_layer is None:
             if not isinstance(input, Tensor):  # text; several of different lengths come back padded
                 input, attention_mask = unpack(self.to_tokens(input), attention_mask)
             tokens = self._check_tokens(input, offset)
-            padding, real = self._padding(attention_mask, tokens.shape, kv_cache)
+            padding, real = self._padding(attention_mask, tokens.shape, kv_cache) if step is None else (step, None)
             if padding is not None and kv_cache is None and stop_at_layer is None and not self._hooks_attached():
                 padding.packed = True  # nobody looks: pads are dropped from every per-token step
             ids = padding.pack(tokens) if padding is not None and padding.packed else tokens
@@ -239,10 +250,10 @@ class HookedDecoder(HookedRootModule):
             start_at_layer = 0
         else:
             resid = input.to(self.device)
-            padding, real = self._padding(attention_mask, resid.shape[:2], kv_cache)
+            padding, real = self._padding(attention_mask, resid.shape[:2], kv_cache) if step is None else (step, None)
             if tokens is not None:
                 tokens = self._check_tokens(tokens, offset)
-        self.row_positions = None if padding is None else padding.key_positions[:, padding.offset:]
+        self.row_positions = None if padding is None else padding.row_positions
         for block in self.blocks[start_at_layer:stop_at_layer]:
             resid = block(resid, kv_cache[block.layer] if kv_cache is not None else None, padding)
         if stop_at_layer is not None:
@@ -360,10 +371,47 @@ class HookedDecoder(HookedRootModule):
         """Like HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``: a
         ``WorkbenchCache``, whose ``apply_ln_to_stack`` (and so ``logit_attrs``, ``decompose_resid``,
         ... with ``apply_ln=True``) includes the norms' weights when they are not folded."""
-        out, cache_dict = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
+        fast = not remove_batch_dim and not set(kwargs) & _TL_CACHE_OPTIONS
+        if fast:  # the common call: torch's own forward hooks, one small closure per hook point
+            out, cache_dict = self._run_with_plain_cache(args, kwargs.pop("names_filter", None), kwargs)
+        else:
+            out, cache_dict = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
         cache = WorkbenchCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
         cache.attention_mask = self._mask_of(args, kwargs)  # bool [batch, pos], True = real; None: unpadded
         return out, cache
+
+    def _run_with_plain_cache(self, args: tuple, names_filter: Any, kwargs: dict) -> tuple[Any, dict]:
+        """``run_with_cache`` without a device move, position slice, batch-dim removal or backward pass:
+        what TransformerLens' caching hooks store (each activation, detached), from a plain
+        ``register_forward_hook`` per hook point, added after any hook already there and removed at
+        the end. TL's ``add_hook`` wraps each hook in a closure of its own, files a handle and, at the
+        end, walks every hook point; with every hook point cached that bookkeeping cost more than a
+        tenth of a small model's forward."""
+        if names_filter is None:
+            names = list(self.hook_dict)
+        elif isinstance(names_filter, str):
+            names = [names_filter] if names_filter in self.hook_dict else []
+        elif isinstance(names_filter, (list, tuple, set)):
+            names = [n for n in self.hook_dict if n in names_filter]
+        elif callable(names_filter):
+            names = [n for n in self.hook_dict if names_filter(n)]
+        else:
+            raise ValueError("names_filter must be a string, list of strings, or function")
+        cache: dict = {}
+        added = []
+        try:
+            for name in names:
+                point, save = self.hook_dict[name], _saver(cache, name)
+                # filed where TL's has_hooks() looks: components compute scores, pattern, per-head results
+                # only when a hook listens
+                lens = LensHandle(point.register_forward_hook(save), False, None, user_hook=save)
+                point.fwd_hooks.append(lens)
+                added.append((point, lens))
+            return self(*args, **kwargs), cache
+        finally:
+            for point, lens in added:
+                lens.hook.remove()
+                point.fwd_hooks.remove(lens)
 
     def _mask_of(self, args: tuple, kwargs: dict) -> Optional[Tensor]:
         """The attention mask a forward with these arguments used (None when there was none)."""
@@ -410,6 +458,7 @@ class HookedDecoder(HookedRootModule):
         stop_tokens: Optional[Iterable[int]] = None,
         verbose: bool = False,
         attention_mask: Optional[Tensor] = None,
+        static_cache: bool = False,
     ) -> Union[Tensor, str, list[str], TokenBatch]:
         """Continue ``input`` by up to ``max_new_tokens`` tokens (greedy when temperature=0).
 
@@ -424,6 +473,10 @@ class HookedDecoder(HookedRootModule):
         generator, so a sampled row equals its prompt sampled alone with that seed; one int
         seeds one generator for the whole batch (reproducible, but a row's draws then depend
         on the rows before it).
+
+        ``static_cache``: decode with a ``StaticKVCache`` (``workbench.static_cache``), every step of
+        one shape, so a compiled model (``model.compile()``; on a GPU ``mode="reduce-overhead"``
+        for CUDA graphs) runs one graph for every token. The same tokens as the dynamic cache.
         """
         as_string = isinstance(input, str)
         as_strings = isinstance(input, (list, tuple)) and bool(input) and all(isinstance(t, str) for t in input)
@@ -442,26 +495,38 @@ class HookedDecoder(HookedRootModule):
         top_k = None if top_k is None else check_int("top_k", top_k, 1)
         top_p = None if top_p is None else check_float("top_p", top_p, 0, 1, lo_open=True)
         stop_ids = sorted({int(check_token_ids("stop_tokens", t, self.cfg.d_vocab)) for t in (stop_tokens or [])})
+        if static_cache and not use_kv_cache:
+            raise ValueError("static_cache=True is a KV cache: it needs use_kv_cache=True")
         with eval_mode(self):
             gen = _generators(seed, tokens.shape[0], self.device)
             stops = torch.tensor(stop_ids, device=self.device, dtype=torch.long)
             finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=self.device)
             pad = torch.full_like(finished, stop_ids[0] if stop_ids else 0, dtype=torch.long)
             # Sized to this call, not n_ctx: an imported 128k-context model must not allocate 128k positions.
-            cache = self.make_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens) if use_kv_cache else None
+            # A static cache rounds up to 64 positions, so generations of similar lengths share its graph.
+            room = tokens.shape[1] + max_new_tokens
+            room = min(-(-room // 64) * 64, self.cfg.n_ctx) if static_cache else room
+            cache = self.make_kv_cache(tokens.shape[0], room, static_cache) if use_kv_cache else None
             logits = self(tokens, kv_cache=cache, attention_mask=mask)[:, -1]
+            if static_cache and max_new_tokens > 1:
+                cache.start_decoding()
             width = tokens.shape[1]
             for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generating"):
                 next_token = _sample(logits, temperature, top_k, top_p, gen)
                 next_token = torch.where(finished, pad, next_token)
                 tokens = torch.cat([tokens, next_token[:, None]], dim=1)
                 mask = F.pad(mask, (0, 1), value=True) if mask is not None else None
-                finished |= torch.isin(next_token, stops)
-                if bool(finished.all()) or tokens.shape[1] == self.cfg.n_ctx:
+                if stop_ids:  # one host sync per token, only when something can stop
+                    finished |= torch.isin(next_token, stops)
+                    if bool(finished.all()):
+                        break
+                if tokens.shape[1] == width + max_new_tokens or tokens.shape[1] == self.cfg.n_ctx:
                     break
                 step_input = next_token[:, None] if use_kv_cache else tokens
                 # The KV cache remembers the prompt's mask; a recompute passes the whole mask again.
                 logits = self(step_input, kv_cache=cache, attention_mask=None if use_kv_cache else mask)[:, -1]
+                if static_cache:
+                    cache.advance()
         self.pos_offset = 0
         if as_string:
             return self.to_string(tokens[0])
@@ -681,6 +746,16 @@ class HookedDecoder(HookedRootModule):
             entries[0]["point"].sae.unsplice(self, which)
         elif which is not None:
             raise ValueError(f"no dictionary is spliced in at {which!r}; spliced: none")
+
+
+# run_with_cache options that TransformerLens' own caching path handles (ours covers the rest)
+_TL_CACHE_OPTIONS = {"device", "incl_bwd", "pos_slice", "reset_hooks_end", "clear_contexts"}
+
+
+def _saver(cache: dict, name: str):
+    def save(module: nn.Module, inputs: Any, output: Tensor) -> None:
+        cache[name] = output.detach()
+    return save
 
 
 def _refuse_unguarded_hooks(model: HookedDecoder) -> None:

@@ -225,6 +225,7 @@ class Padding:
     KV cache's and this forward's); this forward's queries are the last ``key_pos - offset``.
     """
 
+    static = False  # a static KV cache's decode step hands a StaticStep instead (workbench.static_cache)
     key_mask: Bool[Tensor, "batch key_pos"]
     offset: int = 0
     packed: bool = False  # per-token tensors hold only the real tokens, [1, n_real, ...]
@@ -245,6 +246,11 @@ class Padding:
         if self._packed_positions is None:
             self._packed_positions = self.pack(positions)
         return self._packed_positions
+
+    @property
+    def row_positions(self) -> Int[Tensor, "batch pos"]:
+        """Each row's own position of this forward's tokens, [batch, pos] (unpacked)."""
+        return self.key_positions[:, self.offset :]
 
     @property
     def real_index(self) -> Tensor:

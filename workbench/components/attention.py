@@ -72,11 +72,20 @@ class KVCacheEntry:
         self.hold = max_len if window is None else window - 1
         self.length = 0
         self.held = 0
+        # A static cache's decode step (workbench.static_cache): the [1] column its key goes to, a tensor
+        self.column: Optional[Tensor] = None
         self.fused_qkv: Optional[tuple[Tensor, Tensor]] = None  # set by Attention on first use
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store [batch, kv_head, new, d_head] keys/values; return the held and the new ones, in
-        position order: every position so far, or in a sliding layer the last ``n_key`` of them."""
+        position order: every position so far, or in a sliding layer the last ``n_key`` of them.
+        A static cache's decode step writes at ``column`` and returns the whole buffers."""
+        if self.column is not None:
+            if k.shape[2] != 1:
+                raise ValueError(f"a static KV cache decodes one token per step, got {k.shape[2]}")
+            self.k.index_copy_(2, self.column, k)
+            self.v.index_copy_(2, self.column, v)
+            return self.k, self.v
         n, end = k.shape[2], self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} positions exceed its capacity of {self.max_len}")
@@ -189,15 +198,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-        n_query, n_key = q.shape[2], k.shape[2]
-        first = offset + n_query - n_key  # > 0: a sliding layer's cache holds only the latest keys
-        bias = self.position.score_bias(n_query, offset + n_query, offset, padding)
-        visible = padding.visible if padding is not None else None
-        if first:
-            bias = bias[..., first:] if bias is not None else None
-            visible = visible[..., first:] if visible is not None else None
-        if self.window is not None:
-            visible = self._windowed(visible, padding, n_query, n_key, offset, q.device)
+        if padding is not None and padding.static:  # a static cache's step: the whole buffer, its mask
+            bias, visible = None, padding.visible
+        else:
+            bias, visible = self._bias_and_visible(q.shape[2], k.shape[2], offset, padding, q.device)
         if self._explicit_needed():
             z = self._explicit(q, k, v, bias, offset, visible)
         else:
@@ -208,6 +212,20 @@ class Attention(nn.Module):
             result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
             return result.sum(dim=2) + self.b_O
         return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, self.b_O)
+
+    def _bias_and_visible(
+        self, n_query: int, n_key: int, offset: int, padding: Optional[Padding], device: torch.device
+    ) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """The score bias (ALiBi) and visibility mask (None: causal) over this step's keys."""
+        first = offset + n_query - n_key  # > 0: a sliding layer's cache holds only the latest keys
+        bias = self.position.score_bias(n_query, offset + n_query, offset, padding)
+        visible = padding.visible if padding is not None else None
+        if first:
+            bias = bias[..., first:] if bias is not None else None
+            visible = visible[..., first:] if visible is not None else None
+        if self.window is not None:
+            visible = self._windowed(visible, padding, n_query, n_key, offset, device)
+        return bias, visible
 
     def _qk_normed(self, norm: nn.Module, x: Tensor) -> Tensor:
         """QK-norm of [..., head, d_head]: over d_head, or over the flattened projection."""
