@@ -14,7 +14,7 @@ LAYERS = [
     {"config"},
     {"components"},
     {"tokenizer", "model", "cache", "processing", "checkpoint", "snapshots", "accounting", "data", "training", "distributed", "interop",
-     "compiled"},
+     "compiled", "static_cache"},
     {"analysis", "planted"},
     {"viz"},
     {"__main__"},
