@@ -149,10 +149,11 @@ __all__ = [
     "evaluate_circuit", "faithfulness", "node_attribution", "path_patching",
 ]
 
-from workbench.analysis.graphs import (Graph, attention_entries, attribution_graph, collapse_frames,  # noqa: E402
-                                       head_loadings, qk_attribution)
+from workbench.analysis.graphs import (Graph, Supernode, attention_entries, attribution_graph,  # noqa: E402
+                                       collapse_frames, head_loadings, qk_attribution)
 
-__all__ += ["Graph", "attribution_graph", "collapse_frames", "qk_attribution", "attention_entries", "head_loadings"]
+__all__ += ["Graph", "Supernode", "attribution_graph", "collapse_frames", "qk_attribution", "attention_entries",
+            "head_loadings"]
 
 
 from workbench.analysis.graphs.qk_training import induction_qk_prompts, loss_drop, qk_pairs, qk_summary  # noqa: E402
