@@ -93,18 +93,37 @@ def test_pairs_sum_to_the_score(name):  # the parallel layout's MLP reads the bl
         assert abs(an.qk_attribution(graph, 2, 2, 4, 3, context=ctx).attrs["residual"]) > 1e-3
 
 
-def _write(graph, cache, model, label, pos):
-    """A key-side node's write into the residual stream, computed from the cache and the graph's capture."""
+def _write(graph, cache, model, kind, layer, index, pos):
+    """A node's write into the residual stream at ``pos``, from the cache and the graph's capture."""
     _, rs, cap = graph._context
-    if label.startswith("tok"):
+    if kind == "token":
         return cap.embed[pos]
-    if label.startswith("L"):
-        layer, head = (int(x[1:]) for x in label.split(" @")[0].split())
-        return cache[f"blocks.{layer}.attn.hook_z"][0, pos, head] @ model.blocks[layer].attn.W_O[head]
-    if label.startswith("err"):
-        return cap.errors[int(label.split()[1][1:])][pos]
-    layer, feature = (int(x) for x in label[1:].split(" @")[0].split(":"))
-    return cap.acts[layer][pos, feature] * rs.decoder(layer, layer)[feature]
+    if kind == "head":
+        return cache[f"blocks.{layer}.attn.hook_z"][0, pos, index] @ model.blocks[layer].attn.W_O[index]
+    if kind == "error":
+        return cap.errors[layer][pos]
+    return cap.acts[layer][pos, index] * rs.decoder(layer, layer)[index]
+
+
+def test_the_node_columns_name_each_node_without_its_position_and_find_its_write():
+    model, tcs, tokens = _setup("alibi")
+    graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=8)
+    ctx = QKContext(graph)
+    _, cache = model.run_with_cache(tokens)
+    frame = an.qk_attribution(graph, 2, 1, 6, 3, top=None, exact=0, context=ctx)
+    assert set(frame.key_kind) == {"token", "feature", "error", "head", "bias"}
+    for side, pos in (("query", 6), ("key", 3)):
+        parts = ctx.parts(2, pos)
+        assert (frame[f"{side}_node_pos"] == pos).all()
+        for node, unit, kind, layer, index in frame[[f"{side}_{c}" for c in ("node", "unit", "kind", "layer",
+                                                                               "index")]].itertuples(index=False):
+            assert node == (unit if kind == "bias" else f"{unit} @{pos}")
+            assert unit == {"token": f"tok {graph.str_tokens[pos]!r}", "head": f"L{layer} H{index}",
+                            "feature": f"F{layer}:{index}", "error": f"err L{layer}", "bias": "bias"}[kind]
+            assert (index >= 0) == (kind in ("head", "feature"))
+            if kind != "bias":
+                torch.testing.assert_close(parts.rows[parts.labels.index(node)].float(),
+                                           _write(graph, cache, model, kind, layer, index, pos), atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["alibi", "qknorm-softcap"])
@@ -121,7 +140,7 @@ def test_pattern_change_equals_an_edit_of_the_ln1_input(name):
     for row in frame.itertuples():
         if row.key_kind == "bias":  # b_K is not in the residual stream
             continue
-        vector = _write(graph, cache, model, row.key_node, k).detach()
+        vector = _write(graph, cache, model, row.key_kind, row.key_layer, row.key_index, k).detach()
         got = {}
 
         def edit(resid, hook):
