@@ -304,6 +304,33 @@ def test_bad_input_is_refused():
         an.head_loadings(graph, "F9.9.9", logit, 2)
 
 
+def test_mqa_with_sliding_local_layers_on_a_left_padded_batch_and_mla_refused():
+    """One key head for all (MQA), Gemma 3's local layers (window 3, their own RoPE base) beside a global
+    one, on a left-padded batch: each prompt's pairs sum to the score its own unpadded run gives, at
+    positions counted in its real tokens; a key outside the window is refused by name, and so is MLA."""
+    model = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=40, n_layers=3, attn_only=True, norm="gemma_rmsnorm",
+                                  positional="rope", n_kv_heads=1, sliding_window=3, global_every=2,
+                                  rope_local_base=10.0)).eval()
+    assert [model.cfg.layer_is_local(layer) for layer in range(3)] == [True, False, True]
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(1, 40, (n,), generator=g) for n in (9, 5)]
+    batch = TokenBatch.from_ids([r.tolist() for r in rows], 0, "left", torch.device("cpu"))
+    for graph, row in zip(an.attribution_graph(model, None, batch), rows):
+        n = len(row)
+        _, cache = model.run_with_cache(row[None])
+        for layer, head, q, k in [(0, 3, n - 1, n - 3), (1, 2, n - 1, 0), (2, 1, n - 2, n - 3)]:
+            frame = an.qk_attribution(graph, layer, head, q, k, top=None, exact=0)
+            bilinear, score = _reference_score(model, cache, layer, head, q, k)
+            assert frame.attrs["score"] == pytest.approx(score, abs=TOL) and frame.contribution.sum() == pytest.approx(
+                bilinear, abs=TOL)
+        with pytest.raises(ValueError, match="sliding window"):
+            an.qk_attribution(graph, 2, 0, n - 1, n - 4)  # 3 back: outside the local layer's window of 3
+        assert math.isfinite(an.qk_attribution(graph, 1, 0, n - 1, n - 4).attrs["score"])  # the global layer sees it
+    mla = wb.HookedDecoder(tiny(attention="mla", positional="rope", attn_only=True, d_vocab=40)).eval()
+    with pytest.raises(ValueError, match="MLA"):
+        an.qk_attribution(an.attribution_graph(mla, None, torch.randint(0, 40, (1, 6))), 1, 0, 5, 2)
+
+
 def test_attention_entry_weights_sum_to_a_head_ablation_in_the_frozen_model():
     """Over keys, an entry's weight sums to the change of the graph's weighted targets when that head's
     output at the query is zeroed in the frozen replacement model (linear there, so exactly)."""
