@@ -76,6 +76,11 @@ def test_pairs_sum_to_the_score(name):  # the parallel layout's MLP reads the bl
         for pos in (0, 3, 6):  # the node writes are the residual stream
             parts = ctx.parts(layer, pos).stack().sum(0).float()
             torch.testing.assert_close(parts, cache[f"blocks.{layer}.hook_resid_pre"][0, pos], atol=TOL, rtol=0)
+    for pos in (0, 3, 6):  # the token node (at layer 0: no skip path through it yet) is the token's
+        # embedding plus the position's (learned or sinusoidal) where the model adds one
+        embed = cache["hook_embed"][0, pos] + (cache["hook_pos_embed"][0, pos] if "hook_pos_embed" in cache else 0)
+        torch.testing.assert_close(ctx.parts(0, pos).rows[1].float(), embed, atol=TOL, rtol=0)
+    assert ("hook_pos_embed" in cache) == (model.cfg.positional in ("learned", "sinusoidal"))
     softcap = model.blocks[0].attn.softcap is not None
     for layer, head, q, k in [(0, 0, 6, 2), (1, 3, 6, 6), (2, 1, 5, 0), (2, 2, 4, 3)]:
         frame = an.qk_attribution(graph, layer, head, q, k, top=None, exact=0, context=ctx)
