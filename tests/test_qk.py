@@ -76,6 +76,11 @@ def test_pairs_sum_to_the_score(name):  # the parallel layout's MLP reads the bl
         for pos in (0, 3, 6):  # the node writes are the residual stream
             parts = ctx.parts(layer, pos).stack().sum(0).float()
             torch.testing.assert_close(parts, cache[f"blocks.{layer}.hook_resid_pre"][0, pos], atol=TOL, rtol=0)
+    for pos in (0, 3, 6):  # the token node (at layer 0: no skip path through it yet) is the token's
+        # embedding plus the position's (learned or sinusoidal) where the model adds one
+        embed = cache["hook_embed"][0, pos] + (cache["hook_pos_embed"][0, pos] if "hook_pos_embed" in cache else 0)
+        torch.testing.assert_close(ctx.parts(0, pos).rows[1].float(), embed, atol=TOL, rtol=0)
+    assert ("hook_pos_embed" in cache) == (model.cfg.positional in ("learned", "sinusoidal"))
     softcap = model.blocks[0].attn.softcap is not None
     for layer, head, q, k in [(0, 0, 6, 2), (1, 3, 6, 6), (2, 1, 5, 0), (2, 2, 4, 3)]:
         frame = an.qk_attribution(graph, layer, head, q, k, top=None, exact=0, context=ctx)
@@ -93,18 +98,37 @@ def test_pairs_sum_to_the_score(name):  # the parallel layout's MLP reads the bl
         assert abs(an.qk_attribution(graph, 2, 2, 4, 3, context=ctx).attrs["residual"]) > 1e-3
 
 
-def _write(graph, cache, model, label, pos):
-    """A key-side node's write into the residual stream, computed from the cache and the graph's capture."""
+def _write(graph, cache, model, kind, layer, index, pos):
+    """A node's write into the residual stream at ``pos``, from the cache and the graph's capture."""
     _, rs, cap = graph._context
-    if label.startswith("tok"):
+    if kind == "token":
         return cap.embed[pos]
-    if label.startswith("L"):
-        layer, head = (int(x[1:]) for x in label.split(" @")[0].split())
-        return cache[f"blocks.{layer}.attn.hook_z"][0, pos, head] @ model.blocks[layer].attn.W_O[head]
-    if label.startswith("err"):
-        return cap.errors[int(label.split()[1][1:])][pos]
-    layer, feature = (int(x) for x in label[1:].split(" @")[0].split(":"))
-    return cap.acts[layer][pos, feature] * rs.decoder(layer, layer)[feature]
+    if kind == "head":
+        return cache[f"blocks.{layer}.attn.hook_z"][0, pos, index] @ model.blocks[layer].attn.W_O[index]
+    if kind == "error":
+        return cap.errors[layer][pos]
+    return cap.acts[layer][pos, index] * rs.decoder(layer, layer)[index]
+
+
+def test_the_node_columns_name_each_node_without_its_position_and_find_its_write():
+    model, tcs, tokens = _setup("alibi")
+    graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=8)
+    ctx = QKContext(graph)
+    _, cache = model.run_with_cache(tokens)
+    frame = an.qk_attribution(graph, 2, 1, 6, 3, top=None, exact=0, context=ctx)
+    assert set(frame.key_kind) == {"token", "feature", "error", "head", "bias"}
+    for side, pos in (("query", 6), ("key", 3)):
+        parts = ctx.parts(2, pos)
+        assert (frame[f"{side}_node_pos"] == pos).all()
+        for node, unit, kind, layer, index in frame[[f"{side}_{c}" for c in ("node", "unit", "kind", "layer",
+                                                                               "index")]].itertuples(index=False):
+            assert node == (unit if kind == "bias" else f"{unit} @{pos}")
+            assert unit == {"token": f"tok {graph.str_tokens[pos]!r}", "head": f"L{layer} H{index}",
+                            "feature": f"F{layer}:{index}", "error": f"err L{layer}", "bias": "bias"}[kind]
+            assert (index >= 0) == (kind in ("head", "feature"))
+            if kind != "bias":
+                torch.testing.assert_close(parts.rows[parts.labels.index(node)].float(),
+                                           _write(graph, cache, model, kind, layer, index, pos), atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["alibi", "qknorm-softcap"])
@@ -121,7 +145,7 @@ def test_pattern_change_equals_an_edit_of_the_ln1_input(name):
     for row in frame.itertuples():
         if row.key_kind == "bias":  # b_K is not in the residual stream
             continue
-        vector = _write(graph, cache, model, row.key_node, k).detach()
+        vector = _write(graph, cache, model, row.key_kind, row.key_layer, row.key_index, k).detach()
         got = {}
 
         def edit(resid, hook):
@@ -283,6 +307,33 @@ def test_bad_input_is_refused():
         an.head_loadings(graph, feature, int(graph.nodes_of("token")[0]), 2)
     with pytest.raises(ValueError, match="not a node id"):
         an.head_loadings(graph, "F9.9.9", logit, 2)
+
+
+def test_mqa_with_sliding_local_layers_on_a_left_padded_batch_and_mla_refused():
+    """One key head for all (MQA), Gemma 3's local layers (window 3, their own RoPE base) beside a global
+    one, on a left-padded batch: each prompt's pairs sum to the score its own unpadded run gives, at
+    positions counted in its real tokens; a key outside the window is refused by name, and so is MLA."""
+    model = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=40, n_layers=3, attn_only=True, norm="gemma_rmsnorm",
+                                  positional="rope", n_kv_heads=1, sliding_window=3, global_every=2,
+                                  rope_local_base=10.0)).eval()
+    assert [model.cfg.layer_is_local(layer) for layer in range(3)] == [True, False, True]
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(1, 40, (n,), generator=g) for n in (9, 5)]
+    batch = TokenBatch.from_ids([r.tolist() for r in rows], 0, "left", torch.device("cpu"))
+    for graph, row in zip(an.attribution_graph(model, None, batch), rows):
+        n = len(row)
+        _, cache = model.run_with_cache(row[None])
+        for layer, head, q, k in [(0, 3, n - 1, n - 3), (1, 2, n - 1, 0), (2, 1, n - 2, n - 3)]:
+            frame = an.qk_attribution(graph, layer, head, q, k, top=None, exact=0)
+            bilinear, score = _reference_score(model, cache, layer, head, q, k)
+            assert frame.attrs["score"] == pytest.approx(score, abs=TOL) and frame.contribution.sum() == pytest.approx(
+                bilinear, abs=TOL)
+        with pytest.raises(ValueError, match="sliding window"):
+            an.qk_attribution(graph, 2, 0, n - 1, n - 4)  # 3 back: outside the local layer's window of 3
+        assert math.isfinite(an.qk_attribution(graph, 1, 0, n - 1, n - 4).attrs["score"])  # the global layer sees it
+    mla = wb.HookedDecoder(tiny(attention="mla", positional="rope", attn_only=True, d_vocab=40)).eval()
+    with pytest.raises(ValueError, match="MLA"):
+        an.qk_attribution(an.attribution_graph(mla, None, torch.randint(0, 40, (1, 6))), 1, 0, 5, 2)
 
 
 def test_attention_entry_weights_sum_to_a_head_ablation_in_the_frozen_model():

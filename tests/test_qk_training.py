@@ -97,10 +97,18 @@ def test_induction_prompts_end_on_a_repeat_and_point_at_the_token_after_its_firs
         induction_qk_prompts(8, half=16)
 
 
-def test_node_labels_drop_the_position():
-    assert node_label("T7", "token", -1) == "token"
-    assert node_label("B1", "bias", 1) == "bias"
-    assert node_label("E0.5", "error", 0) == "error L0"
+def test_node_labels_drop_the_position(run):
+    assert node_label("token", -1, -1) == "token" and node_label("bias", -1, -1) == "bias"
+    assert node_label("error", 0, -1) == "error L0" and node_label("feature", 1, 37) == "F1.37"
+    with pytest.raises(ValueError, match="kind"):
+        node_label("neuron", 0, 3)
+    table = run[-1]
+    for side in ("query", "key"):  # the labels are the node names without " @pos", heads written L0H2
+        rows = table[[f"{side}_node", f"{side}_kind", f"{side}_label"]].drop_duplicates()
+        assert set(rows[f"{side}_kind"]) == {"token", "head", "bias"}
+        for node, kind, label in rows.itertuples(index=False):
+            expected = {"token": "token", "bias": "bias"}.get(kind, node.split(" @")[0].replace(" ", ""))
+            assert label == expected, node
 
 
 def _table(rows):

@@ -4,7 +4,8 @@ Opened with its toggle under the graph. The user picks an attention edge: one of
 attention entries (``analysis.attention_entries``: each (layer, head, query, key) weighted by how
 much of the graph's targets flows through it; the largest is the default), or a layer, a head, a
 query position and a key position (the selectors, or a click on a cell of the head's attention
-pattern; the key follows where the head attends most from the query until picked). The page shows the edge's score
+pattern; the key follows where the head attends most from the query until picked); the list always
+shows the open edge, its entry or, for an edge it does not hold, none. The page shows the edge's score
 split into (query-side node, key-side node) pairs as a table and as a query x key heatmap, the
 bilinear part and the residual, and, for a pair picked in the table's top rows (or clicked on the
 heatmap), the exact change of the attention weight when that pair's key-side node is removed (a
@@ -93,6 +94,19 @@ def _pair_clicked() -> None:
         st.session_state["graph_qk_pair_clicked"] = f"{cell[0]} x {cell[1]}"
 
 
+def _entry_picker(where, options: dict, edge: tuple[int, int, int, int]) -> None:
+    """The list of the graph's attention entries, showing the open edge: its entry where the list
+    has it, else none (a click on the pattern or the selectors can open any edge)."""
+    listed = [name for name, e in options.items() if tuple(int(v) for v in e) == edge]
+    st.session_state["graph_qk_entry"] = listed[0] if listed else None
+    layer, head, query, key = edge
+    where.selectbox("Attention edge of the graph (largest weight first)", list(options), key="graph_qk_entry",
+                    on_change=_entry_chosen, args=(options,), index=None,
+                    placeholder=f"L{layer}H{head}: query {query} -> key {key} is not among the graph's "
+                                f"{len(options)} largest entries",
+                    help="Weight: how much of the graph's targets flows through this entry of the frozen pattern.")
+
+
 def render(ckpt: common.Checkpoint, graph_key: tuple, ids: tuple[int, ...], str_tokens: list[str]) -> None:
     st.subheader("Why a head attended (QK)")
     if not st.toggle("Open the QK panel", key="graph_qk_open",
@@ -107,14 +121,12 @@ def render(ckpt: common.Checkpoint, graph_key: tuple, ids: tuple[int, ...], str_
         st.info(f"QK attribution does not apply here: {e}")
         return
     options = {_entry_label(e): (e.layer, e.head, e.query_pos, e.key_pos) for e in entries.itertuples()}
+    picker = st.container()  # drawn above the selectors, filled once they have settled the edge
     if options:
         fresh = st.session_state.get("graph_qk_entry__context") != graph_key
         common.follow_default("graph_qk_entry", next(iter(options)), graph_key)
         if fresh:  # a new graph: open its largest attention entry
             _set_edge(*options[st.session_state["graph_qk_entry"]])
-        st.selectbox("Attention edge of the graph (largest weight first)", list(options), key="graph_qk_entry",
-                     on_change=_entry_chosen, args=(options,),
-                     help="Weight: how much of the graph's targets flows through this entry of the frozen pattern.")
     for name, n in (("graph_qk_layer", cfg.n_layers), ("graph_qk_head", cfg.n_heads)):
         if st.session_state.get(name) not in range(n):  # from a checkpoint with more layers or heads
             st.session_state[name] = n - 1 if name == "graph_qk_layer" else 0
@@ -136,6 +148,8 @@ def render(ckpt: common.Checkpoint, graph_key: tuple, ids: tuple[int, ...], str_
     if st.session_state["graph_qk_key"] > query:
         st.session_state["graph_qk_key"] = most
     key = d.selectbox("Key position", positions[: query + 1], key="graph_qk_key", format_func=label)
+    if options:
+        _entry_picker(picker, options, (layer, head, query, key))
     fig = viz.attention_figure(patterns, layer, head, clickable=True)
     fig.update_layout(title=f"Attention L{layer}H{head} (click a cell to open that edge)")
     common.show(fig, key="graph_qk_pattern", selection_mode="points", on_select=_edge_clicked)

@@ -4,7 +4,8 @@ Graph: on planted-hand-induction (attention-only: the model is its own replaceme
 toggle opens the QK panel at the graph's largest attention entry, the induction head reading the
 token after the earlier occurrence, whose top pair is the K-composition the weights were written
 for; a real click on another cell of the head's attention pattern picks that edge, and the
-selectors, the heatmap's title and the removal follow; a real click on the QK heatmap's top cell picks
+selectors, the entry list (none of its entries, since the graph does not list that one), the
+heatmap's title and the removal follow; a real click on the QK heatmap's top cell picks
 that pair for the removal, after another was picked in its list. Training: a click on the toggle draws the top
 QK pair and the K-composition pairs over the snapshots of induction-attn2l, above the loss curve.
 """
@@ -67,6 +68,7 @@ def test_qk_panel_opens_on_a_click_and_follows_a_clicked_attention_cell(page):
     title = heatmap.locator(".gtitle").text_content()
     assert title.startswith("L1H0, query 14 -> key 8"), title  # the graph's largest attention entry
     assert selected(page, "Head") == "0" and selected(page, "Query position").startswith("14")
+    assert selected(page, "Attention edge of the graph").startswith("L1H0: query 14 -> key 8 ")
     removal = page.locator("[data-testid=stMetric]", has_text="at the key").first
     assert "L0 H0 @8" in removal.inner_text()  # the K-composition pair's key node: the previous-token head
     # a real click on another cell of the pattern: query 12, at the key it attends to most
@@ -82,6 +84,10 @@ def test_qk_panel_opens_on_a_click_and_follows_a_clicked_attention_cell(page):
     wait_idle(page)
     no_exception(page)
     assert selected(page, "Query position").startswith("12") and selected(page, "Key position").startswith(f"{key}:")
+    # the entry list agrees with the clicked cell: the graph's targets (at the last position) flow through
+    # query 14 alone, so query 12 is none of its listed entries and none is shown picked, the edge named
+    picker = widget(page, "stSelectbox", "Attention edge of the graph").get_by_role("combobox")
+    assert picker.input_value() == "" and f"query 12 -> key {key} is not among" in picker.get_attribute("placeholder")
     after = figure(page, "QK pairs")
     assert_drawn(after, "the QK heatmap of the clicked edge")
     assert after.locator(".gtitle").text_content().startswith(f"L1H0, query 12 -> key {key}")

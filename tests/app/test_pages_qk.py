@@ -3,7 +3,8 @@
 What the pages show is checked against the library run directly: the panel's score, pairs and the
 attention change when a key node is removed equal ``an.qk_attribution`` on the graph the page
 builds (planted-hand-induction: the hand-written K-composition, 12.0 of a score of 12.0), picking
-another attention entry moves the four selectors to it, and the Training page's figure is
+another attention entry moves the four selectors to it, the entry list shows the edge the selectors
+open (none where the graph does not list it), and the Training page's figure is
 ``viz.qk_over_training_figure`` of ``over_training(series, qk_pairs, ...)`` on the same prompts (its
 last five snapshots, measured again).
 """
@@ -82,6 +83,21 @@ def test_another_attention_entry_moves_the_selectors_and_the_table(graph_page):
     assert [at.session_state[f"graph_qk_{w}"] for w in ("layer", "head", "query", "key")] == [layer, head, query, key]
     after = at.dataframe[-1].value["pair"].tolist()
     assert after != before and all(f"@{key}" in p.split(" x ")[1] or p.endswith("bias") for p in after)
+
+
+def test_the_entry_picker_shows_the_edge_the_selectors_open(graph_page):
+    at = graph_page
+    picker = lambda: at.selectbox(key="graph_qk_entry")  # noqa: E731
+    assert picker().value == picker().options[0] and picker().value.startswith("L1H0: query 14 -> key 8 ")
+    at.selectbox(key="graph_qk_key").set_value(1).run()  # another entry the graph lists
+    assert not at.exception, [e.value for e in at.exception]
+    assert picker().value.startswith("L1H0: query 14 -> key 1 ")
+    at.selectbox(key="graph_qk_query").set_value(12).run()  # query 12: none of the listed entries
+    assert not at.exception, [e.value for e in at.exception]
+    assert not any(o.startswith("L1H0: query 12 ") for o in picker().options)
+    assert picker().value is None and "query 12 -> key" in picker().placeholder
+    at.selectbox(key="graph_qk_entry").set_value(picker().options[0]).run()  # and back through the list
+    assert [at.session_state[f"graph_qk_{w}"] for w in ("layer", "head", "query", "key")] == [1, 0, 14, 8]
 
 
 def test_the_training_figure_is_the_librarys(app, checkpoints_dir):

@@ -50,14 +50,13 @@ def planted_qk_pairs(truth, unscored=()) -> dict[str, tuple[set, set]]:
     return out
 
 
-def _sender(kind: str, label: str) -> str:
-    """A QK row's node as a truth sender: "embed" for a token, "L0H2" for a head, else the label."""
+def _sender(kind: str, unit: str, layer: int, index: int) -> str:
+    """A QK row's node as a truth sender: "embed" for a token, "L0H2" for a head, else its position-free unit."""
     if kind == "token":
         return "embed"
     if kind == "head":
-        layer, head = label.split(" @")[0].split()
-        return f"{layer}{head}"
-    return label.split(" @")[0]
+        return f"L{layer}H{index}"
+    return unit
 
 
 def score_planted_qk(planted, n_prompts: int = 32, seed: int = 0, ratio: float = 0.5):
@@ -90,8 +89,9 @@ def score_planted_qk(planted, n_prompts: int = 32, seed: int = 0, ratio: float =
             for q in queries:
                 k = q - half + 1
                 frame = qk_attribution(graph, layer, h, q, k, top=None, exact=0, context=ctx)
-                found = [(_sender(a, x), _sender(c, y)) for a, x, c, y in
-                         zip(frame.query_kind, frame.query_node, frame.key_kind, frame.key_node)]
+                found = [(_sender(*row[:4]), _sender(*row[4:])) for row in zip(
+                    frame.query_kind, frame.query_unit, frame.query_layer, frame.query_index,
+                    frame.key_kind, frame.key_unit, frame.key_layer, frame.key_index)]
                 keep = [i for i, pair in enumerate(found) if pair not in loose]
                 values = frame.contribution.to_numpy()[keep]
                 named = [found[i] for i in keep]

@@ -33,23 +33,33 @@ from torch import Tensor
 
 KINDS = ("token", "feature", "error", "head", "bias")
 COLUMNS = ["query_node", "key_node", "query_kind", "key_kind", "query_layer", "key_layer", "contribution",
-           "pattern_change"]
+           "pattern_change", "query_unit", "key_unit", "query_index", "key_index", "query_node_pos", "key_node_pos"]
 
 
 class _Parts:
-    """A residual-stream vector at one position as a sum of node writes, ``stack().sum(0)``; row 0 is ``bias``."""
+    """A residual-stream vector at position ``pos`` as a sum of node writes, ``stack().sum(0)``; row 0 is ``bias``.
 
-    def __init__(self, d_model: int, device, dtype):
-        self.labels, self.kinds, self.layers = ["bias"], ["bias"], [-1]
+    Each node has a ``unit`` (its name without the position: ``L0 H2``, ``tok '4'``, ``F1:123``,
+    ``err L1``, ``bias``), an ``index`` (the head's or the feature's, else -1) and a label, the unit at
+    ``pos`` (``L0 H2 @5``; ``bias`` alone, a sum of constants)."""
+
+    def __init__(self, d_model: int, pos: int, device, dtype):
+        self.pos = pos
+        self.units, self.kinds, self.layers, self.indices = ["bias"], ["bias"], [-1], [-1]
         self.rows = [torch.zeros(d_model, device=device, dtype=dtype)]
         self.index: dict = {}  # node key -> row
 
-    def add(self, key, label: str, kind: str, layer: int, vector: Tensor) -> None:
+    def add(self, key, unit: str, kind: str, layer: int, index: int, vector: Tensor) -> None:
         if key in self.index:
             self.rows[self.index[key]] = self.rows[self.index[key]] + vector
             return
         self.index[key] = len(self.rows)
-        self.labels.append(label), self.kinds.append(kind), self.layers.append(layer), self.rows.append(vector)
+        self.units.append(unit), self.kinds.append(kind), self.layers.append(layer), self.indices.append(index)
+        self.rows.append(vector)
+
+    @property
+    def labels(self) -> list[str]:
+        return [u if k == "bias" else f"{u} @{self.pos}" for u, k in zip(self.units, self.kinds)]
 
     def stack(self) -> Tensor:
         return torch.stack(self.rows)
@@ -116,14 +126,14 @@ class QKContext:
             return self._parts[key]
         model, rs, cap = self.model, self.rs, self.cap
         embed = cap.embed[pos].detach().double()
-        parts = _Parts(embed.shape[-1], embed.device, torch.float64)
-        parts.add(("tok", pos), f"tok {self.str_tokens[pos]!r} @{pos}", "token", -1, embed)
+        parts = _Parts(embed.shape[-1], pos, embed.device, torch.float64)
+        parts.add(("tok", pos), f"tok {self.str_tokens[pos]!r}", "token", -1, -1, embed)
         for l in range(layer):
             attn = model.blocks[l].attn
             mlp_reads = parts.stack() if self.parallel else None  # a parallel block's MLP reads resid_pre
             result = torch.einsum("he,hed->hd", self.cache[f"blocks.{l}.attn.hook_z"][pos].double(), attn.W_O.double())
             for h in range(model.cfg.n_heads):
-                parts.add(("head", l, h), f"L{l} H{h} @{pos}", "head", l, result[h])
+                parts.add(("head", l, h), f"L{l} H{h}", "head", l, h, result[h])
             if attn.b_O is not None:
                 parts.rows[0] = parts.rows[0] + attn.b_O.detach().double()
             if rs.n_layers:
@@ -153,8 +163,8 @@ class QKContext:
                     continue
                 writes = cap.acts[s][pos, active, None].double() * rs.decoder(s, layer)[active].double()
                 for f, w in zip(active.tolist(), writes):
-                    parts.add(("feature", s, f), f"F{s}:{f} @{pos}", "feature", s, w)
-            parts.add(("error", layer), f"err L{layer} @{pos}", "error", layer, cap.errors[layer][pos].double())
+                    parts.add(("feature", s, f), f"F{s}:{f}", "feature", s, f, w)
+            parts.add(("error", layer), f"err L{layer}", "error", layer, -1, cap.errors[layer][pos].double())
 
     # ---- into query / key space ---------------------------------------------------------------------
     def rotation(self, layer: int) -> Optional[Tensor]:
@@ -249,11 +259,15 @@ def qk_attribution(graph, layer: int, head: int, query_pos: int, key_pos: int, *
     if top is not None:
         order = order[:top]
     qi, ki = (order // C.shape[1]).tolist(), (order % C.shape[1]).tolist()
+    q_labels, k_labels = qp.labels, kp.labels
     frame = pd.DataFrame({
-        "query_node": [qp.labels[i] for i in qi], "key_node": [kp.labels[j] for j in ki],
+        "query_node": [q_labels[i] for i in qi], "key_node": [k_labels[j] for j in ki],
         "query_kind": [qp.kinds[i] for i in qi], "key_kind": [kp.kinds[j] for j in ki],
         "query_layer": [qp.layers[i] for i in qi], "key_layer": [kp.layers[j] for j in ki],
         "contribution": flat[order].tolist(), "pattern_change": float("nan"),
+        "query_unit": [qp.units[i] for i in qi], "key_unit": [kp.units[j] for j in ki],
+        "query_index": [qp.indices[i] for i in qi], "key_index": [kp.indices[j] for j in ki],
+        "query_node_pos": query_pos, "key_node_pos": key_pos,
     })
     n_exact = min(exact, len(frame))
     if n_exact:

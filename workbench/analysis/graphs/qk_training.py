@@ -20,7 +20,6 @@ where the smoothed loss falls at more than half its steepest rate.
 
 from __future__ import annotations
 
-import re
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -35,20 +34,18 @@ from workbench.analysis.graphs.attribute import attribution_graph
 from workbench.analysis.graphs.qk import QKContext, qk_attribution
 
 
-def node_label(name: str, kind: str, layer: int) -> str:
-    """A node named without its position: ``token``, ``L0H2`` (a head's output), ``bias``, ``F1.37``
-    (feature 37 of layer 1), ``error L1``."""
-    if kind == "token":
-        return "token"
-    if kind == "bias":
-        return "bias"
+def node_label(kind: str, layer: int, index: int) -> str:
+    """A node named without its position, from ``qk_attribution``'s ``*_kind``, ``*_layer`` and ``*_index``
+    columns: ``token``, ``L0H2`` (head 2's output), ``bias``, ``F1.37`` (feature 37 of layer 1), ``error L1``."""
+    if kind in ("token", "bias"):
+        return kind
     if kind == "error":
         return f"error L{layer}"
-    numbers = [int(n) for n in re.findall(r"\d+", name)]
-    if kind == "head":  # the head's index is the last number that is not the layer or a position
-        head = numbers[1] if len(numbers) >= 2 else numbers[-1]
-        return f"L{layer}H{head}"
-    return f"F{layer}.{numbers[1]}" if len(numbers) >= 2 else name  # "F1:37 @5": feature 37 of layer 1
+    if kind == "head":
+        return f"L{layer}H{index}"
+    if kind == "feature":
+        return f"F{layer}.{index}"
+    raise ValueError(f"unknown node kind {kind!r}: one of bias, error, feature, head, token")
 
 
 def _per_prompt(value, n: int, what: str) -> list[int]:
@@ -99,10 +96,9 @@ def qk_pairs(model, tokens, layer: int, head: Union[int, Sequence[int]], query_p
             frame = table.reset_index(drop=True).assign(
                 prompt=i, layer=layer, head=int(h), query_pos=q, key_pos=k, rank=np.arange(1, len(table) + 1),
                 score=table.attrs["score"], bilinear=table.attrs["bilinear"], residual=table.attrs["residual"])
-            frame["query_label"] = [node_label(n, kd, lay) for n, kd, lay in
-                                    zip(frame["query_node"], frame["query_kind"], frame["query_layer"])]
-            frame["key_label"] = [node_label(n, kd, lay) for n, kd, lay in
-                                  zip(frame["key_node"], frame["key_kind"], frame["key_layer"])]
+            for side in ("query", "key"):
+                frame[f"{side}_label"] = [node_label(*node) for node in zip(
+                    frame[f"{side}_kind"], frame[f"{side}_layer"], frame[f"{side}_index"])]
             frames.append(frame)
     first = ["prompt", "layer", "head", "query_pos", "key_pos", "rank", "query_label", "key_label"]
     out = pd.concat(frames, ignore_index=True)
