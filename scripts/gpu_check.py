@@ -475,7 +475,12 @@ def section_decode(sec: Section) -> None:
         if out.shape[1] != tokens.shape[1] + new:
             raise RuntimeError(f"asked for {new} new tokens, got {out.shape[1] - tokens.shape[1]}")
         t_new = median_time(lambda: fn(tokens, new), repeats, sec.sync)
-        return 1e3 * max(t_new - prefill[contender, tokens.shape[0]], 0.0) / (new - 1)
+        decode = t_new - prefill[contender, tokens.shape[0]]
+        if decode <= 0:  # tiny shapes under load: the prefill's own timing noise is larger than the decode
+            sec.note(f"{contender}, batch {tokens.shape[0]}: generate took no longer than the prefill alone; "
+                     f"per token is the whole generate / {new} (an upper bound)")
+            return 1e3 * t_new / new
+        return 1e3 * decode / (new - 1)
 
     def add(mode: str, contender: str, batch: int, ms: float) -> None:
         kv = wb.kv_cache_bytes(ours.cfg, context=prompt_len + new // 2, batch=batch)
