@@ -187,3 +187,22 @@ def test_a_full_static_cache_refuses_the_next_step_as_the_dynamic_cache_does():
         for cache in (dynamic, static):
             with pytest.raises(ValueError, match="KV cache full"):
                 model(x[:, :1], kv_cache=cache)
+
+
+def test_generate_runs_one_forward_per_token_it_keeps():
+    """max_new_tokens=n is the prompt's forward and n - 1 steps (the last token's logits would be thrown
+    away, so it is not fed), with every cache and without one; a static step's pos_offset is the column,
+    the dynamic step's offset, as a tensor (kept by a clone: the cache advances it in place)."""
+    model = model_of("pre-learned")
+    x = prompt(6, (2, 5))
+    for n in (1, 2, 7):
+        seen = {}
+        for kind, kwargs in (("dynamic", {}), ("static", {"static_cache": True}), ("recompute", {"use_kv_cache": False})):
+            offsets = seen.setdefault(kind, [])
+            def keep(act, hook):
+                at = model.pos_offset
+                offsets.append(at if isinstance(at, int) else int(at.clone()))
+            with model.hooks(fwd_hooks=[("hook_embed", keep)]):
+                model.generate(x, max_new_tokens=n, **kwargs)
+        assert seen["dynamic"] == seen["static"] == [0] + list(range(5, 5 + n - 1)), n
+        assert seen["recompute"] == [0] * n
