@@ -166,3 +166,43 @@ def test_static_cache_refuses_what_it_cannot_decode():
             model(prompt()[:, :1], kv_cache=cache, attention_mask=torch.ones(1, 1))
         with pytest.raises(ValueError, match="one token"):
             model(prompt()[:, :2], kv_cache=cache)
+
+
+def test_a_full_static_cache_refuses_the_next_step_as_the_dynamic_cache_does():
+    """Filled to its last column, a static cache's ``length`` counts as the dynamic cache's and the next
+    step is a ValueError (an index past the buffer would be a device-side assert on a GPU)."""
+    model = model_of("parallel-rope-gqa")
+    x = prompt(5, (2, 6))
+    with torch.no_grad():
+        dynamic, static = model.make_kv_cache(2, 8), model.make_kv_cache(2, 8, static=True)
+        model(x, kv_cache=dynamic)
+        model(x, kv_cache=static)
+        static.start_decoding()
+        for _ in range(2):  # the last two columns
+            a, b = model(x[:, :1], kv_cache=dynamic), model(x[:, :1], kv_cache=static)
+            static.advance()
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+            assert static.length == dynamic.length
+        assert static.length == 8
+        for cache in (dynamic, static):
+            with pytest.raises(ValueError, match="KV cache full"):
+                model(x[:, :1], kv_cache=cache)
+
+
+def test_generate_runs_one_forward_per_token_it_keeps():
+    """max_new_tokens=n is the prompt's forward and n - 1 steps (the last token's logits would be thrown
+    away, so it is not fed), with every cache and without one; a static step's pos_offset is the column,
+    the dynamic step's offset, as a tensor (kept by a clone: the cache advances it in place)."""
+    model = model_of("pre-learned")
+    x = prompt(6, (2, 5))
+    for n in (1, 2, 7):
+        seen = {}
+        for kind, kwargs in (("dynamic", {}), ("static", {"static_cache": True}), ("recompute", {"use_kv_cache": False})):
+            offsets = seen.setdefault(kind, [])
+            def keep(act, hook):
+                at = model.pos_offset
+                offsets.append(at if isinstance(at, int) else int(at.clone()))
+            with model.hooks(fwd_hooks=[("hook_embed", keep)]):
+                model.generate(x, max_new_tokens=n, **kwargs)
+        assert seen["dynamic"] == seen["static"] == [0] + list(range(5, 5 + n - 1)), n
+        assert seen["recompute"] == [0] * n

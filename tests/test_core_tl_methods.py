@@ -217,3 +217,28 @@ def test_apply_ln_to_a_layer_without_an_input_norm_is_named():
     with pytest.raises(ValueError, match="reordered"):
         cache.apply_ln_to_stack(stack, layer=1)
     assert cache.apply_ln_to_stack(stack).shape == stack.shape  # the final norm is there
+
+
+def test_run_with_cache_is_transformer_lens_run_with_cache():
+    """Our run_with_cache (its own hook path for the common call, TransformerLens' for the rest) stores
+    what HookedRootModule.run_with_cache stores, for each kind of names_filter and each option."""
+    from transformer_lens import HookedRootModule
+
+    model = make()
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])
+    names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"]
+    for options in ({}, {"names_filter": "blocks.0.attn.hook_z"}, {"names_filter": names},
+                    {"names_filter": lambda name: name.endswith("hook_q")}, {"names_filter": names, "pos_slice": 2},
+                    {"names_filter": names, "device": "cpu"}, {"names_filter": names, "incl_bwd": True}):
+        kwargs = {"return_type": "loss"} if options.get("incl_bwd") else {}
+        ours_out, ours = model.run_with_cache(TOKENS[:2], attention_mask=mask, **kwargs, **options)
+        their_out, theirs = HookedRootModule.run_with_cache(model, TOKENS[:2], attention_mask=mask, **kwargs, **options)
+        model.zero_grad()
+        torch.testing.assert_close(ours_out, their_out, atol=0, rtol=0)
+        assert isinstance(ours, WorkbenchCache)
+        assert sorted(ours.keys()) == sorted(theirs.keys()) and len(theirs.keys()) > 0, options
+        for name in theirs.keys():
+            assert torch.equal(ours[name], theirs[name]), (options, name)
+    _, ours = model.run_with_cache(TOKENS[:1], remove_batch_dim=True)
+    _, theirs = HookedRootModule.run_with_cache(model, TOKENS[:1], remove_batch_dim=True)
+    assert sorted(ours.keys()) == sorted(theirs.keys()) and all(torch.equal(ours[n], theirs[n]) for n in theirs.keys())

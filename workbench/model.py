@@ -231,6 +231,9 @@ class HookedDecoder(HookedRootModule):
         step = kv_cache.step if kv_cache is not None else None  # a static cache's fixed-shape decode step
         if step is not None and attention_mask is not None:
             raise ValueError("a static KV cache's decode step takes no attention_mask: it keeps the prompt's")
+        if step is not None and step.full:  # here: past the buffer, index_copy_ is an IndexError (a kernel assert on a GPU)
+            raise ValueError(f"KV cache full: its {kv_cache.length} positions are all written; make it with a "
+                             "larger max_len")
         offset = kv_cache.length if kv_cache is not None and step is None else 0
         self.pos_offset = offset if step is None else step.column  # a tensor in a static step: no constant
         input, attention_mask = unpack(input, attention_mask)

@@ -67,6 +67,7 @@ class StaticStep:
 
     def __init__(self, column: Tensor, positions: Tensor, visible: Tensor):
         self.column, self.positions, self.visible = column, positions, visible
+        self.full = False  # set by ``advance`` once every column is written: a further step is refused
 
     @property
     def row_positions(self) -> Tensor:
@@ -80,6 +81,7 @@ class StaticKVCache(KVCache):
         check_static_cache(cfg)
         super().__init__(cfg, batch, device, dtype, max_len)
         self.step: Optional[StaticStep] = None
+        self._held = 0  # positions held once decoding: counted here, so no step reads the column back
         for entry in self.entries:
             # zeros, not garbage: a masked column still enters the products (pattern 0 x value),
             # and NaN there would poison them
@@ -88,6 +90,12 @@ class StaticKVCache(KVCache):
             if entry.k.is_cuda:  # CUDA graphs read the buffers in place instead of copying them in
                 torch._dynamo.mark_static_address(entry.k)
                 torch._dynamo.mark_static_address(entry.v)
+
+    @property
+    def length(self) -> int:
+        """Positions held: the prompt's, then one more per ``advance`` (the entries' own ``length``
+        stays the prompt's, a constant of the traced step)."""
+        return self.entries[0].length if self.step is None else self._held
 
     def start_decoding(self) -> None:
         """Switch to fixed-shape steps once the prompt (``length`` positions) is in."""
@@ -103,12 +111,16 @@ class StaticKVCache(KVCache):
         real = torch.full((batch,), n, device=device) if mask is None else mask.sum(dim=1)
         column = torch.tensor([n], device=device)
         self.step = StaticStep(column, real[:, None].long(), visible[:, None, None, :])
+        self._held = n
         for entry in self.entries:
             entry.column = column
 
     def advance(self) -> None:
         """After a decode step: the next token's column, position and visible column, in place."""
         step = self.step
+        self._held += 1
+        if self._held >= step.visible.shape[-1]:  # a Python flag, False until then: no recompile per token
+            step.full = True
         step.column.add_(1)
         step.positions.add_(1)
         step.visible.index_fill_(-1, step.column.clamp(max=step.visible.shape[-1] - 1), True)
