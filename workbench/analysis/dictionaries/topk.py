@@ -15,10 +15,16 @@ import torch.nn.functional as F
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig, SparseActs
 
 
+def topk_sparse(pre: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Each row's ``k`` largest pre-activations (ReLU'd) and their feature indices."""
+    values, indices = pre.topk(int(k), dim=-1, sorted=False)
+    return values.relu(), indices
+
+
 def topk_relu(pre: Tensor, k: int) -> Tensor:
     """Each row's ``k`` largest pre-activations (ReLU'd), zeros elsewhere."""
-    values, indices = pre.topk(int(k), dim=-1, sorted=False)
-    return torch.zeros_like(pre).scatter_(-1, indices, values.relu())
+    values, indices = topk_sparse(pre, k)
+    return torch.zeros_like(pre).scatter_(-1, indices, values)
 
 
 class TopKSAE(Dictionary):
@@ -32,6 +38,9 @@ class TopKSAE(Dictionary):
 
     def activate(self, pre: Tensor) -> Tensor:
         return topk_relu(pre, self.cfg.k)
+
+    def sparse_activate(self, pre: Tensor) -> tuple[Tensor, Tensor]:
+        return topk_sparse(pre, self.cfg.k)
 
     def train_encode(self, pre: Tensor) -> SparseActs:
         k = int(self.cfg.k)
