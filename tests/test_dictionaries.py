@@ -24,6 +24,7 @@ from workbench.analysis.dictionaries import (
     train_sae,
 )
 from workbench.analysis.dictionaries.registry import PER_LAYER
+from workbench.analysis.dictionaries.topk import chunked_topk
 from workbench.analysis.store import ActivationStore, StoreError, TensorActivations
 from workbench.data import get_task
 from workbench.training import TrainingDiverged
@@ -272,6 +273,21 @@ def test_splice_with_error_term_changes_nothing(model, kind, hook):
         model.remove_sae()
     assert not any("hook_sae" in name for name in model.hook_dict)
     torch.testing.assert_close(model(tokens), clean, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,k", [(1024, 32), (64, 4), (100, 3), (24, 5), (16, 16)])
+def test_chunked_topk_finds_what_torch_topk_finds(n, k):
+    pre = torch.randn(7, 5, n, generator=torch.Generator().manual_seed(n + k))
+    pre[0, 0] = pre[0, 0].abs().max() * 2 - torch.arange(n) / n  # the largest values in the first chunks
+    pre[0, 1] = -pre[0, 1].abs() + 5 * (torch.arange(n) >= n - k)  # ... and all in the last one
+    values, indices = chunked_topk(pre, k)
+    want_values, want_indices = pre.topk(k, dim=-1, sorted=False)
+    assert torch.equal(indices.sort(-1).values, want_indices.sort(-1).values)
+    assert torch.equal(values.sort(-1).values, want_values.sort(-1).values)
+    assert torch.equal(pre.gather(-1, indices), values)
+    ties = torch.zeros(3, n)  # every value tied: any k of them, each once
+    values, indices = chunked_topk(ties, k)
+    assert torch.equal(values, torch.zeros(3, k)) and all(len(set(row.tolist())) == k for row in indices)
 
 
 @pytest.mark.parametrize("kind", ["topk", *TRANSCODERS])
