@@ -4,6 +4,9 @@ model and batch (interleaved medians; one run measures everything). Also printed
 the graphs each first compiled call traced, whether attaching the same kind of hook at another
 layer (or head) traces again, and whether going back to an earlier configuration is cached.
 
+A last row times the SAE's own work (encode, top k, decode) as a compiled plain function of the
+activations it reads, without the model: what the splice costs beyond that is its overhead.
+
 Targets (issue 23): compiled with an intervention >= 0.9x the throughput of compiled without it;
 compiled with hooks faster than eager without; idle hooks free (compiled hooked model, nothing
 attached, equals the compiled model: it is the same graph here).
@@ -49,14 +52,27 @@ def zero_head(layer: int, head: int):
     return (f"blocks.{layer}.attn.hook_z", hook)
 
 
+def splice_dictionary(args):
+    """The TopK SAE the splice row puts in at the middle layer's residual stream (4 x d_model features, k 32)."""
+    hook = f"blocks.{args.layers // 2}.hook_resid_post"
+    sae = make_dictionary(DictionaryConfig(kind="topk", d_in=args.d_model, d_sae=4 * args.d_model, k=32,
+                                           hook_name=hook))
+    sae.init_weights(torch.Generator().manual_seed(2))
+    return sae
+
+
+def sae_work(sae):
+    """What the spliced SAE computes on an unhooked no-grad forward, as a plain function of the hook's
+    activations: encode, top k, the k decoder rows summed."""
+    return lambda x: sae.decode_sparse(*sae.sparse_activate(sae.pre_acts(x)), x)
+
+
 def interventions(model, args):
     """name -> a function running one forward of ``model`` under that intervention."""
     layer = args.layers // 2
     hook = f"blocks.{layer}.hook_resid_post"
     direction = Direction(torch.randn(args.d_model, generator=torch.Generator().manual_seed(1)), hook)
-    sae = make_dictionary(DictionaryConfig(kind="topk", d_in=args.d_model, d_sae=4 * args.d_model, k=32,
-                                           hook_name=hook))
-    sae.init_weights(torch.Generator().manual_seed(2))
+    sae = splice_dictionary(args)
     residual = [n for n in model.hook_dict if n.split(".")[-1] in ("hook_resid_pre", "hook_resid_mid",
                                                                    "hook_resid_post")]
     tokens = torch.randint(0, args.vocab, (args.batch, args.pos), generator=torch.Generator().manual_seed(0))
@@ -215,6 +231,14 @@ def main() -> None:
     compiled = random_model(args).compile(backend=args.backend)
     eager_fns, tokens = interventions(eager, args)
     compiled_fns, _ = interventions(compiled, args)
+    # the SAE's own work without the model, on the activations it reads in the splice
+    sae = splice_dictionary(args)
+    with torch.no_grad():
+        _, cache = eager.run_with_cache(tokens, names_filter=sae.cfg.hook_name)
+    acts = cache[sae.cfg.hook_name]
+    alone = "SAE alone, no model"
+    eager_fns[alone] = lambda f=sae_work(sae): f(acts)
+    compiled_fns[alone] = lambda f=torch.compile(sae_work(sae), backend=args.backend): f(acts)
     print(f"model: d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}; batch {args.batch} x "
           f"{args.pos}; {args.threads} thread(s); backend {args.backend}; torch {torch.__version__}")
     print("\nfirst compiled call of each intervention (traces and compiles it):")
@@ -246,6 +270,11 @@ def main() -> None:
     for name in eager_fns:
         e, c = times[("eager", name)], times[("compiled", name)]
         print(f"  {name:<24}{e / base:8.2f}{c / base:10.2f}{compiled_base / c:>26.2f}x throughput")
+    splice, own = times[("compiled", "SAE splice")], times[("compiled", alone)]
+    print(f"\ncompiled SAE splice: {1e3 * (splice - compiled_base):.1f} ms more than no hook, of which the SAE's own "
+          f"work (the compiled function alone) is {1e3 * own:.1f} ms: {100 * own / compiled_base:.1f}% of the "
+          f"no-hook forward, the rest ({100 * (splice - compiled_base - own) / compiled_base:.1f}%) the splice's "
+          "overhead (putting it in and out each call, the hook points, the model's graph around it)")
     print(f"\ngraphs traced in all: {compile_counters()['graphs']}; graph breaks: {compile_counters()['graph_breaks']}")
 
 

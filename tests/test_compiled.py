@@ -200,6 +200,10 @@ def test_run_with_cache_and_dictionary_splices():
             with spliced(eager, dictionary, error_term=error_term), spliced(compiled, dictionary, error_term=error_term):
                 (la, ca), (lb, cb) = both((eager, compiled), lambda m: m.run_with_cache(x))
                 close(la, lb, f"{dictionary.cfg.kind} error_term={error_term}")
+                # no hook on the splice, no gradient: the k kept features are decoded sparsely
+                a, b = both((eager, compiled), lambda m: m(x))
+                close(a, b, f"{dictionary.cfg.kind} sparse decode error_term={error_term}")
+                close(a, la, f"{dictionary.cfg.kind} sparse vs dense decode error_term={error_term}")
                 acts = [k for k in ca.keys() if k.endswith("hook_sae_acts_post")]
                 assert acts and all(torch.allclose(ca[k], cb[k], atol=ATOL) for k in acts)
                 # a feature ablation is a hook on the spliced features

@@ -24,6 +24,7 @@ from workbench.analysis.dictionaries import (
     train_sae,
 )
 from workbench.analysis.dictionaries.registry import PER_LAYER
+from workbench.analysis.dictionaries.topk import chunked_topk
 from workbench.analysis.store import ActivationStore, StoreError, TensorActivations
 from workbench.data import get_task
 from workbench.training import TrainingDiverged
@@ -272,6 +273,58 @@ def test_splice_with_error_term_changes_nothing(model, kind, hook):
         model.remove_sae()
     assert not any("hook_sae" in name for name in model.hook_dict)
     torch.testing.assert_close(model(tokens), clean, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,k", [(1024, 32), (64, 4), (100, 3), (24, 5), (16, 16)])
+def test_chunked_topk_finds_what_torch_topk_finds(n, k):
+    pre = torch.randn(7, 5, n, generator=torch.Generator().manual_seed(n + k))
+    pre[0, 0] = pre[0, 0].abs().max() * 2 - torch.arange(n) / n  # the largest values in the first chunks
+    pre[0, 1] = -pre[0, 1].abs() + 5 * (torch.arange(n) >= n - k)  # ... and all in the last one
+    values, indices = chunked_topk(pre, k)
+    want_values, want_indices = pre.topk(k, dim=-1, sorted=False)
+    assert torch.equal(indices.sort(-1).values, want_indices.sort(-1).values)
+    assert torch.equal(values.sort(-1).values, want_values.sort(-1).values)
+    assert torch.equal(pre.gather(-1, indices), values)
+    ties = torch.zeros(3, n)  # every value tied: any k of them, each once
+    values, indices = chunked_topk(ties, k)
+    assert torch.equal(values, torch.zeros(3, k)) and all(len(set(row.tolist())) == k for row in indices)
+
+
+@pytest.mark.parametrize("kind", ["topk", *TRANSCODERS])
+def test_unhooked_splice_decodes_topk_features_sparsely(model, kind):
+    """Under no_grad with no hook on the splice, a TopK dictionary sums its k decoder rows: the same
+    logits as the dense path (forced by an identity hook on the features) and as the dictionary's own
+    forward put in by a plain hook on the unspliced model."""
+    tc = kind in TRANSCODERS
+    sae = make_dictionary(DictionaryConfig(kind=kind, d_in=32, d_sae=64, k=4, hook_name=TC_IN if tc else SAE_HOOK,
+                                           hook_name_out=TC_OUT if tc else ""))
+    sae.init_weights(torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(4)
+        sae.b_enc.copy_(torch.randn(64, generator=g) * 0.1)
+        sae.b_dec.copy_(torch.randn(32, generator=g) * 0.1)
+        if hasattr(sae, "W_skip"):
+            sae.W_skip.copy_(torch.randn(sae.W_skip.shape, generator=g) * 0.1)
+    tokens = torch.randint(0, 40, (3, 12), generator=torch.Generator().manual_seed(5))
+    out_hook = sae.cfg.hook_name_out or sae.cfg.hook_name
+    calls = []
+    sparse = sae.decode_sparse
+    sae.decode_sparse = lambda *args: calls.append(1) or sparse(*args)
+    with torch.no_grad():
+        seen = model.run_with_cache(tokens, names_filter=sae.cfg.hook_name)[1][sae.cfg.hook_name]
+        by_hand = model.run_with_hooks(tokens, fwd_hooks=[(out_hook, lambda act, hook: sae(seen).view(act.shape))])
+        for error_term in (False, True):
+            with an.spliced(model, sae, error_term=error_term):
+                fast = model(tokens)
+                assert len(calls) == 1
+                dense = model.run_with_hooks(tokens, fwd_hooks=[(f"{out_hook}.hook_sae_acts_post", lambda a, hook: a)])
+                assert len(calls) == 1  # a hook on the features takes the dense path
+            calls.clear()
+            torch.testing.assert_close(fast, dense, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fast, by_hand if not error_term else model(tokens), rtol=1e-5, atol=1e-5)
+    values, indices = sae.sparse_activate(sae.pre_acts(seen))
+    assert values.shape == indices.shape == (3, 12, 4)
+    torch.testing.assert_close(sae.decode_sparse(values, indices, seen), sae(seen), rtol=1e-5, atol=1e-5)
 
 
 def test_spliced_gradients_and_feature_edits(model):

@@ -91,13 +91,30 @@ class SAEHookPoint(HookPoint):
         raw = raw.flatten(2) if raw.ndim > 3 else raw
         target = x.flatten(2) if x.ndim > 3 else x
         sae_in = self.hook_sae_input(raw)
-        acts = self.hook_sae_acts_post(sae.activate(self.hook_sae_acts_pre(sae.pre_acts(sae_in))))
+        pre = self.hook_sae_acts_pre(sae.pre_acts(sae_in))
+        # Nothing reads or edits the features and no gradient flows: a TopK dictionary decodes its k
+        # kept features (a sum of k decoder rows) instead of a dense [rows, d_sae] @ W_dec.
+        sparse = None if torch.is_grad_enabled() or self._hooked() else sae.sparse_activate(pre)
+        if sparse is not None:
+            return self._finish(sae.decode_sparse(*sparse, sae_in), target, x)
+        acts = self.hook_sae_acts_post(sae.activate(pre))
         recons = self.hook_sae_recons(sae.decode(acts, sae_in))
         if self.error_term:
             edited = torch.is_grad_enabled() or any(
                 getattr(self, name).has_hooks() for name in SAE_HOOKS if name != "hook_sae_error")
             clean = sae(raw) if edited else recons
             recons = recons + self.hook_sae_error(target.to(recons.dtype) - clean)
+        return recons.to(x.dtype).view(x.shape)
+
+    def _hooked(self) -> bool:
+        """Whether a hook sits on any of this splice's own hook points."""
+        return any(getattr(self, name).has_hooks() for name in SAE_HOOKS)
+
+    def _finish(self, recons: Tensor, target: Tensor, x: Tensor) -> Tensor:
+        """The value passed on for an unedited reconstruction: with the error term, exactly ``x``'s
+        value up to rounding (``recons + (x - recons)``)."""
+        if self.error_term:
+            recons = recons + (target.to(recons.dtype) - recons)
         return recons.to(x.dtype).view(x.shape)
 
 
@@ -148,6 +165,22 @@ class CLTHookPoint(SAEHookPoint):
 def _parent(model, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
     return (model.get_submodule(path) if path else model), attr
+
+
+def _refresh_hook_dict(model) -> None:
+    """What ``HookedRootModule.setup()`` does (each module's ``name``, ``mod_dict``, ``hook_dict``, in
+    module order), writing ``name`` only where it changed: a splice goes in and out in well under a
+    millisecond instead of re-setting every module's name through ``nn.Module.__setattr__``."""
+    mod_dict, hook_dict = {}, {}
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        if module.__dict__.get("name") != name:
+            module.name = name
+        mod_dict[name] = module
+        if isinstance(module, HookPoint):
+            hook_dict[name] = module
+    model.mod_dict, model.hook_dict = mod_dict, hook_dict
 
 
 def _splices(model) -> dict:
@@ -247,7 +280,7 @@ def add_sae(model, sae, error_term: bool = False, hook: Optional[str] = None
     setattr(parent, attr, point)
     splices[hook_out] = {"point": point, "original": original, "hook_in": hook_in,
                          "tap_original": original_in if tap is not None else None}
-    model.setup()
+    _refresh_hook_dict(model)
     return point
 
 
@@ -279,7 +312,7 @@ def add_clt(model, clt, error_term: bool = False) -> list[CLTHookPoint]:
         setattr(parent, attr, point)
         splices[hook_out] = {"point": point, "original": original, "hook_in": hook_in, "tap_original": original_in}
         points.append(point)
-    model.setup()
+    _refresh_hook_dict(model)
     return points
 
 
@@ -304,7 +337,7 @@ def remove_sae(model, which: Union[str, nn.Module, None] = None) -> None:
         if entry["tap_original"] is not None:
             parent, attr = _parent(model, entry["hook_in"])
             setattr(parent, attr, entry["tap_original"])
-    model.setup()
+    _refresh_hook_dict(model)
 
 
 def spliced_saes(model) -> dict[str, nn.Module]:

@@ -92,8 +92,17 @@ def stop_layer(model, hooks: Sequence[str]) -> Optional[int]:
 
 @torch.no_grad()
 def hook_shapes(model, hooks: Sequence[str]) -> dict[str, tuple[int, ...]]:
-    """The trailing shape (after batch and position) of each hook, from a two-token probe run."""
+    """The trailing shape (after batch and position) of each hook, from a two-token probe run.
+
+    Remembered on the model, keyed by the hooks, its config, its parameters' shapes and the hook
+    modules themselves (a module swapped in, as a splice does, probes again): splicing in and out
+    per call then costs no forward."""
     hooks = [check_hook(model, h) for h in hooks]
+    key = (tuple(hooks), repr(model.cfg), tuple((n, tuple(p.shape)) for n, p in model.named_parameters()),
+           tuple(id(model.hook_dict[h]) for h in hooks))
+    known = model.__dict__.setdefault("_hook_shapes_seen", {})
+    if key in known:
+        return dict(known[key])
     seen: dict[str, tuple[int, ...]] = {}
 
     def record(act: Tensor, hook) -> None:
@@ -102,7 +111,8 @@ def hook_shapes(model, hooks: Sequence[str]) -> dict[str, tuple[int, ...]]:
     tokens = torch.zeros((1, 2), dtype=torch.long, device=model.device)
     model.run_with_hooks(tokens, return_type=None, stop_at_layer=stop_layer(model, hooks),
                          fwd_hooks=[(h, record) for h in hooks])
-    return {h: seen[h] for h in hooks}
+    known[key] = {h: seen[h] for h in hooks}
+    return dict(known[key])
 
 
 # ---- positions ------------------------------------------------------------------------------

@@ -175,6 +175,20 @@ class Dictionary(nn.Module):
     def forward(self, x: Float[Tensor, "*rows d_in"]) -> Float[Tensor, "*rows d_out"]:
         return self.decode(self.encode(x), x)
 
+    # ---- the sparse form (what a splice runs when nothing reads the dense activations) ------------
+    def sparse_activate(self, pre: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+        """``(values, indices)``, each ``[*rows, k]``: the only features ``activate`` can make nonzero
+        and their activations, for a per-row TopK; None for every other activation (dense)."""
+        return None
+
+    def decode_sparse(self, values: Tensor, indices: Tensor, x: Optional[Tensor] = None) -> Tensor:
+        """``decode`` of the dense activations that are ``values`` at ``indices`` and 0 elsewhere: a
+        sum of ``k`` decoder rows per row (``k * d_out`` multiply-adds instead of ``d_sae * d_out``);
+        equal to ``decode`` up to float rounding (another summation order)."""
+        k = values.shape[-1]
+        out = F.embedding_bag(indices.reshape(-1, k), self.W_dec, mode="sum", per_sample_weights=values.reshape(-1, k))
+        return out.view(*values.shape[:-1], out.shape[-1]) + self.b_dec
+
     # ---- training terms (the trainer adds the reconstruction error) -------------------------------
     def sparsity_loss(self, acts: Union[Tensor, SparseActs], pre: Tensor, coefficient: float) -> dict[str, Tensor]:
         """Architecture-specific sparsity penalties (none for TopK-style dictionaries)."""

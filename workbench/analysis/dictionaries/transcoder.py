@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from workbench.analysis.dictionaries.topk import topk_relu
+from workbench.analysis.dictionaries.topk import topk_relu, topk_sparse
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
 
 
@@ -39,6 +39,9 @@ class Transcoder(Dictionary):
             return topk_relu(pre, self.cfg.k)
         return pre.relu()
 
+    def sparse_activate(self, pre: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+        return topk_sparse(pre, self.cfg.k) if self.cfg.k else None
+
     def sparsity_loss(self, acts: Tensor, pre: Tensor, coefficient: float) -> dict[str, Tensor]:
         return {"l1": coefficient * acts.abs().sum(-1).mean()}
 
@@ -55,3 +58,8 @@ class SkipTranscoder(Transcoder):
         if x is None:
             raise ValueError("a skip-transcoder's output depends on its input: call decode(acts, x)")
         return acts @ self.W_dec + self.b_dec + x.to(self.W_skip.dtype) @ self.W_skip.T
+
+    def decode_sparse(self, values: Tensor, indices: Tensor, x: Optional[Tensor] = None) -> Tensor:
+        if x is None:
+            raise ValueError("a skip-transcoder's output depends on its input: call decode_sparse(values, indices, x)")
+        return super().decode_sparse(values, indices) + x.to(self.W_skip.dtype) @ self.W_skip.T
