@@ -56,7 +56,23 @@ def tiny_cfg():
 
 def pytest_collection_modifyitems(config, items):
     """Files with slow tests (a browser, torchrun, the nested GPU-check run) first, each file's tests in
-    their own order: pytest-xdist hands out whole files in this order, so the long ones start at once
-    instead of one of them running alone at the end."""
+    their own order: pytest-xdist hands out the groups below in this order, so the long ones start at
+    once instead of one running alone at the end."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: order within a file is kept
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """The groups pytest-xdist hands out whole, each to one worker: a test file each (its module
+    fixtures are built once), except that every real-browser file is one group, run by one worker one
+    after another: two app servers and two Chromiums at once on a 2-core machine made a page miss its
+    60 s wait. (xdist's own ``--dist loadgroup`` marks do not group under pytest 9.2, whose node ids
+    no longer come from the attribute xdist rewrites.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndTheBrowser(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "browser" if path.startswith("tests/app/test_browser") else path
+
+    return FilesAndTheBrowser(config, log)

@@ -161,7 +161,8 @@ def assert_drawn(locator, what: str, svg: bool = True) -> None:
 
     from PIL import Image, ImageStat
 
-    locator.wait_for(state="visible", timeout=60_000)
+    # 120 s, as wait_idle: a figure behind a sweep on a loaded 2-core machine once took longer than 60
+    locator.wait_for(state="visible", timeout=120_000)
     locator.scroll_into_view_if_needed()
     if svg:
         assert locator.locator(".main-svg").count() > 0, f"{what}: no plot"
