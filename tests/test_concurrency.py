@@ -115,3 +115,25 @@ def test_trainings_into_one_folder_leave_one_complete_run(tmp_path, runs):
     finals = [r for r in results if torch.equal(model.W_E, r.model.W_E)]
     assert len(results) == runs and len(finals) >= 1  # what is on disk is one run's final model, whole
     assert read_metrics(tmp_path / "run")["step"].tolist() == [1, 2, 3]
+
+
+def test_a_save_is_not_refused_when_the_folder_looks_foreign_for_an_instant(tmp_path, monkeypatch):
+    # What a writer sees when another writer swaps the folder between its two looks (meta.json read
+    # after the old version moved away, the listing after the new one moved in): once, the suite's
+    # three-writer race refused a save of a checkpoint as "not the workbench's". The test before the
+    # lock is only a fast path; the one under the lock decides.
+    import workbench.checkpoint as ck
+
+    model = wb.HookedDecoder(tiny(seed=0))
+    path = wb.save_checkpoint(model, tmp_path / "ckpt")
+    real, calls = ck.owned_files, []
+
+    def blinks(p):
+        calls.append(p)
+        return None if len(calls) == 1 else real(p)
+
+    monkeypatch.setattr(ck, "owned_files", blinks)
+    wb.save_checkpoint(wb.HookedDecoder(tiny(seed=1)), path)
+    assert len(calls) > 1
+    loaded, _ = wb.load_checkpoint(path)
+    assert not torch.equal(loaded.W_E, model.W_E)

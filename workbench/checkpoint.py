@@ -280,7 +280,14 @@ def atomic_write_dir(path: Union[str, Path], write: Any, *, marker: Optional[str
     """
     from workbench import __version__
 
-    path = check_replaceable(path)  # before taking the lock: a foreign folder fails fast
+    path = usable_path(path)
+    try:
+        check_replaceable(path)  # before taking the lock: a foreign folder fails fast...
+    except CheckpointError:
+        # ...but so can one of ours that another writer is swapping at this moment (its meta.json read
+        # after the old version moved away, its listing after the new one moved in): not fatal here,
+        # the test under the lock below decides, where no other writer can be half-way
+        pass
     if not replace:
         _refuse_existing(path)
     with locked(path, lock_timeout):
