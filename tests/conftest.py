@@ -17,7 +17,8 @@ from factories import tiny
 # Two cores on CI: keep intra-op threads from oversubscribing. Under pytest-xdist (the default,
 # pyproject.toml) each worker is one process of several, so one thread each; alone, two.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
+_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+torch.set_num_threads(max(1, min(2, _cpus // _workers)))
 
 
 def pytest_addoption(parser):
@@ -76,3 +77,16 @@ def pytest_xdist_make_scheduler(config, log):
             return "browser" if path.startswith("tests/app/test_browser") else path
 
     return FilesAndTheBrowser(config, log)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per CPU this process may run on (its affinity mask, which a container's
+    cpuset narrows; psutil, xdist's default, counts the host's cores), at most 4;
+    PYTEST_XDIST_AUTO_NUM_WORKERS still overrides."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 4))
