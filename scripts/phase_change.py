@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _doc_tables import check_rows, write_page  # noqa: E402 (scripts/, beside this file)
 import workbench as wb  # noqa: E402
 from workbench import analysis as an  # noqa: E402
 from workbench import viz  # noqa: E402
@@ -80,20 +80,13 @@ def main(argv=None) -> int:
     measured = table(heads, task, series)
     print(measured)
     if args.check:
-        documented = [line for line in DOC.read_text().splitlines() if re.match(r"^\| \d+ \|", line)]
-        stale = [line for line in documented if line not in measured.splitlines()]
-        print(f"{len(documented) - len(stale)} of {len(documented)} documented rows measured again")
-        for line in stale:
-            print("  no longer holds:", line)
-        return 1 if stale or not documented else 0
+        return check_rows(DOC, measured)
     losses = task[["step", "loss_first_half", "loss_repeated_half"]]
     figure = viz.over_training_figure(heads, losses=losses,
                                       title=f"{args.run.name}: head scores and losses over training")
     heatmap = viz.layer_head_over_training(heads, title="head scores")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     html = figure.to_html(include_plotlyjs="cdn", full_html=False) + heatmap.to_html(include_plotlyjs=False, full_html=False)
-    args.out.write_text(f"<html><head><meta charset='utf-8'><title>{args.run.name} phase change</title></head>"
-                        f"<body>{html}</body></html>\n")
+    write_page(args.out, f"{args.run.name} phase change", html)
     print(f"figure: {args.out}")
     return 0
 

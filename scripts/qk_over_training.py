@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DOC = REPO / "docs" / "reference" / "qk-over-training.md"  # the table --check measures again
 
+from _doc_tables import check_rows, write_page  # noqa: E402 (scripts/, beside this file)
 import workbench as wb  # noqa: E402
 from workbench import analysis as an  # noqa: E402
 from workbench import viz  # noqa: E402
@@ -115,12 +115,7 @@ def main(argv=None) -> int:
     measured = step_table(summary, head)
     print(measured)
     if args.check:
-        documented = [line for line in DOC.read_text().splitlines() if re.match(r"^\| \d+ \|", line)]
-        stale = [line for line in documented if line not in measured.splitlines()]
-        print(f"{len(documented) - len(stale)} of {len(documented)} documented rows measured again")
-        for line in stale:
-            print("  no longer holds:", line)
-        return 1 if stale or not documented else 0
+        return check_rows(DOC, measured)
     print("\n| head | first step where the K-composition pairs are the top pair on >= half the prompts | share at the end |")
     print("|---|---:|---:|")
     for h in sorted(summary["head"].unique()):
@@ -130,10 +125,7 @@ def main(argv=None) -> int:
                                          title=f"{args.run.name}, L{args.layer}H{head}: the top QK pair and the "
                                                f"K-composition pairs over training ({args.prompts} prompts, seed "
                                                f"{args.seed})")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    html = figure.to_html(include_plotlyjs="cdn", full_html=False)
-    args.out.write_text(f"<html><head><meta charset='utf-8'><title>{args.run.name}: QK over training</title></head>"
-                        f"<body>{html}</body></html>\n")
+    write_page(args.out, f"{args.run.name}: QK over training", figure.to_html(include_plotlyjs="cdn", full_html=False))
     print(f"\nfigure: {args.out}")
     return 0
 
