@@ -146,7 +146,9 @@ def test_features_card_search_and_interventions(page):
     slide(page, "Scale", "ArrowLeft")  # a second change
     no_exception(page)
     radio(page, "ablate this feature")
-    assert continuations(page)[1].startswith("John")
+    # the steering mode's continuation stays on screen until the ablation's replaces it: wait for that one
+    sync_api.expect(page.locator("[data-testid=stMain] [data-testid=stCode]").nth(1)).to_have_text(
+        re.compile(r"^\s*John"), timeout=60_000)
     page.locator("[data-testid=stMain] label", has_text="Per-token loss of the prompt").first.click()  # a toggle
     wait_idle(page)
     assert_drawn(figure(page, "Per-token loss, clean and ablated"), "per-token loss")
