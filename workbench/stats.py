@@ -17,6 +17,7 @@ needs no SciPy; the tests check it against published t-table values and mpmath.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
@@ -83,7 +84,11 @@ def t_cdf(t: Number, df: Number) -> float:
     """P(T <= t) for Student's t with ``df`` degrees of freedom."""
     if df <= 0:
         raise ValueError(f"df must be > 0, got {df}")
-    tail = 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))  # P(T > |t|)
+    t2 = t * t
+    if t2 < df:  # near the centre df / (df + t^2) rounds towards 1: use P(|T| < |t|) = I_{t^2/(df+t^2)}(1/2, df/2)
+        tail = 0.5 * (1.0 - _betainc(0.5, df / 2, t2 / (df + t2)))
+    else:
+        tail = 0.5 * _betainc(df / 2, 0.5, df / (df + t2))  # P(T > |t|)
     return 1.0 - tail if t >= 0 else tail
 
 
@@ -95,18 +100,34 @@ def t_quantile(p: Number, df: Number) -> float:
         raise ValueError(f"df must be > 0, got {df}")
     if p < 0.5:
         return -t_quantile(1 - p, df)
+    return _upper_t_quantile(float(p), float(df))
+
+
+@functools.lru_cache(maxsize=4096)  # a grid's intervals ask for the same few (p, n - 1) again and again
+def _upper_t_quantile(p: float, df: float) -> float:
+    """Newton's method on the cdf, kept inside a bracket that bisection would also keep: each step that
+    would leave the bracket is a halving instead, so it converges whenever bisection does, in about
+    five cdf evaluations instead of bisection's forty-five."""
     low, high = 0.0, 1.0
     while t_cdf(high, df) < p:
-        high *= 2
-    for _ in range(200):  # bisection: the cdf is monotone, and 200 halvings reach double precision
-        mid = (low + high) / 2
-        if t_cdf(mid, df) < p:
-            low = mid
+        low, high = high, high * 2
+    log_density_at_0 = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    t = (low + high) / 2
+    for _ in range(200):
+        excess = t_cdf(t, df) - p
+        if excess == 0:
+            return t
+        if excess < 0:
+            low = t
         else:
-            high = mid
-        if high - low <= 1e-13 * max(1.0, high):
-            break
-    return (low + high) / 2
+            high = t
+        density = math.exp(log_density_at_0 - (df + 1) / 2 * math.log1p(t * t / df))
+        step = t - excess / density
+        step = step if low < step < high else (low + high) / 2
+        if abs(step - t) <= 1e-14 * max(1.0, t) or high - low <= 1e-13 * max(1.0, high):
+            return step
+        t = step
+    return t
 
 
 # ---- intervals --------------------------------------------------------------------------------
