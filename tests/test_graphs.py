@@ -389,6 +389,29 @@ def test_intervention_direct_effect_is_the_edge():
         graph.intervene([int(graph.nodes_of("error")[0])])
 
 
+def test_intervention_refuses_a_feature_the_model_does_not_have():
+    """A layer past the transcoders' used to match no edit (the clean logits came back as if the feature did
+    not matter) and a negative position edited the last one; each is one ValueError, as a bad feature id is."""
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    graph = attribution_graph(model, tcs, torch.randint(0, 40, (1, 8), generator=torch.Generator().manual_seed(3)),
+                              max_n_logits=1)
+    n_pos, d_sae = 8, tcs[0].cfg.d_sae
+    for bad, says in (((2, 0, 0), "layer"), ((-1, 0, 0), "layer"), ((0, 8, 0), "position"), ((0, -1, 0), "position"),
+                      ((1, 0, d_sae), "feature id"), ("F2.0.0", "layer"), ("F0.-1.0", "position")):
+        with pytest.raises(ValueError, match=says):
+            graph.intervene([bad], 5.0)
+    with pytest.raises(ValueError, match="layer"):
+        graph.intervene([wb.analysis.Supernode("past", [(0, 1, 2), (5, 1, 2)])], 5.0)
+    # the last position by its own index still works, and moves the logits there
+    before, after = graph.intervene([]), graph.intervene([(1, n_pos - 1, 0)], 5.0)
+    assert not torch.allclose(before[-1], after[-1])
+    attn_only = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=40, attn_only=True)).eval()
+    g = attribution_graph(attn_only, None, torch.randint(0, 40, (1, 6)))
+    with pytest.raises(ValueError, match="attention-only"):
+        g.intervene([(0, 1, 2)], 1.0)
+
+
 def test_supernode_intervention_sets_every_member():
     from workbench.analysis.graphs import Supernode
 

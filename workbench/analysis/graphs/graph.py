@@ -530,6 +530,8 @@ class Graph:
                 if setting.get(triple, v) != v:
                     raise ValueError(f"feature {triple} is set twice, to {setting[triple]} and {v}")
                 setting[triple] = v
+        for triple in setting:  # a layer past the last would never match an edit, a negative position wraps
+            _check_feature(triple, rs, cap)
         triples, values = list(setting), list(setting.values())
 
         def edit(layer: int, acts: Tensor) -> Tensor:
@@ -577,6 +579,20 @@ class Graph:
         counts = {k: int((self.kind == i).sum()) for i, k in enumerate(NODE_KINDS)}
         return (f"Graph({len(self.tokens)} tokens, {counts['feature']} features, {counts['error']} errors, "
                 f"{counts['logit']} logits, {self.n_edges} edges)")
+
+
+def _check_feature(triple: tuple[int, int, int], rs, cap) -> None:
+    """A ValueError unless (layer, pos, feature) names a feature the replacement model has on this prompt."""
+    layer, pos, feature = triple
+    if not rs.n_layers:
+        raise ValueError(f"feature {triple}: this graph has no features to set (an attention-only model has no "
+                         "transcoders; its nodes are tokens and logits)")
+    n_pos = len(cap.tokens)
+    for name, value, hi in (("layer", layer, rs.n_layers), ("position", pos, n_pos),
+                            ("feature id", feature, cap.acts[layer].shape[-1] if 0 <= layer < rs.n_layers else 0)):
+        if not 0 <= value < hi:
+            raise ValueError(f"feature {triple}: its {name} must lie in [0, {hi}) (the transcoders cover "
+                             f"{rs.n_layers} layers, the prompt has {n_pos} positions)")
 
 
 def _edge_field(i: int, name: str) -> property:
