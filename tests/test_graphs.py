@@ -243,6 +243,17 @@ def test_other_layouts_refused_by_name(overrides, name):
         attribution_graph(attn_only, _transcoders(_model()), torch.randint(0, 40, (1, 5)))
 
 
+def test_a_half_precision_model_is_refused_by_name():
+    """A bf16 or fp16 model used to crash inside the backward passes (float32 logit targets against bf16
+    activations: a RuntimeError about dtypes); a float64 model works."""
+    for dtype in (torch.bfloat16, torch.float16):
+        model = _model(attn_only=True).to(dtype)
+        with pytest.raises(ValueError, match="float32"):
+            attribution_graph(model, None, torch.randint(0, 40, (1, 5)))
+    graph = attribution_graph(_model(attn_only=True).double(), None, torch.randint(0, 40, (1, 5)))
+    assert graph.n_edges > 0
+
+
 def test_bad_transcoders_refused():
     model = _model()
     tcs = _transcoders(model)
