@@ -357,7 +357,7 @@ def attention_entries(graph, context: Optional[QKContext] = None):
         model.train(was)
     rows = []
     P = ctx.n_pos
-    causal = torch.ones(P, P, dtype=torch.bool).tril()
+    causal = torch.ones(P, P, dtype=torch.bool, device=cap.embed.device).tril()
     for l, g in enumerate(grads):
         if g is None:
             continue
