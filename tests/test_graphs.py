@@ -454,6 +454,30 @@ def test_supernode_intervention_sets_every_member():
         Supernode("empty", [])
 
 
+def test_a_spilled_attribution_never_holds_more_than_a_chunk_of_edges(tmp_path, monkeypatch):
+    """The rows chosen by influence (max_feature_nodes): each influence update read the spilled edges chunk
+    by chunk, not all of them joined (which held every edge in memory at once, what spill_dir is for)."""
+    import workbench.analysis.graphs.attribute as attribute
+
+    model = _model(norm="rmsnorm", positional="rope")
+    tokens = torch.randint(0, 40, (1, 8), generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def watch(fn):
+        def wrapped(edges_or_chunks, *args):
+            parts = [edges_or_chunks] if isinstance(edges_or_chunks, tuple) else list(edges_or_chunks())
+            seen.extend(len(p[0]) for p in parts)
+            return fn(edges_or_chunks, *args)
+        return wrapped
+
+    monkeypatch.setattr(attribute, "compute_influence_sparse", watch(attribute.compute_influence_sparse))
+    if hasattr(attribute, "_influence"):
+        monkeypatch.setattr(attribute, "_influence", watch(attribute._influence))
+    graph = attribution_graph(model, _transcoders(model), tokens, spill_dir=tmp_path, edge_chunk=200,
+                              max_feature_nodes=30, batch_size=8)
+    assert graph.n_edges > 600 and seen and max(seen) <= 200
+
+
 def test_spilled_edges_give_the_in_memory_graph(tmp_path, monkeypatch):
     import workbench.analysis.graphs.attribute as attribute
 

@@ -34,7 +34,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from workbench.analysis.graphs.graph import Graph, NODE_KINDS, compute_influence_sparse
+from workbench.analysis.graphs.graph import Graph, NODE_KINDS, _influence, compute_influence_sparse
 from workbench.analysis.graphs.replacement import (Capture, FrozenRun, capture, check_layout, check_model, final_read,
                                                    pattern_layers, replacement_set, targets_of)
 from workbench.padding import TokenBatch
@@ -556,7 +556,10 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
         if budget == src.n_feat:
             pending = torch.arange(src.n_feat)
         else:
-            influence = compute_influence_sparse(_long(store.all()), n_total, logit_weights)
+            if store.spill_dir is None:
+                influence = compute_influence_sparse(_long(store.all()), n_total, logit_weights)
+            else:  # chunk by chunk from the files: all the spilled edges at once would undo the spill
+                influence = _influence(lambda: map(_long, store), n_total, logit_weights)
             rank = influence[:src.n_feat].argsort(descending=True)
             pending = rank[~visited[rank]][:min(update_interval * batch_size, budget - n_visited)]
         for lo in range(0, len(pending), batch_size):
