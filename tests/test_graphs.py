@@ -417,6 +417,9 @@ def test_intervention_refuses_a_feature_the_model_does_not_have():
     # the last position by its own index still works, and moves the logits there
     before, after = graph.intervene([]), graph.intervene([(1, n_pos - 1, 0)], 5.0)
     assert not torch.allclose(before[-1], after[-1])
+    node = int(graph.nodes_of("feature")[0])  # a node index as numpy gives it (a DataFrame's) is the same node
+    import numpy as np
+    torch.testing.assert_close(graph.intervene([np.int64(node)], 5.0), graph.intervene([node], 5.0), atol=0, rtol=0)
     attn_only = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=40, attn_only=True)).eval()
     g = attribution_graph(attn_only, None, torch.randint(0, 40, (1, 6)))
     with pytest.raises(ValueError, match="attention-only"):

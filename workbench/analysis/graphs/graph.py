@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequ
 import torch
 from torch import Tensor
 
+from workbench.utils import is_int
+
 NODE_KINDS = ("feature", "error", "token", "logit")
 _ARRAYS = ("kind", "layer", "pos", "feature", "activation", "logit_weight", "edge_target", "edge_source",
            "edge_weight", "tokens")
@@ -566,7 +568,8 @@ class Graph:
                 raise ValueError(f"{f!r} is neither a feature node id (\"F<layer>.<pos>.<feature>\") nor a supernode "
                                  "named in supernodes=")
             return int(parts[0]), int(parts[1]), int(parts[2])
-        if isinstance(f, (int,)) and not isinstance(f, bool):
+        if is_int(f):  # numpy's too: a node index read off a DataFrame
+            f = int(f)
             if not 0 <= f < self.n_nodes or int(self.kind[f]) != 0:
                 raise ValueError(f"node {f} is not a feature node of this graph")
             return int(self.layer[f]), int(self.pos[f]), int(self.feature[f])
