@@ -244,13 +244,19 @@ def test_other_layouts_refused_by_name(overrides, name):
 
 
 def test_a_half_precision_model_is_refused_by_name():
-    """A bf16 or fp16 model used to crash inside the backward passes (float32 logit targets against bf16
-    activations: a RuntimeError about dtypes); a float64 model works."""
+    """A bf16 or fp16 model, or transcoders in another dtype than the model's, used to crash inside the
+    backward passes (a RuntimeError about dtypes); a float64 model with float64 transcoders works."""
     for dtype in (torch.bfloat16, torch.float16):
         model = _model(attn_only=True).to(dtype)
         with pytest.raises(ValueError, match="float32"):
             attribution_graph(model, None, torch.randint(0, 40, (1, 5)))
     graph = attribution_graph(_model(attn_only=True).double(), None, torch.randint(0, 40, (1, 5)))
+    assert graph.n_edges > 0
+    model = _model(norm="rmsnorm")  # float32, with bf16 transcoders: the same RuntimeError, now refused by name
+    with pytest.raises(ValueError, match="transcoders' weights are torch.bfloat16"):
+        attribution_graph(model, [tc.to(torch.bfloat16) for tc in _transcoders(model)], torch.randint(0, 40, (1, 5)))
+    model = model.double()
+    graph = attribution_graph(model, [tc.double() for tc in _transcoders(model)], torch.randint(0, 40, (1, 5)))
     assert graph.n_edges > 0
 
 

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from workbench.analysis.graphs.graph import Graph, NODE_KINDS, _influence, compute_influence_sparse
-from workbench.analysis.graphs.replacement import (Capture, FrozenRun, capture, check_layout, check_model, final_read,
+from workbench.analysis.graphs.replacement import (Capture, CLTView, FrozenRun, capture, check_layout, check_model, final_read,
                                                    pattern_layers, replacement_set, targets_of)
 from workbench.padding import TokenBatch
 
@@ -98,9 +98,9 @@ def attribution_graph(
         if (value is not None or name != "batch_size") and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     check_layout(model)
-    _check_precision(model)
     rs = replacement_set(transcoders, model)
     check_model(model, rs)
+    _check_precision(model, rs)
     tokens, mask, single = _tokens(model, prompt)
     if stored_patterns is None:
         n_heads = sum(model.blocks[l].attn.cfg.n_heads for l in pattern_layers(model))
@@ -132,14 +132,20 @@ def attribution_graph(
     return graphs[0] if single else graphs
 
 
-def _check_precision(model) -> None:
-    """A ValueError for a half-precision model: the backward passes would mix its dtype with float32 targets
-    (a RuntimeError deep inside), and sums over bf16 values are about 1% off (on a tiny bf16 attention-only
-    model, with the crash patched, the QK pairs missed the score and the head loadings the edge by that)."""
+def _check_precision(model, rs) -> None:
+    """A ValueError for a half-precision model, or transcoders in another dtype than the model's: the
+    backward passes would mix dtypes (a RuntimeError deep inside), and sums over bf16 values are about 1%
+    off (on a tiny bf16 attention-only model, with the crash patched, the QK pairs missed the score and the
+    head loadings the edge by that)."""
     dtype = model.embed.W_E.dtype
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"attribution graphs need a float32 (or float64) model; this one is {dtype}: build the "
                          "graph from model.float() (and float32 transcoders)")
+    module = rs.clt if isinstance(rs, CLTView) else rs
+    other = sorted({str(p.dtype) for p in module.parameters() if p.dtype != dtype}) if hasattr(module, "parameters") else []
+    if other:
+        raise ValueError(f"the transcoders' weights are {', '.join(other)}, the model's {dtype}: give them in the "
+                         f"model's dtype (transcoder.to({dtype}))")
 
 
 def _tokens(model, prompt) -> tuple[Tensor, Optional[Tensor], bool]:
