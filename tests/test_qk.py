@@ -22,7 +22,7 @@ from test_graphs import _check_edges, _clt, _transcoders
 
 import workbench as wb
 from workbench import analysis as an
-from workbench.analysis.graphs import Graph
+from workbench.analysis.graphs import Graph, qk_table
 from workbench.analysis.graphs.planted_qk import planted_qk_pairs, score_planted_qk
 from workbench.analysis.graphs.qk import QKContext
 from workbench.components.positional import alibi_slopes
@@ -297,6 +297,8 @@ def test_bad_input_is_refused():
             an.qk_attribution(graph, *args)
     with pytest.raises(ValueError, match="top"):
         an.qk_attribution(graph, 0, 0, 4, 2, top=0)
+    with pytest.raises(ValueError, match="entries"):  # was pandas' head(-1): every entry of a head but its last
+        qk_table(graph, entries=-1)
     with pytest.raises(ValueError, match="not bound"):
         an.qk_attribution(Graph.from_dict(graph.to_dict()), 0, 0, 4, 2)
     feature = int(graph.nodes_of("feature")[0])

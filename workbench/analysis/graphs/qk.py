@@ -391,6 +391,8 @@ def qk_table(graph, entries: int = 2, top: int = 5, exact: int = 0, context: Opt
     ``score`` and ``residual`` beside the pair's columns and its ``rank`` within the entry."""
     import pandas as pd
 
+    if not is_int(entries) or entries < 1:  # head(-1) would keep all but the last entry of each head
+        raise ValueError(f"entries must be a positive integer, got {entries!r}")
     ctx = context if context is not None else QKContext(graph)
     kept = attention_entries(graph, ctx).groupby(["layer", "head"], sort=False).head(entries)
     frames = []
