@@ -260,6 +260,17 @@ def test_a_half_precision_model_is_refused_by_name():
     assert graph.n_edges > 0
 
 
+def test_bad_settings_are_refused_before_any_work():
+    """max_feature_nodes=-1 shrank the edge buffer below the logit rows (a RuntimeError), max_edges_per_node=0
+    kept no edge (an empty graph), update_interval=0 picked no rows and looped for ever."""
+    model = _model(norm="rmsnorm")
+    tcs, tokens = _transcoders(model), torch.randint(0, 40, (1, 6))
+    for kw, says in ((dict(max_feature_nodes=-1), "max_feature_nodes"), (dict(max_edges_per_node=0), "max_edges_per_node"),
+                     (dict(update_interval=0, max_feature_nodes=4), "update_interval")):
+        with pytest.raises(ValueError, match=says):
+            attribution_graph(model, tcs, tokens, **kw)
+
+
 def test_bad_transcoders_refused():
     model = _model()
     tcs = _transcoders(model)

@@ -38,6 +38,7 @@ from workbench.analysis.graphs.graph import Graph, NODE_KINDS, _influence, compu
 from workbench.analysis.graphs.replacement import (Capture, CLTView, FrozenRun, capture, check_layout, check_model, final_read,
                                                    pattern_layers, replacement_set, targets_of)
 from workbench.padding import TokenBatch
+from workbench.utils import is_int
 
 FEATURE, ERROR, TOKEN, LOGIT = (NODE_KINDS.index(k) for k in ("feature", "error", "token", "logit"))
 PATTERN_BUDGET = 64 << 20  # bytes of stored attention patterns (all layers) below which they are used
@@ -93,10 +94,17 @@ def attribution_graph(
     """
     if not 0 < edge_mass <= 1:
         raise ValueError(f"edge_mass must lie in (0, 1], got {edge_mass}")
+    # update_interval 0 picked no rows and looped for ever; max_feature_nodes -1 shrank the edge buffer below
+    # the logit rows; max_edges_per_node 0 kept no edge at all
+    optional = ("batch_size", "max_edges_per_node")
     for name, value in (("batch_size", batch_size), ("max_n_logits", max_n_logits), ("chunk", chunk),
-                        ("edge_chunk", edge_chunk)):
-        if (value is not None or name != "batch_size") and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                        ("edge_chunk", edge_chunk), ("update_interval", update_interval),
+                        ("max_edges_per_node", max_edges_per_node)):
+        if (value is not None or name not in optional) and (not is_int(value) or value < 1):
+            raise ValueError(f"{name} must be a positive integer{' or None' if name in optional else ''}, "
+                             f"got {value!r}")
+    if max_feature_nodes is not None and (not is_int(max_feature_nodes) or max_feature_nodes < 0):
+        raise ValueError(f"max_feature_nodes must be a non-negative integer or None, got {max_feature_nodes!r}")
     check_layout(model)
     rs = replacement_set(transcoders, model)
     check_model(model, rs)
