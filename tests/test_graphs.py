@@ -243,6 +243,34 @@ def test_other_layouts_refused_by_name(overrides, name):
         attribution_graph(attn_only, _transcoders(_model()), torch.randint(0, 40, (1, 5)))
 
 
+def test_a_half_precision_model_is_refused_by_name():
+    """A bf16 or fp16 model, or transcoders in another dtype than the model's, used to crash inside the
+    backward passes (a RuntimeError about dtypes); a float64 model with float64 transcoders works."""
+    for dtype in (torch.bfloat16, torch.float16):
+        model = _model(attn_only=True).to(dtype)
+        with pytest.raises(ValueError, match="float32"):
+            attribution_graph(model, None, torch.randint(0, 40, (1, 5)))
+    graph = attribution_graph(_model(attn_only=True).double(), None, torch.randint(0, 40, (1, 5)))
+    assert graph.n_edges > 0
+    model = _model(norm="rmsnorm")  # float32, with bf16 transcoders: the same RuntimeError, now refused by name
+    with pytest.raises(ValueError, match="transcoders' weights are torch.bfloat16"):
+        attribution_graph(model, [tc.to(torch.bfloat16) for tc in _transcoders(model)], torch.randint(0, 40, (1, 5)))
+    model = model.double()
+    graph = attribution_graph(model, [tc.double() for tc in _transcoders(model)], torch.randint(0, 40, (1, 5)))
+    assert graph.n_edges > 0
+
+
+def test_bad_settings_are_refused_before_any_work():
+    """max_feature_nodes=-1 shrank the edge buffer below the logit rows (a RuntimeError), max_edges_per_node=0
+    kept no edge (an empty graph), update_interval=0 picked no rows and looped for ever."""
+    model = _model(norm="rmsnorm")
+    tcs, tokens = _transcoders(model), torch.randint(0, 40, (1, 6))
+    for kw, says in ((dict(max_feature_nodes=-1), "max_feature_nodes"), (dict(max_edges_per_node=0), "max_edges_per_node"),
+                     (dict(update_interval=0, max_feature_nodes=4), "update_interval")):
+        with pytest.raises(ValueError, match=says):
+            attribution_graph(model, tcs, tokens, **kw)
+
+
 def test_bad_transcoders_refused():
     model = _model()
     tcs = _transcoders(model)
@@ -389,6 +417,32 @@ def test_intervention_direct_effect_is_the_edge():
         graph.intervene([int(graph.nodes_of("error")[0])])
 
 
+def test_intervention_refuses_a_feature_the_model_does_not_have():
+    """A layer past the transcoders' used to match no edit (the clean logits came back as if the feature did
+    not matter) and a negative position edited the last one; each is one ValueError, as a bad feature id is."""
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    graph = attribution_graph(model, tcs, torch.randint(0, 40, (1, 8), generator=torch.Generator().manual_seed(3)),
+                              max_n_logits=1)
+    n_pos, d_sae = 8, tcs[0].cfg.d_sae
+    for bad, says in (((2, 0, 0), "layer"), ((-1, 0, 0), "layer"), ((0, 8, 0), "position"), ((0, -1, 0), "position"),
+                      ((1, 0, d_sae), "feature id"), ("F2.0.0", "layer"), ("F0.-1.0", "position")):
+        with pytest.raises(ValueError, match=says):
+            graph.intervene([bad], 5.0)
+    with pytest.raises(ValueError, match="layer"):
+        graph.intervene([wb.analysis.Supernode("past", [(0, 1, 2), (5, 1, 2)])], 5.0)
+    # the last position by its own index still works, and moves the logits there
+    before, after = graph.intervene([]), graph.intervene([(1, n_pos - 1, 0)], 5.0)
+    assert not torch.allclose(before[-1], after[-1])
+    node = int(graph.nodes_of("feature")[0])  # a node index as numpy gives it (a DataFrame's) is the same node
+    import numpy as np
+    torch.testing.assert_close(graph.intervene([np.int64(node)], 5.0), graph.intervene([node], 5.0), atol=0, rtol=0)
+    attn_only = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=40, attn_only=True)).eval()
+    g = attribution_graph(attn_only, None, torch.randint(0, 40, (1, 6)))
+    with pytest.raises(ValueError, match="attention-only"):
+        g.intervene([(0, 1, 2)], 1.0)
+
+
 def test_supernode_intervention_sets_every_member():
     from workbench.analysis.graphs import Supernode
 
@@ -418,6 +472,30 @@ def test_supernode_intervention_sets_every_member():
         graph.intervene(["nobody"])
     with pytest.raises(ValueError, match="non-empty"):
         Supernode("empty", [])
+
+
+def test_a_spilled_attribution_never_holds_more_than_a_chunk_of_edges(tmp_path, monkeypatch):
+    """The rows chosen by influence (max_feature_nodes): each influence update read the spilled edges chunk
+    by chunk, not all of them joined (which held every edge in memory at once, what spill_dir is for)."""
+    import workbench.analysis.graphs.attribute as attribute
+
+    model = _model(norm="rmsnorm", positional="rope")
+    tokens = torch.randint(0, 40, (1, 8), generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def watch(fn):
+        def wrapped(edges_or_chunks, *args):
+            parts = [edges_or_chunks] if isinstance(edges_or_chunks, tuple) else list(edges_or_chunks())
+            seen.extend(len(p[0]) for p in parts)
+            return fn(edges_or_chunks, *args)
+        return wrapped
+
+    monkeypatch.setattr(attribute, "compute_influence_sparse", watch(attribute.compute_influence_sparse))
+    if hasattr(attribute, "_influence"):
+        monkeypatch.setattr(attribute, "_influence", watch(attribute._influence))
+    graph = attribution_graph(model, _transcoders(model), tokens, spill_dir=tmp_path, edge_chunk=200,
+                              max_feature_nodes=30, batch_size=8)
+    assert graph.n_edges > 600 and seen and max(seen) <= 200
 
 
 def test_spilled_edges_give_the_in_memory_graph(tmp_path, monkeypatch):

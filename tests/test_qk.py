@@ -22,7 +22,7 @@ from test_graphs import _check_edges, _clt, _transcoders
 
 import workbench as wb
 from workbench import analysis as an
-from workbench.analysis.graphs import Graph
+from workbench.analysis.graphs import Graph, qk_table
 from workbench.analysis.graphs.planted_qk import planted_qk_pairs, score_planted_qk
 from workbench.analysis.graphs.qk import QKContext
 from workbench.components.positional import alibi_slopes
@@ -297,6 +297,8 @@ def test_bad_input_is_refused():
             an.qk_attribution(graph, *args)
     with pytest.raises(ValueError, match="top"):
         an.qk_attribution(graph, 0, 0, 4, 2, top=0)
+    with pytest.raises(ValueError, match="entries"):  # was pandas' head(-1): every entry of a head but its last
+        qk_table(graph, entries=-1)
     with pytest.raises(ValueError, match="not bound"):
         an.qk_attribution(Graph.from_dict(graph.to_dict()), 0, 0, 4, 2)
     feature = int(graph.nodes_of("feature")[0])
@@ -307,6 +309,27 @@ def test_bad_input_is_refused():
         an.head_loadings(graph, feature, int(graph.nodes_of("token")[0]), 2)
     with pytest.raises(ValueError, match="not a node id"):
         an.head_loadings(graph, "F9.9.9", logit, 2)
+
+
+def test_a_dataframe_rows_numpy_integers_open_the_entry_they_name():
+    """attention_entries' rows are numpy int64: they were refused ("layer must be an integer ..., got
+    np.int64(1)"), as were numpy node indices and layers in head_loadings; now they equal the int call."""
+    import numpy as np
+
+    model, tcs, tokens = _setup("alibi")
+    graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=4)
+    ctx = QKContext(graph)
+    entries = an.attention_entries(graph, ctx)
+    e = {c: entries[c].iloc[0] for c in ("layer", "head", "query_pos", "key_pos")}  # a column's value: numpy
+    assert isinstance(e["layer"], np.integer)
+    got = an.qk_attribution(graph, e["layer"], e["head"], e["query_pos"], e["key_pos"], top=np.int64(4),
+                            exact=np.int64(2), context=ctx)
+    want = an.qk_attribution(graph, int(e["layer"]), int(e["head"]), int(e["query_pos"]), int(e["key_pos"]), top=4,
+                             exact=2, context=ctx)
+    assert got.equals(want) and got.attrs == want.attrs and type(got.attrs["layer"]) is int
+    token, logit = graph.nodes_of("token")[2].item(), graph.nodes_of("logit")[0].item()
+    a = an.head_loadings(graph, np.int64(token), np.int64(logit), np.int64(1))
+    assert a.equals(an.head_loadings(graph, token, logit, 1))
 
 
 def test_mqa_with_sliding_local_layers_on_a_left_padded_batch_and_mla_refused():

@@ -151,6 +151,10 @@ def test_loss_drop_finds_the_steepest_fall():
     assert phase["drop"] == pytest.approx(1.5 * 0.6, abs=0.3)
     with pytest.raises(ValueError, match="train_loss"):
         loss_drop(pd.DataFrame({"step": [1, 2]}))
+    few = pd.DataFrame({"step": steps[:6], "train_loss": loss[:6]})  # window 5: 7 values needed, and 7 suffice
+    with pytest.raises(ValueError, match="at least 7 values"):
+        loss_drop(few)
+    loss_drop(pd.DataFrame({"step": steps[:7], "train_loss": loss[:7]}))
 
 
 def test_the_loss_drop_of_the_shipped_run_is_the_documented_window(run):

@@ -34,10 +34,11 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from workbench.analysis.graphs.graph import Graph, NODE_KINDS, compute_influence_sparse
-from workbench.analysis.graphs.replacement import (Capture, FrozenRun, capture, check_layout, check_model, final_read,
+from workbench.analysis.graphs.graph import Graph, NODE_KINDS, _influence, compute_influence_sparse
+from workbench.analysis.graphs.replacement import (Capture, CLTView, FrozenRun, capture, check_layout, check_model, final_read,
                                                    pattern_layers, replacement_set, targets_of)
 from workbench.padding import TokenBatch
+from workbench.utils import is_int
 
 FEATURE, ERROR, TOKEN, LOGIT = (NODE_KINDS.index(k) for k in ("feature", "error", "token", "logit"))
 PATTERN_BUDGET = 64 << 20  # bytes of stored attention patterns (all layers) below which they are used
@@ -93,13 +94,21 @@ def attribution_graph(
     """
     if not 0 < edge_mass <= 1:
         raise ValueError(f"edge_mass must lie in (0, 1], got {edge_mass}")
+    # update_interval 0 picked no rows and looped for ever; max_feature_nodes -1 shrank the edge buffer below
+    # the logit rows; max_edges_per_node 0 kept no edge at all
+    optional = ("batch_size", "max_edges_per_node")
     for name, value in (("batch_size", batch_size), ("max_n_logits", max_n_logits), ("chunk", chunk),
-                        ("edge_chunk", edge_chunk)):
-        if (value is not None or name != "batch_size") and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                        ("edge_chunk", edge_chunk), ("update_interval", update_interval),
+                        ("max_edges_per_node", max_edges_per_node)):
+        if (value is not None or name not in optional) and (not is_int(value) or value < 1):
+            raise ValueError(f"{name} must be a positive integer{' or None' if name in optional else ''}, "
+                             f"got {value!r}")
+    if max_feature_nodes is not None and (not is_int(max_feature_nodes) or max_feature_nodes < 0):
+        raise ValueError(f"max_feature_nodes must be a non-negative integer or None, got {max_feature_nodes!r}")
     check_layout(model)
     rs = replacement_set(transcoders, model)
     check_model(model, rs)
+    _check_precision(model, rs)
     tokens, mask, single = _tokens(model, prompt)
     if stored_patterns is None:
         n_heads = sum(model.blocks[l].attn.cfg.n_heads for l in pattern_layers(model))
@@ -129,6 +138,22 @@ def attribution_graph(
     finally:
         model.train(was)
     return graphs[0] if single else graphs
+
+
+def _check_precision(model, rs) -> None:
+    """A ValueError for a half-precision model, or transcoders in another dtype than the model's: the
+    backward passes would mix dtypes (a RuntimeError deep inside), and sums over bf16 values are about 1%
+    off (on a tiny bf16 attention-only model, with the crash patched, the QK pairs missed the score and the
+    head loadings the edge by that)."""
+    dtype = model.embed.W_E.dtype
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"attribution graphs need a float32 (or float64) model; this one is {dtype}: build the "
+                         "graph from model.float() (and float32 transcoders)")
+    module = rs.clt if isinstance(rs, CLTView) else rs
+    other = sorted({str(p.dtype) for p in module.parameters() if p.dtype != dtype}) if hasattr(module, "parameters") else []
+    if other:
+        raise ValueError(f"the transcoders' weights are {', '.join(other)}, the model's {dtype}: give them in the "
+                         f"model's dtype (transcoder.to({dtype}))")
 
 
 def _tokens(model, prompt) -> tuple[Tensor, Optional[Tensor], bool]:
@@ -545,7 +570,10 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
         if budget == src.n_feat:
             pending = torch.arange(src.n_feat)
         else:
-            influence = compute_influence_sparse(_long(store.all()), n_total, logit_weights)
+            if store.spill_dir is None:
+                influence = compute_influence_sparse(_long(store.all()), n_total, logit_weights)
+            else:  # chunk by chunk from the files: all the spilled edges at once would undo the spill
+                influence = _influence(lambda: map(_long, store), n_total, logit_weights)
             rank = influence[:src.n_feat].argsort(descending=True)
             pending = rank[~visited[rank]][:min(update_interval * batch_size, budget - n_visited)]
         for lo in range(0, len(pending), batch_size):

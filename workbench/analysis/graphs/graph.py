@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequ
 import torch
 from torch import Tensor
 
+from workbench.utils import is_int
+
 NODE_KINDS = ("feature", "error", "token", "logit")
 _ARRAYS = ("kind", "layer", "pos", "feature", "activation", "logit_weight", "edge_target", "edge_source",
            "edge_weight", "tokens")
@@ -530,6 +532,8 @@ class Graph:
                 if setting.get(triple, v) != v:
                     raise ValueError(f"feature {triple} is set twice, to {setting[triple]} and {v}")
                 setting[triple] = v
+        for triple in setting:  # a layer past the last would never match an edit, a negative position wraps
+            _check_feature(triple, rs, cap)
         triples, values = list(setting), list(setting.values())
 
         def edit(layer: int, acts: Tensor) -> Tensor:
@@ -564,7 +568,8 @@ class Graph:
                 raise ValueError(f"{f!r} is neither a feature node id (\"F<layer>.<pos>.<feature>\") nor a supernode "
                                  "named in supernodes=")
             return int(parts[0]), int(parts[1]), int(parts[2])
-        if isinstance(f, (int,)) and not isinstance(f, bool):
+        if is_int(f):  # numpy's too: a node index read off a DataFrame
+            f = int(f)
             if not 0 <= f < self.n_nodes or int(self.kind[f]) != 0:
                 raise ValueError(f"node {f} is not a feature node of this graph")
             return int(self.layer[f]), int(self.pos[f]), int(self.feature[f])
@@ -577,6 +582,20 @@ class Graph:
         counts = {k: int((self.kind == i).sum()) for i, k in enumerate(NODE_KINDS)}
         return (f"Graph({len(self.tokens)} tokens, {counts['feature']} features, {counts['error']} errors, "
                 f"{counts['logit']} logits, {self.n_edges} edges)")
+
+
+def _check_feature(triple: tuple[int, int, int], rs, cap) -> None:
+    """A ValueError unless (layer, pos, feature) names a feature the replacement model has on this prompt."""
+    layer, pos, feature = triple
+    if not rs.n_layers:
+        raise ValueError(f"feature {triple}: this graph has no features to set (an attention-only model has no "
+                         "transcoders; its nodes are tokens and logits)")
+    n_pos = len(cap.tokens)
+    for name, value, hi in (("layer", layer, rs.n_layers), ("position", pos, n_pos),
+                            ("feature id", feature, cap.acts[layer].shape[-1] if 0 <= layer < rs.n_layers else 0)):
+        if not 0 <= value < hi:
+            raise ValueError(f"feature {triple}: its {name} must lie in [0, {hi}) (the transcoders cover "
+                             f"{rs.n_layers} layers, the prompt has {n_pos} positions)")
 
 
 def _edge_field(i: int, name: str) -> property:

@@ -23,26 +23,28 @@ two runs) and attention-only models need nothing special.
 
 from __future__ import annotations
 
+from numbers import Integral  # int and numpy's integers
 from typing import Union
 
 import torch
 from torch import Tensor
 
 from workbench.analysis.graphs.graph import NODE_KINDS
+from workbench.utils import is_int
 
 
-def _node(graph, node: Union[int, str]) -> int:
+def _node(graph, node: Union[Integral, str]) -> int:
     if isinstance(node, str):
         ids = graph.node_ids()
         if node not in ids:
             raise ValueError(f"{node!r} is not a node id of this graph (ids look like 'F1.4.7', 'E0.3', 'T2', 'L0')")
         return ids.index(node)
-    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < graph.n_nodes:
+    if not is_int(node) or not 0 <= node < graph.n_nodes:
         raise ValueError(f"a node is an id string or an index in [0, {graph.n_nodes}), got {node!r}")
-    return node
+    return int(node)
 
 
-def head_loadings(graph, source: Union[int, str], target: Union[int, str], layer: int):
+def head_loadings(graph, source: Union[Integral, str], target: Union[Integral, str], layer: Integral):
     """The edge ``source -> target`` of ``graph`` split over the heads of attention layer ``layer``.
 
     ``source``: a feature, error or token node; ``target``: a feature or logit node (node indices
@@ -68,9 +70,10 @@ def head_loadings(graph, source: Union[int, str], target: Union[int, str], layer
         raise ValueError(f"the target must be a feature or logit node, got a {t_kind} node")
     s_layer = -1 if s_kind == "token" else int(graph.layer[s])
     t_layer = model.cfg.n_layers - 1 if t_kind == "logit" else int(graph.layer[t])
-    if isinstance(layer, bool) or not isinstance(layer, int) or not s_layer < layer <= t_layer:
+    if not is_int(layer) or not s_layer < layer <= t_layer:
         raise ValueError(f"layer must be an attention layer after the source's ({s_layer}) and at or before the "
                          f"target's ({t_layer}): an integer in [{s_layer + 1}, {t_layer}], got {layer!r}")
+    layer = int(layer)
     pos, t_pos = int(graph.pos[s]), int(graph.pos[t])
     acts, errors, embed = [a.clone() for a in cap.acts], [e.clone() for e in cap.errors], cap.embed.clone()
     if s_kind == "feature":

@@ -26,10 +26,13 @@ edited after ``W_K``, the norm scales held as the graph holds them, everything e
 from __future__ import annotations
 
 import math
+from numbers import Integral  # int and numpy's integers (a DataFrame column's values)
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from workbench.utils import is_int
 
 KINDS = ("token", "feature", "error", "head", "bias")
 COLUMNS = ["query_node", "key_node", "query_kind", "key_kind", "query_layer", "key_layer", "contribution",
@@ -211,19 +214,22 @@ class QKContext:
         return parts, out, proj
 
 
-def _check(model, n_pos: int, layer, head, query_pos, key_pos) -> None:
+def _check(model, n_pos: int, layer, head, query_pos, key_pos) -> tuple[int, int, int, int]:
+    """The four as ints (numpy ones too: they come from DataFrame rows such as ``attention_entries``')."""
     cfg = model.cfg
     for name, value, hi in (("layer", layer, cfg.n_layers), ("head", head, cfg.n_heads),
                             ("query_pos", query_pos, n_pos), ("key_pos", key_pos, n_pos)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < hi:
+        if not is_int(value) or not 0 <= value < hi:
             raise ValueError(f"{name} must be an integer in [0, {hi}), got {value!r}")
+    layer, head, query_pos, key_pos = int(layer), int(head), int(query_pos), int(key_pos)
     if key_pos > query_pos:
         raise ValueError(f"key_pos {key_pos} comes after query_pos {query_pos}: attention is causal, a query "
                          "reads only keys at or before its own position")
+    return layer, head, query_pos, key_pos
 
 
-def qk_attribution(graph, layer: int, head: int, query_pos: int, key_pos: int, *, top: Optional[int] = 20,
-                   exact: int = 5, context: Optional[QKContext] = None):
+def qk_attribution(graph, layer: Integral, head: Integral, query_pos: Integral, key_pos: Integral, *,
+                   top: Optional[Integral] = 20, exact: Integral = 5, context: Optional[QKContext] = None):
     """Attention score of ``head`` at ``layer``, query ``query_pos``, key ``key_pos``, split into
     pairs (query-side node, key-side node) of ``graph``'s prompt (see the module docstring).
 
@@ -236,11 +242,12 @@ def qk_attribution(graph, layer: int, head: int, query_pos: int, key_pos: int, *
 
     ctx = context if context is not None else QKContext(graph)
     model = ctx.model
-    _check(model, ctx.n_pos, layer, head, query_pos, key_pos)
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+    layer, head, query_pos, key_pos = _check(model, ctx.n_pos, layer, head, query_pos, key_pos)
+    if top is not None and (not is_int(top) or top < 1):
         raise ValueError(f"top must be a positive integer or None, got {top!r}")
-    if isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
+    if not is_int(exact) or exact < 0:
         raise ValueError(f"exact must be a non-negative integer, got {exact!r}")
+    top, exact = None if top is None else int(top), int(exact)
     score = float(ctx.cache[f"blocks.{layer}.attn.hook_attn_scores"][head, query_pos, key_pos])
     if not math.isfinite(score):
         raise ValueError(f"query {query_pos} does not see key {key_pos} in layer {layer} (outside its sliding window)")
@@ -357,7 +364,7 @@ def attention_entries(graph, context: Optional[QKContext] = None):
         model.train(was)
     rows = []
     P = ctx.n_pos
-    causal = torch.ones(P, P, dtype=torch.bool).tril()
+    causal = torch.ones(P, P, dtype=torch.bool, device=cap.embed.device).tril()
     for l, g in enumerate(grads):
         if g is None:
             continue
@@ -384,6 +391,8 @@ def qk_table(graph, entries: int = 2, top: int = 5, exact: int = 0, context: Opt
     ``score`` and ``residual`` beside the pair's columns and its ``rank`` within the entry."""
     import pandas as pd
 
+    if not is_int(entries) or entries < 1:  # head(-1) would keep all but the last entry of each head
+        raise ValueError(f"entries must be a positive integer, got {entries!r}")
     ctx = context if context is not None else QKContext(graph)
     kept = attention_entries(graph, ctx).groupby(["layer", "head"], sort=False).head(entries)
     frames = []

@@ -204,7 +204,7 @@ def loss_drop(history: pd.DataFrame, column: str = "train_loss", window: int = 5
     where the loss (a centred rolling mean over ``window`` logged points) falls at more than half its
     steepest rate (per step), around the steepest fall; ``drop``: the smoothed loss lost across it."""
     if column not in history or history[column].notna().sum() < window + 2:
-        raise ValueError(f"the history needs a {column!r} column with more than {window + 2} values (metrics.csv)")
+        raise ValueError(f"the history needs a {column!r} column with at least {window + 2} values (metrics.csv)")
     rows = history[["step", column]].dropna().sort_values("step")
     smooth = rows[column].rolling(window, center=True, min_periods=1).mean().to_numpy()
     steps = rows["step"].to_numpy(float)
