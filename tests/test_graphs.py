@@ -97,7 +97,7 @@ def _zeroed(model, rs, cap, graph: Graph, source: int):
 
 def _check_edges(model, graph: Graph, n_per_kind: int = 2, n_random: int = 4, seed: int = 0) -> int:
     """Compare sampled edges (each source-kind x target-kind pair) and random pairs to perturbations."""
-    _, rs, cap = graph._context
+    _, rs, cap = graph._bound()
     g = torch.Generator().manual_seed(seed)
     pairs = []
     t, s = graph.edge_target, graph.edge_source
@@ -441,6 +441,31 @@ def test_intervention_refuses_a_feature_the_model_does_not_have():
     g = attribution_graph(attn_only, None, torch.randint(0, 40, (1, 6)))
     with pytest.raises(ValueError, match="attention-only"):
         g.intervene([(0, 1, 2)], 1.0)
+
+
+def test_a_graph_refuses_to_run_on_weights_edited_after_it_was_built():
+    """An edit through .data (which no version counter sees), of the model or of a transcoder, made
+    intervene and the QK and loading tables mix the graph's capture with runs of the new weights; each is
+    now refused, and bind() re-captures the prompt on the new weights."""
+    model = _model(norm="rmsnorm", positional="rope")
+    tcs = _transcoders(model)
+    tokens = torch.randint(0, 40, (1, 8), generator=torch.Generator().manual_seed(3))
+    graph = attribution_graph(model, tcs, tokens, max_n_logits=1)
+    clean = graph.intervene([])
+    for edit in (model.blocks[0].attn.W_Q, next(tcs[1].parameters())):
+        saved = edit.detach().clone()
+        with torch.no_grad():
+            edit.data[0] += 0.5
+        with pytest.raises(ValueError, match="weights changed since this graph was built"):
+            graph.intervene([])
+        with pytest.raises(ValueError, match="weights changed"):
+            wb.analysis.qk_attribution(graph, 0, 0, 7, 3)
+        edit.data.copy_(saved)
+    torch.testing.assert_close(graph.intervene([]), clean, atol=1e-6, rtol=0)  # the same weights again: allowed
+    with torch.no_grad():
+        model.blocks[1].mlp.W_in.data.mul_(2.0)  # the first transcoder of a real MLP layer sees another input
+    rebound = graph.bind(model, tcs).intervene([])  # re-captured on the new weights: runs
+    assert rebound.shape == clean.shape
 
 
 def test_supernode_intervention_sets_every_member():

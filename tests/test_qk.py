@@ -100,7 +100,7 @@ def test_pairs_sum_to_the_score(name):  # the parallel layout's MLP reads the bl
 
 def _write(graph, cache, model, kind, layer, index, pos):
     """A node's write into the residual stream at ``pos``, from the cache and the graph's capture."""
-    _, rs, cap = graph._context
+    _, rs, cap = graph._bound()
     if kind == "token":
         return cap.embed[pos]
     if kind == "head":
@@ -345,6 +345,7 @@ def test_mqa_with_sliding_local_layers_on_a_left_padded_batch_and_mla_refused():
     batch = TokenBatch.from_ids([r.tolist() for r in rows], 0, "left", torch.device("cpu"))
     for graph, row in zip(an.attribution_graph(model, None, batch), rows):
         n = len(row)
+        assert graph.meta["replacement"] == "none (attention only)"  # it said "transcoders"
         _, cache = model.run_with_cache(row[None])
         for layer, head, q, k in [(0, 3, n - 1, n - 3), (1, 2, n - 1, 0), (2, 1, n - 2, n - 3)]:
             frame = an.qk_attribution(graph, layer, head, q, k, top=None, exact=0)
@@ -367,7 +368,7 @@ def test_attention_entry_weights_sum_to_a_head_ablation_in_the_frozen_model():
     model, tcs, tokens = _setup("pre-rmsnorm-rope-gqa", n_tokens=6)
     graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=4)
     entries = an.attention_entries(graph)
-    _, rs, cap = graph._context
+    _, rs, cap = graph._bound()
     weights = graph.logit_weight[graph.nodes_of("logit")]
 
     def objective(hooks):

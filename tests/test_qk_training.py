@@ -91,6 +91,9 @@ def test_induction_prompts_end_on_a_repeat_and_point_at_the_token_after_its_firs
     with_bos, q, k = induction_qk_prompts(16, n=4, half=7, seed=0, bos=15, n_ctx=16)
     assert all(int(p[0]) == 15 and 15 not in p[1:].tolist() for p in with_bos)
     assert all(p[a] == p[b - 1] for p, a, b in zip(with_bos, q, k))
+    # a BOS id that is not the last id: never drawn into r either (it was: r drew from every id below d_vocab)
+    first = induction_qk_prompts(8, n=40, half=7, seed=0, bos=0)[0]
+    assert all(int(p[0]) == 0 and 0 not in p[1:].tolist() for p in first)
     with pytest.raises(ValueError, match="context"):
         induction_qk_prompts(64, half=16, n_ctx=16)
     with pytest.raises(ValueError, match="distinct"):

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from workbench.analysis.graphs.graph import Graph, NODE_KINDS, _influence, compute_influence_sparse
-from workbench.analysis.graphs.replacement import (Capture, CLTView, FrozenRun, capture, check_layout, check_model, final_read,
-                                                   pattern_layers, replacement_set, targets_of)
+from workbench.analysis.graphs.replacement import (AttentionOnly, Capture, CLTView, FrozenRun, capture, check_layout,
+                                                   check_model, final_read, pattern_layers, replacement_set, targets_of)
 from workbench.padding import TokenBatch
 from workbench.utils import is_int
 
@@ -251,7 +251,7 @@ class _Sources:
             k = int(counts.max()) if len(ft) else 0
             first = counts.cumsum(0) - counts
             self.k_max.append(k)
-            self.slots.append(ft[:, 1] * k + torch.arange(len(ft)) - first[ft[:, 1]])
+            self.slots.append(ft[:, 1] * k + torch.arange(len(ft), device=ft.device) - first[ft[:, 1]])
 
 
 class _Engine:
@@ -632,17 +632,18 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
     L, P = src.n_layers, src.n_pos  # L: MLP layers (0 in an attention-only model)
     err_layer = torch.arange(L).repeat_interleave(P)
     err_pos = torch.arange(P).repeat(L)
-    feats = src.features[selected]
+    # the graph's node fields live on the CPU, whatever the model's device (the edges already do)
+    feats = src.features[selected.to(src.features.device)].cpu()
     kind = torch.cat([torch.full((n_sel,), FEATURE), torch.full((L * P,), ERROR), torch.full((P,), TOKEN),
                       torch.full((len(labels),), LOGIT)])
     layer = torch.cat([feats[:, 0], err_layer, torch.full((P,), -1), torch.full((len(labels),), model.cfg.n_layers)])
     pos = torch.cat([feats[:, 1], err_pos, torch.arange(P), torch.full((len(labels),), P - 1)])
     feature = torch.cat([feats[:, 2], torch.full((L * P,), -1), cap.tokens.cpu(), torch.tensor(ids, dtype=torch.long)])
-    err_norm = torch.stack([e.norm(dim=-1) for e in cap.errors]).flatten() if cap.errors else torch.zeros(0)
-    activation = torch.cat([src.values[selected].float(), err_norm.float(), torch.zeros(P),
-                            values.detach().float().reshape(-1)])
+    err_norm = torch.stack([e.norm(dim=-1) for e in cap.errors]).flatten().cpu() if cap.errors else torch.zeros(0)
+    activation = torch.cat([src.values[selected.to(src.values.device)].float().cpu(), err_norm.float(), torch.zeros(P),
+                            values.detach().float().reshape(-1).cpu()])
     logit_weight = torch.zeros(len(kind))
-    logit_weight[-len(labels):] = weights.float()
+    logit_weight[-len(labels):] = weights.float().cpu()
     graph = Graph(kind=kind, layer=layer, pos=pos, feature=feature, activation=activation.cpu(),
                   logit_weight=logit_weight, logit_labels=list(labels),
                   edge_target=targets, edge_source=sources, edge_weight=None if w is None else w.float().cpu(),
@@ -650,7 +651,8 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
                   tokens=cap.tokens.cpu(), str_tokens=_str_tokens(model, cap.tokens), n_layers=model.cfg.n_layers,
                   logit_vectors=vecs.detach().cpu().float(),
                   meta=dict(model=getattr(model.cfg, "name", ""), d_vocab=model.cfg.d_vocab, n_active_features=src.n_feat,
-                            replacement="clt" if rs.cross_layer else "transcoders", **settings))
+                            replacement=("none (attention only)" if isinstance(rs, AttentionOnly) else
+                                         "clt" if rs.cross_layer else "transcoders"), **settings))
     graph.bind(model, rs, cap)
     return graph
 

@@ -114,11 +114,22 @@ def collapse_frames(nodes, edges, groups: dict[str, Sequence[str]]):
     return out, moved.groupby(["source", "target"], as_index=False)["weight"].sum()
 
 
+def _weights_signature(model, rs) -> tuple:
+    """Every parameter's dtype, device, sum and sum of squares (float64, one pass, no copy) of the model
+    and of the transcoders behind ``rs``: what ``Graph._bound`` compares to notice an edit."""
+    modules = [model] + [m for m in (rs, getattr(rs, "clt", None)) if isinstance(m, torch.nn.Module)]
+    with torch.no_grad():
+        return tuple((p.dtype, str(p.device), tuple(p.shape), float(p.sum(dtype=torch.float64)),
+                      float(torch.linalg.vector_norm(p, dtype=torch.float64)))
+                     for m in modules for p in m.parameters())
+
+
 @dataclass(frozen=True)
 class Supernode:
     """A named group of features (what ``collapse_frames`` and the Graph page's supernodes collapse):
     ``members`` are node ids (``"F1.4.7"``), feature node indices or (layer, pos, feature) triples.
-    ``graph.intervene([Supernode("say Ella", ["F0.2.5", "F1.2.7"])], 0.0)`` sets every member."""
+    ``graph.intervene([Supernode("say Ella", ["F0.2.5", "F1.2.7"])], 0.0)`` sets every member. One triple
+    is a list of one: ``Supernode("x", [(1, 4, 7)])``; ``Supernode("x", (1, 4, 7))`` is three node indices."""
 
     name: str
     members: tuple
@@ -500,8 +511,21 @@ class Graph:
                 cap = capture(model, rs, self.tokens.to(model.device)[None])[0]
             finally:
                 model.train(was)
-        self._context = (model, rs, cap)
+        self._context = (model, rs, cap, _weights_signature(model, rs))
         return self
+
+    def _bound(self) -> tuple:
+        """(model, replacement set, capture) this graph was bound to, after checking that neither the
+        model's nor the transcoders' weights changed since: a `.data` edit, a load or a cast would mix
+        the graph's capture with runs of other weights, silently."""
+        if self._context is None:
+            raise ValueError("this graph is not bound to a model: call graph.bind(model, transcoders) first")
+        model, rs, cap, signature = self._context
+        if _weights_signature(model, rs) != signature:
+            raise ValueError("the model's or the transcoders' weights changed since this graph was built (an edit, a "
+                             "load or a cast): build the graph again, or graph.bind(model, transcoders) to re-capture "
+                             "its prompt with the new weights")
+        return model, rs, cap
 
     def intervene(self, features: Sequence, value: Union[float, Sequence[float]] = 0.0, *,
                   freeze_attention: bool = False, direct_only: bool = False,
@@ -519,9 +543,7 @@ class Graph:
         """
         from workbench.analysis.graphs.replacement import frozen_forward, live_forward
 
-        if self._context is None:
-            raise ValueError("this graph is not bound to a model: call graph.bind(model, transcoders) first")
-        model, rs, cap = self._context
+        model, rs, cap = self._bound()
         items = list(features)
         values = [float(value)] * len(items) if isinstance(value, (int, float)) else [float(v) for v in value]
         if len(values) != len(items):

@@ -59,9 +59,7 @@ def head_loadings(graph, source: Union[Integral, str], target: Union[Integral, s
 
     from workbench.analysis.graphs.replacement import final_read, frozen_forward
 
-    if graph._context is None:
-        raise ValueError("this graph is not bound to a model: call graph.bind(model, transcoders) first")
-    model, rs, cap = graph._context
+    model, rs, cap = graph._bound()
     s, t = _node(graph, source), _node(graph, target)
     s_kind, t_kind = NODE_KINDS[int(graph.kind[s])], NODE_KINDS[int(graph.kind[t])]
     if s_kind == "logit":

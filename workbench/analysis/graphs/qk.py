@@ -95,10 +95,8 @@ class QKContext:
         from workbench.components.attention import Attention
         from workbench.components.block import layout_of
 
-        if graph._context is None:
-            raise ValueError("this graph is not bound to a model: call graph.bind(model, transcoders) first")
         self.graph = graph
-        self.model, self.rs, self.cap = graph._context
+        self.model, self.rs, self.cap = graph._bound()
         model = self.model
         check_layout(model)
         if not all(isinstance(b.attn, Attention) for b in model.blocks):

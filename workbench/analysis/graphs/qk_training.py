@@ -112,7 +112,9 @@ def induction_qk_prompts(d_vocab: int, n: int = 16, half: int = 16, seed: int = 
     again, and the key the token after its first occurrence, ``r[m]``. Returns (prompts, query
     positions, key positions)."""
     n, half, seed = check_int("n", n, 1), check_int("half", half, 2), check_seed("seed", seed)
-    vocab = d_vocab - (1 if bos is not None and bos == d_vocab - 1 else 0)
+    # r never holds the BOS id, wherever it lies (below d_vocab - 1 too); with it last or absent, ids are unchanged
+    ids = torch.tensor([i for i in range(d_vocab) if i != bos])
+    vocab = len(ids)
     if half > vocab:
         raise ValueError(f"half ({half}) must be at most the {vocab} tokens to draw distinct ones from")
     offset = 0 if bos is None else 1
@@ -121,7 +123,7 @@ def induction_qk_prompts(d_vocab: int, n: int = 16, half: int = 16, seed: int = 
     gen = torch.Generator().manual_seed(seed)
     prompts, queries, keys = [], [], []
     for _ in range(n):
-        r = torch.randperm(vocab, generator=gen)[:half]
+        r = ids[torch.randperm(vocab, generator=gen)[:half]]
         m = int(torch.randint(2, half + 1, (1,), generator=gen))
         parts = ([torch.tensor([bos])] if bos is not None else []) + [r, r[:m]]
         prompts.append(torch.cat(parts))
