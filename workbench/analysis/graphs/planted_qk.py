@@ -96,12 +96,14 @@ def score_planted_qk(planted, n_prompts: int = 32, seed: int = 0, ratio: float =
                 values = frame.contribution.to_numpy()[keep]
                 named = [found[i] for i in keep]
                 best = float(values.max()) if len(values) else 0.0
+                # the top pair is the largest signed one, as `predicted` reads them (the frame is ordered by size)
+                top = named[int(values.argmax())] if len(values) else None
                 predicted = {pair for pair, v in zip(named, values) if best > 0 and v >= ratio * best}
                 pattern = float(ctx.cache[f"blocks.{layer}.attn.hook_pattern"][h, q, k])
                 rows.append(dict(prompt=b, head=head, query_pos=q, key_pos=k, pattern=pattern,
                                  score=frame.attrs["score"], n_predicted=len(predicted), n_planted=len(true),
-                                 n_hit=len(predicted & true), top1=bool(named) and named[0] in true,
-                                 top_pair=" x ".join(named[0]) if named else ""))
+                                 n_hit=len(predicted & true), top1=top is not None and top in true,
+                                 top_pair=" x ".join(top) if top is not None else ""))
     entries = pd.DataFrame(rows)
     hit = entries.n_hit.sum()
     summary = dict(model=planted.name, prompts=n_prompts, seed=seed, ratio=ratio, entries=len(entries),
