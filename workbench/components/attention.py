@@ -45,7 +45,7 @@ from transformer_lens.hook_points import HookPoint
 
 from workbench.components.norm import GemmaRMSNorm, QKNorm
 from workbench.components.positional import ATTN_POSITIONS
-from workbench.components.registry import add_bias, pick
+from workbench.components.registry import add_bias, bias_term, pick
 from workbench.config import ModelConfig
 from workbench.padding import Padding
 
@@ -208,10 +208,12 @@ class Attention(nn.Module):
             z = self._fused(q, k, v, bias, offset, visible)
         z = z.transpose(1, 2)
         z = self.hook_z(padding.pack(z) if packed else z)  # [batch, pos, head_index, d_head]
+        b_O = bias_term(self, "b_O")
         if self.hook_result.has_hooks():
             result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
-            return result.sum(dim=2) + self.b_O
-        return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, self.b_O)
+            out = result.sum(dim=2)
+            return out if b_O is None else out + b_O
+        return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, b_O)
 
     def _bias_and_visible(
         self, n_query: int, n_key: int, offset: int, padding: Optional[Padding], device: torch.device
@@ -241,9 +243,9 @@ class Attention(nn.Module):
             # Weights imported from a checkpoint are views of its [heads * d_head, d_model] matrices:
             # three matmuls read them in place, where concatenating them would copy every attention
             # weight on every call (a sixth of a 1B model's first bf16 forward on the CPU).
-            biases = (self.b_Q, self._b_K, self._b_V)
-            q, k, v = (F.linear(x, w.transpose(1, 2).flatten(0, 1), b.flatten()).unflatten(-1, (-1, e))
-                       for w, b in zip(params, biases))
+            biases = (bias_term(self, name) for name in ("b_Q", "_b_K", "_b_V"))
+            q, k, v = (F.linear(x, w.transpose(1, 2).flatten(0, 1), None if b is None else b.flatten())
+                       .unflatten(-1, (-1, e)) for w, b in zip(params, biases))
             return q, k, v
         weight, bias = self._fused_qkv_weight(kv_cache)
         qkv = F.linear(x, weight, bias)  # [batch, pos, (h + 2kv) * d_head]
