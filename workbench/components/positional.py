@@ -188,8 +188,10 @@ class Rotary(nn.Module):
         else:
             angles = torch.cat([angles, angles], dim=-1)
         # [..., pos, 1, rotary_dim], broadcast over heads
-        cos, sin = (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
-        return cos.unsqueeze(-2), sin.unsqueeze(-2)
+        cos, sin = angles.cos(), angles.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)
 
     @staticmethod
     def _rotate_half(x: Tensor) -> Tensor:
@@ -206,9 +208,12 @@ class Rotary(nn.Module):
         x: Float[Tensor, "batch pos head_index d_head"],
         offset: int,
         positions: Optional[Int[Tensor, "batch pos"]] = None,
+        cos_sin: Optional[tuple[Tensor, Tensor]] = None,
     ) -> Float[Tensor, "batch pos head_index d_head"]:
+        """``x`` rotated at its positions; ``cos_sin``: this call's ``cos_sin(...)`` when the caller has it
+        (queries and keys of one step share it)."""
         r = self.cfg.rotary_dim
-        cos, sin = self.cos_sin(x.shape[1], offset, x.dtype, positions)
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(x.shape[1], offset, x.dtype, positions)
         x_rot, x_pass = x[..., :r], x[..., r:]
         x_rot = x_rot * cos + self.rotate_pairs(x_rot) * sin
         return torch.cat([x_rot, x_pass], dim=-1) if x_pass.shape[-1] else x_rot
