@@ -14,7 +14,8 @@ loads it from there in ``--dtype``, and three tasks run on the same random token
                    nnsight saving every module's output (each module's output, in the order they run) |
                    transformers ``output_hidden_states=True`` (the residual stream only); on a CPU also
                    the bytes each result holds (storages counted once) and how far one call raised the
-                   process's resident memory (peak RSS, reset before each call)
+                   process's resident memory (peak RSS, reset before each call), and the minor page faults of one call
+                   as timed (pages freshly mapped: where the time of holding many bytes can go)
     patch heads    per-head activation patching of layer ``--layer``'s attention z (o_proj's input) from
                    the clean run into the corrupted run, each head alone, metric = logit[1] - logit[2]
                    at the last position (mean over the batch); ``--all-layers``: every head of every layer
@@ -118,6 +119,21 @@ def peak_rss_growth(fn: Callable) -> Optional[int]:
     growth = _rss("VmHWM:") - start
     del out
     return growth
+
+
+def minor_faults(fn: Callable, outputs: dict, name: str) -> int:
+    """Minor page faults during one call of ``fn`` (pages the process touched for the first time since the
+    allocator mapped them), its result then kept in ``outputs[name]`` in place of the last one, as the timed
+    rounds do; -1 where resource usage cannot be read."""
+    try:
+        import resource
+    except ImportError:
+        return -1
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    out = fn()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    outputs[name] = out
+    return faults
 
 
 # ---- the contenders -------------------------------------------------------------------------------------
@@ -337,15 +353,19 @@ def main(argv=None, rows: Optional[list] = None) -> pd.DataFrame:
                         f"'ours without pattern/result': every hook but {', '.join(EXTRA_WORK)}")
         if device.type == "cpu":  # what each cache holds, and how far one call raised the process's memory
             held = {name: held_bytes(out) for name, out in outputs.items()}
+            with torch.no_grad():  # one more call each, the others' results alive as in the timed rounds
+                faults = {name: minor_faults(fn, outputs, name) for name, fn in fns.items()}
             del outputs
             with torch.no_grad():
                 peaks = {name: peak_rss_growth(fn) for name, fn in fns.items()}
-            print("cache memory (MiB), held by the result / peak resident growth during one call:")
+            print("cache memory (MiB), held by the result / peak resident growth during one call; minor page "
+                  "faults in one call as timed (fresh pages the allocator had to map):")
             for name in fns:
                 peak = "n/a" if peaks[name] is None else f"{peaks[name] / 2**20:.1f}"
-                print(f"  {name:<32}{held[name] / 2**20:9.1f} / {peak}")
+                print(f"  {name:<32}{held[name] / 2**20:9.1f} / {peak:>6}; {faults[name]} faults")
                 rows_row = next(r for r in rows if r["task"] == "cache" and r["contender"] == name)
-                rows_row.update(held_mib=held[name] / 2**20, peak_mib=None if peaks[name] is None else peaks[name] / 2**20)
+                rows_row.update(held_mib=held[name] / 2**20, peak_mib=None if peaks[name] is None else peaks[name] / 2**20,
+                                faults=faults[name])
 
     if "patch" in tasks:
         where = "every layer" if args.all_layers else f"layer {layer}"

@@ -31,7 +31,7 @@ from workbench.components.mla import CACHE_ENTRIES
 from workbench.components.block import Block
 from workbench.components.norm import NORMS
 from workbench.components.positional import POS_EMBEDDINGS
-from workbench.components.registry import add_bias, pick
+from workbench.components.registry import add_bias, bias_term, pick
 from workbench.config import ModelConfig
 from workbench.utils import check_float, check_int, check_seed, check_token_ids, eval_mode
 from workbench.padding import (
@@ -74,7 +74,9 @@ class Unembed(nn.Module):
         return self._embed[0].W_E.T if self.tied else self.W_U_param
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
-        logits = x @ self.W_U + self.b_U
+        logits = x @ self.W_U
+        bias = bias_term(self, "b_U")
+        logits = logits if bias is None else logits + bias
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
 

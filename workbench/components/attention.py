@@ -45,7 +45,7 @@ from transformer_lens.hook_points import HookPoint
 
 from workbench.components.norm import GemmaRMSNorm, QKNorm
 from workbench.components.positional import ATTN_POSITIONS
-from workbench.components.registry import add_bias, pick
+from workbench.components.registry import add_bias, bias_term, pick
 from workbench.config import ModelConfig
 from workbench.padding import Padding
 
@@ -189,8 +189,10 @@ class Attention(nn.Module):
             k = self.hook_k_normed(self._qk_normed(self.k_norm, k))
         if self.position.rotates:
             positions = padding.positions if padding is not None else None
-            q = self.hook_rot_q(self.position.rotate(q, offset, positions))
-            k = self.hook_rot_k(self.position.rotate(k, offset, positions))
+            angles = self.position.cos_sin(q.shape[1], offset, q.dtype, positions)
+            same = k.shape[1] == q.shape[1] and k.dtype == q.dtype  # as they are unless a hook changed one
+            q = self.hook_rot_q(self.position.rotate(q, offset, positions, angles))
+            k = self.hook_rot_k(self.position.rotate(k, offset, positions, angles if same else None))
         packed = padding is not None and padding.packed
         if packed:  # the attention product needs the padded [batch, pos] layout back
             q, k, v = padding.unpack(q), padding.unpack(k), padding.unpack(v)
@@ -208,10 +210,12 @@ class Attention(nn.Module):
             z = self._fused(q, k, v, bias, offset, visible)
         z = z.transpose(1, 2)
         z = self.hook_z(padding.pack(z) if packed else z)  # [batch, pos, head_index, d_head]
+        b_O = bias_term(self, "b_O")
         if self.hook_result.has_hooks():
             result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
-            return result.sum(dim=2) + self.b_O
-        return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, self.b_O)
+            out = result.sum(dim=2)
+            return out if b_O is None else out + b_O
+        return F.linear(z.flatten(2), self.W_O.flatten(0, 1).T, b_O)
 
     def _bias_and_visible(
         self, n_query: int, n_key: int, offset: int, padding: Optional[Padding], device: torch.device
@@ -241,9 +245,9 @@ class Attention(nn.Module):
             # Weights imported from a checkpoint are views of its [heads * d_head, d_model] matrices:
             # three matmuls read them in place, where concatenating them would copy every attention
             # weight on every call (a sixth of a 1B model's first bf16 forward on the CPU).
-            biases = (self.b_Q, self._b_K, self._b_V)
-            q, k, v = (F.linear(x, w.transpose(1, 2).flatten(0, 1), b.flatten()).unflatten(-1, (-1, e))
-                       for w, b in zip(params, biases))
+            biases = (bias_term(self, name) for name in ("b_Q", "_b_K", "_b_V"))
+            q, k, v = (F.linear(x, w.transpose(1, 2).flatten(0, 1), None if b is None else b.flatten())
+                       .unflatten(-1, (-1, e)) for w, b in zip(params, biases))
             return q, k, v
         weight, bias = self._fused_qkv_weight(kv_cache)
         qkv = F.linear(x, weight, bias)  # [batch, pos, (h + 2kv) * d_head]
@@ -327,18 +331,31 @@ class Attention(nn.Module):
     def _explicit(
         self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int, visible: Optional[Tensor] = None
     ) -> Tensor:
-        if self.group > 1:
-            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+        # What caching every hook pays for: the [batch, head, query, key] scores and pattern are written
+        # once each (the scale and the mask act in place on the product's fresh output) and the values
+        # are read per KV head, never copied out per query head.
+        if self.group > 1:  # the scores are per query head
+            k = k.repeat_interleave(self.group, dim=1)
         mask = self._causal_mask(q.shape[2], k.shape[2], offset, q.device) if visible is None else visible
-        scores = self.hook_attn_scores(self.scores(q, k, bias).masked_fill(~mask, float("-inf")))
+        scores = self.hook_attn_scores(self.scores(q, k, bias).masked_fill_(~mask, float("-inf")))
         # float32 softmax, rounded after (HF's eager attention does the same in bf16/fp16)
         pattern = self.hook_pattern(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype))
-        return pattern @ v
+        if self.group == 1:
+            return pattern @ v
+        # the query heads of one KV head, stacked along the queries, read its values in one product
+        b, h, n_query, n_key = pattern.shape
+        z = pattern.reshape(b, v.shape[1], self.group * n_query, n_key) @ v
+        return z.view(b, h, n_query, v.shape[-1])
 
     def scores(self, q: Tensor, k: Tensor, bias: Optional[Tensor]) -> Tensor:
         """Unmasked scores [batch, head, query, key] of queries and keys with as many heads: this
-        layer's scale, soft-cap and score bias (what the circuits' head-by-head runner reuses)."""
-        scores = q @ k.transpose(-1, -2) / self.attn_scale
+        layer's scale, soft-cap and score bias (what the circuits' head-by-head runner reuses).
+        A fresh tensor (the caller may mask it in place)."""
+        scores = (q @ k.transpose(-1, -2)).div_(self.attn_scale)  # in place on the product: one tensor
         if self.softcap is not None:  # Gemma 2: before the mask, as HF's eager attention
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        return scores if bias is None else scores + bias
+        if bias is None:
+            return scores
+        if bias.dtype == scores.dtype and torch.broadcast_shapes(scores.shape, bias.shape) == scores.shape:
+            return scores.add_(bias)
+        return scores + bias  # a wider bias widens the scores, as it always has

@@ -20,7 +20,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from workbench.components.registry import add_bias, pick
+from workbench.components.registry import add_bias, bias_term, pick
 from workbench.config import ModelConfig
 
 ACTIVATIONS = {
@@ -45,8 +45,8 @@ class MLP(nn.Module):
     def forward(
         self, x: Float[Tensor, "batch pos d_model"], token_mask: Optional[Bool[Tensor, "batch pos"]] = None
     ) -> Float[Tensor, "batch pos d_model"]:
-        pre = self.hook_pre(F.linear(x, self.W_in.T, self.b_in))
-        return F.linear(self.hook_post(self.act(pre)), self.W_out.T, self.b_out)
+        pre = self.hook_pre(F.linear(x, self.W_in.T, bias_term(self, "b_in")))
+        return F.linear(self.hook_post(self.act(pre)), self.W_out.T, bias_term(self, "b_out"))
 
 
 class GatedMLP(nn.Module):
@@ -68,9 +68,9 @@ class GatedMLP(nn.Module):
     def forward(
         self, x: Float[Tensor, "batch pos d_model"], token_mask: Optional[Bool[Tensor, "batch pos"]] = None
     ) -> Float[Tensor, "batch pos d_model"]:
-        gate = self.hook_pre(F.linear(x, self.W_gate.T, self.b_gate))
-        linear = self.hook_pre_linear(F.linear(x, self.W_in.T, self.b_in))
-        return F.linear(self.hook_post(self.act(gate) * linear), self.W_out.T, self.b_out)
+        gate = self.hook_pre(F.linear(x, self.W_gate.T, bias_term(self, "b_gate")))
+        linear = self.hook_pre_linear(F.linear(x, self.W_in.T, bias_term(self, "b_in")))
+        return F.linear(self.hook_post(self.act(gate) * linear), self.W_out.T, bias_term(self, "b_out"))
 
 
 def _dense(kind: str):

@@ -188,13 +188,26 @@ class Rotary(nn.Module):
         else:
             angles = torch.cat([angles, angles], dim=-1)
         # [..., pos, 1, rotary_dim], broadcast over heads
-        cos, sin = (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
-        return cos.unsqueeze(-2), sin.unsqueeze(-2)
+        cos, sin = angles.cos(), angles.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)
 
     @staticmethod
     def _rotate_half(x: Tensor) -> Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
+
+    @staticmethod
+    def _rotated_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``x * cos + _rotate_half(x) * sin`` with the halves added in place: (-x2) * s is -(x2 * s) and
+        a + (-b) is a - b exactly, so the result is the same to the bit, with two [.., d_head] temporaries
+        (the negation and the concatenation) fewer."""
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].sub_(x[..., half:] * sin[..., :half])
+        out[..., half:].add_(x[..., :half] * sin[..., half:])
+        return out
 
     @staticmethod
     def _rotate_interleaved(x: Tensor) -> Tensor:
@@ -206,11 +219,17 @@ class Rotary(nn.Module):
         x: Float[Tensor, "batch pos head_index d_head"],
         offset: int,
         positions: Optional[Int[Tensor, "batch pos"]] = None,
+        cos_sin: Optional[tuple[Tensor, Tensor]] = None,
     ) -> Float[Tensor, "batch pos head_index d_head"]:
+        """``x`` rotated at its positions; ``cos_sin``: this call's ``cos_sin(...)`` when the caller has it
+        (queries and keys of one step share it)."""
         r = self.cfg.rotary_dim
-        cos, sin = self.cos_sin(x.shape[1], offset, x.dtype, positions)
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(x.shape[1], offset, x.dtype, positions)
         x_rot, x_pass = x[..., :r], x[..., r:]
-        x_rot = x_rot * cos + self.rotate_pairs(x_rot) * sin
+        if self.cfg.rotary_interleaved:
+            x_rot = x_rot * cos + self.rotate_pairs(x_rot) * sin
+        else:
+            x_rot = self._rotated_halves(x_rot, cos, sin)
         return torch.cat([x_rot, x_pass], dim=-1) if x_pass.shape[-1] else x_rot
 
 
