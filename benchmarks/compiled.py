@@ -213,6 +213,10 @@ def decode_main(args) -> None:
           "counted; both timed in the same rounds")
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
+            # each size starts from no compiled code: graphs of the sizes before would count against
+            # dynamo's recompile limit of the code they share (the model's forward), and past it the
+            # decode runs eagerly
+            torch._dynamo.reset()
             fns, info = decode_contenders(size, args, Path(tmp))
             streams = Streams(info["step_bytes"], info["width"], args.device)
             print(f"\n{size}: {info['params'] / 1e6:.1f}M parameters, {info['weights'] / 2**20:.1f} MiB fp32, "
@@ -228,7 +232,9 @@ def decode_main(args) -> None:
                 timed = {(name, k): (lambda f=fn, k=k: f(k)) for name, fn in fns.items() for k in (1, n)}
                 timed["read", 0] = streams.read
                 timed["copy", 0] = streams.copy
+                traced = compile_counters()["graphs"]
                 seconds = interleaved(timed, args.repeats, warmup=False, sync=lambda: sync(args.device))
+                traced = compile_counters()["graphs"] - traced
             read_bw = streams.read_bandwidth(seconds.pop(("read", 0)))
             copy_bw = streams.copy_bandwidth(seconds.pop(("copy", 0)))
             floor = 1e3 * info["step_bytes"] / read_bw
@@ -242,6 +248,8 @@ def decode_main(args) -> None:
                 same = bool((tokens[name] == reference).all())
                 print(f"  {name:<38}{ms[name]:9.2f}{ms[name] / floor:13.2f}{ms[name] / copy_floor:13.2f}"
                       f"{ms[name] / hf_best:25.2f}x{str(same):>27}")
+            print(f"  graphs dynamo traced during the timed rounds: {traced} (0: every compiled call ran the graphs "
+                  "its first calls traced)")
             print(f"  read floor {floor:.3f} ms/token at {read_bw / 1e9:.1f} GB/s; copy floor {copy_floor:.3f} ms/token "
                   f"at {copy_bw / 1e9:.1f} GB/s")
             target = 1.5 if info["params"] >= 40e6 else 3.0
