@@ -206,3 +206,23 @@ def test_generate_runs_one_forward_per_token_it_keeps():
                 model.generate(x, max_new_tokens=n, **kwargs)
         assert seen["dynamic"] == seen["static"] == [0] + list(range(5, 5 + n - 1)), n
         assert seen["recompute"] == [0] * n
+
+
+def test_a_non_finite_key_shows_in_a_compiled_static_step():
+    """Under compile a static step's attention is written out (``Attention._static_step``), not SDPA: a NaN
+    key in the buffer makes the layer's output NaN there as eagerly (no branch in the graph hides it)."""
+    eager, compiled = model_of("parallel-rope-gqa"), model_of("parallel-rope-gqa").compile(backend="eager")
+    x = prompt(7)
+    logits = {}
+    with torch.no_grad():
+        for label, model in (("eager", eager), ("compiled", compiled)):
+            cache = model.make_kv_cache(1, 24, static=True)
+            model(x, kv_cache=cache)
+            cache.start_decoding()
+            clean = model(x[:, -1:], kv_cache=cache)[:, -1]
+            cache.advance()
+            cache.entries[1].k[:, :, 2] = float("nan")  # a written, visible column
+            logits[label] = clean, model(x[:, -1:], kv_cache=cache)[:, -1]
+    torch.testing.assert_close(logits["compiled"][0], logits["eager"][0], atol=1e-5, rtol=0)
+    assert torch.isfinite(logits["compiled"][0]).all()
+    assert torch.isnan(logits["eager"][1]).all() and torch.isnan(logits["compiled"][1]).all()

@@ -206,6 +206,8 @@ class Attention(nn.Module):
             bias, visible = self._bias_and_visible(q.shape[2], k.shape[2], offset, padding, q.device)
         if self._explicit_needed():
             z = self._explicit(q, k, v, bias, offset, visible)
+        elif padding is not None and padding.static and torch.compiler.is_compiling():
+            z = self._static_step(q, k, v, visible)
         else:
             z = self._fused(q, k, v, bias, offset, visible)
         z = z.transpose(1, 2)
@@ -327,6 +329,20 @@ class Attention(nn.Module):
         if bias is not None:
             mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.sdpa_scale)
+
+    def _static_step(self, q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+        """A static cache's decode step under torch.compile: one query per head over the whole buffer,
+        written out so inductor makes it its own kernels (SDPA's CPU kernel, an opaque call, copies
+        the query, keys, values and mask into its layout every call: most of a small model's
+        attention time). Grouped heads broadcast over their key head, nothing repeated; float32
+        scores and softmax, as SDPA accumulates; a non-finite query or key makes the output NaN,
+        as ``_fused`` does in a graph."""
+        qg = q.float().unflatten(1, (k.shape[1], self.group))  # [batch, kv_head, group, 1, d_head]
+        scores = qg @ k.float()[:, :, None].transpose(-1, -2) / self.attn_scale  # [batch, kv_head, group, 1, key]
+        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+        z = (torch.softmax(scores, dim=-1) @ v.float()[:, :, None]).flatten(1, 2)  # [batch, head, 1, d_head]
+        finite = torch.isfinite(q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32))
+        return torch.where(finite, z.to(v.dtype), float("nan"))
 
     def _explicit(
         self, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], offset: int, visible: Optional[Tensor] = None
