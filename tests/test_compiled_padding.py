@@ -2,7 +2,8 @@
 
 The eager forward checks a mask's values (0/1 only, a real token in every row, whether any pad is
 there) with Python branches on tensor values, and packs the real tokens (a data-dependent shape):
-inside a compiled graph each was a graph break (8 on the 2-layer model here). ``model.compile()``
+inside a compiled graph each was a graph break (13 in the padded forward of the model here, 16 in the
+generation; both tests fail on that code). ``model.compile()``
 now runs those checks before its graph and branches on their Python result, so a padded forward is
 one graph. Dynamo's counters (``compile_counters``) count the graphs and breaks; the references are
 the eager model on the padded batch and on each prompt alone.
