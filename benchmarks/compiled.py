@@ -70,6 +70,15 @@ def sae_work(sae):
     return lambda x: sae.decode_sparse(*sae.sparse_activate(sae.pre_acts(x)), x)
 
 
+def fell_back(before: dict) -> str:
+    """'compiled' when no frame fell back to eager since ``before`` (dynamo's recompile limit), else exit."""
+    fallbacks = compile_counters()["eager_fallbacks"] - before["eager_fallbacks"]
+    if fallbacks:
+        raise SystemExit(f"{fallbacks} frame(s) hit dynamo's recompile limit and ran eagerly: this line would time "
+                         "an eager run; raise recompile_limit")
+    return "compiled (no eager fallback)"
+
+
 def interventions(model, args):
     """name -> a function running one forward of ``model`` under that intervention."""
     layer = args.layers // 2
@@ -275,7 +284,10 @@ def main() -> None:
     if args.decode:
         return decode_main(args)
     eager = random_model(args)
-    compiled = random_model(args).compile(backend=args.backend)
+    # Every line below must time a compiled run: the first calls trace about ten configurations of this one
+    # model, past dynamo's default limit of 8 (model.compile()'s own default is 8 + 2 per block); a generous
+    # limit here, and a check after each line that none fell back to eager.
+    compiled = random_model(args).compile(backend=args.backend, recompile_limit=64)
     eager_fns, tokens = interventions(eager, args)
     compiled_fns, _ = interventions(compiled, args)
     # the SAE's own work without the model, on the activations it reads in the splice
@@ -288,28 +300,32 @@ def main() -> None:
     compiled_fns[alone] = lambda f=torch.compile(sae_work(sae), backend=args.backend): f(acts)
     print(f"model: d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}; batch {args.batch} x "
           f"{args.pos}; {args.threads} thread(s); backend {args.backend}; torch {torch.__version__}")
-    print("\nfirst compiled call of each intervention (traces and compiles it):")
+    print("\nfirst compiled call of each intervention (traces and compiles it; each graph after the model's "
+          "first is a recompile of its forward):")
     with torch.no_grad():
         for name, fn in compiled_fns.items():
-            before = compile_counters()["graphs"]
+            before = compile_counters()
             start = time.perf_counter()
             out = fn()
             seconds = time.perf_counter() - start
             err = (out - eager_fns[name]()).abs().max().item()
-            print(f"  {name:<22} {seconds:7.1f} s  graphs traced {compile_counters()['graphs'] - before}  "
-                  f"max |compiled - eager| {err:.1e}")
+            print(f"  {name:<22} {seconds:7.1f} s  graphs traced {compile_counters()['graphs'] - before['graphs']}  "
+                  f"max |compiled - eager| {err:.1e}  {fell_back(before)}")
         for what, hook in (("ablation at another layer", zero_head(args.layers // 2 + 1, 1)),
                            ("ablation at another head", zero_head(args.layers // 2, 2)),
                            ("a third head (cached?)", zero_head(args.layers // 2, 3)),
                            ("the first ablation again", zero_head(args.layers // 2, 1))):
-            before = compile_counters()["graphs"]
+            before = compile_counters()
             start = time.perf_counter()
             with compiled.hooks(fwd_hooks=[hook]):
                 compiled(tokens)
             print(f"  {what:<26} {time.perf_counter() - start:6.1f} s  graphs traced "
-                  f"{compile_counters()['graphs'] - before}")
+                  f"{compile_counters()['graphs'] - before['graphs']}  {fell_back(before)}")
         fns = {**{("eager", n): f for n, f in eager_fns.items()}, **{("compiled", n): f for n, f in compiled_fns.items()}}
+        before = compile_counters()
         times = interleaved(fns, args.repeats)
+        print(f"\ntimed rounds: graphs traced {compile_counters()['graphs'] - before['graphs']} (0: every call hit a "
+              f"compiled graph)  {fell_back(before)}")
     base = times[("eager", "no hook")]
     compiled_base = times[("compiled", "no hook")]
     print(f"\nforward time relative to eager with no hook ({base * 1e3:.1f} ms), interleaved medians of {args.repeats}:")

@@ -4,6 +4,7 @@ feature tables against brute force; the train-sae command; every bad input."""
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -24,6 +25,7 @@ from workbench.analysis.dictionaries import (
     train_sae,
 )
 from workbench.analysis.dictionaries.registry import PER_LAYER
+from workbench.analysis.dictionaries import select
 from workbench.analysis.dictionaries.topk import chunked_topk
 from workbench.analysis.store import ActivationStore, StoreError, TensorActivations
 from workbench.data import get_task
@@ -290,6 +292,56 @@ def test_chunked_topk_finds_what_torch_topk_finds(n, k):
     assert torch.equal(values, torch.zeros(3, k)) and all(len(set(row.tolist())) == k for row in indices)
 
 
+@pytest.mark.parametrize("n,k", [(1024, 32), (64, 4), (100, 3), (24, 5), (16, 16), (7, 1)])
+@pytest.mark.parametrize("threads", [1, 2])  # 1: the C kernel; 2: torch ops (chunked_topk)
+def test_row_topk_finds_what_torch_topk_finds(n, k, threads):
+    if threads == 1 and (shutil.which("cc") or shutil.which("gcc")):
+        assert select._load() is not None, "a C compiler is here, but the kernel did not build"
+    pre = torch.randn(7, 5, n, generator=torch.Generator().manual_seed(n + k))
+    pre[0, 0] = pre[0, 0].abs().max() * 2 - torch.arange(n) / n  # the largest values in the first chunk
+    pre[0, 1] = -pre[0, 1].abs() + 5 * (torch.arange(n) >= n - k)  # ... and all in the last one
+    pre[0, 2] = -torch.arange(n, dtype=torch.float32) - 100  # every value negative, sorted
+    pre[0, 3, n // 2] = float("nan")  # NaN ranks above every number, as in torch.topk
+    pre[0, 4, :2] = float("-inf")
+    pre[1, 0, -1] = float("inf")
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        values, indices = select.row_topk(pre, k)
+        values_t, indices_t = select.row_topk(pre.transpose(0, 1), k)  # not contiguous
+        ties = torch.zeros(3, n)  # every value tied: any k of them, each once
+        tie_values, tie_indices = select.row_topk(ties, k)
+    finally:
+        torch.set_num_threads(was)
+    want_values, want_indices = pre.topk(k, dim=-1, sorted=False)
+    assert torch.equal(indices.sort(-1).values, want_indices.sort(-1).values)
+    assert torch.equal(values.sort(-1).values, want_values.sort(-1).values, ) or bool(pre.isnan().any())
+    assert torch.equal(pre.gather(-1, indices).nan_to_num(), values.nan_to_num())
+    assert torch.equal(indices_t, indices.transpose(0, 1))
+    assert torch.equal(tie_values, torch.zeros(3, k)) and all(len(set(row.tolist())) == k for row in tie_indices)
+    # gradients flow to the selected entries, as through torch.topk
+    x = torch.randn(4, n, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    select.row_topk(x, k)[0].sum().backward()
+    assert torch.equal(x.grad, torch.zeros(4, n).scatter(-1, x.topk(k, dim=-1).indices, 1.0))
+
+
+def test_row_topk_runs_inside_a_compiled_graph():
+    import jaxtyping
+
+    pre = torch.randn(6, 200, generator=torch.Generator().manual_seed(2))
+    was = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda x: select.row_topk(x * 2.0, 8), backend="aot_eager", fullgraph=True)
+        values, indices = compiled(pre)
+    finally:
+        torch._dynamo.reset()
+        jaxtyping.config.update("jaxtyping_disable", was)
+    assert torch.equal(indices.sort(-1).values, (pre * 2).topk(8, dim=-1).indices.sort(-1).values)
+    assert torch.equal(values, (pre * 2).gather(-1, indices))
+
+
 @pytest.mark.parametrize("kind", ["topk", *TRANSCODERS])
 def test_unhooked_splice_decodes_topk_features_sparsely(model, kind):
     """Under no_grad with no hook on the splice, a TopK dictionary sums its k decoder rows: the same
@@ -313,12 +365,22 @@ def test_unhooked_splice_decodes_topk_features_sparsely(model, kind):
     with torch.no_grad():
         seen = model.run_with_cache(tokens, names_filter=sae.cfg.hook_name)[1][sae.cfg.hook_name]
         by_hand = model.run_with_hooks(tokens, fwd_hooks=[(out_hook, lambda act, hook: sae(seen).view(act.shape))])
+        plain = model(tokens)
         for error_term in (False, True):
+            encoded = []
+            pre_acts = sae.pre_acts
+            sae.pre_acts = lambda x: encoded.append(1) or pre_acts(x)
             with an.spliced(model, sae, error_term=error_term):
                 fast = model(tokens)
-                assert len(calls) == 1
+                # with the error term and nothing reading the dictionary, recons + (x - recons) is x itself:
+                # the dictionary does not run at all
+                assert (len(calls), len(encoded)) == ((0, 0) if error_term else (1, 1))
+                if error_term:  # (a transcoder's input tap makes its norm take the hooked path: rounding)
+                    torch.testing.assert_close(fast, plain, rtol=0, atol=1e-6)
                 dense = model.run_with_hooks(tokens, fwd_hooks=[(f"{out_hook}.hook_sae_acts_post", lambda a, hook: a)])
-                assert len(calls) == 1  # a hook on the features takes the dense path
+                assert len(calls) == (0 if error_term else 1)  # a hook on the features takes the dense path
+                assert len(encoded) == 2  # and it runs (with the error term, twice: edited, and clean)
+            del sae.pre_acts
             calls.clear()
             torch.testing.assert_close(fast, dense, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(fast, by_hand if not error_term else model(tokens), rtol=1e-5, atol=1e-5)

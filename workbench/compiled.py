@@ -15,9 +15,9 @@ the first traced through that code. Nothing warns.
 What this module does: each call of the compiled model runs with those guards on, so the
 compiled code checks, on every call, which hook points carry hooks, and any change (a hook
 attached, removed, moved to another layer, a dictionary spliced in) makes dynamo trace again,
-with the hooks in the graph. Each configuration is compiled once and cached (up to dynamo's
-``recompile_limit`` configurations per code object; past that it runs that code eagerly, still
-with every hook). A hook is traced like the rest of the model: a closure over a tensor (a
+with the hooks in the graph. Each configuration is compiled once and cached (up to
+``recompile_limit`` configurations per model, by default dynamo's 8 plus two per block; past that
+dynamo runs the model eagerly, still with every hook, and a warning says so once). A hook is traced like the rest of the model: a closure over a tensor (a
 steering vector, a patch's clean activation) reads that tensor on every call, so new values of the
 same shape do not recompile; a Python number in a closure (a head index) is a constant of the
 graph, so another number compiles once more. Hooks that dynamo cannot trace (a ``print``, an
@@ -27,19 +27,24 @@ Plain ``torch.compile(model)`` (or ``nn.Module.compile`` of a model that is not 
 cannot give that guarantee, so a HookedDecoder compiled that way refuses to run while any hook is
 attached, with an error naming the hook; without hooks it runs compiled as before.
 
-Inside a compiled graph the model avoids two data-dependent branches of its eager path: the token
-range check runs here, before the graph, and a non-finite query or key (a broken weight) makes the
-attention's whole output NaN instead of switching to the explicit path.
+Inside a compiled graph the model avoids the data-dependent branches of its eager path: the token
+range check and the attention mask's checks (0/1 values, a real token in every row, whether any
+pad is there at all) run here, before the graph; a padded batch is not packed (its real tokens
+gathered, a data-dependent shape) but runs padded, as with a hook attached; and a non-finite query
+or key (a broken weight) makes the attention's whole output NaN instead of switching to the
+explicit path.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from workbench.padding import TokenBatch
+from workbench.padding import TokenBatch, check_attention_mask, mask_is_padded
 
 
 def hooked_points(model: nn.Module) -> list[str]:
@@ -76,6 +81,36 @@ def _tokens_of(args: tuple, kwargs: dict) -> list[Tensor]:
     return found
 
 
+def _check_padding(args: tuple, kwargs: dict) -> Optional[bool]:
+    """The checks a forward makes of its attention mask's values, run eagerly (the same ValueErrors;
+    inside the graph each is a graph break), and whether the call is padded: what the compiled
+    forward then branches on, a Python bool dynamo guards on. None: no mask, or a call this cannot
+    read (text, a bad argument), which the forward checks itself."""
+    input = args[0] if args else kwargs.get("input")
+    mask, tokens = kwargs.get("attention_mask"), kwargs.get("tokens")
+    for batch in (input, tokens):
+        if isinstance(batch, TokenBatch):
+            mask = batch.attention_mask if mask is None else mask
+    kv_cache = kwargs.get("kv_cache")
+    if getattr(kv_cache, "step", None) is not None:
+        return None  # a static cache's decode step: no mask here, the step carries it
+    past = getattr(kv_cache, "attention_mask", None) if kv_cache is not None else None
+    if mask is None and past is None:
+        return None
+    shaped = input.tokens if isinstance(input, TokenBatch) else input
+    if not isinstance(shaped, Tensor) or shaped.ndim not in (1, 2, 3):
+        return None
+    shape = tuple(shaped.shape[:2]) if kwargs.get("start_at_layer") is not None else \
+        ((1,) * (2 - shaped.ndim) + tuple(shaped.shape))[:2]
+    offset = kv_cache.length if kv_cache is not None else 0
+    padded = mask_is_padded(mask, shape, past, offset)
+    if mask is not None and (args[1:2] or (kwargs.get("return_type"),))[0] in ("loss", "both"):
+        real = check_attention_mask(mask, shape, require_real=False)
+        if not bool((real[:, 1:] & real[:, :-1]).any()):
+            raise ValueError("the next-token loss needs a row with at least 2 real tokens")
+    return padded
+
+
 class _GuardedCall:
     """The compiled ``_call_impl`` of a HookedDecoder, run with dynamo's hook guards on."""
 
@@ -83,9 +118,9 @@ class _GuardedCall:
         self.model = model
         self.compiled = compiled
         self.options = options
-        self.config = {"skip_nnmodule_hook_guards": False}
-        if recompile_limit is not None:
-            self.config["recompile_limit"] = recompile_limit
+        self.recompile_limit = default_recompile_limit(model) if recompile_limit is None else recompile_limit
+        self.config = {"skip_nnmodule_hook_guards": False, "recompile_limit": self.recompile_limit}
+        self.warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch._dynamo
@@ -93,13 +128,20 @@ class _GuardedCall:
         model = self.model
         for tokens in _tokens_of(args, kwargs):  # eager: a data-dependent check breaks the graph
             model._check_token_range(tokens)
-        was = model._hooks_guarded
-        model._hooks_guarded = True
+        was = model._hooks_guarded, model._padded_call
+        model._hooks_guarded, model._padded_call = True, _check_padding(args, kwargs)
+        hits = _LIMIT_HITS.count
         try:
             with torch._dynamo.config.patch(**self.config):
                 return self.compiled(*args, **kwargs)
         finally:
-            model._hooks_guarded = was
+            model._hooks_guarded, model._padded_call = was
+            if _LIMIT_HITS.count > hits and not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"this compiled HookedDecoder reached its recompile limit ({self.recompile_limit} configurations of "
+                    "hooks and shapes): new configurations run eagerly from now on (exact, but not compiled). For a "
+                    "sweep over more, compile with model.compile(recompile_limit=N).", RuntimeWarning, stacklevel=2)
 
 
 def compile_model(model: nn.Module, recompile_limit: Optional[int] = None, **options: Any) -> nn.Module:
@@ -108,8 +150,10 @@ def compile_model(model: nn.Module, recompile_limit: Optional[int] = None, **opt
     Every call of the model (``model(...)``, ``run_with_cache``, ``run_with_hooks``, ``generate``,
     the analyses) then runs compiled, with every hook attached at that moment. ``options`` go to
     ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ``fullgraph``, ``options``).
-    ``recompile_limit``: how many hook configurations (and shapes) dynamo keeps compiled before it
-    runs the model eagerly (its default: 8); a sweep over more layers than that needs a larger one.
+    ``recompile_limit``: how many hook configurations (and shapes) dynamo keeps compiled for this
+    model before it runs it eagerly (exact, slower; a ``RuntimeWarning`` says so once). Default
+    ``default_recompile_limit(model)``: dynamo's 8 plus two per block, enough for the library's
+    sweeps over every layer; a sweep over more configurations needs a larger one.
     ``uncompile(model)`` restores the eager model.
     """
     if not hasattr(model, "_check_token_range"):
@@ -132,12 +176,41 @@ def is_compiled(model: nn.Module) -> bool:
 
 
 def compile_counters() -> dict[str, int]:
-    """Dynamo's running totals in this process: graphs compiled, frames recompiled, graph breaks."""
+    """Dynamo's running totals in this process: graphs traced (the first of a model's forward a
+    compile, each later one a recompile for a new configuration), graph breaks, and eager
+    fallbacks (a frame dynamo stopped compiling because its recompile limit was reached: from then
+    on it runs eagerly, exact but slower). Totals since the last ``torch._dynamo.reset()``; the
+    fallbacks since this module's import."""
     from torch._dynamo.utils import counters
 
     return {"graphs": int(counters["stats"]["unique_graphs"]),
-            "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "eager_fallbacks": _LIMIT_HITS.count}
+
+
+class _LimitHits(logging.Handler):
+    """Counts dynamo's one warning when a frame reaches its recompile limit (dynamo keeps no counter
+    of it): the only sign that a compiled model has started running eagerly."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "recompile_limit" in record.getMessage():
+            self.count += 1
+
+
+_LIMIT_HITS = _LimitHits()
+logging.getLogger("torch._dynamo").addHandler(_LIMIT_HITS)
+
+
+def default_recompile_limit(model: nn.Module) -> int:
+    """How many configurations ``model.compile()`` keeps compiled per model unless told: dynamo's 8,
+    plus one per block for a sweep that resumes at every layer (``start_at_layer`` is a constant of
+    the graph) and one per block for a sweep that hooks every layer (which hook points carry a hook
+    is guarded on), so the library's sweeps over every layer of any model stay compiled."""
+    return 8 + 2 * len(getattr(model, "blocks", ()))
 
 
 def compile_options(model: nn.Module) -> Optional[dict]:

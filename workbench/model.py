@@ -141,6 +141,8 @@ class HookedDecoder(HookedRootModule):
     # True while ``model.compile()``'s compiled call runs (workbench.compiled): dynamo then guards on
     # every hook point's hooks. Under any other torch.compile a hooked model refuses to run.
     _hooks_guarded = False
+    # Set with it: whether this call's attention mask holds a pad, checked before the graph (None: no mask).
+    _padded_call: Optional[bool] = None
 
     def __init__(self, cfg: ModelConfig, tokenizer: Any = None):
         super().__init__()
@@ -245,7 +247,8 @@ class HookedDecoder(HookedRootModule):
                 input, attention_mask = unpack(self.to_tokens(input), attention_mask)
             tokens = self._check_tokens(input, offset)
             padding, real = self._padding(attention_mask, tokens.shape, kv_cache) if step is None else (step, None)
-            if padding is not None and kv_cache is None and stop_at_layer is None and not self._hooks_attached():
+            if padding is not None and kv_cache is None and stop_at_layer is None and not self._hooks_attached() \
+                    and not torch.compiler.is_compiling():  # packing gathers the real tokens: a data-dependent shape
                 padding.packed = True  # nobody looks: pads are dropped from every per-token step
             ids = padding.pack(tokens) if padding is not None and padding.packed else tokens
             resid = self.hook_embed(self.embed(ids))
@@ -272,7 +275,8 @@ class HookedDecoder(HookedRootModule):
             return logits if return_type else None
         if tokens is None:
             raise ValueError("the loss needs tokens: pass tokens=... when starting from a residual stream")
-        loss = self.loss_fn(logits, tokens, per_token=loss_per_token, attention_mask=real)
+        loss = self.loss_fn(logits, tokens, per_token=loss_per_token, attention_mask=real,
+                            check_values=not self._guarded_compiling())
         if return_type == "loss":
             return loss
         return logits, loss
@@ -283,10 +287,15 @@ class HookedDecoder(HookedRootModule):
         """This forward's ``Padding`` (None: nothing padded) and its own mask; ``kv_cache`` keeps the whole mask."""
         past = kv_cache.attention_mask if kv_cache is not None else None
         offset = kv_cache.length if kv_cache is not None else 0
-        padding, mask, full = forward_padding(attention_mask, shape, past, offset, self.device)
+        padded = self._padded_call if self._guarded_compiling() else None  # model.compile() checked the mask
+        padding, mask, full = forward_padding(attention_mask, shape, past, offset, self.device, padded)
         if kv_cache is not None:
             kv_cache.attention_mask = full
         return padding, mask
+
+    def _guarded_compiling(self) -> bool:
+        """Inside ``model.compile()``'s graph, whose call checked the tokens and the mask beforehand."""
+        return torch.compiler.is_compiling() and self._hooks_guarded
 
     def _hooks_attached(self) -> bool:
         return any(hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks for hp in self.hook_dict.values())
@@ -297,12 +306,14 @@ class HookedDecoder(HookedRootModule):
         tokens: Int[Tensor, "batch pos"],
         per_token: bool = False,
         attention_mask: Optional[Tensor] = None,
+        check_values: bool = True,
     ) -> Tensor:
         """Next-token cross-entropy, every position supervised at once; [batch, pos-1] if per_token.
 
         With ``attention_mask`` a target counts only when it and the token before it are real
         (a row's first real token has nothing real to be predicted from, as when run alone): the
         mean is over those targets, and the per-token losses are 0 everywhere else.
+        ``check_values=False``: the mask's values were checked already (a compiled forward's call).
         """
         if tokens.shape[1] < 2:
             raise ValueError("the next-token loss needs at least 2 tokens per sequence")
@@ -311,12 +322,13 @@ class HookedDecoder(HookedRootModule):
         ).view(tokens.shape[0], -1)
         if attention_mask is None:
             return losses if per_token else losses.mean()
-        mask = check_attention_mask(attention_mask, tokens.shape, require_real=False).to(losses.device)
+        mask = check_attention_mask(attention_mask, tokens.shape, require_real=False, check_values=check_values)
+        mask = mask.to(losses.device)
         counted = mask[:, 1:] & mask[:, :-1]
         losses = losses.masked_fill(~counted, 0.0)
         if per_token:
             return losses
-        if not bool(counted.any()):
+        if check_values and not bool(counted.any()):
             raise ValueError("the next-token loss needs a row with at least 2 real tokens")
         return losses.sum() / counted.sum()
 
@@ -342,7 +354,7 @@ class HookedDecoder(HookedRootModule):
                 f"n_ctx={self.cfg.n_ctx}; shorten the prompt or use a model with a larger n_ctx"
             )
         tokens = tokens.long()
-        if not (torch.compiler.is_compiling() and self._hooks_guarded):  # model.compile() checks before its graph
+        if not self._guarded_compiling():  # model.compile() checks before its graph
             self._check_token_range(tokens)
         return tokens.to(self.device)
 

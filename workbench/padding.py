@@ -131,10 +131,14 @@ def unpack(input: object, attention_mask: object) -> tuple[object, object]:
     return input, attention_mask
 
 
-def check_attention_mask(mask: object, tokens_shape: Sequence[int], require_real: bool = True) -> Tensor:
+def check_attention_mask(
+    mask: object, tokens_shape: Sequence[int], require_real: bool = True, check_values: bool = True
+) -> Tensor:
     """``mask`` as a bool [batch, pos] tensor, or a clear ValueError naming what is wrong.
 
     ``require_real``: every row must hold a real token (a row of pads only has nothing to compute).
+    ``check_values=False`` skips the checks that read the mask's values (0/1 only, ``require_real``):
+    inside a compiled graph each would be a graph break, so ``model.compile()`` runs them before it.
     """
     if not isinstance(mask, Tensor):
         try:
@@ -150,10 +154,10 @@ def check_attention_mask(mask: object, tokens_shape: Sequence[int], require_real
             "[batch, pos] like the tokens, 1 for a real token and 0 for padding"
         )
     if mask.dtype != torch.bool:
-        if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        if check_values and (mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all())):
             raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token)")
         mask = mask != 0
-    empty = (~mask.any(dim=-1)).nonzero().flatten() if require_real else ()
+    empty = (~mask.any(dim=-1)).nonzero().flatten() if require_real and check_values else ()
     if len(empty):
         raise ValueError(
             f"attention_mask row {int(empty[0])} is all padding: every row needs at least one real token"
@@ -167,24 +171,47 @@ def forward_padding(
     past: Optional[Tensor],
     offset: int,
     device: torch.device,
+    padded: Optional[bool] = None,
 ) -> tuple[Optional["Padding"], Optional[Tensor], Optional[Tensor]]:
     """What a forward over ``shape`` [batch, pos] tokens needs, after ``offset`` cached positions
     whose mask is ``past`` (None: all real): its ``Padding`` (None when nothing is padded, so the
     unpadded path runs unchanged), its own mask as bool (None when none was given), and the
-    whole mask for the KV cache to keep (None when all real)."""
+    whole mask for the KV cache to keep (None when all real).
+
+    ``padded``: whether the whole mask holds a pad, when the caller has checked the mask already
+    (``mask_is_padded``); the function then reads no value of the mask, so a compiled graph runs it
+    without a break (the branch is on a Python bool, which dynamo guards on). None: checked here."""
     if attention_mask is None and past is None:
         return None, None, None
+    checked = padded is not None
     if attention_mask is None:
         mask = torch.ones(tuple(shape), dtype=torch.bool, device=device)
     else:
-        mask = check_attention_mask(attention_mask, shape, require_real=False).to(device)
+        mask = check_attention_mask(attention_mask, shape, require_real=False, check_values=not checked).to(device)
     if past is None:
         past = torch.ones((mask.shape[0], offset), dtype=torch.bool, device=device)
-    full = check_attention_mask(torch.cat([past, mask], dim=1), (mask.shape[0], offset + mask.shape[1]))
+    full = check_attention_mask(torch.cat([past, mask], dim=1), (mask.shape[0], offset + mask.shape[1]),
+                                check_values=not checked)
     given = mask if attention_mask is not None else None
-    if bool(full.all()):
+    if not (padded if checked else not bool(full.all())):
         return None, given, None
     return Padding(full, offset), given, full
+
+
+def mask_is_padded(
+    attention_mask: Optional[object], shape: Sequence[int], past: Optional[Tensor], offset: int
+) -> Optional[bool]:
+    """Every check ``forward_padding`` makes of a mask's values (the same ValueErrors), and whether the
+    whole mask (``past`` and this forward's) holds a pad: None when there is no mask at all. What
+    ``model.compile()`` runs eagerly before its graph."""
+    if attention_mask is None and past is None:
+        return None
+    mask = (torch.ones(tuple(shape), dtype=torch.bool) if attention_mask is None
+            else check_attention_mask(attention_mask, shape, require_real=False))
+    if past is None:
+        past = torch.ones((mask.shape[0], offset), dtype=torch.bool, device=mask.device)
+    full = check_attention_mask(torch.cat([past, mask.to(past.device)], dim=1), (mask.shape[0], offset + mask.shape[1]))
+    return not bool(full.all())
 
 
 def left_padded_mask(attention_mask: Optional[Tensor], shape: Sequence[int], device: torch.device) -> Optional[Tensor]:

@@ -88,15 +88,19 @@ class SAEHookPoint(HookPoint):
                                    "that hook did not run before this one")
         else:
             raw = x
+        unread = not (torch.is_grad_enabled() or self._hooked())
+        if unread and self.error_term:
+            # recons + (x - recons) is x, and nothing reads or edits the dictionary's values: nothing to compute
+            return x
         raw = raw.flatten(2) if raw.ndim > 3 else raw
         target = x.flatten(2) if x.ndim > 3 else x
         sae_in = self.hook_sae_input(raw)
         pre = self.hook_sae_acts_pre(sae.pre_acts(sae_in))
         # Nothing reads or edits the features and no gradient flows: a TopK dictionary decodes its k
         # kept features (a sum of k decoder rows) instead of a dense [rows, d_sae] @ W_dec.
-        sparse = None if torch.is_grad_enabled() or self._hooked() else sae.sparse_activate(pre)
+        sparse = sae.sparse_activate(pre) if unread else None
         if sparse is not None:
-            return self._finish(sae.decode_sparse(*sparse, sae_in), target, x)
+            return sae.decode_sparse(*sparse, sae_in).to(x.dtype).view(x.shape)
         acts = self.hook_sae_acts_post(sae.activate(pre))
         recons = self.hook_sae_recons(sae.decode(acts, sae_in))
         if self.error_term:
@@ -109,13 +113,6 @@ class SAEHookPoint(HookPoint):
     def _hooked(self) -> bool:
         """Whether a hook sits on any of this splice's own hook points."""
         return any(getattr(self, name).has_hooks() for name in SAE_HOOKS)
-
-    def _finish(self, recons: Tensor, target: Tensor, x: Tensor) -> Tensor:
-        """The value passed on for an unedited reconstruction: with the error term, exactly ``x``'s
-        value up to rounding (``recons + (x - recons)``)."""
-        if self.error_term:
-            recons = recons + (target.to(recons.dtype) - recons)
-        return recons.to(x.dtype).view(x.shape)
 
 
 class _CLTForward:

@@ -98,7 +98,7 @@ def hook_shapes(model, hooks: Sequence[str]) -> dict[str, tuple[int, ...]]:
     modules themselves (a module swapped in, as a splice does, probes again): splicing in and out
     per call then costs no forward."""
     hooks = [check_hook(model, h) for h in hooks]
-    key = (tuple(hooks), repr(model.cfg), tuple((n, tuple(p.shape)) for n, p in model.named_parameters()),
+    key = (tuple(hooks), repr(model.cfg), tuple(p.shape for p in model.parameters()),  # torch.Size: hashable
            tuple(id(model.hook_dict[h]) for h in hooks))
     known = model.__dict__.setdefault("_hook_shapes_seen", {})
     if key in known:
