@@ -63,7 +63,8 @@ def test_a_padded_compiled_forward_is_one_graph_and_equals_eager():
     with torch.no_grad():
         got, want = compiled(batch), eager(batch)
         assert breaks_and_graphs(before) == (0, 1), "a padded compiled forward broke its graph"
-        close_at(got, want, real, "compiled padded vs eager padded")
+        close_at(got, want, ..., "compiled padded vs eager padded, the pads too")
+        assert not got[~real].any(), "a pad's logits are 0, as the eager (packed) forward gives them"
         for i, prompt in enumerate(PROMPTS):  # and each row is its prompt alone
             alone = eager(torch.tensor([prompt]))[0]
             close_at(got[i][real[i]], alone, ..., f"row {i} vs its prompt alone")

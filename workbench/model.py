@@ -271,6 +271,8 @@ class HookedDecoder(HookedRootModule):
         self.row_positions = None  # this run's: never read by a later partial run (run_from_site sets its own)
         if padding is not None and padding.packed:
             logits = padding.unpack(logits)
+        elif padding is not None and step is None:  # 0 at the pads however the forward ran (hooked, compiled)
+            logits = logits.masked_fill(~padding.query_mask[..., None], 0.0)
         if return_type in ("logits", None):
             return logits if return_type else None
         if tokens is None:

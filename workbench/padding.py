@@ -22,7 +22,7 @@ Packing: pads cost compute like real tokens. When nothing listens (no hook attac
 no KV cache, the whole model run), the forward drops them: every per-token step (embedding,
 norms, projections, MLPs, the unembedding) runs on the real tokens only, packed as
 [1, n_real, ...], and only the attention product itself goes back to the padded [batch, pos]
-layout. Logits come back padded, 0 at pads. With hooks attached nothing is packed, so every
+layout. Logits come back padded, 0 at pads (hooked and compiled forwards too). With hooks attached nothing is packed, so every
 hook sees [batch, pos, ...] as always.
 """
 
