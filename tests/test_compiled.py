@@ -42,7 +42,10 @@ def _fresh_dynamo():
     # off here, as they are for every user (they run in tests only).
     was = jaxtyping.config.jaxtyping_disable
     jaxtyping.config.update("jaxtyping_disable", True)
-    torch._dynamo.reset()  # every test's graphs counted from zero, no cache entries of another test's model
+    torch._dynamo.reset()  # no cache entries of another test's model
+    # every test's graphs counted from zero: dynamo's reset keeps its running totals, so a test's
+    # ``compile_counters()["graphs"] >= n`` held on the graphs of the tests before it
+    torch._dynamo.utils.counters.clear()
     yield
     torch._dynamo.reset()
     jaxtyping.config.update("jaxtyping_disable", was)
