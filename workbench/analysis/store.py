@@ -109,8 +109,11 @@ def hook_shapes(model, hooks: Sequence[str]) -> dict[str, tuple[int, ...]]:
         seen[hook.name] = tuple(act.shape[2:])
 
     tokens = torch.zeros((1, 2), dtype=torch.long, device=model.device)
-    model.run_with_hooks(tokens, return_type=None, stop_at_layer=stop_layer(model, hooks),
-                         fwd_hooks=[(h, record) for h in hooks])
+    # eagerly even on a compiled model: compiled, the probe was a graph of its own (seconds under
+    # inductor), one of the model's recompile_limit, and a batch of 1 made its later graphs dynamic
+    with torch.compiler.set_stance("force_eager"):
+        model.run_with_hooks(tokens, return_type=None, stop_at_layer=stop_layer(model, hooks),
+                             fwd_hooks=[(h, record) for h in hooks])
     known[key] = {h: seen[h] for h in hooks}
     return dict(known[key])
 
