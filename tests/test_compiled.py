@@ -150,8 +150,12 @@ def test_ablations_patching_and_resumed_sweeps():
              AblationSpec("resid", 1, method="resample", seed=3), AblationSpec("attn", 0, positions=(2, 3))]
     with torch.no_grad():
         for spec in specs:
+            breaks = compile_counters()["graph_breaks"]
             a, b = both(models, lambda m: ablate(m, x, spec, reference=ref))
             close(a, b, str(spec))
+            # the hook is tensor arithmetic only: the mean / resample checks (which read values) ran before
+            # the forward (inside the hook they broke one mean ablation into about 16 graphs)
+            assert compile_counters()["graph_breaks"] == breaks, f"{spec} broke the compiled graph"
         # the resumed sweep: each ablation starts from the clean run's cache at its block (Block.resume)
         a, b = both(models, lambda m: ablation_sweep(m, x, specs=specs, metric=metric, reference=ref))
         close(a, b, "resumed sweep")

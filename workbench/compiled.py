@@ -179,8 +179,9 @@ def compile_counters() -> dict[str, int]:
     """Dynamo's running totals in this process: graphs traced (the first of a model's forward a
     compile, each later one a recompile for a new configuration), graph breaks, and eager
     fallbacks (a frame dynamo stopped compiling because its recompile limit was reached: from then
-    on it runs eagerly, exact but slower). Totals since the last ``torch._dynamo.reset()``; the
-    fallbacks since this module's import."""
+    on it runs eagerly, exact but slower). Running totals of the process: ``torch._dynamo.reset()``
+    does not clear dynamo's counters (the fallbacks count from this module's import), so compare
+    two readings' difference, as ``benchmarks/compiled.py`` and the tests do."""
     from torch._dynamo.utils import counters
 
     return {"graphs": int(counters["stats"]["unique_graphs"]),

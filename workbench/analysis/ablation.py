@@ -220,14 +220,16 @@ def ablated_positions(spec: AblationSpec, mask: Tensor, rows: Tensor) -> Tensor:
     return mask & torch.isin(within, torch.tensor(spec.positions, device=mask.device))
 
 
-def source_activations(spec: AblationSpec, act: Tensor, mask: Tensor, rows: Tensor, refs: dict,
-                       own: bool, n_data: int) -> Tensor:
+def source_activations(spec: AblationSpec, act: Optional[Tensor], mask: Tensor, rows: Tensor, refs: dict,
+                       own: bool, n_data: int) -> Optional[Tensor]:
     """What replaces ``act`` (the activation of one batch at ``spec.hook``) at each real token:
     zeros, the reference's mean at the token's position within its prompt, or a drawn reference
     prompt's activation at that position. ``own``: the data is its own reference (resample then
-    takes the next prompt of the data: prompt i gets prompt i + 1, the last gets the first)."""
+    takes the next prompt of the data: prompt i gets prompt i + 1, the last gets the first).
+    Only the zeros need ``act``: with ``act=None`` a zero ablation gives None, the others their
+    source in the reference's dtype (what ``_hooks`` computes before the forward)."""
     if spec.method == "zero":
-        return torch.zeros_like(act)
+        return None if act is None else torch.zeros_like(act)
     mask = mask.bool()
     within = real_positions(mask)
     sel = ablated_positions(spec, mask, rows)
@@ -240,7 +242,8 @@ def source_activations(spec: AblationSpec, act: Tensor, mask: Tensor, rows: Tens
             row = int(rows[int((sel & (within >= mean.shape[0])).any(1).nonzero()[0])])
             raise ValueError(f"mean ablation: row {row} has a token at position {need - 1}, but no prompt of "
                              f"{what} is that long (the longest has {mean.shape[0]} tokens); pass a longer reference")
-        return mean[within.clamp(0, mean.shape[0] - 1)].to(act.dtype)
+        source = mean[within.clamp(0, mean.shape[0] - 1)]
+        return source if act is None else source.to(act.dtype)
     values, lengths = ref.rows(spec.hook)
     if own:
         src = (rows.cpu() + 1) % n_data
@@ -255,7 +258,8 @@ def source_activations(spec: AblationSpec, act: Tensor, mask: Tensor, rows: Tens
                          f"prompt of {what} it draws from (row {int(src[i])}) has {int(lengths[src[i]])} tokens; "
                          "pass a reference of prompts at least as long")
     src = src.to(values.device)
-    return values[src[:, None], within.clamp(0, values.shape[1] - 1)].to(act.dtype)
+    source = values[src[:, None], within.clamp(0, values.shape[1] - 1)]
+    return source if act is None else source.to(act.dtype)
 
 
 def head_index(spec: AblationSpec) -> Optional[Tensor]:
@@ -286,13 +290,10 @@ def replacement(spec: AblationSpec, act: Tensor, source: Tensor, sel: Tensor, he
     return torch.where(keep, source, act)
 
 
-def ablated(spec: AblationSpec, act: Tensor, batch: TokenBatch, refs: dict, own: bool, n_data: int,
-            head: Optional[Tensor] = None) -> Tensor:
-    """``act`` (one batch's activation at ``spec.hook``) with ``spec`` applied."""
-    rows = getattr(batch, "rows", None)
-    rows = torch.arange(len(batch)) if rows is None else rows.cpu()
-    source = source_activations(spec, act, batch.attention_mask, rows, refs, own, n_data)
-    return replacement(spec, act, source, ablated_positions(spec, batch.attention_mask, rows), head)
+def ablated(spec: AblationSpec, act: Tensor, batch: TokenBatch, refs: dict, own: bool, n_data: int) -> Tensor:
+    """``act`` (one batch's activation at ``spec.hook``) with ``spec`` applied: what its hook returns."""
+    (_, hook), = _hooks(spec, batch, refs, own, n_data)
+    return hook(act, None)
 
 
 def check_reference(n: int, reference: Optional[DataLike], methods) -> None:
@@ -312,8 +313,21 @@ def check_reference(n: int, reference: Optional[DataLike], methods) -> None:
 
 
 def _hooks(spec: AblationSpec, batch: TokenBatch, refs: dict, own: bool, n_data: int) -> list:
-    head = head_index(spec)  # here, not in the hook: see head_index
-    return [(spec.hook, lambda act, hook: ablated(spec, act, batch, refs, own, n_data, head))]
+    """The hook applying ``spec`` to ``batch``. Everything that depends on the mask and the reference
+    alone (the head index, the ablated tokens, the mean or resampled source and its checks, which
+    read values: ``.item()``, ``nonzero``) is computed here, before the forward, so the hook itself
+    is tensor arithmetic only: under ``model.compile()`` it traces into the graph with no break
+    (the checks inside it made about 16 graphs of one mean ablation)."""
+    head = head_index(spec)
+    rows = getattr(batch, "rows", None)
+    rows = torch.arange(len(batch)) if rows is None else rows.cpu()
+    source = source_activations(spec, None, batch.attention_mask, rows, refs, own, n_data)
+    sel = ablated_positions(spec, batch.attention_mask, rows)
+
+    def hook(act: Tensor, hook) -> Tensor:
+        what = torch.zeros_like(act) if source is None else source.to(device=act.device, dtype=act.dtype)
+        return replacement(spec, act, what, sel.to(act.device), head)
+    return [(spec.hook, hook)]
 
 
 def _check_spec(spec: Any) -> None:
