@@ -44,7 +44,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from workbench.padding import TokenBatch, check_attention_mask, mask_is_padded
+from workbench.padding import TokenBatch, check_attention_mask, loss_targets, mask_is_padded
 
 
 def hooked_points(model: nn.Module) -> list[str]:
@@ -105,9 +105,7 @@ def _check_padding(args: tuple, kwargs: dict) -> Optional[bool]:
     offset = kv_cache.length if kv_cache is not None else 0
     padded = mask_is_padded(mask, shape, past, offset)
     if mask is not None and (args[1:2] or (kwargs.get("return_type"),))[0] in ("loss", "both"):
-        real = check_attention_mask(mask, shape, require_real=False)
-        if not bool((real[:, 1:] & real[:, :-1]).any()):
-            raise ValueError("the next-token loss needs a row with at least 2 real tokens")
+        loss_targets(check_attention_mask(mask, shape, require_real=False))
     return padded
 
 

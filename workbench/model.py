@@ -35,8 +35,8 @@ from workbench.components.registry import add_bias, bias_term, pick
 from workbench.config import ModelConfig
 from workbench.utils import check_float, check_int, check_seed, check_token_ids, eval_mode
 from workbench.padding import (
-    PAD_STR, Padding, TokenBatch, check_attention_mask, cut_after_stop, forward_padding, left_padded_mask, positions_from_mask,
-    unpack,
+    PAD_STR, Padding, TokenBatch, check_attention_mask, cut_after_stop, forward_padding, left_padded_mask, loss_targets,
+    positions_from_mask, unpack,
 )
 
 
@@ -326,12 +326,10 @@ class HookedDecoder(HookedRootModule):
             return losses if per_token else losses.mean()
         mask = check_attention_mask(attention_mask, tokens.shape, require_real=False, check_values=check_values)
         mask = mask.to(losses.device)
-        counted = mask[:, 1:] & mask[:, :-1]
+        counted = loss_targets(mask, check=check_values and not per_token)  # per-token losses need no target
         losses = losses.masked_fill(~counted, 0.0)
         if per_token:
             return losses
-        if check_values and not bool(counted.any()):
-            raise ValueError("the next-token loss needs a row with at least 2 real tokens")
         return losses.sum() / counted.sum()
 
     def _check_tokens(self, tokens: Tensor, offset: int = 0) -> Int[Tensor, "batch pos"]:

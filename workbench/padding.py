@@ -165,6 +165,32 @@ def check_attention_mask(
     return mask
 
 
+def loss_targets(mask: Tensor, check: bool = True) -> Tensor:
+    """[batch, pos - 1] bool: the next-token targets that count with ``mask`` (bool), those real with a
+    real token before them; ``check``: a ValueError when none does."""
+    counted = mask[:, 1:] & mask[:, :-1]
+    if check and not bool(counted.any()):
+        raise ValueError("the next-token loss needs a row with at least 2 real tokens")
+    return counted
+
+
+def _whole_mask(
+    attention_mask: Optional[object], shape: Sequence[int], past: Optional[Tensor], offset: int,
+    device: torch.device, check_values: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """This forward's mask as bool on ``device`` (all real when none was given) and the whole mask,
+    ``past`` (None: ``offset`` real positions) then this forward's, each checked."""
+    if attention_mask is None:
+        mask = torch.ones(tuple(shape), dtype=torch.bool, device=device)
+    else:
+        mask = check_attention_mask(attention_mask, shape, require_real=False, check_values=check_values).to(device)
+    if past is None:
+        past = torch.ones((mask.shape[0], offset), dtype=torch.bool, device=device)
+    full = check_attention_mask(torch.cat([past, mask], dim=1), (mask.shape[0], offset + mask.shape[1]),
+                                check_values=check_values)
+    return mask, full
+
+
 def forward_padding(
     attention_mask: Optional[Tensor],
     shape: Sequence[int],
@@ -183,17 +209,11 @@ def forward_padding(
     without a break (the branch is on a Python bool, which dynamo guards on). None: checked here."""
     if attention_mask is None and past is None:
         return None, None, None
-    checked = padded is not None
-    if attention_mask is None:
-        mask = torch.ones(tuple(shape), dtype=torch.bool, device=device)
-    else:
-        mask = check_attention_mask(attention_mask, shape, require_real=False, check_values=not checked).to(device)
-    if past is None:
-        past = torch.ones((mask.shape[0], offset), dtype=torch.bool, device=device)
-    full = check_attention_mask(torch.cat([past, mask], dim=1), (mask.shape[0], offset + mask.shape[1]),
-                                check_values=not checked)
+    mask, full = _whole_mask(attention_mask, shape, past, offset, device, check_values=padded is None)
     given = mask if attention_mask is not None else None
-    if not (padded if checked else not bool(full.all())):
+    if padded is None:
+        padded = not bool(full.all())
+    if not padded:
         return None, given, None
     return Padding(full, offset), given, full
 
@@ -206,12 +226,8 @@ def mask_is_padded(
     ``model.compile()`` runs eagerly before its graph."""
     if attention_mask is None and past is None:
         return None
-    mask = (torch.ones(tuple(shape), dtype=torch.bool) if attention_mask is None
-            else check_attention_mask(attention_mask, shape, require_real=False))
-    if past is None:
-        past = torch.ones((mask.shape[0], offset), dtype=torch.bool, device=mask.device)
-    full = check_attention_mask(torch.cat([past, mask.to(past.device)], dim=1), (mask.shape[0], offset + mask.shape[1]))
-    return not bool(full.all())
+    device = past.device if past is not None else getattr(attention_mask, "device", torch.device("cpu"))
+    return not bool(_whole_mask(attention_mask, shape, past, offset, device)[1].all())
 
 
 def left_padded_mask(attention_mask: Optional[Tensor], shape: Sequence[int], device: torch.device) -> Optional[Tensor]:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from workbench.analysis.graphs.graph import Graph, NODE_KINDS, _influence, compute_influence_sparse
-from workbench.analysis.graphs.replacement import (AttentionOnly, Capture, CLTView, FrozenRun, capture, check_layout,
+from workbench.analysis.graphs.replacement import (AttentionOnly, Capture, FrozenRun, capture, check_layout,
                                                    check_model, final_read, pattern_layers, replacement_set, targets_of)
 from workbench.padding import TokenBatch
 from workbench.utils import is_int
@@ -149,8 +149,7 @@ def _check_precision(model, rs) -> None:
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"attribution graphs need a float32 (or float64) model; this one is {dtype}: build the "
                          "graph from model.float() (and float32 transcoders)")
-    module = rs.clt if isinstance(rs, CLTView) else rs
-    other = sorted({str(p.dtype) for p in module.parameters() if p.dtype != dtype}) if hasattr(module, "parameters") else []
+    other = sorted({str(p.dtype) for p in rs.parameters() if p.dtype != dtype})
     if other:
         raise ValueError(f"the transcoders' weights are {', '.join(other)}, the model's {dtype}: give them in the "
                          f"model's dtype (transcoder.to({dtype}))")

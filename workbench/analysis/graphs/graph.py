@@ -117,11 +117,10 @@ def collapse_frames(nodes, edges, groups: dict[str, Sequence[str]]):
 def _weights_signature(model, rs) -> tuple:
     """Every parameter's dtype, device, sum and sum of squares (float64, one pass, no copy) of the model
     and of the transcoders behind ``rs``: what ``Graph._bound`` compares to notice an edit."""
-    modules = [model] + [m for m in (rs, getattr(rs, "clt", None)) if isinstance(m, torch.nn.Module)]
     with torch.no_grad():
         return tuple((p.dtype, str(p.device), tuple(p.shape), float(p.sum(dtype=torch.float64)),
                       float(torch.linalg.vector_norm(p, dtype=torch.float64)))
-                     for m in modules for p in m.parameters())
+                     for m in (model, rs) for p in m.parameters())
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,10 @@ class CLTView:
         self.n_layers, self.d_in, self.d_out, self.d_sae = clt.n_layers, clt.d_in, clt.d_out, clt.d_sae
         self.skip = bool(getattr(clt, "skip", False))
 
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The CLT's weights (as a ``TranscoderSet``, an ``nn.Module``, gives its transcoders')."""
+        return self.clt.parameters()
+
     def hook_in(self, layer: int) -> str:
         return self.clt.hook_in(layer)
 
@@ -128,6 +132,9 @@ class AttentionOnly:
 
     def to(self, *args, **kwargs) -> "AttentionOnly":
         return self
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return iter(())
 
 
 def replacement_set(transcoders, model=None) -> "TranscoderSet | CLTView | AttentionOnly":
