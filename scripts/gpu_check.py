@@ -758,7 +758,11 @@ def install_wheels(site: Path) -> dict:
                 if one.returncode == 0:
                     report["installed"].append(requirement)
                 else:
-                    report["failed"][requirement] = (one.stderr or one.stdout).strip()[-500:]
+                    why = (one.stderr or one.stdout).strip()[-500:]
+                    if not list(WHEELS.glob(f"{requirement.split('==')[0]}-*.whl")):
+                        why = (f"no wheel of {requirement} in {WHEELS}: it is not in git (over 5 MiB); run "
+                               "scripts/gpu_wheels/fetch.sh where PyPI is reachable and carry the wheel. " + why)
+                    report["failed"][requirement] = why
     return report
 
 

@@ -103,8 +103,11 @@ def test_a_failing_or_overrunning_section_is_recorded_and_the_next_one_runs(tmp_
 
 
 def test_the_travelling_wheels_are_the_pinned_versions_and_fit_python_3_12():
-    wanted = dict(line.split("#")[0].strip().split("==") for line in (WHEELS / "requirements.txt").read_text().splitlines()
-                  if line.split("#")[0].strip())
+    lines = [line for line in (WHEELS / "requirements.txt").read_text().splitlines() if line.split("#")[0].strip()]
+    wanted = dict(line.split("#")[0].strip().split("==") for line in lines)
+    # the wheels over 5 MiB are not in git: fetch.sh puts them there and a device run carries them
+    untracked = {line.split("==")[0] for line in lines if "(untracked:" in line}
+    assert untracked == {"plotly", "streamlit"}
     pins = dict(re.match(r"([A-Za-z0-9_.-]+)==(\S+)", line).groups() for line in (REPO / "requirements.txt").read_text()
                 .splitlines() if re.match(r"[A-Za-z0-9_.-]+==", line))
     assert wanted["transformer-lens"] == pins["transformer-lens"]
@@ -113,9 +116,12 @@ def test_the_travelling_wheels_are_the_pinned_versions_and_fit_python_3_12():
     for name, version in wanted.items():
         mine = [w for w in wheels if norm(w.name.split("-")[0]) == norm(name) and w.name.split("-")[1] == version]
         tags = {w.name.split("-")[2] for w in mine}
+        if name in untracked and not mine:
+            continue  # a fresh checkout: fetched before a device run
         assert tags & {"py3", "py312"}, f"no wheel of {name}=={version} for the GPU machine's Python 3.12 in {WHEELS}"
         for w in mine:  # pure Python only: anything else would be built for one machine
             assert w.name.endswith("-none-any.whl"), w.name
             with zipfile.ZipFile(w) as z:
                 assert not [n for n in z.namelist() if n.endswith((".so", ".pyd"))], w.name
-    assert sum(w.stat().st_size for w in wheels) < 40 * 2**20  # they travel with the repo
+    tracked = [w for w in wheels if norm(w.name.split("-")[0]) not in {norm(n) for n in untracked}]
+    assert all(w.stat().st_size < 5 * 2**20 for w in tracked)  # they travel with the repo
