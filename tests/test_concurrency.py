@@ -6,8 +6,10 @@ Threads stand in for the app's sessions (one server process, one thread per sess
 the lock is ``fcntl.flock`` on a file, which serialises threads and processes alike.
 """
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,23 +119,62 @@ def test_trainings_into_one_folder_leave_one_complete_run(tmp_path, runs):
     assert read_metrics(tmp_path / "run")["step"].tolist() == [1, 2, 3]
 
 
-def test_a_save_is_not_refused_when_the_folder_looks_foreign_for_an_instant(tmp_path, monkeypatch):
+def _blinking_owned_files(monkeypatch, blink):
+    """Make the first ``owned_files`` look see what a writer sees in the middle of another writer's
+    swap (``blink(path)``, then no marker); every later look sees the folder as it is."""
+    import workbench.checkpoint as ck
+
+    real, calls = ck.owned_files, []
+
+    def owned_files(p):
+        calls.append(p)
+        if len(calls) == 1:
+            blink(Path(p))
+            return None
+        return real(p)
+
+    monkeypatch.setattr(ck, "owned_files", owned_files)
+    return calls
+
+
+def test_a_training_is_not_refused_when_the_folder_looks_foreign_for_an_instant(tmp_path, monkeypatch):
     # What a writer sees when another writer swaps the folder between its two looks (meta.json read
     # after the old version moved away, the listing after the new one moved in): once, the suite's
-    # three-writer race refused a save of a checkpoint as "not the workbench's". The test before the
-    # lock is only a fast path; the one under the lock decides.
+    # three-writer race refused a save of a checkpoint as "not the workbench's". Only a look under
+    # the folder's lock is decisive: train()'s early check confirms a refusal there.
+    from workbench.training import TrainConfig, train
+
+    path = wb.save_checkpoint(wb.HookedDecoder(tiny(seed=0)), tmp_path / "ckpt")
+    calls = _blinking_owned_files(monkeypatch, lambda p: None)
+    result = train(TrainConfig(task="induction", steps=1, batch_size=2, seq_len=8, eval_every=0, seed=0),
+                   tiny(d_vocab=64, n_ctx=16), path, progress=False)
+    assert len(calls) > 1
+    assert torch.equal(wb.load_checkpoint(path)[0].W_E, result.model.W_E)
+
+
+def test_a_check_does_not_fail_when_the_folder_vanishes_for_an_instant(tmp_path, monkeypatch):
+    # The other half of the swap: the old version moved away before the listing (once, in CI, a
+    # training sharing its folder with two others failed with FileNotFoundError here). A folder
+    # missing as we look is absent, and absent is replaceable.
     import workbench.checkpoint as ck
 
     model = wb.HookedDecoder(tiny(seed=0))
     path = wb.save_checkpoint(model, tmp_path / "ckpt")
-    real, calls = ck.owned_files, []
+    aside = tmp_path / "aside"
+    _blinking_owned_files(monkeypatch, lambda p: os.replace(p, aside))
+    assert ck.check_replaceable(path) == path
+    os.replace(aside, path)
+    assert torch.equal(wb.load_checkpoint(path)[0].W_E, model.W_E)
 
-    def blinks(p):
-        calls.append(p)
-        return None if len(calls) == 1 else real(p)
 
-    monkeypatch.setattr(ck, "owned_files", blinks)
-    wb.save_checkpoint(wb.HookedDecoder(tiny(seed=1)), path)
-    assert len(calls) > 1
-    loaded, _ = wb.load_checkpoint(path)
-    assert not torch.equal(loaded.W_E, model.W_E)
+def test_a_foreign_folder_is_still_refused(tmp_path):
+    import workbench.checkpoint as ck
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        ck.check_replaceable(tmp_path / "notes")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        wb.save_checkpoint(wb.HookedDecoder(tiny(seed=0)), tmp_path / "notes")
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # no lock or temp folder left

@@ -145,8 +145,24 @@ def usable_path(path: Union[str, Path]) -> Path:
 
 
 def check_replaceable(path: Union[str, Path]) -> Path:
-    """Raise CheckpointError unless ``path`` is absent, empty, or a directory the workbench wrote."""
+    """Raise CheckpointError unless ``path`` is absent, empty, or a directory the workbench wrote.
+
+    A check made before writing (without the folder's lock) can catch another writer half-way
+    through its swap: the old version moved away, so the folder is missing or shows no marker for
+    an instant. A refusal is therefore confirmed under the lock, where no writer is half-way.
+    """
     path = usable_path(path)
+    try:
+        return _check_replaceable(path)
+    except CheckpointError:
+        if not path.parent.is_dir():
+            raise
+        with locked(path):
+            return _check_replaceable(path)
+
+
+def _check_replaceable(path: Path) -> Path:
+    """``check_replaceable`` as the folder is at this instant (decisive under its lock)."""
     if path.is_symlink():
         raise CheckpointError(
             f"{path} is a symbolic link; pass the folder it points to ({os.path.realpath(path)}) or another path"
@@ -154,7 +170,10 @@ def check_replaceable(path: Union[str, Path]) -> Path:
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} exists and is not a directory; choose another output path")
     if path.is_dir() and owned_files(path) is None:
-        entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+        try:
+            entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+        except FileNotFoundError:  # moved away by a writer's swap as we looked: absent is replaceable
+            return path
         if entries:
             raise CheckpointError(
                 f"{path} is a non-empty directory that is not a checkpoint or export the workbench wrote (no "
@@ -281,18 +300,12 @@ def atomic_write_dir(path: Union[str, Path], write: Any, *, marker: Optional[str
     from workbench import __version__
 
     path = usable_path(path)
-    try:
-        check_replaceable(path)  # before taking the lock: a foreign folder fails fast...
-    except CheckpointError:
-        # ...but so can one of ours that another writer is swapping at this moment (its meta.json read
-        # after the old version moved away, its listing after the new one moved in): not fatal here,
-        # the test under the lock below decides, where no other writer can be half-way
-        pass
     if not replace:
-        _refuse_existing(path)
+        _refuse_existing(path)  # fails fast; the test under the lock below decides
     with locked(path, lock_timeout):
         _clean_leftovers(path)
-        path = check_replaceable(path)  # again: another writer may have changed it meanwhile
+        # Only under the lock: before it, another writer's swap can make one of ours look foreign.
+        path = _check_replaceable(path)
         if not replace:
             _refuse_existing(path)  # again, under the lock: it may have appeared since the test above
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))
@@ -324,8 +337,11 @@ def atomic_write_dir(path: Union[str, Path], write: Any, *, marker: Optional[str
 
 
 def _refuse_existing(path: Path) -> None:
-    if path.is_dir() and not any(path.iterdir()):
-        return
+    try:
+        if path.is_dir() and not any(path.iterdir()):
+            return
+    except FileNotFoundError:  # gone as we looked (another writer's swap); lexists below says what is there now
+        pass
     if os.path.lexists(path):
         raise CheckpointError(f"{path} already exists (another save may have written it a moment ago); choose "
                               "another name, or ask for it to be replaced (replace=True)")

@@ -131,13 +131,17 @@ class SnapshotWriter:
         elif not self.steps:
             return  # a fresh run without snapshots leaves an old series to the first save, which drops it
         keep = {e["file"] for e in self.entries}
-        ours = owned_files(self.out_dir) if self.out_dir.is_dir() else None
-        stale = sorted(name for name in (ours or ()) if name.startswith(SNAPSHOT_DIR + "/")
-                       and name.split("/", 1)[1] not in keep | {INDEX_FILE} and (self.out_dir / name).exists())
-        if stale or (self.dir / INDEX_FILE).exists():
-            with locked(self.out_dir):
-                for name in stale:
-                    (self.out_dir / name).unlink()
+
+        def stale() -> list[str]:  # the old series' files the marker lists, that this run does not keep
+            ours = owned_files(self.out_dir) if self.out_dir.is_dir() else None
+            return sorted(name for name in (ours or ()) if name.startswith(SNAPSHOT_DIR + "/")
+                          and name.split("/", 1)[1] not in keep | {INDEX_FILE} and (self.out_dir / name).exists())
+
+        if stale() or (self.dir / INDEX_FILE).exists():
+            with locked(self.out_dir):  # looked at again: another writer may have replaced the folder since
+                for name in stale():
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.out_dir / name).unlink()
                 self._write_index()
 
     def due(self, step: int) -> bool:
