@@ -47,14 +47,17 @@ def _fresh_dynamo():
     # ``compile_counters()["graphs"] >= n`` held on the graphs of the tests before it
     torch._dynamo.utils.counters.clear()
     yield
+    # past the recompile limit a compiled model runs eagerly, and a comparison with it compares eager with eager
+    fell_back = compile_counters()["eager_fallbacks"]
     torch._dynamo.reset()
     jaxtyping.config.update("jaxtyping_disable", was)
+    assert fell_back == 0, f"{fell_back} call(s) of the compiled model ran eagerly: raise its recompile_limit"
 
 
-def pair(backend="eager", **cfg):
+def pair(backend="eager", recompile_limit=None, **cfg):
     eager = wb.HookedDecoder(tiny(**cfg)).eval()
     compiled = wb.HookedDecoder(tiny(**cfg)).eval()
-    compiled.compile(backend=backend)
+    compiled.compile(backend=backend, recompile_limit=recompile_limit)
     assert is_compiled(compiled) and not is_compiled(eager)
     return eager, compiled
 
@@ -141,7 +144,9 @@ def test_hooks_moved_changed_and_cached():
 
 
 def test_ablations_patching_and_resumed_sweeps():
-    models = pair(**CONFIGS["parallel-rope-gqa"])
+    # 13 hook configurations in all, one over the 2-layer default: attribution patching, the last,
+    # ran eagerly and compared the eager model with itself
+    models = pair(recompile_limit=16, **CONFIGS["parallel-rope-gqa"])
     # the reference the same shape as the data: its runs of the compiled model add hook configurations,
     # not a batch size (a second size retraces every later graph with a symbolic batch, about twice the cost)
     x, ref = tokens(1, (2, 6)), tokens(2, (2, 6))
