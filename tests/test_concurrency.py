@@ -178,3 +178,29 @@ def test_a_foreign_folder_is_still_refused(tmp_path):
         wb.save_checkpoint(wb.HookedDecoder(tiny(seed=0)), tmp_path / "notes")
     assert (tmp_path / "notes" / "mine.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # no lock or temp folder left
+
+
+def test_a_training_survives_another_save_dropping_its_snapshots_mid_save(tmp_path, monkeypatch):
+    # A run's save lists its snapshot files before it takes the folder's lock; another writer's save
+    # into the same folder in that instant drops them (they were the old version's). The save crashed
+    # with FileNotFoundError, losing the run; it now lists them again.
+    from workbench.snapshots import SnapshotWriter
+    from workbench.training import TrainConfig, train
+
+    out, other = tmp_path / "run", wb.HookedDecoder(tiny(d_vocab=64, n_ctx=16, seed=9))
+    real, raced = SnapshotWriter.checkpoint_files, []
+
+    def checkpoint_files(self):
+        files = real(self)
+        if files and not raced:  # the other writer's save lands between the listing and the lock
+            raced.append(wb.save_checkpoint(other, out))
+        return files
+
+    monkeypatch.setattr(SnapshotWriter, "checkpoint_files", checkpoint_files)
+    config = TrainConfig(task="induction", steps=4, batch_size=2, seq_len=8, eval_every=0, save_every=2,
+                         snapshots="every:2", seed=0)
+    result = train(config, tiny(d_vocab=64, n_ctx=16), out, progress=False)
+    assert raced and result.step == 4
+    assert torch.equal(wb.load_checkpoint(out)[0].W_E, result.model.W_E)  # the run's final model, whole
+    with pytest.warns(UserWarning, match=r"step-000002.safetensors \(missing\)"):  # the one the other save dropped
+        assert wb.load_series(out).steps == [4]  # the snapshot written after the race is kept

@@ -410,9 +410,17 @@ def _save_checkpoint(run: _Run, metrics: Optional[dict] = None) -> None:
     already saved is not saved again, except by the final save, which adds the metrics."""
     if run.out_dir is None or not run.dist.is_main or (run.last_saved == run.step and metrics is None):
         return
-    snapshot_files = run.snapshots.checkpoint_files() if run.snapshots is not None else {}
-    _save(run.model, run.task, run.out_dir, run.step, run.optimizer, run.config, run.history, run.meta, metrics,
-          snapshot_files)
+    for attempt in range(2):
+        snapshot_files = run.snapshots.checkpoint_files() if run.snapshots is not None else {}
+        try:
+            _save(run.model, run.task, run.out_dir, run.step, run.optimizer, run.config, run.history, run.meta,
+                  metrics, snapshot_files)
+            break
+        except FileNotFoundError:
+            # A snapshot listed before the save took the folder's lock was dropped meanwhile by another
+            # writer's save into the same folder: list them again (now without it) rather than lose the run.
+            if attempt or not any(isinstance(v, Path) and not v.exists() for v in snapshot_files.values()):
+                raise
     run.last_saved = run.step
 
 
