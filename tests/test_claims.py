@@ -38,7 +38,7 @@ def test_ce_recovered_baseline_is_a_uniform_predictor_on_the_bias_free_stories_m
     logits = model.run_with_hooks(tokens, fwd_hooks=zero)
     assert logits.abs().max() < 1e-6
     loss = model.run_with_hooks(tokens, return_type="loss", fwd_hooks=zero)
-    assert abs(float(loss) - math.log(model.cfg.d_vocab)) < 1e-5
+    assert abs(loss.item() - math.log(model.cfg.d_vocab)) < 1e-5
     assert f"{math.log(model.cfg.d_vocab):.3f}" in (ROOT / "docs/reference/dictionaries.md").read_text()
 
 
