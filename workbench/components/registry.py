@@ -28,5 +28,7 @@ def add_bias(module: nn.Module, name: str, shape: tuple, learned: bool) -> None:
 def bias_term(module: nn.Module, name: str) -> Optional[Tensor]:
     """The bias ``name`` as a matmul should add it: None for a fixed zero, so ``F.linear`` runs a plain
     matmul instead of first copying the zeros into its whole output and accumulating onto them (a few
-    percent of each projection of a bias-free model on the CPU)."""
+    percent of each projection of a bias-free model on the CPU). So an edit of a fixed zero (in place
+    or through ``.data``) changes nothing the forward computes, as it is not saved by a checkpoint
+    either: a bias to edit or learn needs ``bias=True`` / ``qkv_bias=True``."""
     return None if name in getattr(module, "_fixed_zero_biases", ()) else getattr(module, name)
