@@ -34,6 +34,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from workbench.analysis.graphs.checks import check_capture_finite, check_finite, fingerprint, warn_trained_elsewhere
 from workbench.analysis.graphs.graph import Graph, NODE_KINDS, _influence, compute_influence_sparse
 from workbench.analysis.graphs.replacement import (AttentionOnly, Capture, FrozenRun, capture, check_layout,
                                                    check_model, final_read, pattern_layers, replacement_set, targets_of)
@@ -109,6 +110,9 @@ def attribution_graph(
     rs = replacement_set(transcoders, model)
     check_model(model, rs)
     _check_precision(model, rs)
+    check_finite(model, rs)  # once, before anything is computed: a NaN weight gave NaN edges or a runaway graph
+    weights = fingerprint(model, rs)  # what the graph records, so bind() can refuse other weights
+    warn_trained_elsewhere(model, rs, weights["model"])
     tokens, mask, single = _tokens(model, prompt)
     if stored_patterns is None:
         n_heads = sum(model.blocks[l].attn.cfg.n_heads for l in pattern_layers(model))
@@ -117,6 +121,8 @@ def attribution_graph(
     model.eval()
     try:
         caps = capture(model, rs, tokens, mask, patterns=bool(stored_patterns))
+        for cap in caps:
+            check_capture_finite(cap)
         folders = [None] * len(caps)
         if spill_dir is not None:
             folders = [Path(spill_dir) if single else Path(spill_dir) / f"prompt-{b}" for b in range(len(caps))]
@@ -130,6 +136,8 @@ def attribution_graph(
                              batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose,
                              _EdgeStore(edge_chunk, folder, _capacity(rs, cap, target, max_n_logits, max_feature_nodes)))
                   for cap, folder in zip(caps, folders)]
+        for graph in graphs:
+            graph.meta["fingerprint"] = dict(weights)
         if qk:
             from workbench.analysis.graphs.qk import qk_table
 
@@ -423,7 +431,7 @@ class _EdgeStore:
     there and dropped, so at most one chunk of edges is in memory."""
 
     def __init__(self, chunk_edges: int = 1 << 20, spill_dir: Optional[Path] = None, capacity: Optional[int] = None):
-        self.chunk_edges, self.spill_dir = chunk_edges, spill_dir
+        self.chunk_edges, self.spill_dir, self.capacity = chunk_edges, spill_dir, capacity
         self.single = spill_dir is None and capacity is not None and 12 * capacity <= _reserve_limit()
         self.chunks: list = []  # (t, s, w) tensors, or a Path to a spilled chunk
         self.n = 0
@@ -435,6 +443,9 @@ class _EdgeStore:
         self.fill = 0
 
     def add(self, t: Tensor, s: Tensor, w: Tensor) -> None:
+        if self.capacity is not None and self.n + len(w) > self.capacity:  # spilled or paged too: never unbounded
+            raise RuntimeError(f"the graph's edges would pass their ceiling of {self.capacity} (rows x sources: every "
+                               "row's every source); this is a bug in the edge accumulation, please report it")
         at = 0
         while at < len(w):
             take = min(len(w) - at, self.size - self.fill)
@@ -652,7 +663,7 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
                   meta=dict(model=getattr(model.cfg, "name", ""), d_vocab=model.cfg.d_vocab, n_active_features=src.n_feat,
                             replacement=("none (attention only)" if isinstance(rs, AttentionOnly) else
                                          "clt" if rs.cross_layer else "transcoders"), **settings))
-    graph.bind(model, rs, cap)
+    graph._attach(model, rs, cap)
     return graph
 
 

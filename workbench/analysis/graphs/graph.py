@@ -496,11 +496,25 @@ class Graph:
 
     # ---- the model behind it -----------------------------------------------------------------------------
     def bind(self, model, transcoders, cap=None) -> "Graph":
-        """Attach the model and transcoders the graph was made from (after ``load``), for ``intervene``."""
-        from workbench.analysis.graphs.replacement import capture, check_model, replacement_set
+        """Attach the model and transcoders the graph was made from (after ``load``), for ``intervene``.
+
+        A ValueError naming what differs unless their weights are the ones the graph recorded
+        (``meta["fingerprint"]``): a loaded graph bound to other weights answered with its old edges
+        beside runs of the new ones. A graph that records none binds with an ``UnverifiedGraphWarning``."""
+        from workbench.analysis.graphs.checks import check_binding, warn_trained_elsewhere
+        from workbench.analysis.graphs.replacement import check_model, replacement_set
 
         rs = replacement_set(transcoders, model)
         check_model(model, rs)
+        check_binding(self, model, rs)
+        recorded = self.meta.get("fingerprint")
+        warn_trained_elsewhere(model, rs, recorded.get("model") if isinstance(recorded, dict) else None)
+        return self._attach(model, rs, cap)
+
+    def _attach(self, model, rs, cap=None) -> "Graph":
+        """``bind`` without its checks (``attribution_graph`` made them): re-capture the prompt unless given."""
+        from workbench.analysis.graphs.replacement import capture
+
         if cap is None:
             if bool((self.tokens < 0).any()):
                 raise ValueError("this graph does not record its prompt's token ids; it cannot be re-run")
@@ -522,8 +536,7 @@ class Graph:
         model, rs, cap, signature = self._context
         if _weights_signature(model, rs) != signature:
             raise ValueError("the model's or the transcoders' weights changed since this graph was built (an edit, a "
-                             "load or a cast): build the graph again, or graph.bind(model, transcoders) to re-capture "
-                             "its prompt with the new weights")
+                             "load or a cast): build the graph again from the new weights, or put the old ones back")
         return model, rs, cap
 
     def intervene(self, features: Sequence, value: Union[float, Sequence[float]] = 0.0, *,
