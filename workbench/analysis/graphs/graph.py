@@ -395,7 +395,12 @@ class Graph:
         d_vocab = self.meta.get("d_vocab")  # meta is kept as a file had it: use it only when it is a count
         vocab = int(d_vocab) if is_int(d_vocab) and int(d_vocab) > 0 else (int(self.feature.max()) + 1 if self.n_nodes else 1)
         nodes: dict[int, dict] = {}
-        kept_features = node_mask & (self.kind == 0)
+        t_all, s_all = self.edge_target[edge_mask], self.edge_source[edge_mask]
+        linked = node_mask[t_all] & node_mask[s_all]
+        kept_features = torch.zeros(self.n_nodes, dtype=torch.bool)  # the feature nodes the file will hold
+        kept_features[t_all[linked]] = True
+        kept_features[s_all[linked]] = True
+        kept_features &= self.kind == 0
         feature_ids = {f"{l}_{f}_{p}" for l, f, p in zip(self.layer[kept_features].tolist(),
                                                          self.feature[kept_features].tolist(),
                                                          self.pos[kept_features].tolist())}
