@@ -22,7 +22,7 @@ from workbench.analysis.dictionaries.registry import make_dictionary
 from workbench.analysis.graphs import Graph, attribution_graph
 
 
-def small_graph() -> Graph:
+def small_graph(**settings) -> Graph:
     """A real attribution graph of a tiny model with random transcoders (a second or two)."""
     model = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=40)).eval()
     g = torch.Generator().manual_seed(0)
@@ -37,7 +37,7 @@ def small_graph() -> Graph:
             tc.b_enc.copy_(-0.4 * torch.rand(24, generator=g))
             tc.W_dec.mul_(0.3)
         tcs.append(tc.eval())
-    return attribution_graph(model, tcs, torch.randint(0, 40, (1, 6), generator=g))
+    return attribution_graph(model, tcs, torch.randint(0, 40, (1, 6), generator=g), **settings)
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +262,11 @@ def test_a_damaged_circuit_tracer_file_is_one_value_error_naming_the_field(graph
     path.write_text(json.dumps(d))
     with pytest.raises(ValueError, match=field):
         Graph.from_circuit_tracer(path)
+
+
+def test_a_graph_without_edges_loads_prunes_and_exports(graph, tmp_path):
+    d = graph.to_circuit_tracer_dict("tiny")
+    d["links"] = []
+    back = Graph.from_circuit_tracer(d)
+    assert back.n_edges == 0 and back.prune().n_edges == 0  # was an IndexError in pruning
+    assert {n["feature_type"] for n in back.to_circuit_tracer_dict()["nodes"]} == {"embedding", "logit"}

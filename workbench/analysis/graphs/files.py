@@ -304,7 +304,7 @@ def save_graph(graph, path: Union[str, Path], overwrite: bool = False) -> Path:
                          "replace it, or choose another name")
     d = graph.to_dict()
     graph_fields(d, "the graph to save")  # a file that would not load again is not written
-    _write_atomic(path, json.dumps(d, allow_nan=False))
+    _write_atomic(path, json.dumps(d))  # meta is kept as given: a NaN in it is written as json writes one
     return path
 
 
@@ -486,8 +486,13 @@ def write_circuit_tracer(d: dict, folder: Union[str, Path], overwrite: bool = Fa
     if (path.exists() or path.is_symlink()) and not overwrite and not _previous_export(path, slug, listing):
         raise ValueError(f"{path} exists and is not this folder's export of {slug!r}; pass overwrite=True to replace "
                          "it, or choose another slug")
+    try:
+        text = json.dumps(d, indent=2, allow_nan=False)  # the viewers read standard JSON
+    except ValueError:
+        raise ValueError(f"the graph {slug!r} holds a value that is not finite (NaN or infinity); circuit-tracer's "
+                         "format cannot hold it: nothing was written") from None
     folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, json.dumps(d, indent=2, allow_nan=False))
+    _write_atomic(path, text)
     listing["graphs"] = [g for g in listing["graphs"] if g["slug"] != slug] + [d["metadata"]]
     _write_atomic(index, json.dumps(listing, indent=2))
     return path

@@ -71,6 +71,8 @@ def _file_length(path) -> int:
 
 def _threshold(scores: Tensor, fraction: float) -> Tensor:
     """The score above which the largest scores hold ``fraction`` of the total (circuit-tracer's find_threshold)."""
+    if not len(scores):  # a graph without edges (a file may hold one): nothing to keep
+        return torch.tensor(float("inf"))
     ordered = scores.sort(descending=True).values
     cumulative = ordered.cumsum(0) / ordered.sum().clamp_min(1e-30)
     i = min(int(torch.searchsorted(cumulative, torch.tensor(fraction, dtype=cumulative.dtype))), len(ordered) - 1)
