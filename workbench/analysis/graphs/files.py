@@ -67,7 +67,12 @@ def read_json(path: Union[str, Path], max_bytes: Optional[int] = DEFAULT_MAX_BYT
         raise ValueError(f"cannot read the {what} {path}: {e.strerror or e}") from None
     if max_bytes is not None and len(data) > max_bytes:
         raise ValueError(f"the {what} {path} is over the cap of {max_bytes:,} bytes (max_bytes=)")
-    return parse_json(data, f"the {what} {path}")
+    try:
+        text = data.decode("utf-8")  # json.loads of bytes would hold the bytes and a decoded copy at once
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the {what} {path} is not UTF-8 text ({e})") from None
+    del data
+    return parse_json(text, f"the {what} {path}")
 
 
 def parse_json(data: Union[bytes, str], where: str) -> Any:
@@ -118,10 +123,10 @@ def _array(value: Any, field: str, integer: bool, ndim: int = 1) -> np.ndarray:
         if integer and (a != np.round(a)).any():
             raise ValueError(f"{field} must hold whole numbers")
     bound = _INT_BOUND if integer else _FLOAT32_MAX
-    if (np.abs(a.astype(np.float64)) > bound).any():
-        raise ValueError(f"{field} holds a value beyond {bound:.3g} (at index "
-                         f"{int(np.flatnonzero(np.abs(a.reshape(-1).astype(np.float64)) > bound)[0])})")
-    return a.astype(np.int64 if integer else np.float32)
+    beyond = (a > bound) | (a < -bound)
+    if beyond.any():
+        raise ValueError(f"{field} holds a value beyond {bound:.3g} (at index {_first(beyond.reshape(-1))})")
+    return a.astype(np.int64 if integer else np.float32, copy=False)
 
 
 def _int(value: Any, field: str, lo: int = 0, hi: int = _INT_BOUND) -> int:
@@ -226,8 +231,9 @@ def check_arrays(a: dict[str, np.ndarray], n_layers: int, logit_labels: list[str
 
 
 # ---- our format --------------------------------------------------------------------------------------------
-def graph_fields(d: Any, where: str = "the graph") -> dict:
-    """The keyword arguments of ``Graph(...)`` for a dict of ``Graph.to_dict``'s form, checked."""
+def graph_fields(d: Any, where: str = "the graph", own: bool = False) -> dict:
+    """The keyword arguments of ``Graph(...)`` for a dict of ``Graph.to_dict``'s form, checked
+    (``own``: ``d`` is the reader's to empty as it goes)."""
     d = _dict(d, where)
     if d.get("format") != GRAPH_FORMAT:
         raise ValueError(f"{where} is not a workbench attribution graph file (no \"format\": \"{GRAPH_FORMAT}\"; for "
@@ -237,7 +243,11 @@ def graph_fields(d: Any, where: str = "the graph") -> dict:
     missing = [k for k in (*_INT_FIELDS, *_FLOAT_FIELDS, "logit_labels", "str_tokens", "n_layers") if k not in d]
     if missing:
         raise ValueError(f"{where} is incomplete: it has no {', '.join(missing)}")
-    arrays = {k: _array(d[k], f"{where}: {k}", k in _INT_FIELDS) for k in (*_INT_FIELDS, *_FLOAT_FIELDS)}
+    arrays = {}
+    for k in (*_INT_FIELDS, *_FLOAT_FIELDS):
+        arrays[k] = _array(d[k], f"{where}: {k}", k in _INT_FIELDS)
+        if own:  # a list of numbers takes about 32 bytes a number: let each go once it is an array
+            d[k] = None
     n_layers = _int(d["n_layers"], f"{where}: n_layers", 0, 2**20)
     labels = _strings(d["logit_labels"], f"{where}: logit_labels")
     str_tokens = _strings(d["str_tokens"], f"{where}: str_tokens")
@@ -309,7 +319,7 @@ def save_graph(graph, path: Union[str, Path], overwrite: bool = False) -> Path:
 
 
 def load_graph(path: Union[str, Path], max_bytes: Optional[int] = DEFAULT_MAX_BYTES) -> dict:
-    return graph_fields(read_json(path, max_bytes), f"the graph file {path}")
+    return graph_fields(read_json(path, max_bytes), f"the graph file {path}", own=True)
 
 
 # ---- circuit-tracer's format -------------------------------------------------------------------------------
