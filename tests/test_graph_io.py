@@ -270,3 +270,38 @@ def test_a_graph_without_edges_loads_prunes_and_exports(graph, tmp_path):
     back = Graph.from_circuit_tracer(d)
     assert back.n_edges == 0 and back.prune().n_edges == 0  # was an IndexError in pruning
     assert {n["feature_type"] for n in back.to_circuit_tracer_dict()["nodes"]} == {"embedding", "logit"}
+
+
+def test_concurrent_exports_into_one_folder_keep_every_listing_entry(graph, tmp_path, monkeypatch):
+    """Each export reads the listing, adds its slug and writes it back; a slowed read makes two at once overlap."""
+    import threading
+    import time
+
+    real_loads = json.loads
+
+    def slow_loads(*args, **kwargs):
+        time.sleep(0.05)
+        return real_loads(*args, **kwargs)
+
+    graph.prune_masks()  # warm
+    dicts = {f"g{i}": graph.to_circuit_tracer_dict(f"g{i}") for i in range(4)}
+    monkeypatch.setattr(Graph, "to_circuit_tracer_dict", lambda self, slug, *a, **k: dicts[slug])
+    monkeypatch.setattr(json, "loads", slow_loads)
+    errors = []
+
+    def export(slug):
+        try:
+            graph.to_circuit_tracer(tmp_path / "ct", slug=slug)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=export, args=(slug,)) for slug in dicts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    listing = real_loads((tmp_path / "ct" / "graph-metadata.json").read_text())
+    assert sorted(g["slug"] for g in listing["graphs"]) == sorted(dicts)
+    assert sorted(p.name for p in (tmp_path / "ct").iterdir()) == ["g0.json", "g1.json", "g2.json", "g3.json",
+                                                                  "graph-metadata.json"]

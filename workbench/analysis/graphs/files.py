@@ -490,21 +490,25 @@ def write_circuit_tracer(d: dict, folder: Union[str, Path], overwrite: bool = Fa
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file, not a folder; give the folder to export into")
     index, path = folder / LISTING, folder / f"{slug}.json"
-    listing = _read_listing(index) if index.exists() or index.is_symlink() else {"graphs": []}
-    if path.is_dir():
-        raise ValueError(f"{path} is a folder; choose another slug")
-    if (path.exists() or path.is_symlink()) and not overwrite and not _previous_export(path, slug, listing):
-        raise ValueError(f"{path} exists and is not this folder's export of {slug!r}; pass overwrite=True to replace "
-                         "it, or choose another slug")
     try:
         text = json.dumps(d, indent=2, allow_nan=False)  # the viewers read standard JSON
     except ValueError:
         raise ValueError(f"the graph {slug!r} holds a value that is not finite (NaN or infinity); circuit-tracer's "
                          "format cannot hold it: nothing was written") from None
-    folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, text)
-    listing["graphs"] = [g for g in listing["graphs"] if g["slug"] != slug] + [d["metadata"]]
-    _write_atomic(index, json.dumps(listing, indent=2))
+    from workbench.checkpoint import locked
+
+    # two exports into one folder read, change and replace one listing: under its lock (a transient
+    # .graph-metadata.json.lock inside the folder), so that neither drops the other's entry
+    with locked(index):
+        listing = _read_listing(index) if index.exists() or index.is_symlink() else {"graphs": []}
+        if path.is_dir():
+            raise ValueError(f"{path} is a folder; choose another slug")
+        if (path.exists() or path.is_symlink()) and not overwrite and not _previous_export(path, slug, listing):
+            raise ValueError(f"{path} exists and is not this folder's export of {slug!r}; pass overwrite=True to "
+                             "replace it, or choose another slug")
+        _write_atomic(path, text)
+        listing["graphs"] = [g for g in listing["graphs"] if g["slug"] != slug] + [d["metadata"]]
+        _write_atomic(index, json.dumps(listing, indent=2))
     return path
 
 
