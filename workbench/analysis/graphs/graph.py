@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequ
 import torch
 from torch import Tensor
 
+from workbench.analysis.graphs import files
 from workbench.utils import is_int
 
 NODE_KINDS = ("feature", "error", "token", "logit")
@@ -363,25 +364,19 @@ class Graph:
     def save(self, path: Union[str, Path], overwrite: bool = False) -> Path:
         """Write the graph to ``path`` (JSON), atomically. A file there is replaced only when it is a graph
         file of ours, or with ``overwrite=True``; a graph the loader would refuse (a NaN, say) is not written."""
-        from workbench.analysis.graphs.files import save_graph
-
-        return save_graph(self, path, overwrite)
+        return files.save_graph(self, path, overwrite)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Graph":
         """The graph of ``to_dict``'s dict, checked as ``load`` checks a file (a ValueError naming the field)."""
-        from workbench.analysis.graphs.files import graph_fields
-
-        return cls(**graph_fields(d))
+        return cls(**files.graph_fields(d))
 
     @classmethod
-    def load(cls, path: Union[str, Path], max_bytes: Optional[int] = 256 * 2**20) -> "Graph":
+    def load(cls, path: Union[str, Path], max_bytes: Optional[int] = files.DEFAULT_MAX_BYTES) -> "Graph":
         """Read a file ``save`` wrote. Everything is checked (types, shapes, finite numbers, indices, unique
         nodes, edges between existing nodes in layer order); a file over ``max_bytes`` (256 MiB; None: no cap)
         is refused before it is read. Any failure is one ValueError naming the file and the field."""
-        from workbench.analysis.graphs.files import load_graph
-
-        return cls(**load_graph(path, max_bytes))
+        return cls(**files.load_graph(path, max_bytes))
 
     # ---- circuit-tracer's graph JSON (what its local server and Neuronpedia open) -----------------------------
     def to_circuit_tracer_dict(self, slug: str = "graph", scan: str = "workbench", node_threshold: float = 0.8,
@@ -395,7 +390,7 @@ class Graph:
             edge_mask = torch.ones(self.n_edges, dtype=torch.bool)
             cumulative = torch.zeros(self.n_nodes)
         d_vocab = self.meta.get("d_vocab")  # meta is kept as a file had it: use it only when it is a count
-        vocab = int(d_vocab) if is_int(d_vocab) and int(d_vocab) > 0 else (int(self.feature.max()) + 1 if self.n_nodes else 1)
+        vocab = int(d_vocab) if is_int(d_vocab) and int(d_vocab) > 0 else (int(self.feature.max()) if self.n_nodes else 0) + 1
         nodes: dict[int, dict] = {}
         t_all, s_all = self.edge_target[edge_mask], self.edge_source[edge_mask]
         linked = node_mask[t_all] & node_mask[s_all]
@@ -419,8 +414,8 @@ class Graph:
                 # circuit-tracer's error id "0_{layer}_{pos}" is also the id of feature `layer` of layer 0 at
                 # that position: when both are kept, the error node gets an id no other node can have
                 clash = f"0_{l}_{p}" in feature_ids
-                base.update(node_id=f"err_{l}_{p}" if clash else f"0_{l}_{p}", feature=-1, layer=str(l), feature_type="mlp reconstruction error",
-                            jsNodeId=f"{l}_{p}-0")
+                base.update(node_id=f"err_{l}_{p}" if clash else f"0_{l}_{p}", feature=-1, layer=str(l),
+                            feature_type="mlp reconstruction error", jsNodeId=f"{l}_{p}-0")
             elif k == 2:
                 base.update(node_id=f"E_{f}_{p}", feature=p, layer="E", feature_type="embedding", jsNodeId=f"E_{f}-{p}")
             else:
@@ -449,19 +444,16 @@ class Graph:
         Only those two files are written, each atomically. ``slug`` must be a plain name (no path separators,
         no ``..``, not the listing's name). A file ``{slug}.json`` that is not this folder's earlier export of
         ``slug`` is refused unless ``overwrite=True``; a damaged listing is refused before anything is written."""
-        from workbench.analysis.graphs.files import check_slug, write_circuit_tracer
-
-        check_slug(slug)
-        return write_circuit_tracer(self.to_circuit_tracer_dict(slug, scan, node_threshold, edge_threshold),
-                                    folder, overwrite)
+        files.check_slug(slug)  # before the work of pruning
+        return files.write_circuit_tracer(self.to_circuit_tracer_dict(slug, scan, node_threshold, edge_threshold),
+                                          folder, overwrite)
 
     @classmethod
-    def from_circuit_tracer(cls, source: Union[str, Path, dict], max_bytes: Optional[int] = 256 * 2**20) -> "Graph":
+    def from_circuit_tracer(cls, source: Union[str, Path, dict],
+                            max_bytes: Optional[int] = files.DEFAULT_MAX_BYTES) -> "Graph":
         """Read a circuit-tracer graph JSON (its pruned nodes and links) back as a Graph, checked as ``load``
         checks (a link to a node the file does not have, or two nodes of one id, is refused, not dropped)."""
-        from workbench.analysis.graphs.files import load_circuit_tracer
-
-        return cls(**load_circuit_tracer(source, max_bytes))
+        return cls(**files.load_circuit_tracer(source, max_bytes))
 
     # ---- the model behind it -----------------------------------------------------------------------------
     def bind(self, model, transcoders, cap=None) -> "Graph":
