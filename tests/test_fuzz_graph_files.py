@@ -25,7 +25,7 @@ import torch
 from workbench.analysis.graphs import Graph
 
 HOSTILE = [None, -1, 0, 1, 10**12, 2**63, -2**70, 1.5, 1e308, -1e300, float("nan"), "x", "", [], {}, True,
-           [1, 2], {"a": 1}, "../../etc", [[1.0]], "__DEEP__", "__INF__"]
+           [1, 2], {"a": 1}, "../../etc", [[1.0]], "__DEEP__", "__DEEP500__", "__INF__"]
 DEEP = "[" * 100000 + "]" * 100000
 
 
@@ -69,6 +69,7 @@ def _damage(data: bytes, rng: random.Random) -> tuple[bytes, str]:
     value = rng.choice(HOSTILE)
     parent[path[-1]] = value
     text = json.dumps(doc).replace('"__DEEP__"', DEEP).replace('"__INF__"', "1e400")  # json.loads: inf
+    text = text.replace('"__DEEP500__"', "[" * 500 + "]" * 500)  # parses: deeper than a graph, within Python's limit
     return text.encode(), f"set {list(path)} = {value!r:.40}"
 
 

@@ -305,3 +305,11 @@ def test_concurrent_exports_into_one_folder_keep_every_listing_entry(graph, tmp_
     assert sorted(g["slug"] for g in listing["graphs"]) == sorted(dicts)
     assert sorted(p.name for p in (tmp_path / "ct").iterdir()) == ["g0.json", "g1.json", "g2.json", "g3.json",
                                                                   "graph-metadata.json"]
+
+
+def test_save_refuses_a_graph_the_loader_would_refuse(tmp_path):
+    g = _hand_graph()
+    g.edge_weight[0] = float("nan")
+    with pytest.raises(ValueError, match="edge_weight"):
+        g.save(tmp_path / "g.json")  # was written, and then no reader could take it back
+    assert not list(tmp_path.iterdir())
