@@ -165,6 +165,12 @@ def test_conventions_survive_a_file_and_are_refused_when_unknown(tmp_path):
     assert cap.held == 1 and cap.token_vectors is not None
     torch.testing.assert_close(again.intervene([], direct_only=True), graph.intervene([], direct_only=True),
                                atol=ATOL, rtol=0)
+    # head loadings take the token node's part of the embedding away: the measured total is the edge
+    logit, token = int(graph.nodes_of("logit")[0]), int(graph.nodes_of("token")[3])
+    frame = wb.analysis.head_loadings(graph, token, logit, 1)
+    assert frame.attrs["total"] == pytest.approx(frame.attrs["edge"], abs=ATOL) and frame.attrs["edge"] != 0
+    with pytest.raises(ValueError, match="held"):
+        wb.analysis.head_loadings(graph, "E0.0", logit, 1)
     for bad in (dict(token_embedding="position"), dict(held_positions=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             attribution_graph(model, tcs, tokens, **bad)
@@ -190,3 +196,26 @@ def test_a_hook_on_a_norm_leaves_a_float64_model_unchanged(overrides):
         hooked = model.run_with_hooks(tokens, fwd_hooks=[(lambda n: n in names, lambda x, hook: x)])
     assert plain.dtype == torch.float64
     torch.testing.assert_close(hooked, plain, atol=1e-12, rtol=0)
+
+
+def test_qk_parts_under_circuit_tracers_conventions():
+    """QK attribution splits the stream into the graph's nodes: under token_embedding="token" the token row is
+    W_E's and the position embedding goes to the constant row; a held position's error is constant too."""
+    from workbench.analysis.graphs.qk import QKContext
+
+    model = _model()
+    tcs = _transcoders(model)
+    tokens = torch.randint(0, 40, (1, 7), generator=torch.Generator().manual_seed(8))
+    graph = attribution_graph(model, tcs, tokens, max_n_logits=1, held_positions=1, token_embedding="token")
+    ctx = QKContext(graph)
+    _, cache = model.run_with_cache(tokens)
+    for pos in (0, 3):
+        parts = ctx.parts(1, pos)
+        torch.testing.assert_close(parts.stack().sum(0).float(), cache["blocks.1.hook_resid_pre"][0, pos],
+                                   atol=ATOL, rtol=0)
+        # at layer 0 (no skip path through it yet) the token row is the token's embedding alone
+        torch.testing.assert_close(ctx.parts(0, pos).rows[1].float(), model.embed.W_E[tokens[0, pos]], atol=ATOL,
+                                   rtol=0)
+        assert ("err L0" in parts.units) == (pos > 0)
+    frame = wb.analysis.qk_attribution(graph, 1, 0, 6, 0, top=None, exact=0, context=ctx)
+    assert frame.contribution.sum() == pytest.approx(frame.attrs["bilinear"], abs=ATOL)
