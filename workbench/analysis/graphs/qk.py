@@ -132,8 +132,10 @@ class QKContext:
             return self._parts[key]
         model, rs, cap = self.model, self.rs, self.cap
         embed = cap.embed[pos].detach().double()
+        token = cap.token_part[pos].detach().double()
         parts = _Parts(embed.shape[-1], pos, embed.device, torch.float64)
-        parts.add(("tok", pos), f"tok {self.str_tokens[pos]!r}", "token", -1, -1, embed)
+        parts.rows[0] = parts.rows[0] + (embed - token)  # token_embedding="token": the position embedding, a constant
+        parts.add(("tok", pos), f"tok {self.str_tokens[pos]!r}", "token", -1, -1, token)
         for l in range(layer):
             attn = model.blocks[l].attn
             mlp_reads = parts.stack() if self.parallel else None  # a parallel block's MLP reads resid_pre
@@ -170,7 +172,10 @@ class QKContext:
                 writes = cap.acts[s][pos, active, None].double() * rs.decoder(s, layer)[active].double()
                 for f, w in zip(active.tolist(), writes):
                     parts.add(("feature", s, f), f"F{s}:{f}", "feature", s, f, w)
-            parts.add(("error", layer), f"err L{layer}", "error", layer, -1, cap.errors[layer][pos].double())
+            if pos < cap.held:  # a held position's error is a constant (held_positions), not a node
+                parts.rows[0] = parts.rows[0] + cap.errors[layer][pos].double()
+            else:
+                parts.add(("error", layer), f"err L{layer}", "error", layer, -1, cap.errors[layer][pos].double())
 
     # ---- into query / key space ---------------------------------------------------------------------
     def rotation(self, layer: int) -> Optional[Tensor]:
