@@ -57,9 +57,18 @@ def read_json_dict(path: Path) -> Optional[dict]:
 
 
 def write_atomic(target: Union[str, Path], data: Union[str, bytes], mode: Optional[int] = None) -> Path:
-    """Write ``data`` to ``target`` by rename (a reader sees the old file or the new one; a symbolic link
-    at ``target`` is replaced, never written through)."""
+    """Write ``data`` to ``target``: a new file directly, an existing one by rename (a reader sees the old
+    file or the new one; a symbolic link at ``target`` is replaced, never written through)."""
     target = Path(target)
+    try:  # "x": fails if anything (a file, a link) is there, or appeared since a check
+        with open(target, "xb" if isinstance(data, bytes) else "x", **({} if isinstance(data, bytes) else
+                                                                      {"encoding": "utf-8"})) as f:
+            f.write(data)
+        if mode is not None:
+            target.chmod(mode)
+        return target
+    except FileExistsError:
+        pass
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         if isinstance(data, bytes):
