@@ -382,10 +382,20 @@ class ModelConfig:
             identity[f.name] = value
         return identity
 
-    def to_json(self, path: str | Path | None = None) -> str:
+    def to_json(self, path: str | Path | None = None, *, overwrite: bool = False) -> str:
+        """The config as JSON; with ``path``, also written there (by rename). A file at ``path`` is
+        replaced only when it is a ModelConfig (a Hugging Face ``config.json`` is not): else
+        ValueError, nothing written, unless ``overwrite=True``."""
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
         if path is not None:
-            Path(path).write_text(text + "\n")
+            from workbench.overwrite import read_json_dict, refuse_foreign, write_atomic
+
+            def ours(p: Path) -> bool:
+                type(self).from_dict(read_json_dict(p))
+                return True
+
+            refuse_foreign([path], ours, overwrite=overwrite, what="writing the model config")
+            write_atomic(path, text + "\n")
         return text
 
     @classmethod

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_KINDS = ("char", "byte", "bpe", "word", "ids")  # the "kind" of every tokenizer.json we write
 
 
 class CharTokenizer:
@@ -73,8 +74,15 @@ class CharTokenizer:
     def to_dict(self) -> dict:
         return {"kind": self.kind, "chars": self.itos[1:], "unk": self.unk}
 
-    def save(self, directory: Union[str, Path]) -> None:
-        Path(directory, TOKENIZER_FILE).write_text(json.dumps(self.to_dict(), ensure_ascii=False))
+    def save(self, directory: Union[str, Path], *, overwrite: bool = False) -> None:
+        """Write ``tokenizer.json`` into ``directory`` (by rename). A ``tokenizer.json`` there is replaced
+        only when it is one of ours (a Hugging Face model's is not): else ValueError, unless ``overwrite``."""
+        from workbench.overwrite import read_json_dict, refuse_foreign, write_atomic
+
+        target = Path(directory, TOKENIZER_FILE)
+        refuse_foreign([target], lambda p: (read_json_dict(p) or {}).get("kind") in TOKENIZER_KINDS,
+                       overwrite=overwrite, what="saving the tokenizer")
+        write_atomic(target, json.dumps(self.to_dict(), ensure_ascii=False))
 
 
 class ByteTokenizer:

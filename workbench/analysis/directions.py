@@ -211,11 +211,19 @@ class Direction:
                                   "model": model_stamp(model)})
 
     # ---- files --------------------------------------------------------------------
-    def save(self, path: Union[str, Path]) -> Path:
-        """Write ``<path>.safetensors`` (the vector) and ``<path>.json`` (hook, provenance); returns the stem."""
+    def save(self, path: Union[str, Path], *, overwrite: bool = False) -> Path:
+        """Write ``<path>.safetensors`` (the vector) and ``<path>.json`` (hook, provenance); returns the stem.
+
+        Files of those names are replaced only when they are a direction the workbench saved (its
+        ``.json``); any other raises ValueError, nothing written, unless ``overwrite=True``."""
         from safetensors.torch import save_file
 
+        from workbench.overwrite import refuse_foreign
+
         stem = _stem(path)
+        files = [stem.with_name(stem.name + s) for s in (".safetensors", ".json")]
+        refuse_foreign(files, lambda _: _is_our_direction(files[1]), overwrite=overwrite,
+                       what=f"saving the direction {stem}")
         stem.parent.mkdir(parents=True, exist_ok=True)
         text = self._meta_text()
         for suffix, write in ((".safetensors", lambda p: save_file({"vector": self.vector}, str(p))),
@@ -309,6 +317,14 @@ class Direction:
         if set(tensors) != {"vector"} or list(tensors["vector"].shape) != meta["shape"]:
             raise ValueError(f"{tensors_name} does not hold the vector its JSON describes (shape {meta['shape']})")
         return cls(tensors["vector"], meta["hook"], meta["provenance"])
+
+
+def _is_our_direction(json_file: Path) -> bool:
+    """Whether ``json_file`` is the ``.json`` half of a direction the workbench saved (``_meta_text``'s fields)."""
+    from workbench.overwrite import read_json_dict
+
+    meta = read_json_dict(json_file)
+    return meta is not None and {"format_version", "hook", "shape", "provenance"} <= set(meta)
 
 
 def _stem(path: Union[str, Path]) -> Path:

@@ -447,8 +447,8 @@ class ActivationStore(ShardedActivations):
         out.mkdir(parents=True, exist_ok=True)
         if manifest["tokens"] >= tokens:
             return cls(out)  # already collected: read it, write nothing
-        for stray in out.glob(".*.tmp"):
-            stray.unlink()  # a shard or manifest half-written when the last run was killed
+        for stray in [out / f".{MANIFEST}.tmp", *out.glob(".shard_*.safetensors.tmp")]:
+            stray.unlink(missing_ok=True)  # a shard or manifest half-written when the last run was killed (only ours)
         _write_manifest(out, manifest)
         bar = tqdm(total=tokens, initial=min(manifest["tokens"], tokens), unit="tok", desc="collect", disable=not progress)
         try:

@@ -145,13 +145,16 @@ class Circuit:
         return json.dumps({"format": CIRCUIT_FORMAT, "version": 1, "model": self.model, "method": self.method,
                            "edges": self.edges, "scores": self.scores, "meta": self.meta}, indent=2, default=float)
 
-    def save(self, path: Union[str, Path]) -> Path:
+    def save(self, path: Union[str, Path], *, overwrite: bool = False) -> Path:
+        """Write the circuit file ``path`` (by rename). A file there is replaced only when it is a circuit
+        file; any other raises ValueError, nothing written, unless ``overwrite=True``."""
+        from workbench.overwrite import is_json_with, refuse_foreign, write_atomic
+
         path = Path(path)
+        refuse_foreign([path], lambda p: is_json_with(p, format=CIRCUIT_FORMAT), overwrite=overwrite,
+                       what="saving the circuit")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(self.to_json() + "\n")
-        tmp.replace(path)
-        return path
+        return write_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: Union[str, Path], model=None, check_weights: bool = True) -> "Circuit":

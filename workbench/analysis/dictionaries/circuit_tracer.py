@@ -62,17 +62,37 @@ def _norm_weights(model, n_layers: int, d_in: int) -> Tensor:
 
 
 def save_circuit_tracer(dictionaries: Union[CrossLayerTranscoder, Sequence[Transcoder]], path: Union[str, Path],
-                        model=None, scan: str = "", dtype: torch.dtype = torch.float32) -> Path:
-    """Write a transcoder set (one per layer, in layer order) or a CLT as circuit-tracer's files."""
-    path = Path(path)
+                        model=None, scan: str = "", dtype: torch.dtype = torch.float32, *,
+                        overwrite: bool = False) -> Path:
+    """Write a transcoder set (one per layer, in layer order) or a CLT as circuit-tracer's files.
+
+    Beside them a ``workbench.json`` manifest lists the files written: a later export replaces those,
+    and a file of one of those names that no export of ours wrote (circuit-tracer's own download, a
+    user's ``config.yaml``) raises DictionaryError, nothing written, unless ``overwrite=True``."""
+    from workbench.analysis.dictionaries.saelens import _folder
+    from workbench.checkpoint import MANIFEST_FILE, owned_files
+    from workbench.overwrite import refuse_foreign, write_atomic
+
+    path = _folder(path)
+    if isinstance(dictionaries, CrossLayerTranscoder):
+        names = [f"{w}_{layer}.safetensors" for layer in range(dictionaries.n_layers) for w in ("W_enc", "W_dec")]
+    else:
+        dictionaries = list(dictionaries)
+        names = [f"layer_{layer}.safetensors" for layer in range(len(dictionaries))]
+    names.append(CONFIG_FILE)
+    owned = (owned_files(path) if path.is_dir() else None) or frozenset()
+    refuse_foreign([path / n for n in [*names, MANIFEST_FILE]], lambda p: p.name in owned, overwrite=overwrite,
+                   what=f"exporting circuit-tracer files into {path}", error=DictionaryError)
     path.mkdir(parents=True, exist_ok=True)
     if isinstance(dictionaries, CrossLayerTranscoder):
         config = _save_clt(dictionaries, path, model, dtype)
     else:
-        config = _save_set(list(dictionaries), path, model, dtype)
+        config = _save_set(dictionaries, path, model, dtype)
     config.update(feature_input_hook=INPUT_HOOK, feature_output_hook=OUTPUT_HOOK, scan=scan or path.name)
     # JSON is YAML: circuit-tracer's yaml.safe_load reads it, and nothing here needs a YAML writer.
     _atomic(path / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=1)))
+    files = sorted({*names, *(n for n in owned if n != MANIFEST_FILE and (path / n).is_file())})
+    write_atomic(path / MANIFEST_FILE, json.dumps({"format": "workbench.circuit_tracer", "files": files}, indent=1))
     return path
 
 

@@ -41,6 +41,7 @@ from workbench.analysis.dictionaries.jumprelu import BANDWIDTH, INIT_THRESHOLD, 
 
 CONFIG_FILE = "clt.json"
 WEIGHTS_FILE = "clt.safetensors"
+CLT_FORMAT = "workbench-clt"  # clt.json's mark: a CLT the workbench saved
 HOOK_IN = "blocks.{l}.ln2.hook_normalized"  # the MLP's input, as the per-layer transcoders read it
 HOOK_OUT = "blocks.{l}.hook_mlp_out"
 ACTIVATIONS = ("jumprelu", "topk")
@@ -294,21 +295,35 @@ class CLTLayerEncoder(nn.Module):
         return self.clt.encode(self.layer, x)
 
 
-def save_clt(clt: CrossLayerTranscoder, path: Union[str, Path], extra_meta: Optional[dict] = None) -> Path:
+def save_clt(clt: CrossLayerTranscoder, path: Union[str, Path], extra_meta: Optional[dict] = None, *,
+             overwrite: bool = False) -> Path:
     """Write ``clt.json`` and ``clt.safetensors`` into the folder ``path`` (each by rename). A folder
-    inside a checkpoint (``<checkpoint>/saes/NAME``) is recorded in its meta.json, as a dictionary is."""
-    from workbench.analysis.dictionaries.saelens import _DTYPES, _atomic, _json_default, _record_in_checkpoint
+    inside a checkpoint (``<checkpoint>/saes/NAME``) is recorded in its meta.json, as a dictionary is.
+    Files of those names are replaced only when they are a CLT the workbench saved (``clt.json``'s
+    format); any other raises DictionaryError, nothing written, unless ``overwrite=True``."""
+    from workbench.analysis.dictionaries.saelens import (DictionaryError, _atomic, _DTYPES, _folder, _json_default,
+                                                         _record_in_checkpoint)
+    from workbench.overwrite import refuse_foreign
 
-    path = Path(path)
+    path = _folder(path)
+    refuse_foreign([path / WEIGHTS_FILE, path / CONFIG_FILE], lambda _: is_our_clt(path), overwrite=overwrite,
+                   what=f"saving a cross-layer transcoder into {path}", error=DictionaryError)
     path.mkdir(parents=True, exist_ok=True)
     dtype = _DTYPES[clt.cfg.dtype]
     tensors = {_file_name(name): p.detach().to("cpu", dtype).contiguous() for name, p in clt.named_parameters()}
-    meta = {"format": "workbench-clt", "version": 1, "config": clt.cfg.to_dict(), "metrics": clt.metrics,
+    meta = {"format": CLT_FORMAT, "version": 1, "config": clt.cfg.to_dict(), "metrics": clt.metrics,
             **(extra_meta or {})}
     _atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp)))
     _atomic(path / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=_json_default)))
     _record_in_checkpoint(path)  # inside a checkpoint: a save of new weights there drops it, as an SAE's
     return path
+
+
+def is_our_clt(path: Union[str, Path]) -> bool:
+    """Whether folder ``path`` holds a CLT the workbench saved (``clt.json``'s format says so)."""
+    from workbench.overwrite import is_json_with
+
+    return is_json_with(Path(path) / CONFIG_FILE, format=CLT_FORMAT)
 
 
 def load_clt(path: Union[str, Path], device: Union[str, torch.device] = "cpu") -> CrossLayerTranscoder:

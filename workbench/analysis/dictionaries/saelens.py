@@ -27,10 +27,13 @@ from safetensors.torch import load_file, save_file
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
 from workbench.analysis.dictionaries.clt import CrossLayerTranscoder
 from workbench.analysis.dictionaries.registry import DICTIONARIES, FROM_SAELENS
+from workbench.overwrite import is_json_with, refuse_foreign
+from workbench.utils import check_path
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
 META_FILE = "sae_meta.json"
+DICTIONARY_FORMAT = "workbench-dictionary"  # sae_meta.json's mark: a dictionary the workbench saved
 # The schema version SAELens' loader keys on: from 6.0 the hook and model live under "metadata".
 SAELENS_SCHEMA_VERSION = "6.0.0"
 IDENTITY_KEY = "workbench.dictionary"  # the safetensors metadata entry: hook, shape, widths, fingerprint
@@ -75,22 +78,34 @@ def saelens_config(sae: Dictionary, context_size: Optional[int] = None) -> dict[
 
 
 def save_dictionary(sae: Union[Dictionary, CrossLayerTranscoder], path: Union[str, Path], extra_meta: Optional[dict] = None,
-                    context_size: Optional[int] = None) -> Path:
+                    context_size: Optional[int] = None, *, overwrite: bool = False) -> Path:
     """Write ``cfg.json``, ``sae_weights.safetensors`` and ``sae_meta.json`` into ``path`` (each by rename).
 
     A cross-layer transcoder has no SAELens form: it is written as ``clt.json`` + ``clt.safetensors``.
+    Files of those names are replaced only when they are a dictionary the workbench wrote (its
+    ``sae_meta.json``); any other (a SAELens download, a user's file) raises DictionaryError, nothing
+    written, unless ``overwrite=True``. A CLT the workbench saved in the folder goes, since the folder
+    would load as that CLT.
     """
     if getattr(sae, "cross_layer", False):
         from workbench.analysis.dictionaries.clt import save_clt
 
-        return save_clt(sae, path, extra_meta=extra_meta)
-    path = Path(path)
+        return save_clt(sae, path, extra_meta=extra_meta, overwrite=overwrite)
+    from workbench.analysis.dictionaries.clt import CONFIG_FILE as CLT_CONFIG, WEIGHTS_FILE as CLT_WEIGHTS
+    from workbench.analysis.dictionaries.clt import is_our_clt
+
+    path = _folder(path)
+    clt_files = [path / CLT_CONFIG, path / CLT_WEIGHTS]
+    refuse_foreign([path / n for n in (WEIGHTS_FILE, CFG_FILE, META_FILE)], lambda _: is_our_dictionary(path),
+                   overwrite=overwrite, what=f"saving a dictionary into {path}", error=DictionaryError)
+    refuse_foreign(clt_files, lambda _: is_our_clt(path), overwrite=overwrite,
+                   what=f"saving a dictionary into {path} (it holds a cross-layer transcoder)", error=DictionaryError)
     path.mkdir(parents=True, exist_ok=True)
     dtype = _DTYPES[sae.cfg.dtype]
     tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in sae.named_parameters()}
     if "threshold" in dict(sae.named_buffers()):
         tensors["threshold"] = sae.threshold.detach().to("cpu", dtype).contiguous()
-    meta = {"format": "workbench-dictionary", "version": 1, "config": sae.cfg.to_dict(), "metrics": sae.metrics,
+    meta = {"format": DICTIONARY_FORMAT, "version": 1, "config": sae.cfg.to_dict(), "metrics": sae.metrics,
             **(extra_meta or {})}
     # What the weights were trained on, inside the weights file itself: cfg.json (SAELens') is plain
     # text a hand can edit to another hook of the same width, and load_dictionary compares the two.
@@ -98,7 +113,26 @@ def save_dictionary(sae: Union[Dictionary, CrossLayerTranscoder], path: Union[st
     _atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata=identity))
     _atomic(path / CFG_FILE, lambda tmp: tmp.write_text(json.dumps(saelens_config(sae, context_size), indent=1)))
     _atomic(path / META_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=_json_default)))
+    for stale in clt_files:  # the folder now holds this dictionary, not the CLT saved there before
+        stale.unlink(missing_ok=True)
     _record_in_checkpoint(path)
+    return path
+
+
+def is_our_dictionary(path: Union[str, Path]) -> bool:
+    """Whether folder ``path`` holds a dictionary the workbench saved (its ``sae_meta.json`` says so)."""
+    return is_json_with(Path(path) / META_FILE, format=DICTIONARY_FORMAT)
+
+
+def _folder(path: Union[str, Path]) -> Path:
+    """``path`` as a Path to a folder that is or can be made, or DictionaryError."""
+    try:
+        path = check_path(path, "dictionary folder")
+    except ValueError as e:
+        raise DictionaryError(str(e)) from None
+    if os.path.lexists(path) and not path.is_dir():
+        raise DictionaryError(f"{path} exists and is not a folder: a dictionary is saved as a folder; choose "
+                              "another path")
     return path
 
 

@@ -50,11 +50,11 @@ from tqdm.auto import tqdm
 
 from workbench import distributed
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig, SparseActs
-from workbench.analysis.dictionaries.clt import CONFIG_FILE as CLT_CONFIG_FILE
+from workbench.analysis.dictionaries.clt import is_our_clt
 from workbench.analysis.dictionaries.clt import HOOK_IN, HOOK_OUT, CrossLayerTranscoder, clt_config
 from workbench.analysis.dictionaries.evaluate import ce_loss_recovered, reconstruction_metrics
 from workbench.analysis.dictionaries.registry import DICTIONARIES, make_dictionary
-from workbench.analysis.dictionaries.saelens import CFG_FILE, save_dictionary
+from workbench.analysis.dictionaries.saelens import is_our_dictionary, save_dictionary
 from workbench.analysis.dictionaries.topk import aux_k_loss
 from workbench.analysis.store import ActivationStore, LiveActivations, TensorActivations, hook_layer
 from workbench.training import (METRICS_FILE, TrainingDiverged, _restore_train_state, _train_state, history_csv,
@@ -450,8 +450,10 @@ def _check_out(out, resume: bool) -> Optional[Path]:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder; choose another out=")
-    if out.is_dir() and any(out.iterdir()) and not ((out / CFG_FILE).exists() or (out / CLT_CONFIG_FILE).exists()):
-        raise ValueError(f"{out} is a non-empty folder that is not a dictionary run; choose a new or empty folder")
+    # ours by its marks, not by a cfg.json: a SAELens download has one, and training over it replaced its files
+    if out.is_dir() and any(out.iterdir()) and not (is_our_dictionary(out) or is_our_clt(out)):
+        raise ValueError(f"{out} is a non-empty folder that is not a dictionary run the workbench wrote (no "
+                         "sae_meta.json or clt.json of ours); choose a new or empty folder (nothing was written)")
     if resume and not (out / STATE_JSON_FILE).exists():
         raise ValueError(f"nothing to resume in {out}: it holds no {STATE_JSON_FILE}")
     return out

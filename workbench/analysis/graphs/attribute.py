@@ -39,6 +39,7 @@ from workbench.analysis.graphs.graph import Graph, NODE_KINDS, _influence, compu
 from workbench.analysis.graphs.replacement import (AttentionOnly, Capture, FrozenRun, capture, check_conventions,
                                                    check_layout, check_model, final_read, pattern_layers,
                                                    replacement_set, targets_of)
+from workbench.analysis.graphs.spill import Spill, open_spill
 from workbench.padding import TokenBatch
 from workbench.utils import is_int
 
@@ -86,10 +87,12 @@ def attribution_graph(
     stored when they take at most 64 MB. Both give the same graph.
 
     ``spill_dir``: a folder for the edges, written as they are computed in safetensors files of
-    ``edge_chunk`` edges (``graph-edges-00000.safetensors``, ...; a batch of prompts: one
+    ``edge_chunk`` edges (``graph-edges-<run>-00000.safetensors``, ...; a batch of prompts: one
     ``prompt-{i}`` subfolder each), so at most one chunk of edges is ever in memory; the graph
     reads them back chunk by chunk for influence, pruning and subgraphs (see ``Graph.edge_files``).
-    The folder must hold no such files already; they are the caller's to delete.
+    The folder must hold no edge files already (they are the caller's to delete), and one graph at a
+    time writes into it (``spill.open_spill``: another one is refused at once); a path that is a file,
+    too long, or not writable is refused before anything is computed.
 
     ``transcoders``: a list of per-layer (skip-)transcoders or a cross-layer transcoder; None for an
     attention-only model (its replacement model is the model itself: token and logit nodes only).
@@ -123,6 +126,9 @@ def attribution_graph(
     rs = replacement_set(transcoders, model)
     check_model(model, rs)
     _check_precision(model, rs)
+    if isinstance(target, list) and not target:
+        raise ValueError("target is an empty list: give at least one target (a token, a pair (a, b), a tensor), "
+                         "or None for the top logits")
     check_finite(model, rs)  # once, before anything is computed: a NaN weight gave NaN edges or a runaway graph
     weights = fingerprint(model, rs)  # what the graph records, so bind() can refuse other weights
     warn_trained_elsewhere(model, rs, weights["model"])
@@ -131,34 +137,28 @@ def attribution_graph(
         n_heads = sum(model.blocks[l].attn.cfg.n_heads for l in pattern_layers(model))
         stored_patterns = n_heads * tokens.shape[1] ** 2 * 4 <= PATTERN_BUDGET
     was = model.training
-    model.eval()
-    try:
-        caps = capture(model, rs, tokens, mask, patterns=bool(stored_patterns), token_embedding=token_embedding,
-                       held_positions=held_positions)
-        for cap in caps:
-            check_capture_finite(cap)
-        folders = [None] * len(caps)
-        if spill_dir is not None:
-            folders = [Path(spill_dir) if single else Path(spill_dir) / f"prompt-{b}" for b in range(len(caps))]
-            for folder in folders:
-                folder.mkdir(parents=True, exist_ok=True)
-                taken = sorted(folder.glob("*edges-*.safetensors"))
-                if taken:
-                    raise ValueError(f"spill_dir {folder} already holds edge files ({taken[0].name}, ...): give an "
-                                     "empty folder (those files are not deleted or overwritten)")
-        graphs = [_attribute(model, rs, cap, target, max_n_logits, desired_logit_prob, max_feature_nodes,
-                             batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose,
-                             _EdgeStore(edge_chunk, folder, _capacity(rs, cap, target, max_n_logits, max_feature_nodes)))
-                  for cap, folder in zip(caps, folders)]
-        for graph in graphs:
-            graph.meta["fingerprint"] = dict(weights)
-        if qk:
-            from workbench.analysis.graphs.qk import qk_table
-
+    # the spill folder is checked (and locked) before any computation: open_spill refuses what it cannot own
+    with open_spill(spill_dir, None if single else tokens.shape[0]) as spills:
+        model.eval()
+        try:
+            caps = capture(model, rs, tokens, mask, patterns=bool(stored_patterns), token_embedding=token_embedding,
+                           held_positions=held_positions)
+            for cap in caps:
+                check_capture_finite(cap)
+            graphs = [_attribute(model, rs, cap, target, max_n_logits, desired_logit_prob, max_feature_nodes,
+                                 batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose,
+                                 _EdgeStore(edge_chunk, spill, _capacity(rs, cap, target, max_n_logits,
+                                                                         max_feature_nodes)))
+                      for cap, spill in zip(caps, spills)]
             for graph in graphs:
-                graph.qk = qk_table(graph, entries=qk_entries, top=qk_top)
-    finally:
-        model.train(was)
+                graph.meta["fingerprint"] = dict(weights)
+            if qk:
+                from workbench.analysis.graphs.qk import qk_table
+
+                for graph in graphs:
+                    graph.qk = qk_table(graph, entries=qk_entries, top=qk_top)
+        finally:
+            model.train(was)
     return graphs[0] if single else graphs
 
 
@@ -442,12 +442,12 @@ class _EdgeStore:
     touched), so the graph's edges end as views of it: no final concatenation doubling the peak,
     and none of the many small, differently sized row tensors that fragment the heap (glibc then
     kept several times their size resident). Where that bound is too large to reserve, chunks of
-    ``chunk_edges``. With ``spill_dir`` each full chunk is written to ``raw-edges-{i:05d}.safetensors``
-    there and dropped, so at most one chunk of edges is in memory."""
+    ``chunk_edges``. With a ``spill`` each full chunk is written to its ``raw-edges-<run>-{i:05d}.safetensors``
+    and dropped, so at most one chunk of edges is in memory."""
 
-    def __init__(self, chunk_edges: int = 1 << 20, spill_dir: Optional[Path] = None, capacity: Optional[int] = None):
-        self.chunk_edges, self.spill_dir, self.capacity = chunk_edges, spill_dir, capacity
-        self.single = spill_dir is None and capacity is not None and 12 * capacity <= _reserve_limit()
+    def __init__(self, chunk_edges: int = 1 << 20, spill: Optional[Spill] = None, capacity: Optional[int] = None):
+        self.chunk_edges, self.spill, self.capacity = chunk_edges, spill, capacity
+        self.single = spill is None and capacity is not None and 12 * capacity <= _reserve_limit()
         self.chunks: list = []  # (t, s, w) tensors, or a Path to a spilled chunk
         self.n = 0
         self._new(capacity if self.single else chunk_edges)
@@ -474,10 +474,10 @@ class _EdgeStore:
 
     def _finish(self) -> None:
         part = tuple(b[:self.fill] for b in self.buf)
-        if self.spill_dir is not None:
+        if self.spill is not None:
             from safetensors.torch import save_file
 
-            path = self.spill_dir / f"raw-edges-{len(self.chunks):05d}.safetensors"
+            path = self.spill.path("raw", len(self.chunks))
             save_file(dict(zip(("target", "source", "weight"), (p.contiguous() for p in part))), str(path))
             self.chunks.append(path)
         else:
@@ -595,7 +595,7 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
         if budget == src.n_feat:
             pending = torch.arange(src.n_feat)
         else:
-            if store.spill_dir is None:
+            if store.spill is None:
                 influence = compute_influence_sparse(_long(store.all()), n_total, logit_weights)
             else:  # chunk by chunk from the files: all the spilled edges at once would undo the spill
                 influence = _influence(lambda: map(_long, store), n_total, logit_weights)
@@ -645,12 +645,12 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
             t, s = old_to_new[t.long()], old_to_new[s.long()]
             keep = (t >= 0) & (s >= 0)
             t, s, w = t[keep].int(), s[keep].int(), w[keep].float().contiguous()
-            if store.spill_dir is None:
+            if store.spill is None:
                 parts.append((t, s, w))
                 continue
             from safetensors.torch import save_file
 
-            files.append(store.spill_dir / f"graph-edges-{len(files):05d}.safetensors")
+            files.append(store.spill.path("graph", len(files)))
             save_file({"target": t, "source": s, "weight": w}, str(files[-1]))
         targets, sources, w = (torch.cat([p[i] for p in parts]) for i in range(3))
         del parts

@@ -28,6 +28,7 @@ no error nodes), so its graph has token and logit nodes only.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -189,6 +190,24 @@ def check_model(model, rs) -> None:
         for name in (rs.hook_in(layer), rs.hook_out(layer)):
             if name not in model.hook_dict:
                 raise ValueError(f"the model has no hook {name!r}: are these the transcoders of another model?")
+    _check_widths(model, rs)
+
+
+def _check_widths(model, rs) -> None:
+    """A ValueError naming the first layer whose transcoder is not as wide as the model's hook there
+    (transcoders of another model used to fail deep inside the first product, in a raw RuntimeError)."""
+    from workbench.analysis.store import hook_shapes
+
+    hooks = [(layer, side, name) for layer in range(rs.n_layers)
+             for side, name in (("d_in", rs.hook_in(layer)), ("d_out", rs.hook_out(layer)))]
+    shapes = hook_shapes(model, sorted({name for _, _, name in hooks}))
+    for layer, side, name in hooks:
+        cfg = rs.transcoders[layer].cfg if isinstance(rs, TranscoderSet) else None
+        got = getattr(cfg, side) if cfg is not None else getattr(rs, side)
+        expected = math.prod(shapes[name])
+        if got != expected:
+            raise ValueError(f"layer {layer}: the transcoder's {side} is {got}, but the model's {name} is {expected} "
+                             "wide: these transcoders were made for another model (give this model's)")
 
 
 def frozen_hook_names(model) -> list[str]:
