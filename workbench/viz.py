@@ -401,6 +401,22 @@ def prompt_spread_figure(frame: pd.DataFrame, value: str = "delta", by: str = "l
     return fig
 
 
+def subplot_spacing(rows: int, cols: int, vertical: float = 0.12, horizontal: float = 0.08) -> tuple[float, float]:
+    """(horizontal_spacing, vertical_spacing) for ``make_subplots`` with ``rows`` x ``cols`` panels:
+    the wanted gaps, narrowed as the panels grow in number so that all the gaps of a direction
+    together take at most 40% of the figure. Plotly refuses a gap of 1 / (n - 1) or more
+    (``ValueError: Vertical spacing cannot be greater than (1 / (rows - 1))``), which a fixed gap
+    reaches at 10 rows of 0.12; a single row or column has no gap to size (its wanted value is kept).
+    """
+    if rows < 1 or cols < 1:
+        raise ValueError(f"a figure needs at least one row and one column of panels; got {rows} x {cols}")
+
+    def fit(want: float, n: int) -> float:
+        return want if n < 2 else min(want, 0.4 / (n - 1))
+
+    return fit(horizontal, cols), fit(vertical, rows)
+
+
 def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = "",
                       facet: Optional[str] = None, theme: Optional[str] = "default", units: Optional[str] = None,
                       clickable: bool = False, text: Optional[bool] = None, columns: Optional[int] = None,
@@ -424,9 +440,10 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     panels = sorted(frame[facet].unique()) if facet else [None]
     per_row = min(len(panels), columns or len(panels))
     n_rows = -(-len(panels) // per_row)
+    across, down = subplot_spacing(n_rows, per_row, vertical=row_gap, horizontal=0.08)
     fig = make_subplots(rows=n_rows, cols=per_row, subplot_titles=[str(p) for p in panels] if facet else None,
-                        horizontal_spacing=0.08 if per_row > 1 else 0.06,
-                        vertical_spacing=row_gap if n_rows > 1 else 0.12)
+                        horizontal_spacing=across if per_row > 1 else 0.06,
+                        vertical_spacing=down if n_rows > 1 else 0.12)
     diverging = bool((frame[value] < 0).any() and (frame[value] > 0).any())
     limit = float(frame[value].abs().max()) or 1.0
     # 10 px cell text needs about 30 px a cell: up to 12 cells across the figure (hover has them all).
@@ -459,6 +476,8 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     axis = dict(colorscale=DIVERGING, cmid=0, cmin=-limit, cmax=limit) if diverging else dict(colorscale=SEQUENTIAL)
     fig.update_layout(coloraxis={**axis, "colorbar": dict(title=units or value)}, title=title or value,
                       template=_template(theme))
+    if n_rows > 2:  # many rows of panels: each keeps about 200 px instead of sharing plotly's default 450
+        fig.update_layout(height=120 + 220 * n_rows)
     if clickable:
         # Every click lands on the nearest cell's point, wherever in the cell it is.
         fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
@@ -780,7 +799,7 @@ def layer_head_over_training(frame: pd.DataFrame, value: str = "score", title: s
     kinds = list(dict.fromkeys(frame["kind"])) if "kind" in frame else [None]
     steps = sorted(frame["step"].unique())
     fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=[str(k) for k in kinds] if kinds[0] else None,
-                        horizontal_spacing=0.08)
+                        horizontal_spacing=subplot_spacing(1, len(kinds))[0])
     for i, step in enumerate(steps):
         for c, kind in enumerate(kinds, 1):
             part = frame[(frame["step"] == step) & ((frame["kind"] == kind) if kind is not None else True)]
@@ -1227,7 +1246,7 @@ def fourier_norms_figure(norms: pd.DataFrame, matrix: str = "embed", title: str 
     if part.empty:
         raise ValueError(f"no rows for matrix={matrix!r}; the table has {sorted(norms.matrix.unique())}")
     steps = sorted(part.step.unique()) if "step" in part else [None]
-    fig = make_subplots(rows=len(steps), cols=1, shared_xaxes=True, vertical_spacing=0.08,
+    fig = make_subplots(rows=len(steps), cols=1, shared_xaxes=True, vertical_spacing=subplot_spacing(len(steps), 1, 0.08)[1],
                         subplot_titles=[f"epoch {s}" if s is not None else "" for s in steps])
     for i, step in enumerate(steps, start=1):
         rows = part if step is None else part[part.step == step]
