@@ -840,6 +840,48 @@ def _circuit_position(label: str, n_layers: int, n_heads: int) -> tuple[float, f
     return 2.0 * layer + 1.6, float(n_heads)
 
 
+EDGE_BEND = 0.35  # how far apart (in heads) the middles of two edges between the same two nodes are drawn
+
+
+def _edge_bends(edges: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(each edge's bend, whether it shares both ends with another edge): bend 0 for an edge alone
+    between its two nodes; edges that share both ends (a head's q, k and v inputs from one sender,
+    the K-composition among them) fan out EDGE_BEND apart, in the order q, k, v, MLP, logits, so
+    none is drawn over another (the middle one of an odd count stays straight)."""
+    order = {kind: j for j, kind in enumerate(INPUT_COLOURS)}
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i in range(len(edges)):
+        groups.setdefault((edges["sender"].iloc[i], edges["receiver"].iloc[i].split(".")[0]), []).append(i)
+    bends, shared = np.zeros(len(edges)), np.zeros(len(edges), dtype=bool)
+    for members in groups.values():
+        shared[members] = len(members) > 1
+        members = sorted(members, key=lambda i: order.get(edges["input"].iloc[i], len(order)))
+        for j, i in enumerate(members):
+            bends[i] = (j - (len(members) - 1) / 2) * EDGE_BEND
+    return bends, shared
+
+
+def _bent_edge(start: tuple[float, float], end: tuple[float, float], bend: float, points: int = 21):
+    """(xs, ys) of the quadratic curve from ``start`` to ``end`` whose middle sits ``bend`` off the
+    straight line (to its left, going from start to end); a straight line for bend 0."""
+    (x0, y0), (x1, y1) = start, end
+    if not bend:
+        return [x0, x1], [y0, y1]
+    length = float(np.hypot(x1 - x0, y1 - y0)) or 1.0
+    nx, ny = -(y1 - y0) / length, (x1 - x0) / length
+    cx, cy = (x0 + x1) / 2 + 2 * bend * nx, (y0 + y1) / 2 + 2 * bend * ny  # the curve's middle: half way to this
+    t = np.linspace(0.0, 1.0, points)
+    xs = (1 - t) ** 2 * x0 + 2 * (1 - t) * t * cx + t ** 2 * x1
+    ys = (1 - t) ** 2 * y0 + 2 * (1 - t) * t * cy + t ** 2 * y1
+    return xs.tolist(), ys.tolist()
+
+
+def _middle(values: list) -> float:
+    """The middle point's coordinate of a line drawn through ``values`` (an odd count has one)."""
+    n = len(values)
+    return float(values[n // 2]) if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
 def circuit_figure(edges: pd.DataFrame, title: str = "Circuit", theme: str = "light") -> go.Figure:
     """A circuit as a layered graph, from ``Circuit.to_frame()`` (or any table with sender, receiver,
     input and, optionally, score columns: line width follows |score|).
@@ -847,6 +889,8 @@ def circuit_figure(edges: pd.DataFrame, title: str = "Circuit", theme: str = "li
     Nodes sit by layer (left to right) and head (top to bottom); an edge's colour names the input it
     feeds (a head's q, k or v, an MLP, the logits), so K-composition reads as a red line between two
     heads. Every head of the model is drawn faintly when the table's ``attrs`` give n_layers and n_heads.
+    Edges between the same two nodes (a head's q, k and v from one sender) are bent apart and each
+    is named on its curve.
     """
     missing = [c for c in ("sender", "receiver", "input") if c not in edges]
     if missing:
@@ -864,18 +908,22 @@ def circuit_figure(edges: pd.DataFrame, title: str = "Circuit", theme: str = "li
         xs, ys = zip(*[(2.0 * l + 1, float(h)) for l in range(n_layers) for h in range(n_heads)])
         fig.add_scatter(x=xs, y=ys, mode="markers", marker=dict(size=9, color="rgba(128,128,128,0.25)"),
                         hoverinfo="skip", showlegend=False)
+    ends = [(_circuit_position(edges["sender"].iloc[i], n_layers, n_heads),
+             _circuit_position(edges["receiver"].iloc[i].split(".")[0], n_layers, n_heads)) for i in range(len(edges))]
+    bends, shared = _edge_bends(edges)
+    curves = [_bent_edge(a, b, bend) for (a, b), bend in zip(ends, bends)]
     for kind, colour in INPUT_COLOURS.items():
         part = np.nonzero((edges["input"] == kind).to_numpy())[0]
         if not len(part):
             continue
         for i in part:  # one line per edge: widths differ
-            (x0, y0), (x1, y1) = (_circuit_position(edges["sender"].iloc[i], n_layers, n_heads),
-                                  _circuit_position(edges["receiver"].iloc[i].split(".")[0], n_layers, n_heads))
-            fig.add_scatter(x=[x0, x1], y=[y0, y1], mode="lines", line=dict(color=colour, width=1 + 5 * score[i] / top),
+            xs, ys = curves[i]
+            fig.add_scatter(x=xs, y=ys, mode="lines", line=dict(color=colour, width=1 + 5 * score[i] / top),
                             legendgroup=kind, name=kind, showlegend=bool(i == part[0]), hoverinfo="skip")
-        mids = [tuple((a + b) / 2 for a, b in zip(_circuit_position(edges["sender"].iloc[i], n_layers, n_heads),
-                                                  _circuit_position(edges["receiver"].iloc[i].split(".")[0], n_layers,
-                                                                    n_heads))) for i in part]
+            if shared[i]:  # edges drawn apart between the same two nodes are each named on their line
+                fig.add_annotation(x=_middle(xs), y=_middle(ys), text=kind, showarrow=False, font=dict(size=10, color=colour),
+                                   bgcolor="rgba(255,255,255,0.8)", borderpad=0)
+        mids = [(_middle(curves[i][0]), _middle(curves[i][1])) for i in part]
         text = [f"{edges['sender'].iloc[i]} -> {edges['receiver'].iloc[i]}"
                 + (f"<br>score {edges['score'].iloc[i]:.4g}" if "score" in edges else "") for i in part]
         fig.add_scatter(x=[m[0] for m in mids], y=[m[1] for m in mids], mode="markers", text=text,
