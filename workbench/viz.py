@@ -1313,19 +1313,62 @@ GRAPH_COLOURS = {"token": "#7f7f7f", "feature": "#ff7f0e", "error": "#2ca02c", "
 _WIDTH_BINS = 4  # edges are drawn in this many widths per sign: one trace each, not one per edge
 
 
-def _graph_layout(nodes: pd.DataFrame, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
-    """x = position (the nodes of one layer and position spread across its cell), y = layer
-    (token embeddings below layer 0, the logits above the last layer)."""
+GRAPH_PLOT_WIDTH = 1100  # px: about the plot area of a figure across a wide page (the app's)
+_GRAPH_GAP = 16  # px between the centres of two nodes of one cell, so each stays a target of its own
+_GRAPH_CROWDED_SIZE = 12  # px: the largest node of a cell that needs its nodes in a grid
+_CELL_WIDTH, _CELL_HEIGHT = 0.76, 0.6  # of a position's width and a layer's height: where a cell's nodes go
+
+
+def _spread(n: int) -> np.ndarray:
+    """``n`` offsets across [-1/2, 1/2], the middle ones first (the most influential in the middle)."""
+    offsets = np.linspace(-0.5, 0.5, n) if n > 1 else np.zeros(1)
+    return offsets[np.argsort(np.abs(offsets), kind="stable")]
+
+
+def _graph_grid(nodes: pd.DataFrame, n_layers: int, width: int = GRAPH_PLOT_WIDTH):
+    """(x, y, crowded, px per layer) of ``_graph_layout``: the nodes of one (layer, position) cell
+    are spread across the cell, a row of them at most as many as stay ``_GRAPH_GAP`` px apart, then
+    more rows within the layer's band (``crowded`` marks those nodes; the figure grows taller so the
+    rows stay ``_GRAPH_GAP`` px apart too). The logits, in a row of their own, sit a position (or
+    a node's width) apart leftwards from their position, the largest weight at it."""
     y = nodes["layer"].to_numpy(dtype=float).copy()
     y[(nodes["kind"] == "token").to_numpy()] = -1.0
-    y[(nodes["kind"] == "logit").to_numpy()] = float(n_layers)
+    logit = (nodes["kind"] == "logit").to_numpy()
+    y[logit] = float(n_layers)
     x = nodes["pos"].to_numpy(dtype=float).copy()
-    for _, index in nodes.groupby([y, x]).groups.items():
+    positions = max(int(nodes["pos"].max()) + 1, 1) if len(nodes) else 1
+    per_position = width / positions  # px
+    across = max(1, int(_CELL_WIDTH * per_position / _GRAPH_GAP) + 1)
+    weight = nodes["influence"].to_numpy(dtype=float).copy()
+    if "logit_weight" in nodes:
+        weight[logit] = nodes["logit_weight"].to_numpy(dtype=float)[logit]
+    crowded = np.zeros(len(nodes), dtype=bool)
+    rows_needed = 1
+    for (row_y, _), index in nodes.groupby([y, x]).groups.items():
         rows = np.asarray([nodes.index.get_loc(i) for i in index])
-        if len(rows) > 1:  # most influential in the middle of the cell
-            order = rows[np.argsort(-nodes["influence"].to_numpy()[rows], kind="stable")]
-            offsets = np.linspace(-0.38, 0.38, len(rows))
-            x[order] = x[order] + offsets[np.argsort(np.abs(offsets), kind="stable")]
+        if len(rows) < 2:
+            continue
+        order = rows[np.argsort(-weight[rows], kind="stable")]
+        if row_y == n_layers and logit[rows].all():  # the targets: their own row, a position apart
+            step = max(1.0, 2 * _GRAPH_GAP / per_position)
+            x[order] = x[order] - step * np.arange(len(order))
+            continue
+        cols = min(len(order), across)
+        n_rows = -(-len(order) // cols)
+        rows_needed = max(rows_needed, n_rows)
+        x[order] += _CELL_WIDTH * _spread(cols)[np.arange(len(order)) % cols]
+        if n_rows > 1:
+            y[order] += _CELL_HEIGHT * _spread(n_rows)[np.arange(len(order)) // cols]
+            crowded[order] = True
+    per_layer = max(90.0, rows_needed * _GRAPH_GAP / _CELL_HEIGHT)
+    return x, y, crowded, per_layer
+
+
+def _graph_layout(nodes: pd.DataFrame, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """x = position (the nodes of one layer and position spread across its cell, in rows when they
+    are many), y = layer (token embeddings below layer 0, the logits above the last layer, spread
+    along their row)."""
+    x, y, _, _ = _graph_grid(nodes, n_layers)
     return x, y
 
 
@@ -1347,7 +1390,7 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
     inner = nodes["kind"].isin(["feature", "error", "supernode"])
     n_layers = int(nodes.loc[nodes["kind"] == "logit", "layer"].max()) if (nodes["kind"] == "logit").any() else \
         int(nodes.loc[inner, "layer"].max(initial=0)) + 1
-    x, y = _graph_layout(nodes, n_layers)
+    x, y, crowded, per_layer = _graph_grid(nodes, n_layers)
     fig = go.Figure()
     weight = edges["weight"].to_numpy(dtype=float)
     top = float(np.abs(weight).max()) if len(weight) else 1.0
@@ -1372,6 +1415,7 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
         influence[logit] = nodes["logit_weight"].to_numpy(dtype=float)[logit]
     scale = float(influence.max()) if len(influence) and influence.max() > 0 else 1.0
     size = 7 + 23 * np.sqrt(np.clip(influence, 0, None) / scale)
+    size[crowded] = np.minimum(size[crowded], _GRAPH_CROWDED_SIZE)  # a grid of nodes: none covers its neighbour
     labels = nodes["label"].astype(str) if "label" in nodes else pd.Series([""] * len(nodes))
     for kind, symbol in GRAPH_SYMBOLS.items():
         part = np.nonzero((nodes["kind"] == kind).to_numpy())[0]
@@ -1391,11 +1435,13 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
     positions = sorted(set(nodes["pos"].tolist()))
     ticktext = [f"{p}: {str_tokens[p]!r}" if str_tokens is not None and p < len(str_tokens) else str(p) for p in positions]
     fig.update_xaxes(tickvals=positions, ticktext=ticktext, title_text="position", showgrid=False, zeroline=False)
+    # A fixed y range and margins: a layer is then ``per_layer`` px tall, as the layout planned its rows.
     fig.update_yaxes(tickvals=list(range(-1, n_layers + 1)),
                      ticktext=["embed", *(f"L{layer}" for layer in range(n_layers)), "logits"], title_text="layer",
-                     zeroline=False)
-    fig.update_layout(title=title, template=_template(theme), height=260 + 90 * n_layers, clickmode="event+select",
-                      dragmode=False, hovermode="closest", legend=dict(orientation="h", y=-0.25))
+                     zeroline=False, range=[-1.5, n_layers + 0.5])
+    fig.update_layout(title=title, template=_template(theme), height=int(180 + per_layer * (n_layers + 2)),
+                      margin=dict(t=60, b=120), clickmode="event+select",
+                      dragmode=False, hovermode="closest", legend=dict(orientation="h", yref="container", y=0.0, yanchor="bottom"))
     return fig
 
 
