@@ -1143,10 +1143,12 @@ STEP_MARK = "#e377c2"
 
 
 def live_loss_figure(history: list[dict], total_steps: int, max_points: int = 400,
-                     theme: Optional[str] = "default") -> go.Figure:
+                     theme: Optional[str] = "default", chance: Optional[float] = None) -> go.Figure:
     """The loss of a run in progress: ``history`` rows (``step``, ``train_loss``) on an x axis of
     the whole run (0 to ``total_steps``) from the first point, lines and markers so one point shows,
-    at most ``max_points`` drawn (evenly thinned; the last row always)."""
+    at most ``max_points`` drawn (evenly thinned; the last row always). ``chance`` (ln of the
+    vocabulary: a uniform guess, where an untrained model starts) is drawn as a dashed line, so a
+    curve that has not left it reads as a model that has learned nothing yet."""
     if not history:
         raise ValueError("no rows yet: draw the figure once the run has logged a step")
     every = -(-len(history) // max_points)
@@ -1156,6 +1158,9 @@ def live_loss_figure(history: list[dict], total_steps: int, max_points: int = 40
                                hovertemplate="step %{x}<br>loss %{y:.4f}<extra></extra>"))
     fig.update_xaxes(title="step", range=[0, max(1, total_steps)], tickformat="d")
     fig.update_yaxes(title="train loss (nats)", rangemode="tozero")
+    if chance is not None:
+        fig.add_hline(y=chance, line=dict(color="#7f7f7f", dash="dash", width=1),
+                      annotation_text=f"chance (uniform guess): {chance:.2f}", annotation_position="bottom right")
     fig.update_layout(title=f"Training loss, step {history[-1]['step']} of {total_steps}", height=280,
                       template=_template(theme), margin=dict(t=40, b=40))
     return fig
