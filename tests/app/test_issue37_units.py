@@ -201,19 +201,22 @@ def test_a_link_opens_the_graph_page_on_its_view(app, checkpoints_dir, monkeypat
 
 
 # ---- 4. defaults that show something -----------------------------------------------------------------
-def test_the_features_page_opens_on_a_feature_active_on_its_prompt(app, checkpoints_dir):
-    from workbench.analysis import load_dictionary, prompt_feature_activations
+def test_the_features_page_opens_on_the_feature_most_active_on_its_prompt(app, checkpoints_dir):
+    from workbench.analysis import load_dictionary
+    from workbench.analysis.features import feature_activations
 
     at = app("Features")
     assert not at.exception
     feature = at.selectbox(key="feat_id").value
+    listed = [int(o.split(" ")[0].lstrip("#")) for o in at.selectbox(key="feat_id").options]
     model, tok = wb.load_checkpoint(checkpoints_dir / "stories-2026")
     folder = checkpoints_dir / "stories-2026" / "saes" / at.selectbox(key="feat_dict").value
     sae = load_dictionary(str(folder))
     ids = tok.encode(at.text_area(key="prompt").value)
     with torch.no_grad():
-        acts = prompt_feature_activations(model, sae, torch.tensor([ids]), feature=feature)
-    assert acts["activation"].iloc[1:].max() > 0, f"feature {feature} fires on the prompt"
+        peak = feature_activations(model, sae, torch.tensor([ids]))[0, 1:].max(dim=0).values
+    best = max(listed, key=lambda f: float(peak[f]))
+    assert float(peak[best]) > 0 and feature == best, (feature, float(peak[feature]), best, float(peak[best]))
 
 
 def test_build_and_train_defaults_to_a_run_that_learns_and_draws_chance(app):
