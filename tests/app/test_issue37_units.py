@@ -297,3 +297,9 @@ def test_pages_log_no_stack_trace_or_deprecation_when_used_and_revisited(app, lo
     at.run()
     assert not at.exception
     assert logged == []
+
+
+def test_compare_opens_with_the_same_checkpoint_as_a_and_b(app):
+    at = app("Compare")
+    at.selectbox(key="ckpt_b").set_value(at.selectbox(key="ckpt").value).run()  # raised StreamlitDuplicateElementKey
+    assert not at.exception, [e.value for e in at.exception]
