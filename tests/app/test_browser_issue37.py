@@ -57,7 +57,8 @@ def test_a_sweep_of_thirty_panels_draws(page, server):
 
 
 EDGES = """() => {
-  const plot = [...document.querySelectorAll('.js-plotly-plot')].find(p => (p.layout.title.text || '').startsWith('EAP'));
+  const plot = [...document.querySelectorAll('.js-plotly-plot')].find(
+    p => (p.querySelector('.gtitle') || {}).textContent?.startsWith('EAP (edge attribution patching)'));
   const near = (a, b) => Math.abs(a - b) < 1e-6;
   const lines = plot.data.filter(t => t.mode === 'lines' && t.x.length >= 2 && near(t.x[0], 1) && near(t.y[0], 2)
                                  && near(t.x[t.x.length - 1], 3) && near(t.y[t.y.length - 1], 1));
