@@ -303,3 +303,22 @@ def test_compare_opens_with_the_same_checkpoint_as_a_and_b(app):
     at = app("Compare")
     at.selectbox(key="ckpt_b").set_value(at.selectbox(key="ckpt").value).run()  # raised StreamlitDuplicateElementKey
     assert not at.exception, [e.value for e in at.exception]
+
+
+@pytest.mark.parametrize("args,address", [([], "127.0.0.1"), (["--server.address", "0.0.0.0"], "0.0.0.0")])
+def test_workbench_sh_app_binds_to_localhost_unless_told(monkeypatch, args, address):
+    import sys
+
+    from streamlit.web import cli
+
+    from ui import serve
+
+    seen = {}
+    monkeypatch.setattr(serve, "preload", lambda argv: "preloaded")
+    monkeypatch.setattr(cli, "main", lambda: seen.setdefault("argv", list(sys.argv)) and 0)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit):
+        serve.main([*args, "--", "--checkpoints", "x"])
+    argv = seen["argv"]
+    assert argv[argv.index("--server.address") + 1] == address and argv.count("--server.address") == 1
+    assert argv[-3:] == ["--", "--checkpoints", "x"]
