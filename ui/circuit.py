@@ -84,8 +84,9 @@ def render() -> None:
 def _prompts(ckpt: common.Checkpoint, sources: dict[str, str]):
     a, b, c = st.columns([3, 2, 1])
     source = a.selectbox("Prompt set", list(sources), key="circuit_source", format_func=sources.get)
-    n = b.slider("Prompt pairs", 2, 64, 8, key="circuit_n")
-    seed = c.number_input("Seed", 0, 10_000, 0, key="circuit_seed")
+    _defaults(circuit_n=8, circuit_seed=0)
+    n = b.slider("Prompt pairs", 2, 64, key="circuit_n")
+    seed = c.number_input("Seed", 0, 10_000, key="circuit_seed")
     try:
         prompts = common.analysis(circuit_prompts, ckpt.key, None, meta=ckpt.meta, source=source, n=n,
                                   seed=int(seed), path=ckpt.path)
@@ -113,10 +114,19 @@ def _known(ckpt: common.Checkpoint) -> Optional[Circuit]:
     return circuit
 
 
+def _defaults(**values) -> None:
+    """Each widget's first value, given through the session state and not as the widget's default:
+    app.py re-sets these keys on every run (PERSISTENT), and Streamlit logs a warning with a stack
+    trace for a widget that has both a default and a value set through the session state."""
+    for key, value in values.items():
+        st.session_state.setdefault(key, value)
+
+
 def _settings(n_edges: int) -> dict:
     a, b, c, d, e, f = st.columns([3, 3, 2, 2, 3, 2])
     # EAP by default: one pass, and it keeps the top k edges (ACDC prunes at a threshold and has no k).
-    method = a.selectbox("Method", list(METHODS), key="circuit_method", format_func=METHODS.get, index=1)
+    _defaults(circuit_method="eap", circuit_top_k=min(TOP_K, n_edges), circuit_threshold=0.05, circuit_steps=8)
+    method = a.selectbox("Method", list(METHODS), key="circuit_method", format_func=METHODS.get)
     other = b.selectbox("Compare with", [NONE, *METHODS], key="circuit_method_b",
                         format_func=lambda m: METHODS.get(m, m))
     methods = [method] + ([other] if other not in (NONE, method) else [])
@@ -131,17 +141,17 @@ def _settings(n_edges: int) -> dict:
     if keep == "top_k":
         if st.session_state.get("circuit_top_k", 0) > n_edges:  # kept from a checkpoint with more edges
             st.session_state["circuit_top_k"] = n_edges
-        top_k = int(d.number_input("Top k edges", 1, n_edges, min(TOP_K, n_edges), key="circuit_top_k",
+        top_k = int(d.number_input("Top k edges", 1, n_edges, key="circuit_top_k",
                                    help=f"The k edges of largest |score| (1 to {n_edges}, this graph's edge count); "
                                         "edges that then connect to nothing are pruned, so a few may go."))
     threshold = 0.05
     if keep == "threshold" or "acdc" in methods:
-        threshold = e.number_input("Threshold (fraction of the gap; nats for KL)", 0.0, 10.0, 0.05, step=0.01,
+        threshold = e.number_input("Threshold (fraction of the gap; nats for KL)", 0.0, 10.0, step=0.01,
                                    format="%.3f", key="circuit_threshold",
                                    help="ACDC prunes an edge whose removal moves the metric by less than this; "
                                         "with *score threshold* the scoring methods keep edges whose |score| "
                                         "reaches it.")
-    steps = f.number_input("EAP-IG steps", 1, 64, 8, key="circuit_steps")
+    steps = f.number_input("EAP-IG steps", 1, 64, key="circuit_steps")
     return {"methods": methods, "threshold": float(threshold), "top_k": top_k, "steps": int(steps)}
 
 

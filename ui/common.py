@@ -74,6 +74,48 @@ def checkpoints_root(argv: Optional[list[str]] = None) -> Path:
     return Path(root).expanduser().resolve()
 
 
+ALLOW_ANY_PATH_ENV = "WORKBENCH_ALLOW_ANY_PATH"
+
+
+def allow_any_path(argv: Optional[list[str]] = None) -> bool:
+    """Whether "Another directory…" may open any folder on the server: ``--allow-any-path`` after
+    ``--`` on the command line, or $WORKBENCH_ALLOW_ANY_PATH=1. Off by default: whoever reaches the
+    app could otherwise make the server read any folder it can."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--allow-any-path", action="store_true")
+    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return args.allow_any_path or os.environ.get(ALLOW_ANY_PATH_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def path_refusal(path: str, root: Optional[Path] = None, uploads: Optional[Path] = None,
+                 argv: Optional[list[str]] = None) -> Optional[str]:
+    """Why "Another directory…" may not open ``path`` (None when it may): only folders under the
+    checkpoints folder ``root`` (also under the targets of the links directly in it, as a test's
+    folder of links to the shipped checkpoints) or under this session's ``uploads`` folder, unless
+    the server was started with ``--allow-any-path``. A Hugging Face hub id that is not a folder
+    is let through: it opens the hub's own cache, not a path the user names."""
+    from workbench.interop.hub import looks_like_hub_id
+
+    if allow_any_path(argv):
+        return None
+    root = (root or checkpoints_root(argv)).resolve()
+    p = Path(path).expanduser()
+    if not p.is_absolute() and not p.exists() and looks_like_hub_id(path):
+        return None
+    try:
+        real = p.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        return f"Cannot open `{path}`: {e}."
+    allowed = [root] + ([uploads.resolve()] if uploads is not None else [])
+    if root.is_dir():
+        allowed += [entry.resolve() for entry in root.iterdir() if entry.is_symlink()]
+    if any(real == a or real.is_relative_to(a) for a in allowed):
+        return None
+    return (f"`{path}` is outside the checkpoints folder `{root}`: this server opens only folders under it, or "
+            "an upload. To open any folder, start the app with `streamlit run app.py -- --allow-any-path` "
+            f"(or ${ALLOW_ANY_PATH_ENV}=1), on a machine only you can reach.")
+
+
 def is_checkpoint(path: Path) -> bool:
     """A workbench checkpoint (or a Hugging Face model directory, which loads the same way)."""
     return (path / CONFIG_FILE).is_file() and any(path.glob("*.safetensors"))
@@ -236,6 +278,11 @@ def checkpoint_picker(label: str, key: str, where=None, default: Optional[str] =
         path = where.text_input("Checkpoint directory", key=f"{key}_dir", placeholder="/path/to/checkpoint")
         if not path.strip():
             where.info("Type the path of a checkpoint directory.")
+            return None
+        folder = st.session_state.get("_upload_folder")
+        refusal = path_refusal(path.strip(), uploads=folder.path if folder is not None else None)
+        if refusal is not None:
+            where.error(refusal)
             return None
         ckpt = load(path.strip(), where=where)
     else:

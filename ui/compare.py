@@ -69,31 +69,32 @@ def render() -> None:
         common.show(viz.token_loss_figure({a.name: loss_a, b.name: loss_b}, colours=colours), key="compare_loss")
     else:
         st.caption("The two models read different prompts (or split them differently), so each gets its own plot.")
-        for c, losses in ((a, loss_a), (b, loss_b)):
+        for side, c, losses in (("a", a, loss_a), ("b", b, loss_b)):
             common.show(viz.token_loss_figure({c.name: losses}, title=f"Per-token loss, {c.name}", colours=colours),
-                        key=f"compare_loss_{c.name}")
+                        key=f"compare_loss_{side}")
 
     tabs = st.tabs(["Head scores", "Attention grids", "Lens"], key="compare_tab", on_change="rerun")
     if tabs[0].open:
         with tabs[0]:
             st.caption("Head scores on repeated random tokens (where induction and duplicate-token heads show).")
-            for c in (a, b):
+            # Keys name the side, not the checkpoint: A and B can be the same checkpoint.
+            for side, c in (("a", a), ("b", b)):
                 fig = viz.head_scores_figure(common.analysis(head_scores, c.key, None))
                 fig.update_layout(title=f"Head scores of {c.name}")
-                common.show(fig, key=f"compare_scores_{c.name}")
+                common.show(fig, key=f"compare_scores_{side}")
     if tabs[1].open:
         with tabs[1]:
-            for c, ids in ((a, ids_a), (b, ids_b)):
+            for side, c, ids in (("a", a, ids_a), ("b", b, ids_b)):
                 fig = viz.attention_grid(common.analysis(attention_patterns, c.key, ids))
                 fig.update_layout(title=f"Every head of {c.name}")
-                common.show(fig, key=f"compare_grid_{c.name}")
+                common.show(fig, key=f"compare_grid_{side}")
     if tabs[2].open:
         with tabs[2]:
-            for c, ids in ((a, ids_a), (b, ids_b)):
-                which = common.lens_picker(c, key=f"compare_lens_kind_{c.name}")
+            for side, c, ids in (("a", a, ids_a), ("b", b, ids_b)):
+                which = common.lens_picker(c, key=f"compare_lens_kind_{side}_{c.name}")
                 fig = viz.logit_lens_figure(common.lens_table(c, ids, which))
                 fig.update_layout(title=f"{which.capitalize()} lens of {c.name}")
-                common.show(fig, key=f"compare_lens_{c.name}")
+                common.show(fig, key=f"compare_lens_{side}")
 
 
 def _prompt_for_b(b: common.Checkpoint, text: str, a_default: bool = False):

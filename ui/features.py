@@ -42,7 +42,7 @@ from workbench.analysis import (
     task_from_meta,
 )
 from workbench.analysis.dictionaries.saelens import CFG_FILE, WEIGHTS_FILE
-from workbench.analysis.features import dataset_tokens
+from workbench.analysis.features import dataset_tokens, feature_activations
 
 SORTS = {"density": "density", "max activation": "max_activation", "mean activation": "mean_activation",
          "feature id": "feature"}
@@ -72,7 +72,7 @@ def render() -> None:
         return
     data = _dataset(ckpt, ids)
     table = run(feature_table, ckpt.key, sae_ref, data, n_sequences=data[1] if data[0] == "task" else 1)
-    chosen = _search(ckpt, sae_ref, data, table)
+    chosen = _search(ckpt, sae_ref, data, table, ids)
     if chosen is None:
         return
     _card(ckpt, sae_ref, data, table, chosen, ids)
@@ -168,7 +168,16 @@ def run(fn: Callable, key: tuple[str, int], sae_ref: tuple[str, int], data: Opti
 
 
 # ---- search and sort -----------------------------------------------------------------------------
-def _search(ckpt: common.Checkpoint, sae_ref, data, table) -> Optional[int]:
+def most_active(acts: torch.Tensor, options: list[int]) -> Optional[int]:
+    """The feature among ``options`` with the largest activation anywhere on the prompt after its
+    first token (``feature_activations``' [1, pos, d_sae]); None when none of them fires there."""
+    peak = acts[0, 1:] if acts.shape[1] > 1 else acts[0]
+    peak = peak.max(dim=0).values
+    best = max(options, key=lambda f: float(peak[f]), default=None)
+    return best if best is not None and float(peak[best]) > 0 else None
+
+
+def _search(ckpt: common.Checkpoint, sae_ref, data, table, ids: tuple[int, ...]) -> Optional[int]:
     st.subheader("Find a feature")
     a, b, c = st.columns([2, 1, 2])
     by = SORTS[a.selectbox("Sort by", list(SORTS), key="feat_sort", persist_state="session")]
@@ -195,8 +204,12 @@ def _search(ckpt: common.Checkpoint, sae_ref, data, table) -> Optional[int]:
         st.info("No feature matches.")
         return None
     options = shown.feature.head(MAX_OPTIONS).tolist()
+    # The card opens on a feature that fires on the prompt (the first of the list may never fire there),
+    # until the user picks one; a new prompt or dictionary opens its own.
+    active = most_active(run(feature_activations, ckpt.key, sae_ref, ("prompt", ids)), options)
+    common.follow_default("feat_id", active if active is not None else options[0], (sae_ref, ids))
     if st.session_state.get("feat_id") not in options:
-        st.session_state["feat_id"] = options[0]
+        st.session_state["feat_id"] = active if active is not None else options[0]
     labels = {f: f"#{f} · density {d:.2%} · max {m:.2f} · {c[-40:]}" for f, d, m, c in
               zip(table.feature, table.density, table.max_activation, table.top_context)}
     return st.selectbox("Feature", options, key="feat_id", persist_state="session", format_func=labels.__getitem__)

@@ -21,6 +21,7 @@ import functools
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import pandas as pd
 import streamlit as st
@@ -121,8 +122,15 @@ def render() -> None:
                 "transcoders with `python scripts/make_transcoders.py` (see docs/reference/cross-layer-transcoders.md).")
         return
     names = list(options)
-    name = st.selectbox("Checkpoint (with transcoders, or attention-only)", names, key="graph_ckpt", persist_state="session",
-                        index=names.index(common.DEFAULT_CHECKPOINT) if common.DEFAULT_CHECKPOINT in names else 0)
+    _open_link(names)
+    # First values through the session state, not as the widgets' defaults: a link sets them too, and
+    # Streamlit logs a stack trace for a widget with both.
+    if st.session_state.get("graph_ckpt") not in names:
+        st.session_state["graph_ckpt"] = common.DEFAULT_CHECKPOINT if common.DEFAULT_CHECKPOINT in names else names[0]
+    for key, value in (("graph_max_nodes", 128), ("graph_node_threshold", 0.8), ("graph_edge_threshold", 0.98)):
+        st.session_state.setdefault(key, value)
+    name = st.selectbox("Checkpoint (with transcoders, or attention-only)", names, key="graph_ckpt",
+                        persist_state="session")
     ckpt = common.load(options[name], name=name)
     if ckpt is None:
         return
@@ -137,12 +145,12 @@ def render() -> None:
     if target is False:
         return
     a, b, c = st.columns(3)
-    max_nodes = a.select_slider("Feature rows (max)", MAX_NODES, value=128, key="graph_max_nodes",
+    max_nodes = a.select_slider("Feature rows (max)", MAX_NODES, key="graph_max_nodes",
                                 persist_state="session",
                                 help="How many features, most influential first, get their incoming edges computed.")
-    node_threshold = b.slider("Node threshold", 0.5, 1.0, 0.8, 0.01, key="graph_node_threshold",
+    node_threshold = b.slider("Node threshold", 0.5, 1.0, step=0.01, key="graph_node_threshold",
                               persist_state="session", help="Keep the nodes holding this share of the influence.")
-    edge_threshold = c.slider("Edge threshold", 0.5, 1.0, 0.98, 0.01, key="graph_edge_threshold",
+    edge_threshold = c.slider("Edge threshold", 0.5, 1.0, step=0.01, key="graph_edge_threshold",
                               persist_state="session", help="Keep the edges holding this share of the edge influence.")
     try:
         full = _graph(ckpt.key, ref, ids, target, max_nodes)
@@ -151,6 +159,7 @@ def render() -> None:
         st.error(f"Cannot build this graph: {e}")
         return
     _summary(full, pruned)
+    _export(full, name, node_threshold, edge_threshold)
     groups = _supernodes(nodes)
     drawn_nodes, drawn_edges = nodes, edges
     if groups:
@@ -174,6 +183,79 @@ def render() -> None:
         return
     opened = _card(ckpt, ref, nodes, features)
     _intervene(ckpt, pruned, nodes, features, target, opened)
+
+
+# ---- export and a link to this view -------------------------------------------------------------------
+# What a link keeps: the page's widgets, in the URL (?page=Graph&graph_ckpt=...), read on a session's first run.
+LINK_KEYS = ("graph_ckpt", "graph_kind", "graph_prompt", "graph_target", "graph_answer", "graph_wrong",
+             "graph_max_nodes", "graph_node_threshold", "graph_edge_threshold", "graph_node")
+
+
+def view_link(state) -> str:
+    """The query string (``?page=Graph&...``) that reopens the view ``state`` (the session state) shows."""
+    params = {"page": "Graph"}
+    for key in LINK_KEYS:
+        value = state.get(key)
+        if value is not None and value != "":
+            params[key] = str(value)
+    return "?" + urlencode(params, quote_via=quote)
+
+
+def link_state(params, names: list[str]) -> dict:
+    """The widget values a link's query ``params`` set, those that fit this server (its checkpoint
+    names, the sliders' ranges); others are left to their defaults."""
+    found = {}
+    for key in LINK_KEYS:
+        value = params.get(key)
+        if value is None:
+            continue
+        try:
+            if key == "graph_ckpt" and value not in names:
+                continue
+            if key == "graph_max_nodes":
+                value = int(value)
+                if value not in MAX_NODES:
+                    continue
+            elif key in ("graph_node_threshold", "graph_edge_threshold"):
+                value = float(value)
+                if not 0.5 <= value <= 1.0:
+                    continue
+            elif key == "graph_target" and value not in TARGETS:
+                continue
+        except ValueError:
+            continue
+        found[key] = value
+    return found
+
+
+def _open_link(names: list[str]) -> None:
+    """On a session's first run of this page, a link's values (``view_link``) set the widgets."""
+    if st.session_state.get("graph_link_read") or st.query_params.get("page") != "Graph":
+        return
+    st.session_state["graph_link_read"] = True
+    for key, value in link_state(st.query_params.to_dict(), names).items():
+        st.session_state[key] = value
+    if "graph_prompt" in st.query_params:  # a typed prompt: it no longer follows the checkpoint's default
+        st.session_state.pop("graph_prompt__default", None)
+
+
+def export_json(graph, slug: str, node_threshold: float, edge_threshold: float) -> str:
+    """The graph, pruned at the page's thresholds, as circuit-tracer's graph JSON (what
+    ``Graph.to_circuit_tracer`` writes to ``{slug}.json``; its viewer and Neuronpedia open it)."""
+    return json.dumps(graph.to_circuit_tracer_dict(slug, node_threshold=node_threshold, edge_threshold=edge_threshold),
+                      indent=2)
+
+
+def _export(full, name: str, node_threshold: float, edge_threshold: float) -> None:
+    a, b = st.columns([1, 2])
+    slug = "".join(c if c.isalnum() or c in "-_" else "-" for c in name) or "graph"
+    # The JSON is made only when the button is pressed (a callable): most views are never exported.
+    a.download_button("Export (circuit-tracer JSON)", functools.partial(export_json, full, slug, node_threshold,
+                                                                      edge_threshold),
+                      file_name=f"{slug}.json", mime="application/json", key="graph_export", on_click="ignore",
+                      help="The pruned graph as circuit-tracer writes it: its local viewer and Neuronpedia open it.")
+    b.markdown(f"[Link to this view]({view_link(st.session_state)}) (the checkpoint, prompt, target, sliders and "
+               "open feature)")
 
 
 def _is_text(ckpt: common.Checkpoint) -> bool:

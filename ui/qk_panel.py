@@ -59,6 +59,7 @@ def _entry_label(e) -> str:
 
 def _set_edge(layer: int, head: int, query: int, key: int) -> None:
     st.session_state["graph_qk_layer"], st.session_state["graph_qk_head"] = int(layer), int(head)
+    st.session_state["graph_qk_shown_head"] = (int(layer), int(head))  # this edge is the head's: keep it
     st.session_state["graph_qk_query"] = int(query)
     st.session_state["graph_qk_key_clicked"] = int(key)  # set after the key's default follows the query
 
@@ -107,6 +108,27 @@ def _entry_picker(where, options: dict, edge: tuple[int, int, int, int]) -> None
                     help="Weight: how much of the graph's targets flows through this entry of the frozen pattern.")
 
 
+def strongest_entry(entries: pd.DataFrame, layer: int, head: int):
+    """(query, key) of head ``layer``.``head``'s entry of largest |weight| among the graph's attention
+    entries (``attention_entries``, largest first), else None."""
+    rows = entries[(entries["layer"] == layer) & (entries["head"] == head)]
+    return None if rows.empty else (int(rows["query_pos"].iloc[0]), int(rows["key_pos"].iloc[0]))
+
+
+def _follow_head(entries: pd.DataFrame, layer: int, head: int, last: int) -> None:
+    """A head picked in the selectors opens its own strongest entry of the graph (else its last
+    query position, the key where it attends most): the query and key picked for another head
+    mean nothing for this one."""
+    shown = st.session_state.get("graph_qk_shown_head")
+    st.session_state["graph_qk_shown_head"] = (layer, head)
+    if shown is None or shown == (layer, head):
+        return
+    edge = strongest_entry(entries, layer, head)
+    st.session_state["graph_qk_query"] = edge[0] if edge else last
+    if edge:
+        st.session_state["graph_qk_key_clicked"] = edge[1]  # set after the key's default follows the query
+
+
 def render(ckpt: common.Checkpoint, graph_key: tuple, ids: tuple[int, ...], str_tokens: list[str]) -> None:
     st.subheader("Why a head attended (QK)")
     if not st.toggle("Open the QK panel", key="graph_qk_open",
@@ -134,6 +156,7 @@ def render(ckpt: common.Checkpoint, graph_key: tuple, ids: tuple[int, ...], str_
     layer = a.selectbox("Layer", range(cfg.n_layers), key="graph_qk_layer")
     head = b.selectbox("Head", range(cfg.n_heads), key="graph_qk_head")
     positions = list(range(len(ids)))
+    _follow_head(entries, layer, head, positions[-1])
     label = lambda p: f"{p}: {str_tokens[p]!r}" if p < len(str_tokens) else str(p)  # noqa: E731
     if st.session_state.get("graph_qk_query") not in positions:
         st.session_state["graph_qk_query"] = positions[-1]

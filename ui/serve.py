@@ -53,6 +53,10 @@ def main(argv: list[str]) -> None:
     print(preload(script_args), flush=True)
     from streamlit.web import cli
 
+    # 127.0.0.1 unless told otherwise, also when started from another folder (where .streamlit/config.toml,
+    # which says the same, is not read): the app runs models and reads folders on this machine.
+    if not any(arg.startswith("--server.address") for arg in streamlit_args):
+        streamlit_args = ["--server.address", "127.0.0.1", *streamlit_args]
     sys.argv = ["streamlit", "run", str(APP), "--browser.gatherUsageStats", "false", *streamlit_args,
                 *(["--", *script_args] if script_args else [])]
     sys.exit(cli.main())

@@ -29,7 +29,7 @@ def render(ckpt: common.Checkpoint) -> None:
         st.info(f"No token contains {search!r}.")
         return
     event = st.dataframe(shown, hide_index=True, height=280, on_select="rerun", selection_mode="single-row",
-                         key=f"vocab_table_{ckpt.path}", use_container_width=True)
+                         key=f"vocab_table_{ckpt.path}", width="stretch")
     rows = event.selection.rows if event is not None else []
     if not rows:
         return

@@ -401,6 +401,22 @@ def prompt_spread_figure(frame: pd.DataFrame, value: str = "delta", by: str = "l
     return fig
 
 
+def subplot_spacing(rows: int, cols: int, vertical: float = 0.12, horizontal: float = 0.08) -> tuple[float, float]:
+    """(horizontal_spacing, vertical_spacing) for ``make_subplots`` with ``rows`` x ``cols`` panels:
+    the wanted gaps, narrowed as the panels grow in number so that all the gaps of a direction
+    together take at most 40% of the figure. Plotly refuses a gap of 1 / (n - 1) or more
+    (``ValueError: Vertical spacing cannot be greater than (1 / (rows - 1))``), which a fixed gap
+    reaches at 10 rows of 0.12; a single row or column has no gap to size (its wanted value is kept).
+    """
+    if rows < 1 or cols < 1:
+        raise ValueError(f"a figure needs at least one row and one column of panels; got {rows} x {cols}")
+
+    def fit(want: float, n: int) -> float:
+        return want if n < 2 else min(want, 0.4 / (n - 1))
+
+    return fit(horizontal, cols), fit(vertical, rows)
+
+
 def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = "",
                       facet: Optional[str] = None, theme: Optional[str] = "default", units: Optional[str] = None,
                       clickable: bool = False, text: Optional[bool] = None, columns: Optional[int] = None,
@@ -424,9 +440,10 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     panels = sorted(frame[facet].unique()) if facet else [None]
     per_row = min(len(panels), columns or len(panels))
     n_rows = -(-len(panels) // per_row)
+    across, down = subplot_spacing(n_rows, per_row, vertical=row_gap, horizontal=0.08)
     fig = make_subplots(rows=n_rows, cols=per_row, subplot_titles=[str(p) for p in panels] if facet else None,
-                        horizontal_spacing=0.08 if per_row > 1 else 0.06,
-                        vertical_spacing=row_gap if n_rows > 1 else 0.12)
+                        horizontal_spacing=across if per_row > 1 else 0.06,
+                        vertical_spacing=down if n_rows > 1 else 0.12)
     diverging = bool((frame[value] < 0).any() and (frame[value] > 0).any())
     limit = float(frame[value].abs().max()) or 1.0
     # 10 px cell text needs about 30 px a cell: up to 12 cells across the figure (hover has them all).
@@ -459,6 +476,8 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     axis = dict(colorscale=DIVERGING, cmid=0, cmin=-limit, cmax=limit) if diverging else dict(colorscale=SEQUENTIAL)
     fig.update_layout(coloraxis={**axis, "colorbar": dict(title=units or value)}, title=title or value,
                       template=_template(theme))
+    if n_rows > 2:  # many rows of panels: each keeps about 200 px instead of sharing plotly's default 450
+        fig.update_layout(height=120 + 220 * n_rows)
     if clickable:
         # Every click lands on the nearest cell's point, wherever in the cell it is.
         fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
@@ -780,7 +799,7 @@ def layer_head_over_training(frame: pd.DataFrame, value: str = "score", title: s
     kinds = list(dict.fromkeys(frame["kind"])) if "kind" in frame else [None]
     steps = sorted(frame["step"].unique())
     fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=[str(k) for k in kinds] if kinds[0] else None,
-                        horizontal_spacing=0.08)
+                        horizontal_spacing=subplot_spacing(1, len(kinds))[0])
     for i, step in enumerate(steps):
         for c, kind in enumerate(kinds, 1):
             part = frame[(frame["step"] == step) & ((frame["kind"] == kind) if kind is not None else True)]
@@ -821,6 +840,48 @@ def _circuit_position(label: str, n_layers: int, n_heads: int) -> tuple[float, f
     return 2.0 * layer + 1.6, float(n_heads)
 
 
+EDGE_BEND = 0.35  # how far apart (in heads) the middles of two edges between the same two nodes are drawn
+
+
+def _edge_bends(edges: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(each edge's bend, whether it shares both ends with another edge): bend 0 for an edge alone
+    between its two nodes; edges that share both ends (a head's q, k and v inputs from one sender,
+    the K-composition among them) fan out EDGE_BEND apart, in the order q, k, v, MLP, logits, so
+    none is drawn over another (the middle one of an odd count stays straight)."""
+    order = {kind: j for j, kind in enumerate(INPUT_COLOURS)}
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i in range(len(edges)):
+        groups.setdefault((edges["sender"].iloc[i], edges["receiver"].iloc[i].split(".")[0]), []).append(i)
+    bends, shared = np.zeros(len(edges)), np.zeros(len(edges), dtype=bool)
+    for members in groups.values():
+        shared[members] = len(members) > 1
+        members = sorted(members, key=lambda i: order.get(edges["input"].iloc[i], len(order)))
+        for j, i in enumerate(members):
+            bends[i] = (j - (len(members) - 1) / 2) * EDGE_BEND
+    return bends, shared
+
+
+def _bent_edge(start: tuple[float, float], end: tuple[float, float], bend: float, points: int = 21):
+    """(xs, ys) of the quadratic curve from ``start`` to ``end`` whose middle sits ``bend`` off the
+    straight line (to its left, going from start to end); a straight line for bend 0."""
+    (x0, y0), (x1, y1) = start, end
+    if not bend:
+        return [x0, x1], [y0, y1]
+    length = float(np.hypot(x1 - x0, y1 - y0)) or 1.0
+    nx, ny = -(y1 - y0) / length, (x1 - x0) / length
+    cx, cy = (x0 + x1) / 2 + 2 * bend * nx, (y0 + y1) / 2 + 2 * bend * ny  # the curve's middle: half way to this
+    t = np.linspace(0.0, 1.0, points)
+    xs = (1 - t) ** 2 * x0 + 2 * (1 - t) * t * cx + t ** 2 * x1
+    ys = (1 - t) ** 2 * y0 + 2 * (1 - t) * t * cy + t ** 2 * y1
+    return xs.tolist(), ys.tolist()
+
+
+def _middle(values: list) -> float:
+    """The middle point's coordinate of a line drawn through ``values`` (an odd count has one)."""
+    n = len(values)
+    return float(values[n // 2]) if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
 def circuit_figure(edges: pd.DataFrame, title: str = "Circuit", theme: str = "light") -> go.Figure:
     """A circuit as a layered graph, from ``Circuit.to_frame()`` (or any table with sender, receiver,
     input and, optionally, score columns: line width follows |score|).
@@ -828,6 +889,8 @@ def circuit_figure(edges: pd.DataFrame, title: str = "Circuit", theme: str = "li
     Nodes sit by layer (left to right) and head (top to bottom); an edge's colour names the input it
     feeds (a head's q, k or v, an MLP, the logits), so K-composition reads as a red line between two
     heads. Every head of the model is drawn faintly when the table's ``attrs`` give n_layers and n_heads.
+    Edges between the same two nodes (a head's q, k and v from one sender) are bent apart and each
+    is named on its curve.
     """
     missing = [c for c in ("sender", "receiver", "input") if c not in edges]
     if missing:
@@ -845,18 +908,22 @@ def circuit_figure(edges: pd.DataFrame, title: str = "Circuit", theme: str = "li
         xs, ys = zip(*[(2.0 * l + 1, float(h)) for l in range(n_layers) for h in range(n_heads)])
         fig.add_scatter(x=xs, y=ys, mode="markers", marker=dict(size=9, color="rgba(128,128,128,0.25)"),
                         hoverinfo="skip", showlegend=False)
+    ends = [(_circuit_position(edges["sender"].iloc[i], n_layers, n_heads),
+             _circuit_position(edges["receiver"].iloc[i].split(".")[0], n_layers, n_heads)) for i in range(len(edges))]
+    bends, shared = _edge_bends(edges)
+    curves = [_bent_edge(a, b, bend) for (a, b), bend in zip(ends, bends)]
     for kind, colour in INPUT_COLOURS.items():
         part = np.nonzero((edges["input"] == kind).to_numpy())[0]
         if not len(part):
             continue
         for i in part:  # one line per edge: widths differ
-            (x0, y0), (x1, y1) = (_circuit_position(edges["sender"].iloc[i], n_layers, n_heads),
-                                  _circuit_position(edges["receiver"].iloc[i].split(".")[0], n_layers, n_heads))
-            fig.add_scatter(x=[x0, x1], y=[y0, y1], mode="lines", line=dict(color=colour, width=1 + 5 * score[i] / top),
+            xs, ys = curves[i]
+            fig.add_scatter(x=xs, y=ys, mode="lines", line=dict(color=colour, width=1 + 5 * score[i] / top),
                             legendgroup=kind, name=kind, showlegend=bool(i == part[0]), hoverinfo="skip")
-        mids = [tuple((a + b) / 2 for a, b in zip(_circuit_position(edges["sender"].iloc[i], n_layers, n_heads),
-                                                  _circuit_position(edges["receiver"].iloc[i].split(".")[0], n_layers,
-                                                                    n_heads))) for i in part]
+            if shared[i]:  # edges drawn apart between the same two nodes are each named on their line
+                fig.add_annotation(x=_middle(xs), y=_middle(ys), text=kind, showarrow=False, font=dict(size=10, color=colour),
+                                   bgcolor="rgba(255,255,255,0.8)", borderpad=0)
+        mids = [(_middle(curves[i][0]), _middle(curves[i][1])) for i in part]
         text = [f"{edges['sender'].iloc[i]} -> {edges['receiver'].iloc[i]}"
                 + (f"<br>score {edges['score'].iloc[i]:.4g}" if "score" in edges else "") for i in part]
         fig.add_scatter(x=[m[0] for m in mids], y=[m[1] for m in mids], mode="markers", text=text,
@@ -1076,10 +1143,12 @@ STEP_MARK = "#e377c2"
 
 
 def live_loss_figure(history: list[dict], total_steps: int, max_points: int = 400,
-                     theme: Optional[str] = "default") -> go.Figure:
+                     theme: Optional[str] = "default", chance: Optional[float] = None) -> go.Figure:
     """The loss of a run in progress: ``history`` rows (``step``, ``train_loss``) on an x axis of
     the whole run (0 to ``total_steps``) from the first point, lines and markers so one point shows,
-    at most ``max_points`` drawn (evenly thinned; the last row always)."""
+    at most ``max_points`` drawn (evenly thinned; the last row always). ``chance`` (ln of the
+    vocabulary: a uniform guess, where an untrained model starts) is drawn as a dashed line, so a
+    curve that has not left it reads as a model that has learned nothing yet."""
     if not history:
         raise ValueError("no rows yet: draw the figure once the run has logged a step")
     every = -(-len(history) // max_points)
@@ -1089,6 +1158,9 @@ def live_loss_figure(history: list[dict], total_steps: int, max_points: int = 40
                                hovertemplate="step %{x}<br>loss %{y:.4f}<extra></extra>"))
     fig.update_xaxes(title="step", range=[0, max(1, total_steps)], tickformat="d")
     fig.update_yaxes(title="train loss (nats)", rangemode="tozero")
+    if chance is not None:
+        fig.add_hline(y=chance, line=dict(color="#7f7f7f", dash="dash", width=1),
+                      annotation_text=f"chance (uniform guess): {chance:.2f}", annotation_position="bottom right")
     fig.update_layout(title=f"Training loss, step {history[-1]['step']} of {total_steps}", height=280,
                       template=_template(theme), margin=dict(t=40, b=40))
     return fig
@@ -1227,7 +1299,7 @@ def fourier_norms_figure(norms: pd.DataFrame, matrix: str = "embed", title: str 
     if part.empty:
         raise ValueError(f"no rows for matrix={matrix!r}; the table has {sorted(norms.matrix.unique())}")
     steps = sorted(part.step.unique()) if "step" in part else [None]
-    fig = make_subplots(rows=len(steps), cols=1, shared_xaxes=True, vertical_spacing=0.08,
+    fig = make_subplots(rows=len(steps), cols=1, shared_xaxes=True, vertical_spacing=subplot_spacing(len(steps), 1, 0.08)[1],
                         subplot_titles=[f"epoch {s}" if s is not None else "" for s in steps])
     for i, step in enumerate(steps, start=1):
         rows = part if step is None else part[part.step == step]
@@ -1246,19 +1318,62 @@ GRAPH_COLOURS = {"token": "#7f7f7f", "feature": "#ff7f0e", "error": "#2ca02c", "
 _WIDTH_BINS = 4  # edges are drawn in this many widths per sign: one trace each, not one per edge
 
 
-def _graph_layout(nodes: pd.DataFrame, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
-    """x = position (the nodes of one layer and position spread across its cell), y = layer
-    (token embeddings below layer 0, the logits above the last layer)."""
+GRAPH_PLOT_WIDTH = 1100  # px: about the plot area of a figure across a wide page (the app's)
+_GRAPH_GAP = 16  # px between the centres of two nodes of one cell, so each stays a target of its own
+_GRAPH_CROWDED_SIZE = 12  # px: the largest node of a cell that needs its nodes in a grid
+_CELL_WIDTH, _CELL_HEIGHT = 0.76, 0.6  # of a position's width and a layer's height: where a cell's nodes go
+
+
+def _spread(n: int) -> np.ndarray:
+    """``n`` offsets across [-1/2, 1/2], the middle ones first (the most influential in the middle)."""
+    offsets = np.linspace(-0.5, 0.5, n) if n > 1 else np.zeros(1)
+    return offsets[np.argsort(np.abs(offsets), kind="stable")]
+
+
+def _graph_grid(nodes: pd.DataFrame, n_layers: int, width: int = GRAPH_PLOT_WIDTH):
+    """(x, y, crowded, px per layer) of ``_graph_layout``: the nodes of one (layer, position) cell
+    are spread across the cell, a row of them at most as many as stay ``_GRAPH_GAP`` px apart, then
+    more rows within the layer's band (``crowded`` marks those nodes; the figure grows taller so the
+    rows stay ``_GRAPH_GAP`` px apart too). The logits, in a row of their own, sit a position (or
+    a node's width) apart leftwards from their position, the largest weight at it."""
     y = nodes["layer"].to_numpy(dtype=float).copy()
     y[(nodes["kind"] == "token").to_numpy()] = -1.0
-    y[(nodes["kind"] == "logit").to_numpy()] = float(n_layers)
+    logit = (nodes["kind"] == "logit").to_numpy()
+    y[logit] = float(n_layers)
     x = nodes["pos"].to_numpy(dtype=float).copy()
-    for _, index in nodes.groupby([y, x]).groups.items():
+    positions = max(int(nodes["pos"].max()) + 1, 1) if len(nodes) else 1
+    per_position = width / positions  # px
+    across = max(1, int(_CELL_WIDTH * per_position / _GRAPH_GAP) + 1)
+    weight = nodes["influence"].to_numpy(dtype=float).copy()
+    if "logit_weight" in nodes:
+        weight[logit] = nodes["logit_weight"].to_numpy(dtype=float)[logit]
+    crowded = np.zeros(len(nodes), dtype=bool)
+    rows_needed = 1
+    for (row_y, _), index in nodes.groupby([y, x]).groups.items():
         rows = np.asarray([nodes.index.get_loc(i) for i in index])
-        if len(rows) > 1:  # most influential in the middle of the cell
-            order = rows[np.argsort(-nodes["influence"].to_numpy()[rows], kind="stable")]
-            offsets = np.linspace(-0.38, 0.38, len(rows))
-            x[order] = x[order] + offsets[np.argsort(np.abs(offsets), kind="stable")]
+        if len(rows) < 2:
+            continue
+        order = rows[np.argsort(-weight[rows], kind="stable")]
+        if row_y == n_layers and logit[rows].all():  # the targets: their own row, a position apart
+            step = max(1.0, 2 * _GRAPH_GAP / per_position)
+            x[order] = x[order] - step * np.arange(len(order))
+            continue
+        cols = min(len(order), across)
+        n_rows = -(-len(order) // cols)
+        rows_needed = max(rows_needed, n_rows)
+        x[order] += _CELL_WIDTH * _spread(cols)[np.arange(len(order)) % cols]
+        if n_rows > 1:
+            y[order] += _CELL_HEIGHT * _spread(n_rows)[np.arange(len(order)) // cols]
+            crowded[order] = True
+    per_layer = max(90.0, rows_needed * _GRAPH_GAP / _CELL_HEIGHT)
+    return x, y, crowded, per_layer
+
+
+def _graph_layout(nodes: pd.DataFrame, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """x = position (the nodes of one layer and position spread across its cell, in rows when they
+    are many), y = layer (token embeddings below layer 0, the logits above the last layer, spread
+    along their row)."""
+    x, y, _, _ = _graph_grid(nodes, n_layers)
     return x, y
 
 
@@ -1280,7 +1395,7 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
     inner = nodes["kind"].isin(["feature", "error", "supernode"])
     n_layers = int(nodes.loc[nodes["kind"] == "logit", "layer"].max()) if (nodes["kind"] == "logit").any() else \
         int(nodes.loc[inner, "layer"].max(initial=0)) + 1
-    x, y = _graph_layout(nodes, n_layers)
+    x, y, crowded, per_layer = _graph_grid(nodes, n_layers)
     fig = go.Figure()
     weight = edges["weight"].to_numpy(dtype=float)
     top = float(np.abs(weight).max()) if len(weight) else 1.0
@@ -1305,6 +1420,7 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
         influence[logit] = nodes["logit_weight"].to_numpy(dtype=float)[logit]
     scale = float(influence.max()) if len(influence) and influence.max() > 0 else 1.0
     size = 7 + 23 * np.sqrt(np.clip(influence, 0, None) / scale)
+    size[crowded] = np.minimum(size[crowded], _GRAPH_CROWDED_SIZE)  # a grid of nodes: none covers its neighbour
     labels = nodes["label"].astype(str) if "label" in nodes else pd.Series([""] * len(nodes))
     for kind, symbol in GRAPH_SYMBOLS.items():
         part = np.nonzero((nodes["kind"] == kind).to_numpy())[0]
@@ -1324,11 +1440,13 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
     positions = sorted(set(nodes["pos"].tolist()))
     ticktext = [f"{p}: {str_tokens[p]!r}" if str_tokens is not None and p < len(str_tokens) else str(p) for p in positions]
     fig.update_xaxes(tickvals=positions, ticktext=ticktext, title_text="position", showgrid=False, zeroline=False)
+    # A fixed y range and margins: a layer is then ``per_layer`` px tall, as the layout planned its rows.
     fig.update_yaxes(tickvals=list(range(-1, n_layers + 1)),
                      ticktext=["embed", *(f"L{layer}" for layer in range(n_layers)), "logits"], title_text="layer",
-                     zeroline=False)
-    fig.update_layout(title=title, template=_template(theme), height=260 + 90 * n_layers, clickmode="event+select",
-                      dragmode=False, hovermode="closest", legend=dict(orientation="h", y=-0.25))
+                     zeroline=False, range=[-1.5, n_layers + 0.5])
+    fig.update_layout(title=title, template=_template(theme), height=int(180 + per_layer * (n_layers + 2)),
+                      margin=dict(t=60, b=120), clickmode="event+select",
+                      dragmode=False, hovermode="closest", legend=dict(orientation="h", yref="container", y=0.0, yanchor="bottom"))
     return fig
 
 

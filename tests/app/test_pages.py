@@ -194,7 +194,8 @@ def test_inspect_bad_prompts_give_a_message(app, prompt, message):
     assert "Per-token loss" not in " ".join(titles(at))
 
 
-def test_bad_checkpoint_directories_give_a_message(app, checkpoints_dir, tmp_path):
+def test_bad_checkpoint_directories_give_a_message(app, checkpoints_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_ALLOW_ANY_PATH", "1")  # the folders are under tmp_path, outside the checkpoints
     at = app("Inspect")
     corrupt = tmp_path / "corrupt"
     shutil.copytree(checkpoints_dir / DEFAULT, corrupt)
@@ -244,7 +245,8 @@ def test_an_upload_is_selected_at_once_and_a_failed_one_names_its_file_and_clear
     assert "Upload of notes.txt failed: this upload is not a checkpoint" in messages(at)
 
 
-def test_an_experiment_run_directory_says_so_in_one_line(app, tmp_path):
+def test_an_experiment_run_directory_says_so_in_one_line(app, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_ALLOW_ANY_PATH", "1")  # the run is under tmp_path, outside the checkpoints
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"experiment": "head_ablation_sweep", "quick": True, "seed": 0}))

@@ -207,9 +207,10 @@ def test_features_page_draws_the_card_of_the_first_feature(app):
         assert part in shown, (part, titles(at))
     contexts = figure(at, "max-activating contexts")["data"][0]
     assert any("[[" in cell for row in contexts["text"] for cell in row), "the activating token is highlighted"
-    # Sorted by density, largest first: the first option is the densest feature.
+    # Sorted by density, largest first; the card opens on a listed feature (the one most active on the
+    # prompt: test_issue37_units.py checks which).
     table = at.dataframe[0].value
-    assert table.density.is_monotonic_decreasing and table.feature.iloc[0] == feature
+    assert table.density.is_monotonic_decreasing and feature in set(table.feature)
 
 
 def test_feature_206_ablated_and_steered_as_the_library_says(app, shipped, checkpoints_dir):
