@@ -373,7 +373,7 @@ class _Engine:
             pos, f = src.features[idx, 1], src.features[idx, 2]
             step = max(1, self.chunk * 64 // max(1, n * self.rs.d_sae))
             for lo in range(0, P, step):
-                a, b = torch.searchsorted(pos, torch.tensor([lo, lo + step]))
+                a, b = torch.searchsorted(pos, torch.tensor([lo, lo + step], device=pos.device))
                 if a == b:
                     continue
                 proj = 0
@@ -552,7 +552,7 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
 
     def add(node_ids: Tensor, rows: Tensor) -> None:
         r, c, w = _sparsify(rows, edge_mass, max_edges_per_node)
-        store.add(node_ids[r], c, w)
+        store.add(node_ids[r.to(node_ids.device)], c, w)
 
     last = len(cap.tokens) - 1
     for lo in range(0, n_logits, batch_size):
@@ -578,7 +578,7 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
         for lo in range(0, len(pending), batch_size):
             idx = pending[lo:lo + batch_size]
             layers, positions, f = src.features[idx].unbind(1)
-            enc = torch.empty(len(idx), rs.d_in, dtype=encoders[0].dtype)
+            enc = torch.empty(len(idx), rs.d_in, dtype=encoders[0].dtype, device=encoders[0].device)
             for layer in layers.unique().tolist():
                 at = (layers == layer).nonzero().squeeze(-1)
                 enc[at] = encoders[layer][:, f[at]].T
