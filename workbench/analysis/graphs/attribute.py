@@ -109,6 +109,8 @@ def attribution_graph(
     rs = replacement_set(transcoders, model)
     check_model(model, rs)
     _check_precision(model, rs)
+    from workbench.analysis.common import check_device
+    check_device(model, "the transcoders' weights", rs)
     tokens, mask, single = _tokens(model, prompt)
     if stored_patterns is None:
         n_heads = sum(model.blocks[l].attn.cfg.n_heads for l in pattern_layers(model))
