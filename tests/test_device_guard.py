@@ -150,7 +150,8 @@ def test_the_guard_catches_what_the_first_cuda_run_found():
 
 
 # ---- a model on one device and what it is given on another ----------------------------------------
-# The meta device stands in for a GPU: a model moved there and dictionaries or a lens left on the CPU.
+# The meta device stands in for a GPU: a model moved there, transcoders or a lens left on the CPU.
+# (Splicing moves a dictionary to the model's device instead, and the feature tables each activation.)
 def _on_meta(model):
     return model.to("meta")
 
@@ -160,16 +161,6 @@ def test_transcoders_on_another_device_are_refused_naming_both():
     tcs = _transcoders(model)
     with pytest.raises(ValueError, match=r"transcoders' weights are on cpu and the model on meta"):
         an.graphs.attribution_graph(_on_meta(model), tcs, _tokens(1))
-
-
-def test_a_dictionary_on_another_device_is_refused_naming_both():
-    model = _model()
-    sae = _sae(model)
-    _on_meta(model)
-    # (the feature tables move each activation to the dictionary's device instead: they accept this)
-    for call in (lambda: an.add_sae(model, sae), lambda: an.check_dictionary(model, sae)):
-        with pytest.raises(ValueError, match=r"dictionary's weights are on cpu and the model on meta"):
-            call()
 
 
 def test_a_tuned_lens_on_another_device_is_refused_naming_both():

@@ -41,7 +41,6 @@ import torch
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from workbench.analysis.common import check_device
 from workbench.analysis.store import check_hook, hook_shapes
 
 SAE_HOOKS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error")
@@ -216,7 +215,6 @@ def check_fits(model, sae, hook: Optional[str] = None) -> Optional[str]:
     """
     from workbench.analysis.store import model_fingerprint
 
-    check_device(model, "the dictionary's weights", sae)
     cfg = sae.cfg
     hook_in, hook_out = dictionary_hooks(sae, hook)
     for name in {hook_in, hook_out}:
