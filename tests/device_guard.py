@@ -5,7 +5,8 @@ Inside ``HostTensorGuard()`` a tensor made by a factory (``torch.zeros``, ``aran
 model's data is on the GPU. What is computed from host tensors only is host too; ``.to(device)``,
 ``*_like`` of data and ``new_*`` of data are not. Every op that meets a host tensor and data raises,
 except where CUDA itself accepts a CPU tensor: a 0-dim one (a scalar), the indices of an indexing
-of data, either side of ``copy_`` and of an assignment to a slice (a copy). Tensors made before the guard (the model, the prompts) are data.
+of data, either side of ``copy_`` and of an assignment to a slice (a copy). Numpy reading the data's
+tensor (``.numpy()``, ``np.asarray``) without ``.cpu()`` first raises too. Tensors made before the guard (the model, the prompts) are data.
 
 The first CUDA run crashed in the attribution graph on ``torch.searchsorted`` with a CPU-built
 tensor, then on an index of a CPU tensor by CUDA indices. Running each analysis under
@@ -25,6 +26,7 @@ FACTORIES = {getattr(torch, n) for n in (
     "scalar_tensor", "from_numpy", "frombuffer", "normal", "bernoulli",
 )}
 TO_HOST = {torch.Tensor.cpu}
+TO_NUMPY = {torch.Tensor.numpy, torch.Tensor.__array__}
 MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}
 _DEVICE = torch.Tensor.device  # its __get__, seen by the mode on each `.device`
 SHAPE_OF_OTHER = {torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as}  # reads only a shape
@@ -88,6 +90,9 @@ class HostTensorGuard(TorchFunctionMode):
             else:
                 self._tag(out, self._host_device(kwargs.get("device")))
             return out
+        if func in TO_NUMPY and args and not self._is_host(args[0]):
+            raise DeviceMismatch(f"{getattr(func, '__qualname__', func)} of the data's tensor (shape "
+                                 f"{tuple(args[0].shape)}): on a GPU numpy cannot read it; call .cpu() first")
         if func in TO_HOST:
             self._tag(out, True)
             return out
@@ -95,9 +100,10 @@ class HostTensorGuard(TorchFunctionMode):
         if func in MOVES:
             target = [a for a in (*args[1:], kwargs.get("device"), kwargs.get("other"))
                       if isinstance(a, (torch.device, str, torch.Tensor))]
-            if target:  # a move to a device (or a tensor's): data unless it is a host tensor('s device)
+            if target:  # a move to a device (or a tensor's): data unless to "cpu" or a host tensor('s device)
                 self._tag(out, any(self._is_host(a) if isinstance(a, torch.Tensor)
-                                   else isinstance(a, torch.device) and self._host_device(a) for a in target))
+                                   else a.startswith("cpu") if isinstance(a, str)
+                                   else self._host_device(a) for a in target))
             elif inputs:
                 self._tag(out, self._is_host(inputs[0]))
             return out

@@ -98,7 +98,38 @@ CASES = {
     "features": lambda m: (an.feature_activations(m, _sae(m), _tokens()), an.feature_logit_effects(m, _sae(m), 0),
                            an.feature_dla(m, _sae(m), _tokens(), 3, 5)),
     "spliced sae": lambda m: _spliced_forward(m),
+    "feature tables over a dataset": lambda m: (an.max_activating_contexts(m, _sae(m), _tokens(4, 8), 0, k=3),
+                                                an.feature_histogram(m, _sae(m), _tokens(4, 8), 0),
+                                                an.features_on_token(m, _sae(m), _tokens(4, 8), m.to_str_tokens(3)[0]
+                                                                     if m.tokenizer else "3")),
+    "dictionary evaluation": lambda m: _evaluated(m),
+    "steering": lambda m: (an.steered_generate(m, _tokens(1, 4), _direction(m), [0.0, 2.0], max_new_tokens=3),
+                           an.steering_sweep(m, _tokens(2, 5), _direction(m), [0.0, 1.0])),
+    "fourier": lambda m: _fourier(m),
 }
+
+
+def _direction(m):
+    return an.Direction(torch.randn(32, generator=torch.Generator().manual_seed(6)), "blocks.0.hook_resid_post")
+
+
+def _evaluated(m):
+    from workbench.analysis.dictionaries.evaluate import ce_loss_recovered, reconstruction_metrics
+
+    sae = _sae(m)
+    rows = an.TensorActivations({"blocks.1.hook_resid_pre": torch.randn(64, 32, generator=torch.Generator())})
+    return reconstruction_metrics(sae, rows, batch_size=16), ce_loss_recovered(m, sae, _tokens())
+
+
+def _fourier(m):
+    from workbench.analysis import fourier
+    from workbench.data.modular import ModularTask
+
+    task = ModularTask(seed=0, p=7, layout="paper")
+    cfg = wb.ModelConfig.from_preset("grokking-1l", d_model=32, d_mlp=64, d_vocab=8, seed=0)
+    model = wb.HookedDecoder(cfg).eval().to(m.device)
+    return (fourier.embedding_norms(model, task), fourier.neuron_frequencies(model, task),
+            fourier.logit_fourier_norms(model, task), fourier.progress_measures(model, task, [1, 2]))
 
 
 def _store(m):
