@@ -149,7 +149,7 @@ def check_device(model, what: str, held) -> None:
     """A ValueError naming both devices unless ``held`` (a module's parameters and buffers, or a tensor)
     is on ``model``'s device: else the first op that meets both raises a RuntimeError from inside torch
     (or, for an index, a message that names only one of them)."""
-    tensors = [held] if isinstance(held, Tensor) else [*held.parameters(), *held.buffers()]
+    tensors = [held] if isinstance(held, Tensor) else [*held.parameters(), *getattr(held, "buffers", list)()]
     devices = sorted({str(t.device) for t in tensors if t.device != model.device})
     if devices:
         raise ValueError(f"{what} {'is' if isinstance(held, Tensor) else 'are'} on {', '.join(devices)} and the model "
