@@ -106,7 +106,31 @@ CASES = {
     "steering": lambda m: (an.steered_generate(m, _tokens(1, 4), _direction(m), [0.0, 2.0], max_new_tokens=3),
                            an.steering_sweep(m, _tokens(2, 5), _direction(m), [0.0, 1.0])),
     "fourier": lambda m: _fourier(m),
+    "attribution graph, padded batch": lambda m: an.graphs.attribution_graph(
+        m, _transcoders(m), _padded(m, "left"), batch_size=16, max_feature_nodes=10),
+    "attribution graph, cross-layer transcoder": lambda m: an.graphs.attribution_graph(
+        _placed(m, n_layers=3), _clt(m), _tokens(1), batch_size=16, max_feature_nodes=10),
+    "padded patching and lens": lambda m: (an.logit_lens(m, _padded(m, "left"), k=2),
+                                           an.ablate(m, _padded(m, "right"), an.AblationSpec("head", 1, head=2,
+                                                                                           method="mean"))),
+    "path patching": lambda m: an.path_patching(m, _pair(), METRIC, sender=("head", 0, 0),
+                                                receivers=[("head", 1, 0, "k")]),
 }
+
+
+def _padded(m, side):
+    from workbench.padding import TokenBatch
+
+    rows = [_tokens(1, n, seed=n)[0].tolist() for n in (7, 4, 6)]
+    return TokenBatch.from_ids(rows, 0, side, m.device)
+
+
+def _clt(m):
+    from workbench.analysis.dictionaries.clt import CrossLayerTranscoder
+
+    clt = CrossLayerTranscoder(n_layers=3, d_in=32, d_sae=24, activation="topk", k=4, skip=True)
+    clt.init_weights(torch.Generator().manual_seed(0))
+    return clt.eval().to(m.device)
 
 
 def _direction(m):
