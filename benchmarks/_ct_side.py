@@ -106,7 +106,7 @@ def main() -> None:
     if not args.context:
         return
     from circuit_tracer import attribute
-    from circuit_tracer.graph import prune_graph
+    from circuit_tracer.graph import compute_graph_scores, prune_graph
 
     prompt = tokens[: args.context]
     before = peak_mb()
@@ -115,6 +115,7 @@ def main() -> None:
     seconds = time.perf_counter() - start
     after = peak_mb()
     pruned = prune_graph(graph, 0.8, 0.98)
+    replacement, completeness = compute_graph_scores(graph)
     save_file({"adjacency": graph.adjacency_matrix.float().contiguous(),
                "active_features": graph.active_features.long().contiguous(),
                "selected_features": graph.selected_features.long().contiguous(),
@@ -129,7 +130,7 @@ def main() -> None:
         "context": args.context, "seconds": seconds, "peak_rss_mb_before": before, "peak_rss_mb": after,
         "n_nodes": int(graph.adjacency_matrix.shape[0]), "n_active_features": int(len(graph.active_features)),
         "threads": torch.get_num_threads(), "circuit_tracer": getattr(circuit_tracer, "__version__", "?"),
-        "torch": torch.__version__}, indent=1))
+        "torch": torch.__version__, "scores": {"replacement": replacement, "completeness": completeness}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/graphs_ct.py                         # contexts 64 and 256
     python benchmarks/graphs_ct.py --contexts 64 --ct-python /work/venv-ct/bin/python
+    python benchmarks/graphs_ct.py --contexts 64 --config gpt2 --conventions circuit-tracer
 
 circuit-tracer cannot share the workbench's environment (it pins transformers <= 4.57.3 and
 huggingface-hub < 1 and builds on TransformerLens 3), so it runs in a venv of its own and the two
@@ -26,7 +27,15 @@ What runs (``--out``, default ``runs/graphs_ct``):
    treats the first token as a constant); our graph keeps them as nodes, so they are left out of
    the comparison. Then:
    max |adjacency difference| over all (target, source) pairs, the feature sets, the pruned node
-   sets (0.8 / 0.98, each library's own pruning) and the ratios of time and peak memory.
+   sets (0.8 / 0.98, each library's own pruning), both libraries' ``compute_graph_scores`` /
+   ``graph.scores()`` and the ratios of time and peak memory.
+
+``--config gpt2``: the GPT-2 shape instead (LayerNorm pre-norm with unit weights and zero biases,
+circuit-tracer's side ``LNPre``; learned position embeddings; a GELU MLP of 512; the same sizes,
+transcoders and prompt). ``--conventions circuit-tracer`` builds our graph with
+``token_embedding="token", held_positions=1``, circuit-tracer's own (token nodes carry W_E alone,
+position 0 has no feature or error nodes); the default, ``workbench``, keeps our defaults. On the
+Llama shape (RoPE) the two differ only at position 0, which the comparison leaves out.
 
 Without ``an.attribution_graph`` (or with ``--ct-only``) only circuit-tracer's side runs and its
 adjacency and timings are written, for a later comparison (``--compare-only`` redoes step 3's
@@ -55,22 +64,27 @@ DEFAULT_CT_PYTHON = "/work/venv-ct/bin/python"
 BOS = 1  # the bos_token of _ct_side.py's WordLevel tokenizer (t1)
 
 
-def build(n_ctx: int, seed: int = 0):
+CONVENTIONS = {"workbench": {}, "circuit-tracer": dict(token_embedding="token", held_positions=1)}
+
+
+def build(n_ctx: int, seed: int = 0, config: str = "llama"):
     """The model, its transcoders and a prompt of ``n_ctx`` tokens, all from ``seed``."""
     import torch
 
     import workbench as wb
     from workbench.analysis.dictionaries import DictionaryConfig, make_dictionary
 
+    shape = (dict(norm="rmsnorm", positional="rope", rotary_dim=D_HEAD, ffn="swiglu", name="llama-shaped-random")
+             if config == "llama" else dict(norm="layernorm", positional="learned", ffn="gelu",
+                                              name="gpt2-shaped-random"))
     cfg = wb.ModelConfig(d_model=D_MODEL, n_layers=N_LAYERS, n_heads=N_HEADS, d_head=D_HEAD, d_mlp=D_MLP,
-                         d_vocab=D_VOCAB, n_ctx=n_ctx, norm="rmsnorm", norm_eps=EPS, positional="rope",
-                         rotary_dim=D_HEAD, ffn="swiglu", tie_embeddings=False, bias=False, qkv_bias=False,
-                         name="llama-shaped-random", seed=seed)
+                         d_vocab=D_VOCAB, n_ctx=n_ctx, norm_eps=EPS, tie_embeddings=False, bias=False, qkv_bias=False,
+                         seed=seed, **shape)
     model = wb.HookedDecoder(cfg).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".w"):  # norm weights stay 1: circuit-tracer's side is RMSPre (no weight)
+            if name.endswith((".w", ".b")):  # norm weights stay 1, biases 0: circuit-tracer's side is RMSPre / LNPre
                 continue
             p.copy_(torch.rand(p.shape, generator=g) * 0.2 - 0.1)
     tcs = []
@@ -94,8 +108,8 @@ def tl_state_dict(model) -> dict:
     rename = {"._W_K": ".W_K", "._W_V": ".W_V", "._b_K": ".b_K", "._b_V": ".b_V", "unembed.W_U_param": "unembed.W_U"}
     out = {}
     for name, value in model.state_dict().items():
-        if name.endswith((".ln1.w", ".ln2.w", "ln_final.w")) or ".b_gate" in name:
-            continue  # RMSPre has no weight; the bias-free gated MLP's b_gate is zero and TL has none
+        if name.endswith((".ln1.w", ".ln2.w", "ln_final.w", ".ln1.b", ".ln2.b", "ln_final.b")) or ".b_gate" in name:
+            continue  # RMSPre / LNPre have no weight (or bias); the bias-free gated MLP's b_gate is zero and TL has none
         for a, b in rename.items():
             name = name.replace(a, b)
         out[name] = value.detach().float().contiguous()
@@ -117,12 +131,17 @@ def export(model, tcs, tokens, exchange: Path) -> None:
 
     exchange.mkdir(parents=True, exist_ok=True)
     c = model.cfg
-    assert all(bool((b.ln1.w == 1).all() and (b.ln2.w == 1).all()) for b in model.blocks) and bool((model.ln_final.w == 1).all())
+    norms = [n for b in model.blocks for n in (b.ln1, b.ln2)] + [model.ln_final]
+    assert all(bool((n.w == 1).all()) and bool((getattr(n, "b", torch.zeros(1)) == 0).all()) for n in norms)
     spec = dict(n_layers=c.n_layers, d_model=c.d_model, n_ctx=c.n_ctx, d_head=c.d_head, n_heads=c.n_heads,
-                d_mlp=c.d_mlp, act_fn="silu", d_vocab=c.d_vocab, normalization_type="RMSPre", eps=c.norm_eps,
-                positional_embedding_type="rotary", rotary_dim=c.rotary_dim, rotary_base=int(c.rope_base),
-                rotary_adjacent_pairs=bool(c.rotary_interleaved), gated_mlp=True, final_rms=True,
-                original_architecture="LlamaForCausalLM", default_prepend_bos=False)
+                d_mlp=c.d_mlp, d_vocab=c.d_vocab, eps=c.norm_eps, default_prepend_bos=False)
+    if c.positional == "rope":
+        spec.update(act_fn="silu", normalization_type="RMSPre", positional_embedding_type="rotary",
+                    rotary_dim=c.rotary_dim, rotary_base=int(c.rope_base), rotary_adjacent_pairs=bool(c.rotary_interleaved),
+                    gated_mlp=True, final_rms=True, original_architecture="LlamaForCausalLM")
+    else:
+        spec.update(act_fn="gelu", normalization_type="LNPre", positional_embedding_type="standard", gated_mlp=False,
+                    original_architecture="GPT2LMHeadModel")
     (exchange / "model.json").write_text(json.dumps(spec, indent=1))
     save_file(tl_state_dict(model), str(exchange / "model.safetensors"))
     save_circuit_tracer(tcs, exchange / "transcoders", model=None, scan="graphs-ct-random", dtype=torch.float32)
@@ -141,11 +160,11 @@ def child_ours(args) -> None:
     from workbench import analysis as an
 
     torch.set_num_threads(args.threads)
-    model, tcs, tokens = build(args.max_context, args.seed)
+    model, tcs, tokens = build(args.max_context, args.seed, args.config)
     prompt = tokens[: args.context]
     before = peak_mb()
     start = time.perf_counter()
-    graph = an.attribution_graph(model, tcs, prompt, batch_size=args.batch_size)
+    graph = an.attribution_graph(model, tcs, prompt, batch_size=args.batch_size, **CONVENTIONS[args.conventions])
     seconds = time.perf_counter() - start
     after = peak_mb()
     pruned = graph.prune_masks(0.8, 0.98)
@@ -160,7 +179,8 @@ def child_ours(args) -> None:
                                                  "peak_rss_mb_before": before, "peak_rss_mb": after,
                                                  "n_nodes": graph.n_nodes, "n_edges": graph.n_edges,
                                                  "threads": args.threads, "batch_size": graph.meta["batch_size"],
-                                                 "stored_patterns": graph.meta["stored_patterns"]}, indent=1))
+                                                 "stored_patterns": graph.meta["stored_patterns"],
+                                                 "conventions": args.conventions, "scores": graph.scores()}, indent=1))
 
 
 def run(cmd: list[str], timeout: int, env: dict | None = None) -> None:
@@ -248,6 +268,8 @@ def compare(out: Path, context: int) -> dict:
         "memory_ratio_ours_over_ct": t_ours["peak_rss_mb"] / t_ct["peak_rss_mb"],
         "graph_mb_ct": t_ct["peak_rss_mb"] - t_ct["peak_rss_mb_before"],
         "graph_mb_ours": t_ours["peak_rss_mb"] - t_ours["peak_rss_mb_before"],
+        "conventions_ours": t_ours.get("conventions", "workbench"),
+        "scores_ct": t_ct.get("scores"), "scores_ours": t_ours.get("scores"),
     }
 
 
@@ -267,6 +289,10 @@ def main() -> None:
     p.add_argument("--ct-python", default=DEFAULT_CT_PYTHON, help="the Python of circuit-tracer's venv")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "graphs_ct")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", choices=["llama", "gpt2"], default="llama",
+                   help="llama: RMSNorm, RoPE, SwiGLU; gpt2: LayerNorm, learned positions, GELU")
+    p.add_argument("--conventions", choices=list(CONVENTIONS), default="workbench",
+                   help="our graph's token_embedding / held_positions: our defaults or circuit-tracer's")
     p.add_argument("--threads", type=int, default=1, help="torch threads on each side")
     p.add_argument("--ct-batch-size", type=int, default=64, help="circuit-tracer's attribute batch_size")
     p.add_argument("--batch-size", type=int, default=None, help="our attribution_graph batch_size (default: its own)")
@@ -286,7 +312,7 @@ def main() -> None:
             raise SystemExit(f"circuit-tracer's venv is missing ({args.ct_python}); create it with:\n  python3 -m venv "
                              "/work/venv-ct && /work/venv-ct/bin/pip install torch==2.13.0 && "
                              "/work/venv-ct/bin/pip install circuit-tracer==0.5.0")
-        model, tcs, tokens = build(max(contexts), args.seed)
+        model, tcs, tokens = build(max(contexts), args.seed, args.config)
         export(model, tcs, tokens, out / "exchange")
         ct_cmd = [args.ct_python, str(ROOT / "benchmarks" / "_ct_side.py"), "--exchange", str(out / "exchange")]
         env = {"CT_THREADS": str(args.threads)}
@@ -314,6 +340,7 @@ def main() -> None:
             if have_ours:
                 run([sys.executable, __file__, "--child", "ours", "--context", str(context), "--max-context",
                      str(max(contexts)), "--seed", str(args.seed), "--threads", str(args.threads),
+                     "--config", args.config, "--conventions", args.conventions,
                      *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
                      "--out", str(out / f"ours-{context}")], args.timeout)
         if (out / f"ours-{context}" / "graph.safetensors").exists():

@@ -12,6 +12,7 @@ so it runs in .ci/run, not here.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import re
 import runpy
 import warnings
@@ -83,7 +84,11 @@ def test_every_python_block_of_a_page_runs_as_written(page, monkeypatch):
         try:
             with warnings.catch_warnings(), _as_a_reader_runs_it():
                 warnings.simplefilter("ignore")
-                exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), namespace)
+                name = f"{page.relative_to(ROOT)}:{line}"
+                # in linecache, as a file's source is: tracebacks show the line, and nnsight's trace
+                # reads its with-block back from the source
+                linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
+                exec(compile(code, name, "exec"), namespace)
         except Exception as err:  # noqa: BLE001 - any failure of a documented example is the bug
             pytest.fail(f"{page.relative_to(ROOT)}, the block at line {line} fails as written: {type(err).__name__}: {err}")
         ran += 1

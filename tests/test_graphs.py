@@ -446,7 +446,7 @@ def test_intervention_refuses_a_feature_the_model_does_not_have():
 def test_a_graph_refuses_to_run_on_weights_edited_after_it_was_built():
     """An edit through .data (which no version counter sees), of the model or of a transcoder, made
     intervene and the QK and loading tables mix the graph's capture with runs of the new weights; each is
-    now refused, and bind() re-captures the prompt on the new weights."""
+    now refused, and so is bind() to the new weights (the graph's edges are of the old ones)."""
     model = _model(norm="rmsnorm", positional="rope")
     tcs = _transcoders(model)
     tokens = torch.randint(0, 40, (1, 8), generator=torch.Generator().manual_seed(3))
@@ -464,8 +464,8 @@ def test_a_graph_refuses_to_run_on_weights_edited_after_it_was_built():
     torch.testing.assert_close(graph.intervene([]), clean, atol=1e-6, rtol=0)  # the same weights again: allowed
     with torch.no_grad():
         model.blocks[1].mlp.W_in.data.mul_(2.0)  # the first transcoder of a real MLP layer sees another input
-    rebound = graph.bind(model, tcs).intervene([])  # re-captured on the new weights: runs
-    assert rebound.shape == clean.shape
+    with pytest.raises(ValueError, match="model's weights"):
+        graph.bind(model, tcs)
 
 
 def test_supernode_intervention_sets_every_member():

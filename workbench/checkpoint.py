@@ -704,8 +704,16 @@ def model_fingerprint(model) -> str:
     the dictionaries, stores and checkpoints record as "the weights they were made on".
     """
     digest = hashlib.sha256(json.dumps(model.cfg.identity_dict(), sort_keys=True, default=str).encode())
+    return weights_fingerprint(model.state_dict(), digest)
+
+
+def weights_fingerprint(tensors, digest=None) -> str:
+    """``model_fingerprint``'s hash of named tensors (a state dict) alone: each one's name, shape, sum
+    and sum of squares, into ``digest`` (a fresh sha256 when None). What an attribution graph records
+    of its transcoders' weights, beside the model's."""
+    digest = hashlib.sha256() if digest is None else digest
     with torch.no_grad():
-        for name, p in sorted(model.state_dict().items()):
+        for name, p in sorted(tensors.items()):
             q = p.detach().double()
             digest.update(f"{name}:{tuple(p.shape)}:{float(q.sum()):.10e}:{float((q * q).sum()):.10e}".encode())
     return digest.hexdigest()[:16]

@@ -388,6 +388,10 @@ class HookedDecoder(HookedRootModule):
         """Like HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``: a
         ``WorkbenchCache``, whose ``apply_ln_to_stack`` (and so ``logit_attrs``, ``decompose_resid``,
         ... with ``apply_ln=True``) includes the norms' weights when they are not folded."""
+        if "names_filter" not in kwargs and not self.use_attn_result:
+            from workbench.habits import default_names_filter
+
+            kwargs["names_filter"] = default_names_filter(self)
         fast = not remove_batch_dim and not set(kwargs) & _TL_CACHE_OPTIONS
         if fast:  # the common call: torch's own forward hooks, one small closure per hook point
             out, cache_dict = self._run_with_plain_cache(args, kwargs.pop("names_filter", None), kwargs)
@@ -573,7 +577,8 @@ class HookedDecoder(HookedRootModule):
         return self.tokenizer
 
     def to_tokens(
-        self, text: Union[str, Sequence[str]], padding_side: Optional[str] = None, strict: bool = False
+        self, text: Union[str, Sequence[str]], padding_side: Optional[str] = None, strict: bool = False,
+        prepend_bos: Optional[bool] = None,
     ) -> Union[Int[Tensor, "batch pos"], TokenBatch]:
         """Token ids [batch, pos] of one text, or of several that tokenize to one length.
 
@@ -581,15 +586,17 @@ class HookedDecoder(HookedRootModule):
         ``generate``), give a ``TokenBatch``: ids padded with the tokenizer's ``pad_id`` plus
         the attention mask, which every forward and ``generate`` accept as they are.
         Words outside the vocabulary warn, naming them (``UnknownTokenWarning``: they encode
-        as ``unk``); ``strict=True`` raises instead, as the app does.
+        as ``unk``); ``strict=True`` raises instead, as the app does. ``prepend_bos`` (TL's):
+        None keeps the tokenizer's own choice, True puts its BOS first, False takes it off.
         """
+        from workbench.habits import apply_prepend_bos
         from workbench.tokenizer import encode_checked
 
         tok = self._need_tokenizer()
         texts = [text] if isinstance(text, str) else list(text)
         ids = []
         for t in texts:  # a loop, not a comprehension: the warning then points at the caller's line
-            ids.append(encode_checked(tok, t, strict=strict))
+            ids.append(apply_prepend_bos(tok, encode_checked(tok, t, strict=strict), prepend_bos))
         if padding_side is None and len({len(i) for i in ids}) == 1:
             return torch.tensor(ids, dtype=torch.long, device=self.device)
         return TokenBatch.from_ids(ids, getattr(tok, "pad_id", 0), padding_side or "right", self.device)
@@ -629,6 +636,30 @@ class HookedDecoder(HookedRootModule):
             pieces = [tok.token_str(i) for i in ids]
             raise ValueError(f"{text!r} is {len(ids)} tokens ({pieces}), not one: type a single token")
         return ids[0]
+
+    # ---- TransformerLens habits (workbench.habits says what each does here) ---------------
+    use_attn_result = True  # set_use_attn_result(False): a default run_with_cache leaves hook_result out
+
+    def to_single_str_token(self, token: Union[int, Tensor]) -> str:
+        """TL's: the readable string of one token id."""
+        from workbench.habits import to_single_str_token
+
+        return to_single_str_token(self, token)
+
+    def set_use_attn_result(self, use_attn_result: Any) -> None:  # Any: refused below with our message
+        """TL's switch. ``hook_result`` is computed whenever something hooks it, so True changes
+        nothing; False leaves it out of a ``run_with_cache`` given no ``names_filter``."""
+        from workbench.habits import set_use_attn_result
+
+        set_use_attn_result(self, use_attn_result)
+
+    @classmethod
+    def from_pretrained(cls, name: Any, **kwargs: Any) -> "HookedDecoder":
+        """TL's habit: a shipped checkpoint by name, a checkpoint folder, or a Hugging Face model
+        folder or hub id (``workbench.habits.from_pretrained``)."""
+        from workbench.habits import from_pretrained
+
+        return from_pretrained(cls, name, **kwargs)
 
     # ---- weights under TransformerLens' names ---------------------------------------
     @property

@@ -213,7 +213,7 @@ def check_fits(model, sae, hook: Optional[str] = None) -> Optional[str]:
     A fingerprint mismatch only warns: casting or processing a model after the dictionary was
     trained (fold_ln, bf16) changes the fingerprint too, and the dictionary still reads it.
     """
-    from workbench.analysis.store import model_fingerprint
+    from workbench.analysis.graphs.checks import trained_elsewhere
 
     cfg = sae.cfg
     hook_in, hook_out = dictionary_hooks(sae, hook)
@@ -230,15 +230,7 @@ def check_fits(model, sae, hook: Optional[str] = None) -> Optional[str]:
     if recorded not in (actual, (cfg.d_in,)):  # (d_in,): no shape recorded (SAELens' files)
         raise ValueError(f"the dictionary was trained on activations of shape {list(recorded)} at {cfg.hook_name}, "
                          f"but {hook_in} on this model has shape {list(actual)}: it belongs to another hook or model")
-    name = getattr(model.cfg, "name", None)
-    if cfg.model_name and name and cfg.model_name != name:
-        return (f"the dictionary was trained on {cfg.model_name!r}, not on {name!r}: "
-                "its features may mean nothing here")
-    if cfg.model_fingerprint and cfg.model_fingerprint != (have := model_fingerprint(model)):
-        return (f"the dictionary was trained on other weights of {cfg.model_name or 'this model'!r} (fingerprint "
-                f"{cfg.model_fingerprint}; this model's is {have}): if the checkpoint was retrained or replaced since, "
-                "retrain the dictionary on it; a cast or processed (folded) copy of the same model also differs")
-    return None
+    return trained_elsewhere(cfg, model)  # one check with the attribution graph's and add_clt's
 
 
 def add_sae(model, sae, error_term: bool = False, hook: Optional[str] = None
@@ -298,6 +290,11 @@ def add_clt(model, clt, error_term: bool = False) -> list[CLTHookPoint]:
         for name, width, what in ((hook_in, clt.d_in, "d_in"), (hook_out, clt.d_out, "d_out")):
             if int(np.prod(shapes[name])) != width:
                 raise ValueError(f"the CLT's {what}={width} does not match {name} (shape {list(shapes[name])})")
+    from workbench.analysis.graphs.checks import trained_elsewhere
+
+    warning = trained_elsewhere(clt.cfg, model)  # add_sae's check: a CLT of another model warned nothing
+    if warning:
+        warnings.warn(warning, DictionaryMismatchWarning, stacklevel=3)
     clt.to(model.device).eval()
     state, points = _CLTForward(), []
     for layer, (hook_in, hook_out) in enumerate(hooks):

@@ -34,6 +34,13 @@ def _wide(x: Tensor) -> bool:
     return x.dtype in (torch.float32, torch.float64)
 
 
+def _stat(x: Tensor) -> Tensor:
+    """``x`` in the dtype its statistics are computed in: float32 for half precision, else its own.
+    (``x.float()`` here rounded a float64 model's stream to float32 whenever a hook listened, so a
+    hook on a norm moved a float64 model's logits by about 2e-6.)"""
+    return x if _wide(x) else x.float()
+
+
 class LayerNorm(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -46,7 +53,7 @@ class LayerNorm(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
             return F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)
-        xf = x.float()
+        xf = _stat(x)
         xf = xf - xf.mean(-1, keepdim=True)
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return (self.hook_normalized(xf / scale) * self.w + self.b).to(x.dtype)
@@ -68,7 +75,7 @@ class RMSNorm(nn.Module):
             if _wide(x):
                 return F.rms_norm(x, self.w.shape, self.w, self.eps)
             return F.rms_norm(x.float(), self.w.shape, None, self.eps).to(x.dtype) * self.w
-        xf = x.float()
+        xf = _stat(x)
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized((xf / scale).to(x.dtype)) * self.w
 
@@ -94,8 +101,8 @@ class GemmaRMSNorm(nn.Module):
         return 1.0 + self.w_offset
 
     def forward(self, x: Float[Tensor, "*batch dim"]) -> Float[Tensor, "*batch dim"]:
-        scale = 1.0 + self.w_offset.float()
-        xf = x.float()
+        xf = _stat(x)
+        scale = 1.0 + self.w_offset.to(xf.dtype)
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
             return (F.rms_norm(xf, scale.shape, None, self.eps) * scale).to(x.dtype)
         rms = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
@@ -142,7 +149,7 @@ class LayerNormPre(_Folded):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if not self._hooked():
             return F.layer_norm(x, self.w.shape, None, None, self.eps)
-        xf = x.float()
+        xf = _stat(x)
         xf = xf - xf.mean(-1, keepdim=True)
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized(xf / scale).to(x.dtype)
@@ -154,7 +161,7 @@ class RMSNormPre(_Folded):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if not self._hooked():
             return F.rms_norm(x if _wide(x) else x.float(), self.w.shape, None, self.eps).to(x.dtype)
-        xf = x.float()
+        xf = _stat(x)
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized((xf / scale).to(x.dtype))
 

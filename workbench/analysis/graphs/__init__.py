@@ -8,9 +8,12 @@
                     circuit-tracer's), interventions on the replacement model
     qk.py           qk_attribution: an attention score split into (query node, key node) pairs
     loadings.py     head_loadings: a graph edge split over the heads of one attention layer
+    checks.py       what a graph checks before trusting its inputs: fingerprints and binding, dictionaries
+                    of another model, QK contexts, non-finite weights and activations
 """
 
 from workbench.analysis.graphs.attribute import attribution_graph, logit_targets
+from workbench.analysis.graphs.checks import UnverifiedGraphWarning
 from workbench.analysis.graphs.graph import (NODE_KINDS, Graph, PruneResult, Supernode, collapse_frames,
                                             compute_influence_sparse)
 from workbench.analysis.graphs.loadings import head_loadings
@@ -20,4 +23,5 @@ from workbench.analysis.graphs.replacement import (CLTView, TranscoderSet, captu
 
 __all__ = ["attribution_graph", "qk_attribution", "qk_table", "attention_entries", "head_loadings", "logit_targets",
            "NODE_KINDS", "Graph", "PruneResult", "Supernode", "compute_influence_sparse",
-           "collapse_frames", "CLTView", "TranscoderSet", "capture", "check_model", "frozen_forward", "live_forward", "replacement_set"]
+           "collapse_frames", "CLTView", "TranscoderSet", "capture", "check_model", "frozen_forward", "live_forward", "replacement_set",
+           "UnverifiedGraphWarning"]

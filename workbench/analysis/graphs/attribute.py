@@ -34,9 +34,11 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from workbench.analysis.graphs.checks import check_capture_finite, check_finite, fingerprint, warn_trained_elsewhere
 from workbench.analysis.graphs.graph import Graph, NODE_KINDS, _influence, compute_influence_sparse
-from workbench.analysis.graphs.replacement import (AttentionOnly, Capture, FrozenRun, capture, check_layout,
-                                                   check_model, final_read, pattern_layers, replacement_set, targets_of)
+from workbench.analysis.graphs.replacement import (AttentionOnly, Capture, FrozenRun, capture, check_conventions,
+                                                   check_layout, check_model, final_read, pattern_layers,
+                                                   replacement_set, targets_of)
 from workbench.padding import TokenBatch
 from workbench.utils import is_int
 
@@ -66,6 +68,8 @@ def attribution_graph(
     qk: bool = False,
     qk_entries: int = 2,
     qk_top: int = 5,
+    token_embedding: str = "token+position",
+    held_positions: int = 0,
 ) -> Union[Graph, list[Graph]]:
     """The attribution graph of ``prompt`` (a list of prompts or a padded batch: one graph each).
 
@@ -91,6 +95,15 @@ def attribution_graph(
     attention-only model (its replacement model is the model itself: token and logit nodes only).
     ``qk``: attach ``graph.qk`` (``qk.qk_table``): for every head its ``qk_entries`` attention
     entries of largest weight in the graph, each with its ``qk_top`` QK pairs.
+
+    Two conventions, recorded in ``graph.meta`` (the defaults keep every input a node; circuit-tracer
+    0.5.0's graphs are ``token_embedding="token", held_positions=1``):
+    ``token_embedding``: on a model whose position embedding is added to the residual stream (learned,
+    sinusoidal), a token node carries ``"token+position"`` (the default: the whole stream entering block
+    0) or ``"token"`` (W_E of its token alone; the position embedding is then a constant, no node's).
+    With RoPE, ALiBi or no positions the two are the same. ``held_positions``: the first this many
+    positions get no feature nodes and no error nodes (0, the default; 1 holds position 0, often BOS,
+    whose features are then held at zero and whose MLP output is a constant).
     """
     if not 0 < edge_mass <= 1:
         raise ValueError(f"edge_mass must lie in (0, 1], got {edge_mass}")
@@ -105,12 +118,16 @@ def attribution_graph(
                              f"got {value!r}")
     if max_feature_nodes is not None and (not is_int(max_feature_nodes) or max_feature_nodes < 0):
         raise ValueError(f"max_feature_nodes must be a non-negative integer or None, got {max_feature_nodes!r}")
+    check_conventions(token_embedding, held_positions)
     check_layout(model)
     rs = replacement_set(transcoders, model)
     check_model(model, rs)
     _check_precision(model, rs)
     from workbench.analysis.common import check_device
     check_device(model, "the transcoders' weights", rs)
+    check_finite(model, rs)  # once, before anything is computed: a NaN weight gave NaN edges or a runaway graph
+    weights = fingerprint(model, rs)  # what the graph records, so bind() can refuse other weights
+    warn_trained_elsewhere(model, rs, weights["model"])
     tokens, mask, single = _tokens(model, prompt)
     if stored_patterns is None:
         n_heads = sum(model.blocks[l].attn.cfg.n_heads for l in pattern_layers(model))
@@ -118,7 +135,10 @@ def attribution_graph(
     was = model.training
     model.eval()
     try:
-        caps = capture(model, rs, tokens, mask, patterns=bool(stored_patterns))
+        caps = capture(model, rs, tokens, mask, patterns=bool(stored_patterns), token_embedding=token_embedding,
+                       held_positions=held_positions)
+        for cap in caps:
+            check_capture_finite(cap)
         folders = [None] * len(caps)
         if spill_dir is not None:
             folders = [Path(spill_dir) if single else Path(spill_dir) / f"prompt-{b}" for b in range(len(caps))]
@@ -132,6 +152,8 @@ def attribution_graph(
                              batch_size, edge_mass, max_edges_per_node, update_interval, chunk, verbose,
                              _EdgeStore(edge_chunk, folder, _capacity(rs, cap, target, max_n_logits, max_feature_nodes)))
                   for cap, folder in zip(caps, folders)]
+        for graph in graphs:
+            graph.meta["fingerprint"] = dict(weights)
         if qk:
             from workbench.analysis.graphs.qk import qk_table
 
@@ -385,8 +407,9 @@ class _Engine:
         for t in range(src.n_layers):
             lo = src.error_start + t * P
             out[:, lo:lo + P] = torch.einsum("npd,pd->np", gw[t], cap.errors[t])
+            out[:, lo:lo + min(cap.held, P)] = 0  # a held position's error is a constant, not a node
         ge = g_embed[:n] if g_embed is not None else zero
-        out[:, src.token_start:] = torch.einsum("npd,pd->np", ge, cap.embed)
+        out[:, src.token_start:] = torch.einsum("npd,pd->np", ge, cap.token_part)
         return out
 
 
@@ -425,7 +448,7 @@ class _EdgeStore:
     there and dropped, so at most one chunk of edges is in memory."""
 
     def __init__(self, chunk_edges: int = 1 << 20, spill_dir: Optional[Path] = None, capacity: Optional[int] = None):
-        self.chunk_edges, self.spill_dir = chunk_edges, spill_dir
+        self.chunk_edges, self.spill_dir, self.capacity = chunk_edges, spill_dir, capacity
         self.single = spill_dir is None and capacity is not None and 12 * capacity <= _reserve_limit()
         self.chunks: list = []  # (t, s, w) tensors, or a Path to a spilled chunk
         self.n = 0
@@ -437,6 +460,9 @@ class _EdgeStore:
         self.fill = 0
 
     def add(self, t: Tensor, s: Tensor, w: Tensor) -> None:
+        if self.capacity is not None and self.n + len(w) > self.capacity:  # spilled or paged too: never unbounded
+            raise RuntimeError(f"the graph's edges would pass their ceiling of {self.capacity} (rows x sources: every "
+                               "row's every source); this is a bug in the edge accumulation, please report it")
         at = 0
         while at < len(w):
             take = min(len(w) - at, self.size - self.fill)
@@ -593,6 +619,8 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
     return _package(model, rs, cap, src, visited, labels, ids, weights, vecs, final_values[-1], store,
                     dict(max_feature_nodes=max_feature_nodes, edge_mass=edge_mass, batch_size=batch_size,
                          stored_patterns=bool(cap.patterns),
+                         token_embedding="token+position" if cap.token_vectors is None else "token",
+                         held_positions=cap.held,
                          max_edges_per_node=max_edges_per_node, seconds=time.time() - t0))
 
 
@@ -640,7 +668,9 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
     layer = torch.cat([feats[:, 0], err_layer, torch.full((P,), -1), torch.full((len(labels),), model.cfg.n_layers)])
     pos = torch.cat([feats[:, 1], err_pos, torch.arange(P), torch.full((len(labels),), P - 1)])
     feature = torch.cat([feats[:, 2], torch.full((L * P,), -1), cap.tokens.cpu(), torch.tensor(ids, dtype=torch.long)])
-    err_norm = torch.stack([e.norm(dim=-1) for e in cap.errors]).flatten().cpu() if cap.errors else torch.zeros(0)
+    err_norm = torch.stack([e.norm(dim=-1) for e in cap.errors]).cpu() if cap.errors else torch.zeros(0, P)
+    err_norm[:, :cap.held] = 0  # held positions' errors are constants, not nodes
+    err_norm = err_norm.flatten()
     activation = torch.cat([src.values[selected.to(src.values.device)].float().cpu(), err_norm.float(), torch.zeros(P),
                             values.detach().float().reshape(-1).cpu()])
     logit_weight = torch.zeros(len(kind))
@@ -654,7 +684,7 @@ def _package(model, rs, cap, src: _Sources, visited, labels, ids, weights, vecs,
                   meta=dict(model=getattr(model.cfg, "name", ""), d_vocab=model.cfg.d_vocab, n_active_features=src.n_feat,
                             replacement=("none (attention only)" if isinstance(rs, AttentionOnly) else
                                          "clt" if rs.cross_layer else "transcoders"), **settings))
-    graph.bind(model, rs, cap)
+    graph._attach(model, rs, cap)
     return graph
 
 

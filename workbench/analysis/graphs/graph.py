@@ -17,7 +17,6 @@ the share of the logits' input that reaches it along all paths.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
@@ -25,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequ
 import torch
 from torch import Tensor
 
+from workbench.analysis.graphs import files
 from workbench.utils import is_int
 
 NODE_KINDS = ("feature", "error", "token", "logit")
@@ -72,6 +72,8 @@ def _file_length(path) -> int:
 
 def _threshold(scores: Tensor, fraction: float) -> Tensor:
     """The score above which the largest scores hold ``fraction`` of the total (circuit-tracer's find_threshold)."""
+    if not len(scores):  # a graph without edges (a file may hold one): nothing to keep
+        return torch.tensor(float("inf"))
     ordered = scores.sort(descending=True).values
     cumulative = ordered.cumsum(0) / ordered.sum().clamp_min(1e-30)
     i = min(int(torch.searchsorted(cumulative, torch.tensor(fraction, dtype=cumulative.dtype))), len(ordered) - 1)
@@ -314,19 +316,24 @@ class Graph:
         return sub
 
     def scores(self) -> dict[str, float]:
-        """circuit-tracer's replacement score (token vs error influence) and completeness score."""
+        """circuit-tracer's ``compute_graph_scores``: the replacement score (the tokens' share of the token
+        and error influence) and the completeness score, the mean over every node, weighted by its
+        influence plus its logit weight, of the share of its incoming absolute edge weight that does not
+        come from error nodes. As there, a node without incoming edges (tokens, errors) counts as
+        complete: it is in the weights, with share 1."""
         influence = self.influence()
         err, tok = self.kind == 1, self.kind == 2
         row = torch.zeros(self.n_nodes, dtype=torch.float64)
         from_err = torch.zeros(self.n_nodes, dtype=torch.float64)
-        has_in = torch.zeros(self.n_nodes, dtype=torch.bool)
         for t, _, w in self._edge_chunks():
-            row.index_add_(0, t, w.abs().double())
-            has_in[t] = True
+            row.index_add_(0, t.long(), w.abs().double())
         row.clamp_min_(1e-10)
         for t, s, w in self._edge_chunks():
+            t, s = t.long(), s.long()
             from_err.index_add_(0, t, w.abs().double() * err[s] / row[t])
-        weight = (influence.double() + self.logit_weight.double()) * has_in
+        # (counting only nodes with incoming edges, as this did before, gave 0.663 where circuit-tracer gives
+        # 0.798 on the same adjacency)
+        weight = influence.double() + self.logit_weight.double()
         completeness = float(((1 - from_err) * weight).sum() / weight.sum().clamp_min(1e-30))
         replacement = float(influence[tok].sum() / (influence[tok].sum() + influence[err].sum()).clamp_min(1e-30))
         return {"replacement": replacement, "completeness": completeness}
@@ -359,31 +366,22 @@ class Graph:
                          .values.tolist()}
         return out
 
-    def save(self, path: Union[str, Path]) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict()))
-        return path
+    def save(self, path: Union[str, Path], overwrite: bool = False) -> Path:
+        """Write the graph to ``path`` (JSON), atomically. A file there is replaced only when it is a graph
+        file of ours, or with ``overwrite=True``; a graph the loader would refuse (a NaN, say) is not written."""
+        return files.save_graph(self, path, overwrite)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Graph":
-        if d.get("format") != "workbench-attribution-graph":
-            raise ValueError("not a workbench attribution graph file (for circuit-tracer's JSON use "
-                             "Graph.from_circuit_tracer)")
-        ints = {"kind", "layer", "pos", "feature", "edge_target", "edge_source", "tokens"}
-        arrays = {n: torch.tensor(d[n], dtype=torch.long if n in ints else torch.float32) for n in _ARRAYS}
-        vectors = torch.tensor(d["logit_vectors"]) if d.get("logit_vectors") is not None else None
-        qk = None
-        if d.get("qk") is not None:
-            import pandas as pd
-
-            qk = pd.DataFrame(d["qk"]["rows"], columns=d["qk"]["columns"]).infer_objects()
-            qk["pattern_change"] = qk["pattern_change"].astype(float)
-        return cls(**arrays, logit_labels=d["logit_labels"], str_tokens=d["str_tokens"], n_layers=d["n_layers"],
-                   logit_vectors=vectors, meta=d.get("meta", {}), qk=qk)
+        """The graph of ``to_dict``'s dict, checked as ``load`` checks a file (a ValueError naming the field)."""
+        return cls(**files.graph_fields(d))
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "Graph":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+    def load(cls, path: Union[str, Path], max_bytes: Optional[int] = files.DEFAULT_MAX_BYTES) -> "Graph":
+        """Read a file ``save`` wrote. Everything is checked (types, shapes, finite numbers, indices, unique
+        nodes, edges between existing nodes in layer order); a file over ``max_bytes`` (256 MiB; None: no cap)
+        is refused before it is read. Any failure is one ValueError naming the file and the field."""
+        return cls(**files.load_graph(path, max_bytes))
 
     # ---- circuit-tracer's graph JSON (what its local server and Neuronpedia open) -----------------------------
     def to_circuit_tracer_dict(self, slug: str = "graph", scan: str = "workbench", node_threshold: float = 0.8,
@@ -396,8 +394,18 @@ class Graph:
             node_mask = torch.ones(self.n_nodes, dtype=torch.bool)
             edge_mask = torch.ones(self.n_edges, dtype=torch.bool)
             cumulative = torch.zeros(self.n_nodes)
-        vocab = int(self.meta.get("d_vocab", 0)) or int(self.feature.max()) + 1
+        d_vocab = self.meta.get("d_vocab")  # meta is kept as a file had it: use it only when it is a count
+        vocab = int(d_vocab) if is_int(d_vocab) and int(d_vocab) > 0 else (int(self.feature.max()) if self.n_nodes else 0) + 1
         nodes: dict[int, dict] = {}
+        t_all, s_all = self.edge_target[edge_mask], self.edge_source[edge_mask]
+        linked = node_mask[t_all] & node_mask[s_all]
+        kept_features = torch.zeros(self.n_nodes, dtype=torch.bool)  # the feature nodes the file will hold
+        kept_features[t_all[linked]] = True
+        kept_features[s_all[linked]] = True
+        kept_features &= self.kind == 0
+        feature_ids = {f"{l}_{f}_{p}" for l, f, p in zip(self.layer[kept_features].tolist(),
+                                                         self.feature[kept_features].tolist(),
+                                                         self.pos[kept_features].tolist())}
         logit_rank = {int(i): j for j, i in enumerate(self.nodes_of("logit"))}
         for i in node_mask.nonzero().squeeze(-1).tolist():
             k, l, p, f = int(self.kind[i]), int(self.layer[i]), int(self.pos[i]), int(self.feature[i])
@@ -408,8 +416,11 @@ class Graph:
                             feature_type="cross layer transcoder", jsNodeId=f"{l}_{f}-0",
                             activation=float(self.activation[i]))
             elif k == 1:
-                base.update(node_id=f"0_{l}_{p}", feature=-1, layer=str(l), feature_type="mlp reconstruction error",
-                            jsNodeId=f"{l}_{p}-0")
+                # circuit-tracer's error id "0_{layer}_{pos}" is also the id of feature `layer` of layer 0 at
+                # that position: when both are kept, the error node gets an id no other node can have
+                clash = f"0_{l}_{p}" in feature_ids
+                base.update(node_id=f"err_{l}_{p}" if clash else f"0_{l}_{p}", feature=-1, layer=str(l),
+                            feature_type="mlp reconstruction error", jsNodeId=f"{l}_{p}-0")
             elif k == 2:
                 base.update(node_id=f"E_{f}_{p}", feature=p, layer="E", feature_type="embedding", jsNodeId=f"E_{f}-{p}")
             else:
@@ -432,86 +443,61 @@ class Graph:
         return {"metadata": meta, "qParams": qparams, "nodes": kept, "links": links}
 
     def to_circuit_tracer(self, folder: Union[str, Path], slug: str = "graph", scan: str = "workbench",
-                          node_threshold: float = 0.8, edge_threshold: float = 0.98) -> Path:
-        """Write ``{folder}/{slug}.json`` and add it to ``{folder}/graph-metadata.json``, as circuit-tracer does."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        d = self.to_circuit_tracer_dict(slug, scan, node_threshold, edge_threshold)
-        path = folder / f"{slug}.json"
-        path.write_text(json.dumps(d, indent=2))
-        index = folder / "graph-metadata.json"
-        listing = json.loads(index.read_text()) if index.exists() else {"graphs": []}
-        listing["graphs"] = [g for g in listing["graphs"] if g["slug"] != slug] + [d["metadata"]]
-        index.write_text(json.dumps(listing, indent=2))
-        return path
+                          node_threshold: float = 0.8, edge_threshold: float = 0.98, overwrite: bool = False) -> Path:
+        """Write ``{folder}/{slug}.json`` and add it to ``{folder}/graph-metadata.json``, as circuit-tracer does.
+
+        Only those two files are written, each atomically. ``slug`` must be a plain name (no path separators,
+        no ``..``, not the listing's name). A file ``{slug}.json`` that is not this folder's earlier export of
+        ``slug`` is refused unless ``overwrite=True``; a damaged listing is refused before anything is written."""
+        files.check_slug(slug)  # before the work of pruning
+        return files.write_circuit_tracer(self.to_circuit_tracer_dict(slug, scan, node_threshold, edge_threshold),
+                                          folder, overwrite)
 
     @classmethod
-    def from_circuit_tracer(cls, source: Union[str, Path, dict]) -> "Graph":
-        """Read a circuit-tracer graph JSON (its pruned nodes and links) back as a Graph."""
-        d = source if isinstance(source, dict) else json.loads(Path(source).read_text())
-        kinds = {"cross layer transcoder": 0, "transcoder": 0, "mlp reconstruction error": 1, "embedding": 2,
-                 "logit": 3}
-        rows, labels = [], []
-        logit_layers = [int(n["layer"]) for n in d["nodes"] if n["feature_type"] == "logit"]
-        n_layers = (max(logit_layers) - 1) if logit_layers else 0
-        for n in d["nodes"]:
-            k = kinds.get(n["feature_type"])
-            if k is None:
-                raise ValueError(f"unknown circuit-tracer node type {n['feature_type']!r}")
-            p = int(n["ctx_idx"])
-            if k == 0:
-                layer, feat, _ = (int(x) for x in n["node_id"].split("_"))
-                rows.append((k, layer, p, feat, float(n.get("activation") or 0.0), 0.0))
-            elif k == 1:
-                rows.append((k, int(n["layer"]), p, -1, 0.0, 0.0))
-            elif k == 2:
-                rows.append((k, -1, p, int(n["node_id"].split("_")[1]), 0.0, 0.0))
-            else:
-                rows.append((k, n_layers, p, int(n["feature"]), 0.0, float(n.get("token_prob", 0.0))))
-                clerp = n.get("clerp", "")
-                labels.append(clerp.split('"')[1] if clerp.count('"') >= 2 else str(n["feature"]))
-        order = sorted(range(len(rows)), key=lambda i: (rows[i][0], rows[i][1], rows[i][2], rows[i][3]))
-        rows_sorted = [rows[i] for i in order]
-        ids = [d["nodes"][i]["node_id"] for i in order]
-        where = {node_id: j for j, node_id in enumerate(ids)}
-        logit_order = [i for i in order if rows[i][0] == 3]
-        labels_by_node = dict(zip([i for i in range(len(rows)) if rows[i][0] == 3], labels))
-        cols = list(zip(*rows_sorted)) if rows_sorted else [[]] * 6
-        links = [link for link in d["links"] if link["source"] in where and link["target"] in where]
-        prompt_tokens = d["metadata"].get("prompt_tokens", [])
-        tokens = torch.full((len(prompt_tokens),), -1, dtype=torch.long)
-        for k, _, p, f, _, _ in rows_sorted:
-            if k == 2 and p < len(tokens):
-                tokens[p] = f
-        return cls(kind=torch.tensor(cols[0], dtype=torch.long), layer=torch.tensor(cols[1], dtype=torch.long),
-                   pos=torch.tensor(cols[2], dtype=torch.long), feature=torch.tensor(cols[3], dtype=torch.long),
-                   activation=torch.tensor(cols[4], dtype=torch.float32),
-                   logit_weight=torch.tensor(cols[5], dtype=torch.float32),
-                   logit_labels=[labels_by_node[i] for i in logit_order],
-                   edge_target=torch.tensor([where[x["target"]] for x in links], dtype=torch.long),
-                   edge_source=torch.tensor([where[x["source"]] for x in links], dtype=torch.long),
-                   edge_weight=torch.tensor([float(x["weight"]) for x in links], dtype=torch.float32),
-                   tokens=tokens, str_tokens=list(prompt_tokens), n_layers=n_layers,
-                   meta={"from": "circuit-tracer", "slug": d["metadata"].get("slug", "")})
+    def from_circuit_tracer(cls, source: Union[str, Path, dict],
+                            max_bytes: Optional[int] = files.DEFAULT_MAX_BYTES) -> "Graph":
+        """Read a circuit-tracer graph JSON (its pruned nodes and links) back as a Graph, checked as ``load``
+        checks (a link to a node the file does not have, or two nodes of one id, is refused, not dropped)."""
+        return cls(**files.load_circuit_tracer(source, max_bytes))
 
     # ---- the model behind it -----------------------------------------------------------------------------
     def bind(self, model, transcoders, cap=None) -> "Graph":
-        """Attach the model and transcoders the graph was made from (after ``load``), for ``intervene``."""
-        from workbench.analysis.graphs.replacement import capture, check_model, replacement_set
+        """Attach the model and transcoders the graph was made from (after ``load``), for ``intervene``.
+
+        A ValueError naming what differs unless their weights are the ones the graph recorded
+        (``meta["fingerprint"]``): a loaded graph bound to other weights answered with its old edges
+        beside runs of the new ones. A graph that records none binds with an ``UnverifiedGraphWarning``."""
+        from workbench.analysis.graphs.checks import check_binding, warn_trained_elsewhere
+        from workbench.analysis.graphs.replacement import check_model, replacement_set
 
         rs = replacement_set(transcoders, model)
         check_model(model, rs)
+        check_binding(self, model, rs)
+        recorded = self.meta.get("fingerprint")
+        warn_trained_elsewhere(model, rs, recorded.get("model") if isinstance(recorded, dict) else None)
+        return self._attach(model, rs, cap)
+
+    def _attach(self, model, rs, cap=None) -> "Graph":
+        """``bind`` without its checks (``attribution_graph`` made them): re-capture the prompt unless given."""
+        from workbench.analysis.graphs.replacement import capture
+
         if cap is None:
             if bool((self.tokens < 0).any()):
                 raise ValueError("this graph does not record its prompt's token ids; it cannot be re-run")
             was = model.training
             model.eval()
             try:
-                cap = capture(model, rs, self.tokens.to(model.device)[None])[0]
+                cap = capture(model, rs, self.tokens.to(model.device)[None], **self._conventions())[0]
             finally:
                 model.train(was)
         self._context = (model, rs, cap, _weights_signature(model, rs))
         return self
+
+    def _conventions(self) -> dict:
+        """The node conventions this graph was computed with (``attribution_graph``'s ``token_embedding`` and
+        ``held_positions``; a graph file without them: the defaults)."""
+        return dict(token_embedding=self.meta.get("token_embedding", "token+position"),
+                    held_positions=int(self.meta.get("held_positions", 0)))
 
     def _bound(self) -> tuple:
         """(model, replacement set, capture) this graph was bound to, after checking that neither the
@@ -522,8 +508,7 @@ class Graph:
         model, rs, cap, signature = self._context
         if _weights_signature(model, rs) != signature:
             raise ValueError("the model's or the transcoders' weights changed since this graph was built (an edit, a "
-                             "load or a cast): build the graph again, or graph.bind(model, transcoders) to re-capture "
-                             "its prompt with the new weights")
+                             "load or a cast): build the graph again from the new weights, or put the old ones back")
         return model, rs, cap
 
     def intervene(self, features: Sequence, value: Union[float, Sequence[float]] = 0.0, *,

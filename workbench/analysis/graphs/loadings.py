@@ -73,13 +73,15 @@ def head_loadings(graph, source: Union[Integral, str], target: Union[Integral, s
                          f"target's ({t_layer}): an integer in [{s_layer + 1}, {t_layer}], got {layer!r}")
     layer = int(layer)
     pos, t_pos = int(graph.pos[s]), int(graph.pos[t])
+    if s_kind == "error" and pos < cap.held:
+        raise ValueError(f"the error at position {pos} is held constant (held_positions={cap.held}): it is not a source")
     acts, errors, embed = [a.clone() for a in cap.acts], [e.clone() for e in cap.errors], cap.embed.clone()
     if s_kind == "feature":
         acts[s_layer][pos, int(graph.feature[s])] = 0.0
     elif s_kind == "error":
         errors[s_layer][pos] = 0.0
-    else:
-        embed[pos] = 0.0
+    else:  # the token node's part of the embedding (all of it unless token_embedding="token")
+        embed[pos] = embed[pos] - cap.token_part[pos]
     if t_kind == "feature":
         W, _ = rs.encoder(int(graph.layer[t]))
         reader, where = W[:, int(graph.feature[t])].detach(), int(graph.layer[t])

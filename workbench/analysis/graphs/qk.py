@@ -97,6 +97,11 @@ class QKContext:
 
         self.graph = graph
         self.model, self.rs, self.cap = graph._bound()
+        # what check_context compares with the graph a context is later given with: its prompt and, as the
+        # graph it was made for recorded (bind checked the weights against it), the weights' fingerprint
+        self.tokens = graph.tokens.reshape(-1).cpu().clone()
+        recorded = graph.meta.get("fingerprint") if isinstance(graph.meta, dict) else None
+        self.fingerprint = dict(recorded) if isinstance(recorded, dict) else None
         model = self.model
         check_layout(model)
         if not all(isinstance(b.attn, Attention) for b in model.blocks):
@@ -127,8 +132,10 @@ class QKContext:
             return self._parts[key]
         model, rs, cap = self.model, self.rs, self.cap
         embed = cap.embed[pos].detach().double()
+        token = cap.token_part[pos].detach().double()
         parts = _Parts(embed.shape[-1], pos, embed.device, torch.float64)
-        parts.add(("tok", pos), f"tok {self.str_tokens[pos]!r}", "token", -1, -1, embed)
+        parts.rows[0] = parts.rows[0] + (embed - token)  # token_embedding="token": the position embedding, a constant
+        parts.add(("tok", pos), f"tok {self.str_tokens[pos]!r}", "token", -1, -1, token)
         for l in range(layer):
             attn = model.blocks[l].attn
             mlp_reads = parts.stack() if self.parallel else None  # a parallel block's MLP reads resid_pre
@@ -165,7 +172,10 @@ class QKContext:
                 writes = cap.acts[s][pos, active, None].double() * rs.decoder(s, layer)[active].double()
                 for f, w in zip(active.tolist(), writes):
                     parts.add(("feature", s, f), f"F{s}:{f}", "feature", s, f, w)
-            parts.add(("error", layer), f"err L{layer}", "error", layer, -1, cap.errors[layer][pos].double())
+            if pos < cap.held:  # a held position's error is a constant (held_positions), not a node
+                parts.rows[0] = parts.rows[0] + cap.errors[layer][pos].double()
+            else:
+                parts.add(("error", layer), f"err L{layer}", "error", layer, -1, cap.errors[layer][pos].double())
 
     # ---- into query / key space ---------------------------------------------------------------------
     def rotation(self, layer: int) -> Optional[Tensor]:
@@ -212,6 +222,16 @@ class QKContext:
         return parts, out, proj
 
 
+def _context(graph, context: Optional[QKContext]) -> QKContext:
+    """``context`` once checked to be of ``graph``'s prompt and weights (a ValueError if not), or a new one."""
+    if context is None:
+        return QKContext(graph)
+    from workbench.analysis.graphs.checks import check_context
+
+    check_context(context, graph)
+    return context
+
+
 def _check(model, n_pos: int, layer, head, query_pos, key_pos) -> tuple[int, int, int, int]:
     """The four as ints (numpy ones too: they come from DataFrame rows such as ``attention_entries``')."""
     cfg = model.cfg
@@ -238,7 +258,7 @@ def qk_attribution(graph, layer: Integral, head: Integral, query_pos: Integral, 
     """
     import pandas as pd
 
-    ctx = context if context is not None else QKContext(graph)
+    ctx = _context(graph, context)
     model = ctx.model
     layer, head, query_pos, key_pos = _check(model, ctx.n_pos, layer, head, query_pos, key_pos)
     if top is not None and (not is_int(top) or top < 1):
@@ -335,7 +355,7 @@ def attention_entries(graph, context: Optional[QKContext] = None):
 
     from workbench.analysis.graphs.replacement import final_read, frozen_forward
 
-    ctx = context if context is not None else QKContext(graph)
+    ctx = _context(graph, context)
     model, rs, cap = ctx.model, ctx.rs, ctx.cap
     cfg = model.cfg
     logit_nodes = graph.nodes_of("logit")
@@ -391,7 +411,7 @@ def qk_table(graph, entries: int = 2, top: int = 5, exact: int = 0, context: Opt
 
     if not is_int(entries) or entries < 1:  # head(-1) would keep all but the last entry of each head
         raise ValueError(f"entries must be a positive integer, got {entries!r}")
-    ctx = context if context is not None else QKContext(graph)
+    ctx = _context(graph, context)
     kept = attention_entries(graph, ctx).groupby(["layer", "head"], sort=False).head(entries)
     frames = []
     for e in kept.itertuples(index=False):

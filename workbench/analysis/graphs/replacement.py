@@ -223,6 +223,17 @@ class Capture:
     acts: list[Tensor] = field(default_factory=list)  # per layer [pos, d_sae]
     errors: list[Tensor] = field(default_factory=list)  # per layer [pos, d_out]
     patterns: dict[int, Tensor] = field(default_factory=dict)  # layer -> [head, pos, pos], when captured
+    # [pos, d_model]: what each token node carries (None: all of ``embed``); with token_embedding="token", the
+    # token embedding alone, and ``embed - token_vectors`` (the position embedding) is a constant, no node's
+    token_vectors: Optional[Tensor] = None
+    # positions [0, held) have no feature nodes and no error nodes (held_positions): their features are held
+    # at zero and their errors (the whole MLP output less the decoder bias) are constants, no node's
+    held: int = 0
+
+    @property
+    def token_part(self) -> Tensor:
+        """[pos, d_model]: the token nodes' values (``embed`` itself unless token_embedding="token")."""
+        return self.embed if self.token_vectors is None else self.token_vectors
 
 
 def pattern_layers(model) -> list[int]:
@@ -233,10 +244,34 @@ def pattern_layers(model) -> list[int]:
     return [l for l, block in enumerate(model.blocks) if type(block.attn) is Attention]
 
 
+TOKEN_EMBEDDINGS = ("token+position", "token")
+
+
+def check_conventions(token_embedding: str, held_positions: int) -> None:
+    """A ValueError unless ``token_embedding`` and ``held_positions`` are settings ``capture`` takes."""
+    from workbench.utils import is_int
+
+    if token_embedding not in TOKEN_EMBEDDINGS:
+        raise ValueError(f"token_embedding must be one of {list(TOKEN_EMBEDDINGS)}, got {token_embedding!r}")
+    if not is_int(held_positions) or held_positions < 0:
+        raise ValueError(f"held_positions must be a non-negative integer (circuit-tracer's convention: 1), "
+                         f"got {held_positions!r}")
+
+
 @torch.no_grad()
-def capture(model, rs, tokens: Tensor, attention_mask: Optional[Tensor] = None, patterns: bool = False) -> list[Capture]:
+def capture(model, rs, tokens: Tensor, attention_mask: Optional[Tensor] = None, patterns: bool = False, *,
+            token_embedding: str = "token+position", held_positions: int = 0) -> list[Capture]:
     """Clean run(s): one ``Capture`` per row of ``tokens`` [batch, pos] (only its real positions);
-    with ``patterns``, also the attention patterns of ``pattern_layers`` (memory: heads x pos^2 per layer)."""
+    with ``patterns``, also the attention patterns of ``pattern_layers`` (memory: heads x pos^2 per layer).
+
+    ``token_embedding``: what a token node carries on a model whose position embedding is added to
+    the residual stream (learned, sinusoidal): ``"token+position"`` (the default: the whole residual
+    stream entering block 0, so nothing of it is left unattributed) or ``"token"`` (the token
+    embedding alone, the position embedding a constant: circuit-tracer's convention). Elsewhere the
+    two are the same. ``held_positions``: the first this many positions get no feature and no error
+    nodes (0, the default, keeps them all; circuit-tracer's convention is 1: position 0, often BOS,
+    whose MLP output is a large constant)."""
+    check_conventions(token_embedding, held_positions)
     names = frozen_hook_names(model)
     if patterns:
         names = names + [f"blocks.{l}.attn.hook_pattern" for l in pattern_layers(model)]
@@ -248,7 +283,8 @@ def capture(model, rs, tokens: Tensor, attention_mask: Optional[Tensor] = None, 
     def keep(act: Tensor, hook) -> None:
         store[hook.name] = act.detach()
 
-    hooks = [(n, keep) for n in names + list(reads) + ["blocks.0.hook_resid_pre", final_hook]]
+    extra = ["hook_embed"] if token_embedding == "token" else []
+    hooks = [(n, keep) for n in names + list(reads) + ["blocks.0.hook_resid_pre", final_hook] + extra]
     logits = model.run_with_hooks(tokens, attention_mask=attention_mask, fwd_hooks=hooks)
     mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
     out = []
@@ -264,7 +300,13 @@ def capture(model, rs, tokens: Tensor, attention_mask: Optional[Tensor] = None, 
             final=row[final_hook][0],
             logits=logits[b, real],
         )
+        if token_embedding == "token":
+            cap.token_vectors = row["hook_embed"][0]
         cap.acts = [rs.encode(l, cap.x_in[l]) for l in range(rs.n_layers)]
+        if held_positions:
+            cap.held = int(held_positions)
+            for acts in cap.acts:
+                acts[:held_positions] = 0
         cap.errors = [cap.mlp_out[l] - rs.decode(l, cap.acts, cap.x_in[l]) for l in range(rs.n_layers)]
         for name in names:
             if name.endswith("hook_pattern"):
@@ -365,7 +407,8 @@ def frozen_forward(model, rs, cap: Capture, acts: Optional[list[Tensor]] = None,
 
 
 def _unfrozen(cap: Capture) -> Capture:
-    return Capture(cap.tokens, {}, cap.x_in, cap.mlp_out, cap.embed, cap.final, cap.logits, cap.acts, cap.errors)
+    return Capture(cap.tokens, {}, cap.x_in, cap.mlp_out, cap.embed, cap.final, cap.logits, cap.acts, cap.errors,
+                   token_vectors=cap.token_vectors, held=cap.held)
 
 
 def live_forward(model, rs, cap: Capture, edit: Callable[[int, Tensor], Tensor], freeze: bool = False) -> FrozenRun:
@@ -374,7 +417,11 @@ def live_forward(model, rs, cap: Capture, edit: Callable[[int, Tensor], Tensor],
     acts: list[Optional[Tensor]] = [None] * rs.n_layers
 
     def write(layer: int, x: Tensor) -> Tensor:
-        acts[layer] = edit(layer, rs.encode(layer, x))
+        encoded = rs.encode(layer, x)
+        if cap.held:  # held positions keep their features at zero: their errors hold the whole MLP output
+            encoded = encoded.clone()
+            encoded[..., :cap.held, :] = 0
+        acts[layer] = edit(layer, encoded)
         return rs.decode(layer, acts, x) + cap.errors[layer]
 
     return FrozenRun(model, rs, cap if freeze else _unfrozen(cap), write, cap.embed)
