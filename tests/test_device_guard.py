@@ -87,6 +87,8 @@ CASES = {
     "probe": lambda m: an.train_probe(m, _tokens(16, 6), torch.arange(16) % 2, hooks="blocks.1.hook_resid_post",
                                       n_boot=10),
     "generate": lambda m: m.generate(_tokens(2, 4), max_new_tokens=3),
+    "generate, static cache, sampled": lambda m: _unchecked(lambda: m.generate(
+        _tokens(2, 4), max_new_tokens=3, static_cache=True, temperature=1.0, seed=1)),
     "vocabulary table": lambda m: an.vocabulary_table(m),
     "train sae from tensors": lambda m: an.train_sae(
         an.TensorActivations({"blocks.0.hook_resid_post": torch.randn(64, 32, generator=torch.Generator())}),
@@ -106,6 +108,7 @@ CASES = {
     "steering": lambda m: (an.steered_generate(m, _tokens(1, 4), _direction(m), [0.0, 2.0], max_new_tokens=3),
                            an.steering_sweep(m, _tokens(2, 5), _direction(m), [0.0, 1.0])),
     "fourier": lambda m: _fourier(m),
+    "training steps": lambda m: _trained(m),
     "attribution graph, padded batch": lambda m: an.graphs.attribution_graph(
         m, _transcoders(m), _padded(m, "left"), batch_size=16, max_feature_nodes=10),
     "attribution graph, cross-layer transcoder": lambda m: an.graphs.attribution_graph(
@@ -131,6 +134,26 @@ def _clt(m):
     clt = CrossLayerTranscoder(n_layers=3, d_in=32, d_sae=24, activation="topk", k=4, skip=True)
     clt.init_weights(torch.Generator().manual_seed(0))
     return clt.eval().to(m.device)
+
+
+def _unchecked(call):
+    """``call`` without jaxtyping's test-only checks, which reject a static cache's step object (a
+    ``StaticStep`` where the annotation says ``Padding``; tests/test_compiled_decode.py turns them off too)."""
+    import jaxtyping
+
+    was = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        return call()
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", was)
+
+
+def _trained(m):
+    from workbench.training import TrainConfig, train
+
+    return train(TrainConfig(task="induction", steps=3, batch_size=4, device=str(m.device)), tiny(d_vocab=64),
+                 progress=False)
 
 
 def _direction(m):
