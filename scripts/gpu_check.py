@@ -310,7 +310,9 @@ def section_environment(sec: Section) -> None:
 def section_tests(sec: Section) -> None:
     import glob
 
-    files = QUICK_TEST_FILES if sec.quick else sorted({f for pattern in TEST_FILES for f in glob.glob(str(REPO / pattern))})
+    # in TEST_FILES' order (the device guard and the graphs first), each file once
+    files = QUICK_TEST_FILES if sec.quick else list(dict.fromkeys(
+        f for pattern in TEST_FILES for f in sorted(glob.glob(str(REPO / pattern)))))
     files = [str(Path(f).relative_to(REPO)) if Path(f).is_absolute() else f for f in files]
     log = sec.work / "tests.jsonl"
     log.unlink(missing_ok=True)
