@@ -14,7 +14,7 @@ a crash or a timeout in one is recorded and the next one starts):
 
     environment  torch, CUDA, the device, package versions, disk; the bf16 capability check
                  (``check_placement``); device copy bandwidth and a bf16 matmul rate
-    tests        pytest on tests/test_core_*, test_interop*, test_analysis_*, test_padding* with
+    tests        pytest on tests/test_device_guard, test_graphs, test_core_*, test_interop*, test_analysis_*, test_padding* with
                  ``--device cuda`` (pass/fail counts, the first failures), trimmed to its time box
     import       a random Llama-shaped model of ~1B and ~8B parameters written with ``wb.to_hf``
                  (bf16), imported by ``wb.from_hf`` and by transformers in fresh processes: seconds,
@@ -65,7 +65,8 @@ BUDGET = {"environment": (45, 40), "tests": (140, 120), "import": (150, 90), "de
           "contenders": (75, 60), "dictionary": (40, 40), "training": (40, 40), "app": (60, 120),
           "circuits": (70, 40)}
 MIN_SECTION_S = 10
-TEST_FILES = ["tests/test_core_*.py", "tests/test_interop*.py", "tests/test_analysis_*.py", "tests/test_padding*.py"]
+TEST_FILES = ["tests/test_device_guard.py", "tests/test_graphs.py", "tests/test_core_*.py", "tests/test_interop*.py",
+              "tests/test_analysis_*.py", "tests/test_padding*.py"]
 QUICK_TEST_FILES = ["tests/test_core_config.py"]
 PACKAGES = ["torch", "transformers", "tokenizers", "safetensors", "huggingface_hub", "numpy", "pandas", "einops",
             "jaxtyping", "beartype", "transformer-lens", "datasets", "plotly", "streamlit", "pytest", "pytest-xdist",
@@ -309,7 +310,9 @@ def section_environment(sec: Section) -> None:
 def section_tests(sec: Section) -> None:
     import glob
 
-    files = QUICK_TEST_FILES if sec.quick else sorted({f for pattern in TEST_FILES for f in glob.glob(str(REPO / pattern))})
+    # in TEST_FILES' order (the device guard and the graphs first), each file once
+    files = QUICK_TEST_FILES if sec.quick else list(dict.fromkeys(
+        f for pattern in TEST_FILES for f in sorted(glob.glob(str(REPO / pattern)))))
     files = [str(Path(f).relative_to(REPO)) if Path(f).is_absolute() else f for f in files]
     log = sec.work / "tests.jsonl"
     log.unlink(missing_ok=True)

@@ -145,6 +145,17 @@ def logit_diff_metric(
     return metric
 
 
+def check_device(model, what: str, held) -> None:
+    """A ValueError naming both devices unless ``held`` (a module's parameters and buffers, or a tensor)
+    is on ``model``'s device: else the first op that meets both raises a RuntimeError from inside torch
+    (or, for an index, a message that names only one of them)."""
+    tensors = [held] if isinstance(held, Tensor) else [*held.parameters(), *getattr(held, "buffers", list)()]
+    devices = sorted({str(t.device) for t in tensors if t.device != model.device})
+    if devices:
+        raise ValueError(f"{what} {'is' if isinstance(held, Tensor) else 'are'} on {', '.join(devices)} and the model "
+                         f"on {model.device}: move them to the model's device first (.to(model.device))")
+
+
 def check_choice(name: str, value, choices: Sequence) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")

@@ -90,7 +90,7 @@ def embedding_norms(model: torch.nn.Module, task: ModularTask) -> pd.DataFrame:
 
 def gini(values) -> float:
     """The Gini coefficient of non-negative ``values``: 0 when all are equal, (n - 1) / n when one holds everything."""
-    x = np.sort(np.asarray(values, dtype=np.float64).ravel())
+    x = np.sort(np.asarray(values.detach().cpu() if isinstance(values, Tensor) else values, dtype=np.float64).ravel())
     if x.size == 0 or (x < 0).any():
         raise ValueError("gini needs a non-empty array of non-negative values")
     n, total = x.size, x.sum()
@@ -103,7 +103,7 @@ def fourier_gini(model: torch.nn.Module, task: ModularTask) -> dict:
     """The paper's sparsity measure: the Gini coefficient of the norms of the ``p`` Fourier components of
     the embedding ``W_E`` (``gini_embed``) and of the neuron-logit map ``W_out W_U`` (``gini_neuron_logit``)."""
     p = _task_p(task)
-    basis = fourier_basis(p)
+    basis = fourier_basis(p).to(model.embed.W_E.device)
     embed = model.embed.W_E[:p].detach().float()
     neuron_logit = (model.blocks[0].mlp.W_out.detach().float() @ model.unembed.W_U[:, :p].detach().float()).T
     return {"gini_embed": gini((basis @ embed).norm(dim=1)), "gini_neuron_logit": gini((basis @ neuron_logit).norm(dim=1))}

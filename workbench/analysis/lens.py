@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from workbench.analysis.batching import (
     DataLike, as_token_batch, iter_batches, n_rows, next_real_index, real_cells, select_rows, with_meta,
 )
-from workbench.analysis.common import vocab_labels
+from workbench.analysis.common import check_device, vocab_labels
 from workbench.checkpoint import CheckpointError
 from workbench.padding import TokenBatch
 from workbench.utils import check_float, check_int, check_seed, check_token_ids, eval_mode
@@ -436,6 +436,7 @@ def tuned_lens(
     """The tuned lens at every layer and every real token; the same data, arguments and columns
     as ``logit_lens`` (``aggregate=True``: per-layer means over the whole data)."""
     lens.check_fits(model)
+    check_device(model, "the tuned lens's weights", lens)
     return _lens_run(model, data, {"tuned": lens}, k, targets, batch_size, progress, aggregate, padding_side,
                      attention_mask)
 
@@ -453,6 +454,7 @@ def compare_lenses(
     """Mean KL to the final distribution per layer for both lenses, over every real token of
     ``data`` (one pass, reduced batch by batch): columns layer, lens, kl."""
     lens.check_fits(model)
+    check_device(model, "the tuned lens's weights", lens)
     both = _lens_run(model, data, {"logit": None, "tuned": lens}, 1, None, batch_size, progress, True,
                      padding_side, attention_mask)
     both = both.sort_values(["layer", "lens"], kind="stable").reset_index(drop=True)

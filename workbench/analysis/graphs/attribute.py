@@ -129,6 +129,8 @@ def attribution_graph(
     if isinstance(target, list) and not target:
         raise ValueError("target is an empty list: give at least one target (a token, a pair (a, b), a tensor), "
                          "or None for the top logits")
+    from workbench.analysis.common import check_device
+    check_device(model, "the transcoders' weights", rs)
     check_finite(model, rs)  # once, before anything is computed: a NaN weight gave NaN edges or a runaway graph
     weights = fingerprint(model, rs)  # what the graph records, so bind() can refuse other weights
     warn_trained_elsewhere(model, rs, weights["model"])
@@ -395,7 +397,7 @@ class _Engine:
             pos, f = src.features[idx, 1], src.features[idx, 2]
             step = max(1, self.chunk * 64 // max(1, n * self.rs.d_sae))
             for lo in range(0, P, step):
-                a, b = torch.searchsorted(pos, torch.tensor([lo, lo + step]))
+                a, b = torch.searchsorted(pos, torch.tensor([lo, lo + step], device=pos.device))
                 if a == b:
                     continue
                 proj = 0
@@ -578,7 +580,7 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
 
     def add(node_ids: Tensor, rows: Tensor) -> None:
         r, c, w = _sparsify(rows, edge_mass, max_edges_per_node)
-        store.add(node_ids[r], c, w)
+        store.add(node_ids[r.to(node_ids.device)], c, w)
 
     last = len(cap.tokens) - 1
     for lo in range(0, n_logits, batch_size):
@@ -604,7 +606,7 @@ def _attribute(model, rs, cap: Capture, target, max_n_logits, desired_logit_prob
         for lo in range(0, len(pending), batch_size):
             idx = pending[lo:lo + batch_size]
             layers, positions, f = src.features[idx].unbind(1)
-            enc = torch.empty(len(idx), rs.d_in, dtype=encoders[0].dtype)
+            enc = torch.empty(len(idx), rs.d_in, dtype=encoders[0].dtype, device=encoders[0].device)
             for layer in layers.unique().tolist():
                 at = (layers == layer).nonzero().squeeze(-1)
                 enc[at] = encoders[layer][:, f[at]].T
