@@ -348,7 +348,8 @@ def open_gguf(
                 meta = {"cache_format": CACHE_FORMAT, "converted_from": str(path), "gguf_sha256_16": target.name.rsplit("-", 2)[-2],
                         "converter_version": CONVERTER_VERSION, "convert_seconds": round(time.perf_counter() - started, 1),
                         **model.gguf_info}
-                save_checkpoint(model, target, meta=meta)
+                # replace=False: a second conversion of one file would be a locking bug; it fails loudly
+                save_checkpoint(model, target, meta=meta, replace=False)
                 del model
     model, tokenizer = load_checkpoint(target, device=device, dtype=dtype)
     model.tokenizer = tokenizer
