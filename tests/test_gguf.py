@@ -43,6 +43,8 @@ ARCHES = {  # GGUF architecture -> (HF config class, its extra fields)
     "llama": (T.LlamaConfig, dict(rope_theta=10000.0)),
     "qwen2": (T.Qwen2Config, dict(rope_theta=1000000.0)),
     "qwen3": (T.Qwen3Config, dict(rope_theta=1000000.0)),
+    "olmo2": (T.Olmo2Config, dict(rope_theta=500000.0)),
+    "phi3": (T.Phi3Config, dict(rope_theta=10000.0)),
     "gpt2": (T.GPT2Config, dict(n_embd=256, n_layer=2, n_head=4, n_inner=512, vocab_size=260, n_positions=64,
                                 bos_token_id=256, eos_token_id=257, tie_word_embeddings=True)),
 }
@@ -126,6 +128,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype: str, *, see
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(257)
     writer.add_add_bos_token(add_bos)
+    writer.add_pad_token_id(257)  # else transformers' Phi-3 reader assumes Phi-3's 32000, past this vocabulary
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
     state = model.state_dict()
     held = {}
@@ -198,7 +201,9 @@ def test_gguf_matches_transformers(tmp_path, arch, qtype):
     print(f"{arch} {qtype}: {err:.1e}")
 
 
-@pytest.mark.parametrize("arch", list(ARCHES))
+# transformers 5 has no GGUF loader for OLMo 2; its files follow llama.cpp's Olmo2Model (a plain
+# TextModel: gguf's name map, no permutation), which the writer mirrors
+@pytest.mark.parametrize("arch", [a for a in ARCHES if a != "olmo2"])
 def test_writer_agrees_with_transformers_gguf_loader(tmp_path, arch):
     """The files above are read by transformers' own GGUF loader as the reference model: the writer
     follows llama.cpp's conventions (names, Llama's permutation), so the test above tests something."""

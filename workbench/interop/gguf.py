@@ -70,7 +70,7 @@ SUPPORTED_QUANTIZATIONS = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0",
 
 # GGUF architecture -> Hugging Face model_type. Mistral files say "llama" (llama.cpp converts
 # them with the Llama converter).
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "olmo2": "olmo2", "phi3": "phi3", "gpt2": "gpt2"}
 # llama.cpp permutes the rows of Q and K of these (convert_hf_to_gguf.py's LlamaModel.permute, for
 # its interleaved RoPE); Qwen2/Qwen3 are written as they are (NEOX-style RoPE, HF's own layout).
 _PERMUTED_QK = ("llama",)
@@ -96,6 +96,19 @@ _LLAMA_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# OLMo 2 normalises after each sublayer (post_attention / post_feedforward) and has Q/K norms over all heads
+_OLMO2_LAYER = {**{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith(("attn_norm", "ffn_norm"))},
+                "post_attention_norm.weight": "post_attention_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# Phi-3 keeps its fused projections: Q, K and V stacked, gate and up stacked
+_PHI3_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
 _GPT2_GLOBAL = {
     "token_embd.weight": "transformer.wte.weight",
     "position_embd.weight": "transformer.wpe.weight",
@@ -116,6 +129,8 @@ _NAMES = {
     "llama": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
     "qwen2": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
     "qwen3": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "olmo2": (_LLAMA_GLOBAL, _OLMO2_LAYER, "model.layers"),
+    "phi3": (_LLAMA_GLOBAL, _PHI3_LAYER, "model.layers"),
     "gpt2": (_GPT2_GLOBAL, _GPT2_LAYER, "transformer.h"),
 }
 # GPT-2's Conv1D weights are [in, out]; llama.cpp's GPT2 converter transposes them to [out, in]
@@ -208,10 +223,10 @@ def _hf_config(meta: dict, tensor_names: set[str], n_vocab: int, path: Path) -> 
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
     )
-    if arch == "llama":
+    if arch in ("llama", "qwen3", "olmo2"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    if arch == "qwen3":
-        fields["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch == "phi3":
+        fields.update(sliding_window=get("attention.sliding_window"), pad_token_id=None)
     config = transformers.AutoConfig.for_model(ARCHITECTURES[arch], **fields)
     theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
     if theta is not None and float(theta) != fields["rope_theta"]:  # a transformers that dropped the keyword
@@ -304,18 +319,39 @@ def untie(config: Any, state: dict, embed: str) -> None:
 
 
 def gguf_tokenizer(path: Union[str, Path]) -> Any:
-    """The file's tokenizer as an ``HFTokenizer`` (None when the file has none), built by transformers'
-    GGUF converter; it adds BOS exactly when transformers' tokenizer of the file does."""
+    """The file's tokenizer as an ``HFTokenizer``, built by transformers' GGUF converter (what
+    ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` runs); it adds BOS exactly when the file's
+    ``tokenizer.ggml.add_bos_token`` asks for it, as transformers' tokenizer of the file does."""
     from transformers import AutoTokenizer
 
     from workbench.interop.hf_tokenizer import HFTokenizer
 
     path = Path(path)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return HFTokenizer.from_transformers(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
     except Exception as e:
-        raise GGUFImportError(f"{path.name}: its tokenizer could not be built: {type(e).__name__}: {e}") from e
-    return HFTokenizer.from_transformers(tok)
+        first = e  # transformers refuses a file whose model architecture it cannot load (OLMo 2), tokenizer too
+    try:
+        return _tokenizer_from_metadata(path)
+    except Exception as e:
+        raise GGUFImportError(f"{path.name}: its tokenizer could not be built: {type(first).__name__}: {first}; "
+                              f"then {type(e).__name__}: {e}") from e
+
+
+def _tokenizer_from_metadata(path: Path) -> Any:
+    """The same converter called below AutoTokenizer, for architectures transformers' loader refuses."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    from workbench.interop.hf_tokenizer import SPECIAL_TOKENS, HFTokenizer
+
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+    backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    bos = tokenizer_config.get("bos_token")
+    if tokenizer_config.get("add_bos_token") and bos is not None:
+        backend.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                    special_tokens=[(bos, backend.token_to_id(bos))])
+    return HFTokenizer(backend, {k: tokenizer_config.get(k) for k in SPECIAL_TOKENS})
 
 
 # ---- converting and caching ------------------------------------------------------------------
