@@ -99,7 +99,7 @@ def _bpe_vocab() -> tuple[list[str], list[str]]:
 
 
 def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype: str, *, seed: int = 0,
-               add_bos: bool = False, tensor_type_override: dict | None = None) -> torch.nn.Module:
+               add_bos: bool = False, tensor_type_override: dict | None = None, edit=None) -> torch.nn.Module:
     """Write ``model`` as a GGUF of ``arch`` with 2-D weights in ``qtype``; load into ``model`` the weights
     the file holds (dequantized), so it is the reference. Returns ``model``."""
     cfg = model.config
@@ -129,6 +129,8 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype: str, *, see
     writer.add_eos_token_id(257)
     writer.add_add_bos_token(add_bos)
     writer.add_pad_token_id(257)  # else transformers' Phi-3 reader assumes Phi-3's 32000, past this vocabulary
+    if edit is not None:
+        edit(writer)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
     state = model.state_dict()
     held = {}
@@ -253,16 +255,25 @@ def _cache_entries(cache: Path) -> list[str]:
 
 def test_unsupported_architecture_is_named(tmp_path):
     path = tmp_path / "g.gguf"
-    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer = gguf.GGUFWriter(str(path), "gptneox")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GGUFImportError, match=r"architecture 'phi3' is not supported.*'llama'"):
+    with pytest.raises(GGUFImportError, match=r"architecture 'gptneox' is not supported.*'llama'"):
         open_gguf(path, cache=tmp_path / "cache")
     assert _cache_entries(tmp_path / "cache") == []
+    path = tmp_path / "l.gguf"  # a supported architecture whose hyperparameters are missing
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFImportError, match=r"metadata key llama\.embedding_length is missing"):
+        open_gguf(path, cache=tmp_path / "cache")
 
 
 def test_unsupported_quantization_is_named(tmp_path):
@@ -278,6 +289,18 @@ def test_unsupported_quantization_is_named(tmp_path):
         globals()["quantize"] = original
     with pytest.raises(GGUFImportError, match=r"quantization IQ4_NL \(e\.g\. tensor 'blk\.1\.ffn_up\.weight'\)"):
         open_gguf(path, cache=tmp_path / "cache")
+    assert _cache_entries(tmp_path / "cache") == []
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), r"RoPE scaling \(rope\.scaling\.type='linear'\)"),
+    (lambda w: w.add_expert_count(4), r"mixture-of-experts GGUF \(llama\.expert_count=4\)"),
+    (lambda w: w.add_tensor("rope_freqs.weight", np.ones(32, dtype=np.float32)), "rope_freqs tensor"),
+])
+def test_unsupported_settings_are_named(tmp_path, edit, match):
+    write_gguf(tmp_path / "m.gguf", _hf_model("llama"), "llama", "F32", edit=edit)
+    with pytest.raises(GGUFImportError, match=match):
+        open_gguf(tmp_path / "m.gguf", cache=tmp_path / "cache")
     assert _cache_entries(tmp_path / "cache") == []
 
 

@@ -173,6 +173,9 @@ _SCALAR_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokeniz
                           "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
 
 
+_REQUIRED_KEYS = ("embedding_length", "block_count", "attention.head_count", "feed_forward_length", "context_length")
+
+
 def _hf_config(meta: dict, tensor_names: set[str], n_vocab: int, path: Path) -> Any:
     """The transformers config this file's metadata describes; unsupported settings refused by name."""
     import transformers
@@ -184,7 +187,10 @@ def _hf_config(meta: dict, tensor_names: set[str], n_vocab: int, path: Path) -> 
         )
 
     def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default)
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None and key in _REQUIRED_KEYS:
+            raise GGUFImportError(f"{path.name}: the metadata key {arch}.{key} is missing (truncated or corrupt file?)")
+        return value
 
     if arch == "gpt2":
         return transformers.GPT2Config(
@@ -217,7 +223,7 @@ def _hf_config(meta: dict, tensor_names: set[str], n_vocab: int, path: Path) -> 
         num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(get("context_length", 2048)),
+        max_position_embeddings=int(get("context_length")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
