@@ -49,7 +49,7 @@ ARCHES = {  # GGUF architecture -> (HF config class, its extra fields)
                                 bos_token_id=256, eos_token_id=257, tie_word_embeddings=True)),
 }
 GPT2_TRANSPOSED = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # llama.cpp's GPT2Model transposes Conv1D
-QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # what the issue names
 
 
 def _hf_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -72,15 +72,17 @@ def _hf_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return model
 
 
+# K-quant blocks (256 values): their size and where their f16 super-block scales lie, per ggml's structs
+_K_BLOCKS = {Q.Q2_K: (84, 80), Q.Q3_K: (110, 108), Q.Q4_K: (144, 0), Q.Q5_K: (176, 0), Q.Q6_K: (210, 208)}
+
+
 def _random_k_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks whose f16 scales are small and finite (random bytes could be NaN)."""
-    block_bytes = {Q.Q4_K: 144, Q.Q6_K: 210}[qtype]
+    """Random K-quant blocks whose f16 scales are small and finite (random bytes could be NaN)."""
+    block_bytes, at = _K_BLOCKS[qtype]
     data = rng.integers(0, 256, size=(rows, cols // 256, block_bytes), dtype=np.uint8)
-    scales = rng.uniform(0.0005, 0.002, size=(rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
-    if qtype == Q.Q4_K:
-        data[..., 0:4] = scales.reshape(rows, cols // 256, 4)  # d, dmin
-    else:
-        data[..., 208:210] = scales[..., 0:2]  # d (the int8 sub-scales stay random)
+    n_scales = 2 if qtype in (Q.Q2_K, Q.Q4_K, Q.Q5_K) else 1  # d and dmin, or d alone
+    scales = rng.uniform(0.0005, 0.002, size=(rows, cols // 256, n_scales)).astype(np.float16).view(np.uint8)
+    data[..., at:at + 2 * n_scales] = scales
     return data.reshape(rows, -1)
 
 
@@ -150,7 +152,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype: str, *, see
         elif arch == "llama" and name.endswith("attn_k.weight"):
             w = _llama_permute(w, cfg.num_key_value_heads)
         kind = Q[(tensor_type_override or {}).get(name, qtype if w.ndim == 2 else "F32")]
-        if kind in (Q.Q4_K, Q.Q6_K):
+        if kind in _K_BLOCKS:
             data = _random_k_blocks(*w.shape, kind, rng)
         else:
             data = quantize(w, kind)
@@ -193,6 +195,16 @@ TOKENS = torch.tensor([[256, 5, 77, 200, 3, 259, 120, 44, 9, 255, 1, 60]])
 @pytest.mark.parametrize("arch", list(ARCHES))
 @pytest.mark.parametrize("qtype", QUANTS)
 def test_gguf_matches_transformers(tmp_path, arch, qtype):
+    _check_gguf(tmp_path, arch, qtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K"])
+def test_other_quantizations_read(tmp_path, qtype):
+    """The rest of what the workbench accepts, on one architecture."""
+    _check_gguf(tmp_path, "llama", qtype)
+
+
+def _check_gguf(tmp_path, arch, qtype):
     hf = _hf_model(arch, tie_word_embeddings=(qtype == "Q8_0"))  # one quantization covers tied embeddings
     path = tmp_path / f"tiny-{arch}.{qtype}.gguf"
     write_gguf(path, hf, arch, qtype)
