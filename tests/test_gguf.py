@@ -258,6 +258,14 @@ def test_cache_is_written_once_and_reused(tmp_path):
     _check_logits(first, hf, TOKENS)
 
 
+def test_an_unwritable_cache_warns_and_opens_the_file_anyway(tmp_path):
+    hf = write_gguf(tmp_path / "m.gguf", _hf_model("qwen3"), "qwen3", "Q4_0")
+    (tmp_path / "file").write_text("a file where the cache folder would go")
+    with pytest.warns(UserWarning, match="cannot be written"):
+        model = open_gguf(tmp_path / "m.gguf", cache=tmp_path / "file" / "cache")
+    _check_logits(model, hf, TOKENS)
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 def _cache_entries(cache: Path) -> list[str]:

@@ -29,6 +29,7 @@ import hashlib
 import importlib.util
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -427,7 +428,12 @@ def open_gguf(
         return convert_gguf(path, dtype=dtype, device=device)
     target = cache_dir_for(path, None if cache in (None, True) else cache)
     if not (target / "meta.json").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only home, a file where the folder should be: open it all the same
+            warnings.warn(f"the model cache {target.parent} cannot be written ({e}); converting {path.name} "
+                          "without caching it (set WORKBENCH_CACHE to a writable folder)", stacklevel=2)
+            return convert_gguf(path, dtype=dtype, device=device)
         # A lock of its own, not the checkpoint's (save_checkpoint takes that one): whoever holds it
         # converts, and a second process opening the same file waits, then finds the cache written.
         with locked(target.with_name(target.name + ".convert")):
