@@ -183,8 +183,16 @@ class EdgeRunner:
         self._senders_at = {t: np.nonzero(g.sender_stage == t)[0] for t in self.stages}
         self._n_before = {t: int((g.sender_stage < t).sum()) for t in self.stages}
         self._layer_at = {t: (t - 1) // 2 for t in self.stages}
-        self._clean_prefix = torch.cat([torch.zeros_like(self.clean_out[:1]), self.clean_out.cumsum(0)])
+        self._prefix: Optional[Tensor] = None  # [senders + 1, batch, pos, d_model], built on first use
         self._adjacency = g.adjacency.to(self.clean_out.device, self.clean_out.dtype)
+
+    @property
+    def _clean_prefix(self) -> Tensor:
+        """The clean stream before each sender, [senders + 1, batch, pos, d_model]: one more copy of
+        every sender's output, built when a run first resumes mid-model (EAP never does)."""
+        if self._prefix is None:
+            self._prefix = torch.cat([torch.zeros_like(self.clean_out[:1]), self.clean_out.cumsum(0)])
+        return self._prefix
 
     # ---- metrics of the two ends -----------------------------------------------------------
     def resolve_metric(self, metric: MetricLike) -> Callable[[Tensor], Tensor]:
@@ -256,29 +264,97 @@ class EdgeRunner:
                 collect.append(inputs)
             if stage == self.stages[-1]:
                 return model.unembed(model.ln_final(inputs[0]))
-            layer = self._layer_at[stage]
-            block = model.blocks[layer]
-            written = []
-            if stage == 2 * layer + 1:  # this layer's heads (and its MLP when parallel)
-                h = g.n_heads
-                xq, xk, xv = (inputs[i * h:(i + 1) * h].permute(1, 2, 0, 3) for i in range(3))
-                z = head_z(block, xq, xk, xv, range(h))
-                written += list(einsum(z, block.attn.W_O, "b p h e, h e d -> h b p d"))
-                resid = resid + block.attn.b_O
-            if g.receivers[receivers[-1]][0] == "mlp":  # this layer's MLP reads at this stage
-                written.append(block.mlp(block.ln2(inputs[-1])))
+            written, bias = self._write(stage, inputs)
             outs += written
+            if bias is not None:
+                resid = resid + bias
             resid = resid + sum(written)
         raise AssertionError("the logits stage is always last")
+
+    def _write(self, stage: int, inputs: Tensor) -> tuple[list[Tensor], Optional[Tensor]]:
+        """What the senders of ``stage`` (not the logits) write from their receivers' inputs
+        [receivers, batch, pos, d_model], in sender order, and the constant bias the stage adds to
+        the stream (the heads' b_O; None for an MLP stage)."""
+        g, layer = self.graph, self._layer_at[stage]
+        block = self.model.blocks[layer]
+        receivers = self._receivers_at[stage]
+        written, bias = [], None
+        if stage == 2 * layer + 1:  # this layer's heads (and its MLP when parallel)
+            h = g.n_heads
+            xq, xk, xv = (inputs[i * h:(i + 1) * h].permute(1, 2, 0, 3) for i in range(3))
+            z = head_z(block, xq, xk, xv, range(h))
+            written += list(einsum(z, block.attn.W_O, "b p h e, h e d -> h b p d"))
+            bias = block.attn.b_O
+        if g.receivers[receivers[-1]][0] == "mlp":  # this layer's MLP reads at this stage
+            written.append(block.mlp(block.ln2(inputs[-1])))
+        return written, bias
 
     def metric_of(self, metric: Callable[[Tensor], Tensor], keep: Optional[Tensor] = None,
                   from_stage: Optional[int] = None) -> float:
         with torch.no_grad():
             return float(metric_value(metric, self.run(keep, from_stage)))
 
+    def receiver_scores(self, metric: Callable[[Tensor], Tensor],
+                        embed: Optional[Tensor] = None) -> Float[Tensor, "sender receiver"]:
+        """EAP's sums, [senders, receivers] in float32: (corrupted - clean output of each sender) .
+        d metric / d (each receiver's input), summed over batch, positions and d_model, on the clean
+        run or with ``embed`` as the embedding. Zero where the sender writes after the receiver reads.
+
+        The same numbers as ``delta @ receiver_grads().T`` (tests check) at the memory of about one
+        forward and backward: a forward without autograd keeps only the stream entering each stage;
+        the backward then recomputes one stage at a time with autograd and reduces that stage's
+        receiver-input gradient [receivers, batch, pos, d_model] to its scores at once, so no more
+        than one stage's gradient (and one layer's attention pattern) ever exists.
+        """
+        g = self.graph
+        scores = torch.zeros(len(g.senders), len(g.receivers), dtype=torch.float32, device=self.delta.device)
+        start = (self.clean_out[0] if embed is None else embed).detach()
+        entering = []  # the stream entering each stage but the last
+        with torch.no_grad():
+            resid = start + self._bias_before(self.stages[0])
+            for stage in self.stages[:-1]:
+                entering.append(resid)
+                written, bias = self._write(stage, self._spread(stage, resid))
+                if bias is not None:
+                    resid = resid + bias
+                resid = resid + sum(written)
+        model = self.model
+        last = self.stages[-1]
+        with torch.enable_grad():
+            inputs = self._spread(last, resid).requires_grad_(True)
+            value = metric_value(metric, model.unembed(model.ln_final(inputs[0])))
+            grad, = torch.autograd.grad(value, inputs)
+        self._score(scores, last, grad)
+        upstream = grad.sum(0)  # d metric / d (the stream entering the logits)
+        del grad, inputs, value
+        for stage, resid in zip(reversed(self.stages[:-1]), reversed(entering)):
+            with torch.enable_grad():
+                inputs = self._spread(stage, resid).requires_grad_(True)
+                written, _ = self._write(stage, inputs)
+                grad, = torch.autograd.grad(sum(written), inputs, upstream)
+            self._score(scores, stage, grad)
+            # The stream reaches the next stage directly and through every receiver of this one.
+            upstream = upstream + grad.sum(0)
+            del grad, inputs, written
+        return scores
+
+    def _spread(self, stage: int, resid: Tensor) -> Tensor:
+        """``resid`` as every receiver of ``stage`` reads it on the clean run: [receivers, batch, pos, d_model],
+        a leaf of its own (expanded, not copied)."""
+        return resid.detach().unsqueeze(0).expand(len(self._receivers_at[stage]), *resid.shape)
+
+    def _score(self, scores: Tensor, stage: int, grad: Tensor) -> None:
+        """Add ``stage``'s receivers' scores: delta . grad for every sender written before the stage."""
+        n_up, receivers = self._n_before[stage], torch.as_tensor(self._receivers_at[stage], device=scores.device)
+        part = self.delta[:n_up].flatten(1) @ grad.flatten(1).T  # [senders before, receivers of the stage]
+        scores[:n_up, receivers] += part.float()
+
     def receiver_grads(self, metric: Callable[[Tensor], Tensor],
                        embed: Optional[Tensor] = None) -> Float[Tensor, "receiver batch pos d_model"]:
-        """d metric / d (each receiver's input), on the clean run or with ``embed`` as the embedding."""
+        """d metric / d (each receiver's input), on the clean run or with ``embed`` as the embedding.
+
+        All of them at once, [receivers, batch, pos, d_model]: memory that grows with the receivers
+        times the context. EAP reads ``receiver_scores`` instead; this stays as its reference."""
         collected: list[Tensor] = []
         with torch.enable_grad():
             start = (self.clean_out[0] if embed is None else embed).detach().clone().requires_grad_(True)
