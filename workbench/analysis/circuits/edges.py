@@ -146,15 +146,18 @@ def _cache_names(model) -> set[str]:
 
 
 def _outputs(model, graph: ComputationGraph, cache) -> Tensor:
-    """Every sender's output [senders, batch, pos, d_model] from a run's cache (head outputs without b_O)."""
+    """Every sender's output [senders, batch, pos, d_model] from a run's cache (head outputs without b_O),
+    written into one tensor layer by layer (stacking a list would hold every output twice)."""
     embed = cache["hook_embed"] + (cache["hook_pos_embed"] if "hook_pos_embed" in cache.cache_dict else 0)
-    outs = [embed]
+    out = embed.new_empty(len(graph.senders), *embed.shape)
+    out[0], i = embed, 1
     for layer in range(graph.n_layers):
         W_O = model.blocks[layer].attn.W_O
-        outs += list(einsum(cache[f"blocks.{layer}.attn.hook_z"], W_O, "b p h e, h e d -> h b p d"))
+        heads = einsum(cache[f"blocks.{layer}.attn.hook_z"], W_O, "b p h e, h e d -> h b p d")
+        out[i:i + len(heads)], i = heads, i + len(heads)
         if graph.has_mlp:
-            outs.append(cache[f"blocks.{layer}.hook_mlp_out"])
-    return torch.stack(outs)
+            out[i], i = cache[f"blocks.{layer}.hook_mlp_out"], i + 1
+    return out
 
 
 class EdgeRunner:
@@ -175,6 +178,7 @@ class EdgeRunner:
             self.corrupted_logits, cache = model.run_with_cache(self.corrupted, names_filter=lambda n: n in names)
             self.clean_out = _outputs(model, self.graph, self.clean_cache)
             self.corrupted_out = _outputs(model, self.graph, cache)
+            del cache
         self.delta = self.corrupted_out - self.clean_out  # what each edge's patch adds to its receiver's input
         g = self.graph
         # The stages in forward order, each with the receivers it reads for and the senders it writes.
@@ -300,13 +304,14 @@ class EdgeRunner:
         d metric / d (each receiver's input), summed over batch, positions and d_model, on the clean
         run or with ``embed`` as the embedding. Zero where the sender writes after the receiver reads.
 
-        The same numbers as ``delta @ receiver_grads().T`` (tests check) at the memory of about one
-        forward and backward: a forward without autograd keeps only the stream entering each stage;
-        the backward then recomputes one stage at a time with autograd and reduces that stage's
-        receiver-input gradient [receivers, batch, pos, d_model] to its scores at once, so no more
-        than one stage's gradient (and one layer's attention pattern) ever exists.
+        The numbers of ``delta @ receiver_grads().T`` (tests check, to float rounding) at about the
+        memory of one forward and backward: a forward without autograd keeps only the stream
+        entering each stage; the backward then recomputes one stage at a time with autograd, a few
+        heads at a time (each head reads its own receivers, so their gradients are independent),
+        and reduces each group's receiver-input gradient to its scores at once. No more than one
+        group's gradient and attention pattern ever exists, never [receivers, batch, pos, d_model].
         """
-        g = self.graph
+        g, model = self.graph, self.model
         scores = torch.zeros(len(g.senders), len(g.receivers), dtype=torch.float32, device=self.delta.device)
         start = (self.clean_out[0] if embed is None else embed).detach()
         entering = []  # the stream entering each stage but the last
@@ -314,39 +319,70 @@ class EdgeRunner:
             resid = start + self._bias_before(self.stages[0])
             for stage in self.stages[:-1]:
                 entering.append(resid)
-                written, bias = self._write(stage, self._spread(stage, resid))
-                if bias is not None:
-                    resid = resid + bias
+                written = [out for rows, heads in self._groups(stage)
+                           for out in self._write_group(stage, self._spread(resid, len(rows)), heads)]
+                if stage == 2 * self._layer_at[stage] + 1:
+                    resid = resid + model.blocks[self._layer_at[stage]].attn.b_O
                 resid = resid + sum(written)
-        model = self.model
         last = self.stages[-1]
         with torch.enable_grad():
-            inputs = self._spread(last, resid).requires_grad_(True)
+            inputs = self._spread(resid, 1).requires_grad_(True)
             value = metric_value(metric, model.unembed(model.ln_final(inputs[0])))
             grad, = torch.autograd.grad(value, inputs)
-        self._score(scores, last, grad)
+        self._score(scores, last, [0], grad)
         upstream = grad.sum(0)  # d metric / d (the stream entering the logits)
         del grad, inputs, value
         for stage, resid in zip(reversed(self.stages[:-1]), reversed(entering)):
-            with torch.enable_grad():
-                inputs = self._spread(stage, resid).requires_grad_(True)
-                written, _ = self._write(stage, inputs)
-                grad, = torch.autograd.grad(sum(written), inputs, upstream)
-            self._score(scores, stage, grad)
-            # The stream reaches the next stage directly and through every receiver of this one.
-            upstream = upstream + grad.sum(0)
-            del grad, inputs, written
+            through = 0  # d metric / d resid through this stage's receivers
+            for rows, heads in self._groups(stage):
+                with torch.enable_grad():
+                    inputs = self._spread(resid, len(rows)).requires_grad_(True)
+                    grad, = torch.autograd.grad(sum(self._write_group(stage, inputs, heads)), inputs, upstream)
+                self._score(scores, stage, rows, grad)
+                through = through + grad.sum(0)
+                del grad, inputs
+            upstream = upstream + through  # the stream reaches the next stage directly, too
         return scores
 
-    def _spread(self, stage: int, resid: Tensor) -> Tensor:
-        """``resid`` as every receiver of ``stage`` reads it on the clean run: [receivers, batch, pos, d_model],
-        a leaf of its own (expanded, not copied)."""
-        return resid.detach().unsqueeze(0).expand(len(self._receivers_at[stage]), *resid.shape)
+    def _groups(self, stage: int) -> list[tuple[list[int], Optional[list[int]]]]:
+        """``stage``'s receivers in groups computed apart: (their rows among the stage's receivers, the
+        heads whose q, k and v they are, or None for an MLP). Heads go a few at a time, so that one
+        group's [batch, heads, pos, pos] attention pattern is about the size of the stream."""
+        g, layer = self.graph, self._layer_at[stage]
+        n = len(self._receivers_at[stage])
+        groups: list[tuple[list[int], Optional[list[int]]]] = []
+        if stage == 2 * layer + 1:
+            h, n_pos = g.n_heads, self.clean_out.shape[2]
+            size = max(1, min(h, 4 * self.model.cfg.d_model // n_pos))
+            for first in range(0, h, size):
+                heads = list(range(first, min(h, first + size)))
+                groups.append(([i * h + head for i in range(3) for head in heads], heads))
+        if g.receivers[self._receivers_at[stage][-1]][0] == "mlp":
+            groups.append(([n - 1], None))
+        return groups
 
-    def _score(self, scores: Tensor, stage: int, grad: Tensor) -> None:
-        """Add ``stage``'s receivers' scores: delta . grad for every sender written before the stage."""
-        n_up, receivers = self._n_before[stage], torch.as_tensor(self._receivers_at[stage], device=scores.device)
-        part = self.delta[:n_up].flatten(1) @ grad.flatten(1).T  # [senders before, receivers of the stage]
+    def _write_group(self, stage: int, inputs: Tensor, heads: Optional[list[int]]) -> list[Tensor]:
+        """What one group of ``_groups`` writes from its receivers' inputs [rows, batch, pos, d_model]:
+        each head's ``z W_O`` (without b_O), or the MLP's output."""
+        block = self.model.blocks[self._layer_at[stage]]
+        if heads is None:
+            return [block.mlp(block.ln2(inputs[0]))]
+        n = len(heads)
+        xq, xk, xv = (inputs[i * n:(i + 1) * n].permute(1, 2, 0, 3) for i in range(3))
+        z = head_z(block, xq, xk, xv, heads)
+        return list(einsum(z, block.attn.W_O[heads], "b p h e, h e d -> h b p d"))
+
+    @staticmethod
+    def _spread(resid: Tensor, n: int) -> Tensor:
+        """``resid`` as ``n`` receivers read it on the clean run, [n, batch, pos, d_model]: expanded, not
+        copied, and a leaf of its own."""
+        return resid.detach().unsqueeze(0).expand(n, *resid.shape)
+
+    def _score(self, scores: Tensor, stage: int, rows: list[int], grad: Tensor) -> None:
+        """Add the scores of ``rows`` of ``stage``'s receivers: delta . grad for every sender before the stage."""
+        n_up = self._n_before[stage]
+        receivers = torch.as_tensor(self._receivers_at[stage][rows], device=scores.device)
+        part = self.delta[:n_up].flatten(1) @ grad.flatten(1).T  # [senders before, rows]
         scores[:n_up, receivers] += part.float()
 
     def receiver_grads(self, metric: Callable[[Tensor], Tensor],
