@@ -81,7 +81,7 @@ def _gradient_scores(runner: EdgeRunner, metric, steps: int, integrated: bool,
 
     Each run's gradient is reduced to [senders, receivers] scores stage by stage
     (``EdgeRunner.receiver_scores``), never kept whole ([receivers, batch, pos, d_model] took
-    8.9x the memory of a forward and backward at 1,024 tokens); the mean over the EAP-IG steps
+    7x the memory of a forward and backward at 1,024 tokens in benchmarks/eap_memory.py); the mean over the EAP-IG steps
     is taken of the scores, which are linear in the gradient.
     """
     g = runner.graph
