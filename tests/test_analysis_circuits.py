@@ -247,6 +247,8 @@ def test_eap_scores_equal_the_kept_gradients_reference(name):
         scores = runner.receiver_scores(metric, embed)
         torch.testing.assert_close(scores[g.edge_sender, g.edge_receiver], reference[g.edge_sender, g.edge_receiver],
                                    rtol=0, atol=1e-6)
+    if name != "pre":
+        return
     ig = edge_attribution(model, (clean, corrupted), metric, "eap-ig", steps=3).score.to_numpy()
     points = [runner.clean_out[0] + (k + 0.5) / 3 * runner.delta[0] for k in range(3)]
     mean_grads = sum(runner.receiver_grads(metric, e) for e in points) / 3
