@@ -280,17 +280,12 @@ class EdgeRunner:
         [receivers, batch, pos, d_model], in sender order, and the constant bias the stage adds to
         the stream (the heads' b_O; None for an MLP stage)."""
         g, layer = self.graph, self._layer_at[stage]
-        block = self.model.blocks[layer]
-        receivers = self._receivers_at[stage]
         written, bias = [], None
         if stage == 2 * layer + 1:  # this layer's heads (and its MLP when parallel)
-            h = g.n_heads
-            xq, xk, xv = (inputs[i * h:(i + 1) * h].permute(1, 2, 0, 3) for i in range(3))
-            z = head_z(block, xq, xk, xv, range(h))
-            written += list(einsum(z, block.attn.W_O, "b p h e, h e d -> h b p d"))
-            bias = block.attn.b_O
-        if g.receivers[receivers[-1]][0] == "mlp":  # this layer's MLP reads at this stage
-            written.append(block.mlp(block.ln2(inputs[-1])))
+            written += self._write_group(stage, inputs[:3 * g.n_heads], list(range(g.n_heads)))
+            bias = self.model.blocks[layer].attn.b_O
+        if g.receivers[self._receivers_at[stage][-1]][0] == "mlp":  # this layer's MLP reads at this stage
+            written += self._write_group(stage, inputs[-1:], None)
         return written, bias
 
     def metric_of(self, metric: Callable[[Tensor], Tensor], keep: Optional[Tensor] = None,
