@@ -1,0 +1,118 @@
+"""The documentation site draws its figures with no internet (scripts/docs_offline.py).
+
+A site is built with the project's mkdocs.yml (inherited: its theme, plugins and hooks) over one
+small tutorial written as the real ones are (a jupytext percent script whose figures use the
+`notebook_connected` renderer), executed by mkdocs-jupyter as `./workbench.sh docs --build` does.
+The real tutorials take minutes to execute; this one takes seconds. The page is opened in Chromium
+over a local HTTP server with every request to another host aborted, and its figures must draw.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "app"))
+from browser_kit import BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS, sync_api  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = BROWSER_MARKS
+
+TUTORIAL = '''# %% [markdown]
+# # Offline figures
+#
+# Two figures drawn as the tutorials draw theirs, the second titled in LaTeX (MathJax).
+
+# %%
+import plotly.graph_objects as go
+import plotly.io as pio
+
+pio.renderers.default = "notebook_connected"
+
+# %%
+go.Figure(go.Bar(x=["a", "b", "c"], y=[1, 3, 2]), layout=dict(title="bars"))
+
+# %%
+go.Figure(go.Heatmap(z=[[0.1, 0.5], [0.9, 0.3]]), layout=dict(title=r"$\\alpha^2 + \\beta$"))
+'''
+
+
+def _hooks(config: str) -> list[str]:
+    """The `hooks:` entries of mkdocs.yml (a plain list of paths), absolute."""
+    block = re.search(r"^hooks:\n((?:[ \t]+-[^\n]*\n)+)", config, re.M)
+    return [str(REPO / line.strip()[1:].strip()) for line in block.group(1).splitlines()] if block else []
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("docs-offline")
+    (root / "docs" / "tutorials").mkdir(parents=True)
+    (root / "docs" / "index.md").write_text("# Offline\n\nSee the tutorial.\n")
+    (root / "docs" / "tutorials" / "01-figures.py").write_text(TUTORIAL)
+    # INHERIT keeps the project's theme and plugins; the hook paths are relative to mkdocs.yml,
+    # so they are given here absolute
+    hooks = "".join(f"\n  - {h}" for h in _hooks((REPO / "mkdocs.yml").read_text()))
+    (root / "mkdocs.yml").write_text(f"INHERIT: {REPO / 'mkdocs.yml'}\ndocs_dir: docs\nsite_dir: site\n"
+                                     f"hooks:{hooks or ' []'}\n")
+    # cwd=root: mkdocs-jupyter's execution cache (.cache/) lands there, not in the repository's
+    env = {**os.environ, "WORKBENCH_DOCS_EXECUTE": "true", "NO_MKDOCS_2_WARNING": "1"}
+    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    return root / "site"
+
+
+@pytest.fixture(scope="module")
+def http_url(site):
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_tutorial_figures_draw_with_the_network_blocked(http_url):
+    blocked = []
+
+    def local_only(route):
+        if urlparse(route.request.url).hostname in ("127.0.0.1", "localhost"):
+            route.continue_()
+        else:
+            blocked.append(route.request.url)
+            route.abort("internetdisconnected")
+
+    with sync_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            tab = chromium.new_context(viewport={"width": 1200, "height": 900}).new_page()
+            tab.route("**/*", local_only)
+            errors = []
+            tab.on("pageerror", lambda e: errors.append(str(e)))
+            tab.goto(f"{http_url}/tutorials/01-figures/", wait_until="load")
+            graphs = tab.locator(".plotly-graph-div")
+            assert graphs.count() == 2  # the two figures are on the page, drawn or not
+            tab.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 2",
+                                  timeout=30_000)
+            for i in range(2):  # each figure drew its trace, not just an empty frame
+                assert graphs.nth(i).locator(".main-svg .plot *").count() > 0
+            assert graphs.nth(0).locator(".bars .point").count() == 3
+            assert graphs.nth(1).locator(".hm image, .heatmaplayer image").count() >= 1
+            assert not errors, errors
+        finally:
+            chromium.close()
+    # the page asked no other host for anything: not a font, not a script
+    assert not blocked, blocked
