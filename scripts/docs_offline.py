@@ -68,7 +68,18 @@ def make_offline(html: str, prefix: str) -> str:
     ES module import needs)."""
     html = PLOTLY_IMPORT.sub(lambda m: f"import {m.group(1)}{prefix}{OFFLINE}/plotly.min.js{m.group(1)}", html)
     html = PLOTLY_SCRIPT.sub(lambda m: _script(m, f"{prefix}{OFFLINE}/plotly.min.js"), html)
-    return MATHJAX_SCRIPT.sub(lambda m: _script(m, f"{prefix}{OFFLINE}/tex-svg.js"), html)
+    html = MATHJAX_SCRIPT.sub(lambda m: _script(m, f"{prefix}{OFFLINE}/tex-svg.js"), html)
+    for name in ("plotly.min.js", "tex-svg.js"):
+        html = _first_only(html, f"{prefix}{OFFLINE}/{name}")
+    return html
+
+
+def _first_only(html: str, src: str) -> str:
+    """``html`` with only the first `<script src=src>`: the renderer repeats both with every figure,
+    and a second MathJax raises in the page (the first defines what every later figure uses)."""
+    tag = re.compile(rf"""<script[^>]*\ssrc="{re.escape(src)}"[^>]*>\s*</script>""")
+    first = tag.search(html)
+    return html if first is None else html[:first.end()] + tag.sub("", html[first.end():])
 
 
 def external_loads(html: str) -> list[str]:
