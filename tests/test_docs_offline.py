@@ -3,12 +3,15 @@
 A site is built with the project's mkdocs.yml (inherited: its theme, plugins and hooks) over one
 small tutorial written as the real ones are (a jupytext percent script whose figures use the
 `notebook_connected` renderer), executed by mkdocs-jupyter as `./workbench.sh docs --build` does.
-The real tutorials take minutes to execute; this one takes seconds. The page is opened in Chromium
-over a local HTTP server with every request to another host aborted, and its figures must draw.
+The real tutorials take minutes to execute; this one takes seconds. The page, and a standalone
+figure page as scripts/ write them, are opened in Chromium over a local HTTP server with every
+request to another host aborted, and their figures must draw. One test needs no browser: the hook's
+rewrite of what plotly writes for its CDN.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import os
@@ -25,7 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "app"))
 from browser_kit import BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS, sync_api  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = BROWSER_MARKS
+sys.path.insert(0, str(REPO / "scripts"))
+import docs_offline  # noqa: E402
+
+
+def browser_test(test):
+    return functools.reduce(lambda t, mark: mark(t), BROWSER_MARKS, test)
 
 TUTORIAL = '''# %% [markdown]
 # # Offline figures
@@ -58,6 +66,10 @@ def site(tmp_path_factory) -> Path:
     (root / "docs" / "tutorials").mkdir(parents=True)
     (root / "docs" / "index.md").write_text("# Offline\n\nSee the tutorial.\n")
     (root / "docs" / "tutorials" / "01-figures.py").write_text(TUTORIAL)
+    # a standalone figure page as scripts/grokking_docs.py writes them (plotly from its CDN)
+    import plotly.graph_objects as go
+
+    go.Figure(go.Scatter(y=[1, 3, 2])).write_html(root / "docs" / "standalone.html", include_plotlyjs="cdn")
     # INHERIT keeps the project's theme and plugins; the hook paths are relative to mkdocs.yml,
     # so they are given here absolute
     hooks = "".join(f"\n  - {h}" for h in _hooks((REPO / "mkdocs.yml").read_text()))
@@ -88,8 +100,11 @@ def http_url(site):
         server.server_close()
 
 
-def test_tutorial_figures_draw_with_the_network_blocked(http_url):
-    blocked = []
+@contextlib.contextmanager
+def offline_tab():
+    """A Chromium tab whose requests to any host but this one are aborted; yields (tab, page
+    errors, blocked urls)."""
+    blocked, errors = [], []
 
     def local_only(route):
         if urlparse(route.request.url).hostname in ("127.0.0.1", "localhost"):
@@ -103,19 +118,51 @@ def test_tutorial_figures_draw_with_the_network_blocked(http_url):
         try:
             tab = chromium.new_context(viewport={"width": 1200, "height": 900}).new_page()
             tab.route("**/*", local_only)
-            errors = []
             tab.on("pageerror", lambda e: errors.append(str(e)))
-            tab.goto(f"{http_url}/tutorials/01-figures/", wait_until="load")
-            graphs = tab.locator(".plotly-graph-div")
-            assert graphs.count() == 2  # the two figures are on the page, drawn or not
-            # drawn: the bar chart's three bars, the heatmap's image
-            tab.wait_for_function("document.querySelectorAll('.js-plotly-plot .bars .point').length == 3"
-                                  " && document.querySelector('.js-plotly-plot .hm image') !== null",
-                                  timeout=30_000)
-            # the LaTeX title typeset by MathJax (an SVG in place of the $...$ text)
-            graphs.nth(1).locator(".gtitle-math-group svg").wait_for(timeout=30_000)
-            assert not errors, errors
+            yield tab, errors, blocked
         finally:
             chromium.close()
+
+
+@browser_test
+def test_tutorial_figures_draw_with_the_network_blocked(http_url):
+    with offline_tab() as (tab, errors, blocked):
+        tab.goto(f"{http_url}/tutorials/01-figures/", wait_until="load")
+        graphs = tab.locator(".plotly-graph-div")
+        assert graphs.count() == 2  # the two figures are on the page, drawn or not
+        # drawn: the bar chart's three bars, the heatmap's image
+        tab.wait_for_function("document.querySelectorAll('.js-plotly-plot .bars .point').length == 3"
+                              " && document.querySelector('.js-plotly-plot .hm image') !== null",
+                              timeout=30_000)
+        # the LaTeX title typeset by MathJax (an SVG in place of the $...$ text)
+        graphs.nth(1).locator(".gtitle-math-group svg").wait_for(timeout=30_000)
+        assert not errors, errors
     # the page asked no other host for anything: not a font, not a script
     assert not blocked, blocked
+
+
+@browser_test
+def test_standalone_figure_page_draws_with_the_network_blocked(http_url):
+    with offline_tab() as (tab, errors, blocked):
+        tab.goto(f"{http_url}/standalone.html", wait_until="load")
+        tab.wait_for_function("document.querySelectorAll('.js-plotly-plot .scatterlayer .trace').length == 1",
+                              timeout=30_000)
+        assert not errors, errors
+    assert not blocked, blocked
+
+
+def test_plotly_cdn_loads_become_site_paths():
+    """Without a browser: what plotly writes for a CDN (a page, and the notebook renderer's
+    first output) loads nothing from another host after the rewrite, each file once."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure(go.Bar(y=[1, 2]), layout=dict(title="$x^2$"))
+    page = fig.to_html(include_plotlyjs="cdn", include_mathjax="cdn") * 2
+    page += '<script type="module">import "https://cdn.plot.ly/plotly-4.1.1.min"</script>'
+    assert docs_offline.external_loads(page)  # the check sees what the rewrite must remove
+    new = docs_offline.make_offline(page, "../../")
+    assert docs_offline.external_loads(new) == []
+    assert new.count('src="../../assets/offline/plotly.min.js"') == 1
+    assert new.count('src="../../assets/offline/tex-svg.js"') == 1
+    assert 'import "../../assets/offline/plotly.min.js"' in new
+    assert "integrity=" not in new and "crossorigin" not in new  # a file:// page cannot fetch with CORS
