@@ -35,8 +35,10 @@ from mkdocs.exceptions import PluginError
 
 OFFLINE = "assets/offline"
 MATHJAX = Path(__file__).resolve().parent / "vendor" / "mathjax" / "tex-svg.js"
-# `<script type="module">import "https://cdn.plot.ly/plotly-4.1.1.min"</script>` (the renderer's first output)
-PLOTLY_IMPORT = re.compile(r"""\bimport\s+(['"])https://cdn\.plot\.ly/plotly[\w.\-]*?\.min(?:\.js)?\1""")
+# `<script type="module">import "https://cdn.plot.ly/plotly-4.1.1.min"</script>` (the renderer's first
+# output): made a plain script, which a page opened from disk may load (a module may not, under CORS)
+PLOTLY_IMPORT = re.compile(r"""<script\s+type=(['"])module\1>\s*import\s+(['"])https://cdn\.plot\.ly/plotly[\w.\-]*?"""
+                           r"""\.min(?:\.js)?\2;?\s*</script>""")
 # `<script charset="utf-8" src="https://cdn.plot.ly/plotly-4.1.1.min.js" integrity="sha256-..." crossorigin="anonymous">`
 PLOTLY_SCRIPT = re.compile(r"""<script([^>]*?)\ssrc=(['"])https://cdn\.plot\.ly/plotly[\w.\-]*?\.js\2([^>]*)>""")
 # `<script src="https://cdnjs.cloudflare.com/ajax/libs/mathjax/3.2.2/es5/tex-svg.min.js">`
@@ -63,10 +65,9 @@ def _script(match: re.Match, src: str) -> str:
 
 
 def make_offline(html: str, prefix: str) -> str:
-    """``html`` with plotly.js and MathJax loaded from ``prefix`` + assets/offline/ (``prefix``: the
-    path from the page's folder to the site root, ending in "/": "./" for a page at the root, as an
-    ES module import needs)."""
-    html = PLOTLY_IMPORT.sub(lambda m: f"import {m.group(1)}{prefix}{OFFLINE}/plotly.min.js{m.group(1)}", html)
+    """``html`` with plotly.js and MathJax loaded from ``prefix`` + assets/offline/, each once
+    (``prefix``: the path from the page's folder to the site root, ending in "/")."""
+    html = PLOTLY_IMPORT.sub(f'<script charset="utf-8" src="{prefix}{OFFLINE}/plotly.min.js"></script>', html)
     html = PLOTLY_SCRIPT.sub(lambda m: _script(m, f"{prefix}{OFFLINE}/plotly.min.js"), html)
     html = MATHJAX_SCRIPT.sub(lambda m: _script(m, f"{prefix}{OFFLINE}/tex-svg.js"), html)
     for name in ("plotly.min.js", "tex-svg.js"):
@@ -76,7 +77,8 @@ def make_offline(html: str, prefix: str) -> str:
 
 def _first_only(html: str, src: str) -> str:
     """``html`` with only the first `<script src=src>`: the renderer repeats both with every figure,
-    and a second MathJax raises in the page (the first defines what every later figure uses)."""
+    and a second MathJax raises in the page. Each figure's drawing script comes after the first
+    (plain scripts run in document order), so every figure finds plotly and MathJax defined."""
     tag = re.compile(rf"""<script[^>]*\ssrc="{re.escape(src)}"[^>]*>\s*</script>""")
     first = tag.search(html)
     return html if first is None else html[:first.end()] + tag.sub("", html[first.end():])
