@@ -14,7 +14,8 @@ that it reproduces SAE Lens' numbers (``max |ours - SAE Lens|`` in config.json).
 
 The benchmark paper's SynthSAEBench-16k model (16,384 features) is published on the Hugging Face
 Hub, which this machine cannot reach, and its training budget is far past a 2-core CPU: the
-default here is the same generator at 1,024 features in 128 dimensions with 1,024 latents
+default here is the same generator at 256 features in 48 dimensions with 256 latents, 100k
+training samples per dictionary
 (``--features/--hidden/--latents``), so its numbers are not the paper's 16k numbers.
 
 Without SAE Lens (as in CI) the data come from ``synth_bench.SimpleSynthModel`` (the same Zipfian
@@ -38,14 +39,14 @@ METRICS = ["classification/f1_score", "mcc", "classification/precision", "classi
 
 
 def add_flags(p) -> None:
-    p.add_argument("--features", type=int, default=1024, help="ground-truth features (the paper's model: 16384)")
-    p.add_argument("--hidden", type=int, default=128, help="hidden size of the activations")
-    p.add_argument("--latents", type=int, default=1024, help="dictionary width (the paper: as many as features)")
+    p.add_argument("--features", type=int, default=256, help="ground-truth features (the paper's model: 16384)")
+    p.add_argument("--hidden", type=int, default=48, help="hidden size of the activations")
+    p.add_argument("--latents", type=int, default=256, help="dictionary width (the paper: as many as features)")
     p.add_argument("--k", type=float, default=0, help="TopK-style k (0: the generator's true L0, rounded)")
-    p.add_argument("--samples", type=int, default=1_000_000, help="training samples per dictionary")
-    p.add_argument("--batch-size", type=int, default=1024, help="samples per step")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, both trainers")
-    p.add_argument("--eval-samples", type=int, default=50_000, help="held-out samples scored per dictionary")
+    p.add_argument("--samples", type=int, default=100_000, help="training samples per dictionary")
+    p.add_argument("--batch-size", type=int, default=512, help="samples per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, both trainers")
+    p.add_argument("--eval-samples", type=int, default=20_000, help="held-out samples scored per dictionary")
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated dictionary kinds")
     p.add_argument("--no-saelens", action="store_true", help="do not use SAE Lens even when it imports")
 
@@ -186,7 +187,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     kinds = parse_kinds(args.kinds)
     if args.quick:
-        args.features, args.hidden, args.latents, args.samples, args.eval_samples = 64, 16, 64, 16384, 2048
+        args.features, args.hidden, args.latents, args.samples, args.eval_samples = 64, 16, 64, 4096, 1024
         args.batch_size = 256
         args.no_saelens = True  # seconds, and the same in CI whatever is installed
     steps = max(1, args.samples // args.batch_size)
