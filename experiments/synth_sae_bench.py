@@ -14,7 +14,7 @@ that it reproduces SAE Lens' numbers (``max |ours - SAE Lens|`` in config.json).
 
 The benchmark paper's SynthSAEBench-16k model (16,384 features) is published on the Hugging Face
 Hub, which this machine cannot reach, and its training budget is far past a 2-core CPU: the
-default here is the same generator at 256 features in 48 dimensions with 256 latents, 100k
+default here is the same generator at 256 features in 48 dimensions with 256 latents, 50k
 training samples per dictionary
 (``--features/--hidden/--latents``), so its numbers are not the paper's 16k numbers.
 
@@ -43,7 +43,7 @@ def add_flags(p) -> None:
     p.add_argument("--hidden", type=int, default=48, help="hidden size of the activations")
     p.add_argument("--latents", type=int, default=256, help="dictionary width (the paper: as many as features)")
     p.add_argument("--k", type=float, default=0, help="TopK-style k (0: the generator's true L0, rounded)")
-    p.add_argument("--samples", type=int, default=100_000, help="training samples per dictionary")
+    p.add_argument("--samples", type=int, default=50_000, help="training samples per dictionary")
     p.add_argument("--batch-size", type=int, default=512, help="samples per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, both trainers")
     p.add_argument("--eval-samples", type=int, default=20_000, help="held-out samples scored per dictionary")

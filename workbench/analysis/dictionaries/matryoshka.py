@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Union
 
-import torch
 from torch import Tensor
 
 from workbench.analysis.dictionaries.base import DictionaryConfig, SparseActs
@@ -25,8 +24,7 @@ from workbench.analysis.dictionaries.batchtopk import BatchTopKSAE
 
 def default_widths(d_sae: int, levels: int = 4) -> list[int]:
     """Doubling widths ending at ``d_sae`` (e.g. 512 -> [64, 128, 256, 512])."""
-    widths = sorted({max(1, d_sae >> i) for i in range(levels)})
-    return widths
+    return sorted({max(1, d_sae >> i) for i in range(levels)})
 
 
 class MatryoshkaBatchTopKSAE(BatchTopKSAE):
