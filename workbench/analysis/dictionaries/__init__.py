@@ -1,7 +1,7 @@
 """Sparse dictionaries: SAEs (ReLU+L1, TopK, BatchTopK, JumpReLU) and transcoders, their trainer and metrics.
 
     base.py         DictionaryConfig, Dictionary: encoder, activation, unit-norm decoder
-    relu.py topk.py batchtopk.py jumprelu.py transcoder.py    one architecture each
+    relu.py topk.py batchtopk.py jumprelu.py matryoshka.py transcoder.py    one architecture each
     clt.py          CrossLayerTranscoder: one per model, features of layer l write every MLP l..L-1
     registry.py     DICTIONARIES by kind, and SAELens' names for them
     saelens.py      save_dictionary / load_dictionary in SAELens' cfg.json + sae_weights.safetensors
@@ -14,6 +14,7 @@ from workbench.analysis.dictionaries.batchtopk import BatchTopKSAE
 from workbench.analysis.dictionaries.clt import CrossLayerTranscoder, load_clt, save_clt
 from workbench.analysis.dictionaries.evaluate import ce_loss_recovered, reconstruction_metrics
 from workbench.analysis.dictionaries.jumprelu import JumpReLUSAE
+from workbench.analysis.dictionaries.matryoshka import MatryoshkaBatchTopKSAE
 from workbench.analysis.dictionaries.registry import DICTIONARIES, make_dictionary
 from workbench.analysis.dictionaries.relu import ReLUSAE
 from workbench.analysis.dictionaries.saelens import DictionaryError, load_dictionary, save_dictionary
@@ -23,6 +24,6 @@ from workbench.analysis.dictionaries.transcoder import SkipTranscoder, Transcode
 
 __all__ = [
     "Dictionary", "DictionaryConfig", "DICTIONARIES", "make_dictionary", "ReLUSAE", "TopKSAE", "BatchTopKSAE",
-    "JumpReLUSAE", "Transcoder", "CrossLayerTranscoder", "load_clt", "save_clt", "SkipTranscoder", "DictionaryError", "load_dictionary", "save_dictionary",
+    "JumpReLUSAE", "MatryoshkaBatchTopKSAE", "Transcoder", "CrossLayerTranscoder", "load_clt", "save_clt", "SkipTranscoder", "DictionaryError", "load_dictionary", "save_dictionary",
     "SAETrainConfig", "train_sae", "ce_loss_recovered", "reconstruction_metrics",
 ]

@@ -11,6 +11,7 @@ from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
 from workbench.analysis.dictionaries.batchtopk import BatchTopKSAE
 from workbench.analysis.dictionaries.clt import CrossLayerTranscoder
 from workbench.analysis.dictionaries.jumprelu import JumpReLUSAE
+from workbench.analysis.dictionaries.matryoshka import MatryoshkaBatchTopKSAE
 from workbench.analysis.dictionaries.relu import ReLUSAE
 from workbench.analysis.dictionaries.topk import TopKSAE
 from workbench.analysis.dictionaries.transcoder import SkipTranscoder, Transcoder
@@ -20,13 +21,14 @@ DICTIONARIES: dict[str, type] = {
     "topk": TopKSAE,
     "batchtopk": BatchTopKSAE,
     "jumprelu": JumpReLUSAE,
+    "matryoshka_batchtopk": MatryoshkaBatchTopKSAE,
     "transcoder": Transcoder,
     "skip_transcoder": SkipTranscoder,
     "clt": CrossLayerTranscoder,  # not a Dictionary subclass: one per model, not per hook (clt.py)
 }
 # Kinds that read and write one hook each (every kind but the cross-layer transcoder).
 PER_LAYER = [kind for kind, cls in DICTIONARIES.items() if not getattr(cls, "cross_layer", False)]
-# SAELens architecture name -> our kind, for reading its files (BatchTopK is saved as jumprelu).
+# SAELens architecture name -> our kind, for reading its files (BatchTopK and Matryoshka are saved as jumprelu).
 FROM_SAELENS = {"standard": "relu", "topk": "topk", "jumprelu": "jumprelu", "transcoder": "transcoder",
                 "skip_transcoder": "skip_transcoder"}
 

@@ -217,8 +217,8 @@ def config_from_saelens(raw: dict, meta: Optional[dict] = None) -> DictionaryCon
                               f"supported: {sorted(FROM_SAELENS)}")
     kind = FROM_SAELENS[architecture]
     ours = (meta or {}).get("config", {})
-    if architecture == "jumprelu" and ours.get("kind") == "batchtopk":
-        kind = "batchtopk"
+    if architecture == "jumprelu" and ours.get("kind") in ("batchtopk", "matryoshka_batchtopk"):
+        kind = ours["kind"]
     norm = raw.get("normalize_activations") or "none"
     if norm not in ("none", False):
         raise DictionaryError(f"normalize_activations={norm!r} needs a dataset norm the file does not hold; "

@@ -68,7 +68,7 @@ METRIC_COLUMNS = ["step", "loss", "mse", "sparsity_loss", "aux_loss", "l0", "exp
 # Sparsity coefficients that gave L0 of a few per cent of d_sae on the shipped stories model and
 # on planted-feature data (inputs scaled to mean norm sqrt(d)); TopK-style kinds need none.
 DEFAULT_SPARSITY = {"relu": 1.0, "jumprelu": 0.3, "transcoder": 0.3, "skip_transcoder": 0.3, "clt": 0.3}
-AUX_K_KINDS = ("topk", "batchtopk")
+AUX_K_KINDS = ("topk", "batchtopk", "matryoshka_batchtopk")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ class SAETrainConfig:
     decay_fraction: float = option(0.2, "linear decay to 0 over this last fraction of the steps")
     sparsity_coefficient: float = option(0.0, f"L1 (relu, transcoders) or L0 (jumprelu) coefficient (0: {DEFAULT_SPARSITY})")
     sparsity_warmup_steps: int = option(-1, "steps over which the sparsity coefficient ramps up (-1: 5% of steps)")
+    matryoshka_widths: str = option("", "matryoshka_batchtopk: comma-separated level widths (empty: 4 doubling levels up to d_sae)")
     aux_k_coefficient: float = option(1 / 32, "weight of the AuxK dead-feature loss (topk, batchtopk)")
     dead_after_tokens: int = option(0, "a feature silent this many tokens is dead (0: min(10M, a tenth of training))")
     buffer_shards: int = option(4, "shards shuffled together (memory: this many shards)")
@@ -117,7 +118,7 @@ class SAETrainConfig:
             raise ValueError(f"activation={self.activation!r} is not a CLT activation; choose jumprelu or topk")
         if self.kind == "clt" and self.activation == "topk" and not (float(self.k).is_integer() and 1 <= self.k <= self.d_sae):
             raise ValueError(f"a TopK CLT needs an integer k in [1, d_sae={self.d_sae}] (per token and layer), got {self.k:g}")
-        if self.kind in ("topk", "batchtopk") and not 0 < self.k <= self.d_sae:
+        if self.kind in AUX_K_KINDS and not 0 < self.k <= self.d_sae:
             raise ValueError(f"k={self.k:g} must lie in (0, d_sae={self.d_sae}] for kind={self.kind!r}")
 
     def to_dict(self) -> dict:
@@ -320,11 +321,13 @@ def _losses(sae: AnyDictionary, x: torch.Tensor, y: torch.Tensor, config: SAETra
     acts = sae.train_encode(pre)
     recons = sae.train_decode(acts, x)
     mse = (recons - y).pow(2).sum(-1).mean()
+    # Matryoshka: each inner level's reconstruction error joins the loss (SAELens adds them the same way)
+    inner = sum(getattr(sae, "inner_losses", lambda *_: {})(acts, y).values(), mse.new_zeros(()))
     sparsity = sum(sae.sparsity_loss(acts, pre, config.sparsity_at(step)).values(), mse.new_zeros(()))
     aux = mse.new_zeros(())
     if config.kind in AUX_K_KINDS and config.aux_k_coefficient:
         aux = config.aux_k_coefficient * aux_k_loss(sae, pre, y - recons, dead)
-    return {"loss": mse + sparsity + aux, "mse": mse, "sparsity_loss": sparsity, "aux_loss": aux, "acts": acts,
+    return {"loss": mse + inner + sparsity + aux, "mse": mse, "sparsity_loss": sparsity, "aux_loss": aux, "acts": acts,
             "recons": recons, "rows": len(x)}
 
 
@@ -439,7 +442,13 @@ def _dictionary_config(config: SAETrainConfig, layout: _Layout, source) -> Dicti
     return DictionaryConfig(kind=config.kind, d_in=d_in, d_sae=config.d_sae, d_out=d_out if transcoder else 0,
                             k=config.k if config.kind in AUX_K_KINDS else 0, hook_name=layout.ins[0],
                             hook_name_out=layout.outs[0] if transcoder else "",
-                            hook_shape=tuple(source.hook_shape(layout.ins[0])), **model)
+                            hook_shape=tuple(source.hook_shape(layout.ins[0])), extra=_extra(config), **model)
+
+
+def _extra(config: SAETrainConfig) -> dict:
+    if config.kind != "matryoshka_batchtopk" or not config.matryoshka_widths:
+        return {}
+    return {"matryoshka_widths": [int(w) for w in config.matryoshka_widths.split(",") if w.strip()]}
 
 
 def _check_out(out, resume: bool) -> Optional[Path]:
