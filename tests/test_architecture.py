@@ -10,11 +10,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "workbench"
 # Layers, bottom first: a module may import its own layer and those below it, never one above.
 LAYERS = [
-    {"utils", "padding", "stats", "archive"},
+    {"utils", "padding", "stats", "archive", "overwrite"},
     {"config"},
     {"components"},
     {"tokenizer", "model", "cache", "processing", "checkpoint", "snapshots", "accounting", "data", "training", "distributed", "interop",
-     "compiled", "static_cache"},
+     "compiled", "static_cache", "habits"},
     {"analysis", "planted"},
     {"viz"},
     {"__main__"},

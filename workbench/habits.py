@@ -100,7 +100,9 @@ def from_pretrained(cls: Any, name: Union[str, Path], *, device: Any = None,
     """
     from workbench.checkpoint import load_checkpoint
     from workbench.interop import from_hf
-    from workbench.planted import CHECKPOINTS
+
+    # the repository's checkpoints/ (workbench.planted.CHECKPOINTS; planted sits a layer above this module)
+    CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
     if not isinstance(name, (str, Path)) or not str(name):
         raise ValueError(f"from_pretrained takes a checkpoint name, a folder or a hub id, got {name!r}")
