@@ -35,14 +35,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def build(threads: int):
+def build(threads: int, layers: int = 2):
     import transformers
 
     import workbench as wb
     from interop import LLAMA, SIZES
 
     torch.set_num_threads(threads)
-    cfg = wb.ModelConfig(**SIZES["tiny"], **{**LLAMA, "n_ctx": 256}, seed=0)
+    cfg = wb.ModelConfig(**{**SIZES["tiny"], "n_layers": layers}, **{**LLAMA, "n_ctx": 256}, seed=0)
     ours = wb.HookedDecoder(cfg).eval()
     with tempfile.TemporaryDirectory() as tmp:
         wb.to_hf(ours, tmp)
@@ -75,11 +75,14 @@ def count_ops(fn) -> dict:
     GPU waits for every queued kernel, so the host cannot run ahead of the chip."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    counts = {"aten_ops": 0, "host_syncs": 0}
+    counts = {"aten_ops": 0, "kernel_ops": 0, "host_syncs": 0}
+    metadata_only = {"_unsafe_view", "lift_fresh", "detach", "_local_scalar_dense"}
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             counts["aten_ops"] += 1
+            # views (slice, view, transpose, ...) change metadata only: no kernel runs on a GPU for them
+            counts["kernel_ops"] += not (func.is_view or func.overloadpacket.__name__ in metadata_only)
             if func is torch.ops.aten._local_scalar_dense.default or "nonzero" in str(func):
                 counts["host_syncs"] += 1
             return func(*args, **(kwargs or {}))
@@ -136,11 +139,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--inner", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--new", type=int, default=8, help="decode steps timed per generate")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    ours, hf = build(args.threads)
+    ours, hf = build(args.threads, args.layers)
     tokens = torch.randint(3, ours.cfg.d_vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
@@ -172,6 +176,11 @@ def main(argv=None) -> dict:
         for who, g in (("ours", ours_gen), ("transformers", hf_gen)):
             one, more = count_ops(lambda g=g: g(1)), count_ops(lambda g=g: g(1 + args.new))
             ops["decode_step"][who] = {k: (more[k] - one[k]) / args.new for k in one}
+        # per layer: the same counts on a model one layer deeper, less these
+        deeper, deeper_hf = build(args.threads, args.layers + 1)
+        ops["forward_per_layer"] = {
+            who: {k: count_ops(lambda m=m: m(tokens))[k] - ops["forward"][who][k] for k in ops["forward"][who]}
+            for who, m in (("ours", deeper), ("transformers", deeper_hf))}
         fwd = timed({"ours": lambda: ours(tokens), "transformers": lambda: hf(tokens), "ours_hooked": hooked_fwd,
                      "ours_run_with_hooks_empty": lambda: ours.run_with_hooks(tokens, fwd_hooks=[])},
                     args.rounds, args.inner)
@@ -211,7 +220,8 @@ def main(argv=None) -> dict:
               f"{result['us_per_module_call_forward'][who]:.1f} us per module call; per decode step "
               f"{step_calls[who]['modules']:.0f} module calls ({step_calls[who]['hook_points']:.0f} HookPoints)")
     for where, by in ops.items():
-        print(f"{where}: " + "; ".join(f"{who} {c['aten_ops']:.0f} aten ops, {c['host_syncs']:.1f} host syncs"
+        print(f"{where}: " + "; ".join(f"{who} {c['aten_ops']:.0f} aten ops ({c['kernel_ops']:.0f} that launch a "
+                                        f"kernel on a GPU), {c['host_syncs']:.1f} host syncs"
                                         for who, c in by.items()))
     print(f"a no-op hook on each of {n_hp} hook points: {1e6 * med['ours_hooked']:.0f} us per forward, "
           f"{per_hook_us:.1f} us per attached hook; run_with_hooks with none: {1e6 * med['ours_run_with_hooks_empty']:.0f} us")
