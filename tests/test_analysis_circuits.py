@@ -2,6 +2,8 @@
 node-by-node runner against the model's own runs, EAP against exact patching, ACDC and the metrics
 on the hand-built model whose circuit is known exactly, circuit files, path patching, bad input."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -229,6 +231,86 @@ def test_node_attribution_equals_corrupting_every_edge_out_of_the_head():
         assert row.score == pytest.approx(runner.metric_of(metric, keep) - clean_value, abs=1e-5)
     estimate = node_attribution(model, (clean, corrupted), metric, "attribution")
     assert np.corrcoef(estimate.score, nodes.score)[0, 1] > 0.8
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, *ATTENTION_OPTIONS])
+def test_eap_scores_equal_the_kept_gradients_reference(name):
+    # receiver_scores reduces each stage's gradient as it goes (a few heads at a time past 4 d_model / pos
+    # tokens: 40 positions here, one head per group); receiver_grads keeps them all, as EAP once did.
+    model = _model(d_model=16, n_ctx=48, **{**LAYOUTS, **ATTENTION_OPTIONS}[name])
+    clean, corrupted = _pair(n_pos=40)
+    metric = _weighted_logits()
+    runner = EdgeRunner(model, (clean, corrupted))
+    g = runner.graph
+    for embed in (None, runner.clean_out[0] + 0.3 * runner.delta[0]):  # EAP, and one EAP-IG point
+        reference = runner.delta.flatten(1) @ runner.receiver_grads(metric, embed).flatten(1).T
+        scores = runner.receiver_scores(metric, embed)
+        torch.testing.assert_close(scores[g.edge_sender, g.edge_receiver], reference[g.edge_sender, g.edge_receiver],
+                                   rtol=0, atol=1e-6)
+    if name != "pre":
+        return
+    ig = edge_attribution(model, (clean, corrupted), metric, "eap-ig", steps=3).score.to_numpy()
+    points = [runner.clean_out[0] + (k + 0.5) / 3 * runner.delta[0] for k in range(3)]
+    mean_grads = sum(runner.receiver_grads(metric, e) for e in points) / 3
+    reference = (runner.delta.flatten(1) @ mean_grads.flatten(1).T)[g.edge_sender, g.edge_receiver]
+    np.testing.assert_allclose(ig, reference.numpy(), rtol=0, atol=1e-6)
+
+
+_EAP_MEMORY = """
+import ctypes, gc, json
+import torch
+import workbench as wb
+from workbench.analysis.circuits import edge_attribution
+from workbench.analysis.common import logit_diff_metric
+
+torch.set_num_threads(1)
+trim = ctypes.CDLL("libc.so.6").malloc_trim
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+def peak(fn):  # the peak resident memory while fn runs, over the memory resident before it
+    gc.collect()
+    trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the resident memory now
+    before = rss()
+    fn()
+    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) * 1024 - before
+
+model = wb.HookedDecoder(wb.ModelConfig(d_model=64, n_layers=4, n_heads=8, d_vocab=50, n_ctx=256, seed=0)).eval()
+gen = torch.Generator().manual_seed(0)
+clean, corrupted = (torch.randint(0, 50, (8, 256), generator=gen) for _ in range(2))
+metric = logit_diff_metric(1, 2)
+for n in (8, 256):  # first calls allocate once for good (thread pools, kernels): not the methods' memory
+    metric(model(clean[:, :n])).backward()
+    edge_attribution(model, (clean[:, :n], corrupted[:, :n]), metric, "eap")
+model.zero_grad(set_to_none=True)
+print(json.dumps({"forward_backward": peak(lambda: metric(model(clean)).backward()),
+                  "eap": peak(lambda: edge_attribution(model, (clean, corrupted), metric, "eap")),
+                  "eap_ig": peak(lambda: edge_attribution(model, (clean, corrupted), metric, "eap-ig", steps=2))}))
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resettable peak RSS")
+def test_eap_memory_does_not_scale_with_receivers():
+    # EAP kept every receiver's gradient, [receivers, batch, pos, d_model] (201 receivers per 73 senders
+    # on 8 layers x 8 heads): 8.4x the memory of one forward and backward here, 105 GiB at 4,096 tokens
+    # on a 300M model. Measured as resident memory in a fresh process, every large tensor mmapped so
+    # that a freed one leaves the count at once; a count of bytes, never a time.
+    import json
+    import subprocess
+    import sys
+
+    from factories import python_env
+
+    out = subprocess.run([sys.executable, "-c", _EAP_MEMORY], capture_output=True, text=True, timeout=600,
+                         env=python_env(MALLOC_MMAP_THRESHOLD_="65536"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak = json.loads(out.stdout.strip().splitlines()[-1])
+    assert peak["forward_backward"] > 10 * 2**20, peak  # the measurement sees the tensors at all
+    assert peak["eap"] <= 3 * peak["forward_backward"], peak
+    assert peak["eap_ig"] <= 3 * peak["forward_backward"], peak
 
 
 # ---- the hand-built model: the truth is exact ---------------------------------------------------------

@@ -367,3 +367,16 @@ def test_loading_non_finite_weights_warns_naming_the_tensors(tmp_path):
     assert "blocks.1.attn.W_Q (1 NaN, 0 inf" in message and "blocks.0.mlp.W_out (0 NaN, 3 inf" in message
     assert "blocks.0.attn.W_Q" not in message and issubclass(NonFiniteWeightsWarning, UserWarning)
     assert torch.isnan(loaded.blocks[1].attn.W_Q).any()  # loaded as saved: a warning, not a refusal
+
+
+def test_the_finiteness_shortcut_neither_misses_nor_invents(tmp_path):
+    """The loader tests a tensor's sum first: +inf and -inf cancelling to NaN must still be named, and
+    huge finite weights whose sum overflows must not be."""
+    model = wb.HookedDecoder(tiny())
+    with torch.no_grad():
+        model.blocks[0].mlp.W_in.fill_(3e38)  # finite; their sum is inf
+        model.blocks[1].mlp.W_in[0, :2] = torch.tensor([float("inf"), float("-inf")])
+    with pytest.warns(NonFiniteWeightsWarning) as record:
+        wb.load_checkpoint(wb.save_checkpoint(model, tmp_path / "c"))
+    message = str(record[0].message)
+    assert "blocks.1.mlp.W_in (0 NaN, 2 inf" in message and "blocks.0.mlp.W_in" not in message

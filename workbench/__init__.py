@@ -14,7 +14,7 @@ from workbench.model import HookedDecoder, KVCache
 from workbench.padding import TokenBatch
 from workbench.data.prompts import PromptSet
 from workbench.snapshots import Series, load_series
-from workbench.interop import from_hf, to_hf
+from workbench.interop import GGUFImportError, from_hf, open_gguf, open_pretrained, to_hf
 from workbench import analysis, viz  # noqa: E402  (the analysis library and its figures)
 from workbench import compiled  # noqa: E402  (model.compile(): torch.compile with every hook honoured)
 from workbench.compiled import compile_model  # noqa: E402
@@ -40,6 +40,9 @@ __all__ = [
     "load_series",
     "from_hf",
     "to_hf",
+    "open_gguf",
+    "open_pretrained",
+    "GGUFImportError",
     "analysis",
     "viz",
     "compiled",

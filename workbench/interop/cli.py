@@ -4,6 +4,8 @@
     python -m workbench import-hf Qwen/Qwen2.5-0.5B --out checkpoints/qwen --dtype bfloat16
     python -m workbench import-hf path/to/hf-model --out checkpoints/NAME        # a local HF directory
     python -m workbench export-hf checkpoints/NAME --out path/to/hf-model --max-shard-size 2GB
+    python -m workbench open-gguf smollm2-135m --prompt "When Mary and John went to the store, John gave a drink to"
+    python -m workbench open-gguf path/to/model.gguf --prompt "..." --top 10 --out checkpoints/NAME
 
 ``register(subparsers)`` is called by ``workbench/__main__.py``; each command returns an exit
 code, and bad input raises ``ValueError`` (printed as one line by the main program). The
@@ -43,6 +45,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MiB (default 5GB)")
     exp.set_defaults(func=cmd_export_hf)
 
+    gg = subparsers.add_parser(
+        "open-gguf", help="open a GGUF file or a shipped pretrained model (smollm2-135m) and show its top next tokens",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gg.add_argument("source", metavar="NAME_OR_FILE", help="a pretrained name (smollm2-135m) or a path to a .gguf file")
+    gg.add_argument("--prompt", default=None, help="text whose next-token prediction to print")
+    gg.add_argument("--top", type=int, default=5, help="how many next tokens to print (default 5)")
+    gg.add_argument("--dtype", choices=DTYPES, default="float32", help="the dtype to run in (default float32)")
+    gg.add_argument("--cache", type=Path, default=None,
+                    help="the model cache folder (default $WORKBENCH_CACHE/models or ~/.cache/workbench/models)")
+    gg.add_argument("--out", type=Path, default=None, help="also save the model as a workbench checkpoint here")
+    gg.set_defaults(func=cmd_open_gguf)
+
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
     from workbench.checkpoint import check_replaceable, save_checkpoint
@@ -60,6 +75,40 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     tokenizer = "with its tokenizer" if model.tokenizer is not None else "without a tokenizer"
     print(f"imported {args.source} ({sum(p.numel() for p in model.parameters()):,} parameters, {args.dtype}) "
           f"{tokenizer} -> {args.out}")
+    return 0
+
+
+def cmd_open_gguf(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from workbench.checkpoint import check_replaceable, save_checkpoint
+    from workbench.interop.gguf import cache_dir_for, open_gguf, resolve_gguf
+
+    if args.top < 1:
+        raise ValueError(f"--top must be at least 1, got {args.top}")
+    if args.out is not None:
+        check_replaceable(args.out)
+    path = resolve_gguf(args.source)
+    cached = (cache_dir_for(path, args.cache) / "meta.json").is_file()
+    started = time.perf_counter()
+    model = open_gguf(path, dtype=args.dtype, cache=args.cache)
+    n_params = sum(p.numel() for p in model.parameters())
+    how = "from the cache" if cached else "converted into the cache"
+    print(f"opened {path.name} ({model.cfg.n_layers} layers, d_model {model.cfg.d_model}, {n_params:,} parameters, "
+          f"{args.dtype}) {how} in {time.perf_counter() - started:.1f} s")
+    if args.prompt is not None:
+        tokens = model.to_tokens(args.prompt)
+        with torch.no_grad():
+            probs = model(tokens)[0, -1].float().softmax(-1)
+        top = probs.topk(min(args.top, probs.numel()))
+        print(f"prompt: {args.prompt!r} ({tokens.shape[-1]} tokens)")
+        for rank, (p, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+            print(f"  {rank:>2}. {model.tokenizer.token_str(i)!r:<20} p={p:.4f}")
+    if args.out is not None:
+        save_checkpoint(model, args.out, meta={"imported_from": str(path), "dtype": args.dtype})
+        print(f"saved -> {args.out}")
     return 0
 
 

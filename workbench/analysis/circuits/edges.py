@@ -146,15 +146,18 @@ def _cache_names(model) -> set[str]:
 
 
 def _outputs(model, graph: ComputationGraph, cache) -> Tensor:
-    """Every sender's output [senders, batch, pos, d_model] from a run's cache (head outputs without b_O)."""
+    """Every sender's output [senders, batch, pos, d_model] from a run's cache (head outputs without b_O),
+    written into one tensor layer by layer (stacking a list would hold every output twice)."""
     embed = cache["hook_embed"] + (cache["hook_pos_embed"] if "hook_pos_embed" in cache.cache_dict else 0)
-    outs = [embed]
+    out = embed.new_empty(len(graph.senders), *embed.shape)
+    out[0], i = embed, 1
     for layer in range(graph.n_layers):
         W_O = model.blocks[layer].attn.W_O
-        outs += list(einsum(cache[f"blocks.{layer}.attn.hook_z"], W_O, "b p h e, h e d -> h b p d"))
+        heads = einsum(cache[f"blocks.{layer}.attn.hook_z"], W_O, "b p h e, h e d -> h b p d")
+        out[i:i + len(heads)], i = heads, i + len(heads)
         if graph.has_mlp:
-            outs.append(cache[f"blocks.{layer}.hook_mlp_out"])
-    return torch.stack(outs)
+            out[i], i = cache[f"blocks.{layer}.hook_mlp_out"], i + 1
+    return out
 
 
 class EdgeRunner:
@@ -175,6 +178,7 @@ class EdgeRunner:
             self.corrupted_logits, cache = model.run_with_cache(self.corrupted, names_filter=lambda n: n in names)
             self.clean_out = _outputs(model, self.graph, self.clean_cache)
             self.corrupted_out = _outputs(model, self.graph, cache)
+            del cache
         self.delta = self.corrupted_out - self.clean_out  # what each edge's patch adds to its receiver's input
         g = self.graph
         # The stages in forward order, each with the receivers it reads for and the senders it writes.
@@ -183,8 +187,16 @@ class EdgeRunner:
         self._senders_at = {t: np.nonzero(g.sender_stage == t)[0] for t in self.stages}
         self._n_before = {t: int((g.sender_stage < t).sum()) for t in self.stages}
         self._layer_at = {t: (t - 1) // 2 for t in self.stages}
-        self._clean_prefix = torch.cat([torch.zeros_like(self.clean_out[:1]), self.clean_out.cumsum(0)])
+        self._prefix: Optional[Tensor] = None  # [senders + 1, batch, pos, d_model], built on first use
         self._adjacency = g.adjacency.to(self.clean_out.device, self.clean_out.dtype)
+
+    @property
+    def _clean_prefix(self) -> Tensor:
+        """The clean stream before each sender, [senders + 1, batch, pos, d_model]: one more copy of
+        every sender's output, built when a run first resumes mid-model (EAP never does)."""
+        if self._prefix is None:
+            self._prefix = torch.cat([torch.zeros_like(self.clean_out[:1]), self.clean_out.cumsum(0)])
+        return self._prefix
 
     # ---- metrics of the two ends -----------------------------------------------------------
     def resolve_metric(self, metric: MetricLike) -> Callable[[Tensor], Tensor]:
@@ -256,29 +268,124 @@ class EdgeRunner:
                 collect.append(inputs)
             if stage == self.stages[-1]:
                 return model.unembed(model.ln_final(inputs[0]))
-            layer = self._layer_at[stage]
-            block = model.blocks[layer]
-            written = []
-            if stage == 2 * layer + 1:  # this layer's heads (and its MLP when parallel)
-                h = g.n_heads
-                xq, xk, xv = (inputs[i * h:(i + 1) * h].permute(1, 2, 0, 3) for i in range(3))
-                z = head_z(block, xq, xk, xv, range(h))
-                written += list(einsum(z, block.attn.W_O, "b p h e, h e d -> h b p d"))
-                resid = resid + block.attn.b_O
-            if g.receivers[receivers[-1]][0] == "mlp":  # this layer's MLP reads at this stage
-                written.append(block.mlp(block.ln2(inputs[-1])))
+            written, bias = self._write(stage, inputs)
             outs += written
+            if bias is not None:
+                resid = resid + bias
             resid = resid + sum(written)
         raise AssertionError("the logits stage is always last")
+
+    def _write(self, stage: int, inputs: Tensor) -> tuple[list[Tensor], Optional[Tensor]]:
+        """What the senders of ``stage`` (not the logits) write from their receivers' inputs
+        [receivers, batch, pos, d_model], in sender order, and the constant bias the stage adds to
+        the stream (the heads' b_O; None for an MLP stage)."""
+        g, layer = self.graph, self._layer_at[stage]
+        written, bias = [], None
+        if stage == 2 * layer + 1:  # this layer's heads (and its MLP when parallel)
+            written += self._write_group(stage, inputs[:3 * g.n_heads], list(range(g.n_heads)))
+            bias = self.model.blocks[layer].attn.b_O
+        if g.receivers[self._receivers_at[stage][-1]][0] == "mlp":  # this layer's MLP reads at this stage
+            written += self._write_group(stage, inputs[-1:], None)
+        return written, bias
 
     def metric_of(self, metric: Callable[[Tensor], Tensor], keep: Optional[Tensor] = None,
                   from_stage: Optional[int] = None) -> float:
         with torch.no_grad():
             return float(metric_value(metric, self.run(keep, from_stage)))
 
+    def receiver_scores(self, metric: Callable[[Tensor], Tensor],
+                        embed: Optional[Tensor] = None) -> Float[Tensor, "sender receiver"]:
+        """EAP's sums, [senders, receivers] in float32: (corrupted - clean output of each sender) .
+        d metric / d (each receiver's input), summed over batch, positions and d_model, on the clean
+        run or with ``embed`` as the embedding. Zero where the sender writes after the receiver reads.
+
+        The numbers of ``delta @ receiver_grads().T`` (tests check, to float rounding) at about the
+        memory of one forward and backward: a forward without autograd keeps only the stream
+        entering each stage; the backward then recomputes one stage at a time with autograd, a few
+        heads at a time (each head reads its own receivers, so their gradients are independent),
+        and reduces each group's receiver-input gradient to its scores at once. No more than one
+        group's gradient and attention pattern ever exists, never [receivers, batch, pos, d_model].
+        """
+        g, model = self.graph, self.model
+        scores = torch.zeros(len(g.senders), len(g.receivers), dtype=torch.float32, device=self.delta.device)
+        start = (self.clean_out[0] if embed is None else embed).detach()
+        entering = []  # the stream entering each stage but the last
+        with torch.no_grad():
+            resid = start + self._bias_before(self.stages[0])
+            for stage in self.stages[:-1]:
+                entering.append(resid)
+                written = [out for rows, heads in self._groups(stage)
+                           for out in self._write_group(stage, self._spread(resid, len(rows)), heads)]
+                if stage == 2 * self._layer_at[stage] + 1:
+                    resid = resid + model.blocks[self._layer_at[stage]].attn.b_O
+                resid = resid + sum(written)
+        last = self.stages[-1]
+        with torch.enable_grad():
+            inputs = self._spread(resid, 1).requires_grad_(True)
+            value = metric_value(metric, model.unembed(model.ln_final(inputs[0])))
+            grad, = torch.autograd.grad(value, inputs)
+        self._score(scores, last, [0], grad)
+        upstream = grad.sum(0)  # d metric / d (the stream entering the logits)
+        del grad, inputs, value
+        for stage, resid in zip(reversed(self.stages[:-1]), reversed(entering)):
+            through = 0  # d metric / d resid through this stage's receivers
+            for rows, heads in self._groups(stage):
+                with torch.enable_grad():
+                    inputs = self._spread(resid, len(rows)).requires_grad_(True)
+                    grad, = torch.autograd.grad(sum(self._write_group(stage, inputs, heads)), inputs, upstream)
+                self._score(scores, stage, rows, grad)
+                through = through + grad.sum(0)
+                del grad, inputs
+            upstream = upstream + through  # the stream reaches the next stage directly, too
+        return scores
+
+    def _groups(self, stage: int) -> list[tuple[list[int], Optional[list[int]]]]:
+        """``stage``'s receivers in groups computed apart: (their rows among the stage's receivers, the
+        heads whose q, k and v they are, or None for an MLP). Heads go a few at a time, so that one
+        group's [batch, heads, pos, pos] attention pattern is about the size of the stream."""
+        g, layer = self.graph, self._layer_at[stage]
+        n = len(self._receivers_at[stage])
+        groups: list[tuple[list[int], Optional[list[int]]]] = []
+        if stage == 2 * layer + 1:
+            h, n_pos = g.n_heads, self.clean_out.shape[2]
+            size = max(1, min(h, 4 * self.model.cfg.d_model // n_pos))
+            for first in range(0, h, size):
+                heads = list(range(first, min(h, first + size)))
+                groups.append(([i * h + head for i in range(3) for head in heads], heads))
+        if g.receivers[self._receivers_at[stage][-1]][0] == "mlp":
+            groups.append(([n - 1], None))
+        return groups
+
+    def _write_group(self, stage: int, inputs: Tensor, heads: Optional[list[int]]) -> list[Tensor]:
+        """What one group of ``_groups`` writes from its receivers' inputs [rows, batch, pos, d_model]:
+        each head's ``z W_O`` (without b_O), or the MLP's output."""
+        block = self.model.blocks[self._layer_at[stage]]
+        if heads is None:
+            return [block.mlp(block.ln2(inputs[0]))]
+        n = len(heads)
+        xq, xk, xv = (inputs[i * n:(i + 1) * n].permute(1, 2, 0, 3) for i in range(3))
+        z = head_z(block, xq, xk, xv, heads)
+        return list(einsum(z, block.attn.W_O[heads], "b p h e, h e d -> h b p d"))
+
+    @staticmethod
+    def _spread(resid: Tensor, n: int) -> Tensor:
+        """``resid`` as ``n`` receivers read it on the clean run, [n, batch, pos, d_model]: expanded, not
+        copied, and a leaf of its own."""
+        return resid.detach().unsqueeze(0).expand(n, *resid.shape)
+
+    def _score(self, scores: Tensor, stage: int, rows: list[int], grad: Tensor) -> None:
+        """Add the scores of ``rows`` of ``stage``'s receivers: delta . grad for every sender before the stage."""
+        n_up = self._n_before[stage]
+        receivers = torch.as_tensor(self._receivers_at[stage][rows], device=scores.device)
+        part = self.delta[:n_up].flatten(1) @ grad.flatten(1).T  # [senders before, rows]
+        scores[:n_up, receivers] += part.float()
+
     def receiver_grads(self, metric: Callable[[Tensor], Tensor],
                        embed: Optional[Tensor] = None) -> Float[Tensor, "receiver batch pos d_model"]:
-        """d metric / d (each receiver's input), on the clean run or with ``embed`` as the embedding."""
+        """d metric / d (each receiver's input), on the clean run or with ``embed`` as the embedding.
+
+        All of them at once, [receivers, batch, pos, d_model]: memory that grows with the receivers
+        times the context. EAP reads ``receiver_scores`` instead; this stays as its reference."""
         collected: list[Tensor] = []
         with torch.enable_grad():
             start = (self.clean_out[0] if embed is None else embed).detach().clone().requires_grad_(True)
