@@ -1,34 +1,41 @@
 """One prepared run that proves the CUDA paths and measures us against the peers on a GPU.
 
-    bash scripts/gpu_check.sh                         # on a GPU machine: every section, about 8 minutes
+    bash scripts/gpu_check.sh --budget 480            # on a GPU machine: planned to fit 480 s
     bash scripts/gpu_check.sh --device cpu --quick    # here and in CI: the same code on tiny shapes
-    python scripts/gpu_check.py --sections decode,app --deadline 200 --out DIR
+    python scripts/gpu_check.py --sections decode,app --budget 200 --out DIR
 
-Results go to ``--out`` (default ``$OUT``, else ``./gpu-check-out``): ``results.json`` (every section
-with a status: ok, failed, skipped, timeout, crashed or not run; its seconds, messages and numbers)
-and ``results.md`` (the same as tables), rewritten after every section, so a run that is cut off
-still leaves what it measured; ``log.txt`` holds everything printed.
+Results go to ``--out`` (default ``$OUT``, else ``./gpu-check-out``), never more than the files in
+OUT_FILES: ``results.json`` (every section with a status: ok, failed, skipped, timeout, crashed or not
+run; its seconds, messages and numbers), ``results.md`` (the same as tables), rewritten after every
+section so a run that is cut off still leaves what it measured; ``log.txt`` (everything printed, cut to
+2 MiB) and ``tests-tail.txt`` (the last 400 lines of the nested pytest).
 
-Sections, in the order they run (each in a forked process of its own with a time box; a failure,
-a crash or a timeout in one is recorded and the next one starts):
+Sections, in the order they run, which is the order of what matters (each in a forked process of its
+own with a time box; a failure, a crash or a timeout in one is recorded and the next one starts;
+``--budget`` skips sections from the end, each with a "skipped: budget" line, rather than overrun):
 
+    tests        pytest on tests/test_device_guard, test_graphs, test_core_*, test_interop*, test_analysis_*, test_padding* with
+                 ``--device cuda``: passed/failed/errors/skipped from pytest's own summary line (its JUnit
+                 file, or the per-report stream where pytest was cut), the first failures
     environment  torch, CUDA, the device, package versions, disk; the bf16 capability check
                  (``check_placement``); device copy bandwidth and a bf16 matmul rate
-    tests        pytest on tests/test_device_guard, test_graphs, test_core_*, test_interop*, test_analysis_*, test_padding* with
-                 ``--device cuda`` (pass/fail counts, the first failures), trimmed to its time box
+    parity       the real model (``workbench.open_pretrained``, skipped until it exists) on the device
+                 against the CPU: fp32 logits to 1e-4, bf16 within two roundings; its forward and decode speed
+    decode       eager greedy decode ms/token at batch 1 and 32: ours, transformers' ``generate`` and the
+                 HBM floor (model bytes / measured copy bandwidth)
+    compiled_ours  ours compiled (``mode="reduce-overhead"``: CUDA graphs, static cache), a section of its
+                 own so its compilation has its own box
+    contenders   benchmarks/contenders.py at 1B in bf16 on the device (forward, cache every
+                 activation, per-head patching: ours, transformers, the TL bridge, nnsight if present)
+    circuits     EAP over every edge, and the attribution graph where ``workbench.analysis.graphs`` exists,
+                 at 1k and 4k tokens: seconds and peak memory
+    training     ``train`` with bf16 autocast against fp32 (tokens/s, finite loss)
+    compiled_transformers  transformers' compiled static cache (its documented recipe), its own box
     import       a random Llama-shaped model of ~1B and ~8B parameters written with ``wb.to_hf``
                  (bf16), imported by ``wb.from_hf`` and by transformers in fresh processes: seconds,
                  peak GPU memory / model bytes (benchmarks/interop.py's child)
-    decode       greedy decode ms/token at batch 1 and 32: ours, transformers' ``generate`` and the
-                 HBM floor (model bytes / measured copy bandwidth), eager and compiled
-                 (``mode="reduce-overhead"``: CUDA graphs)
-    contenders   benchmarks/contenders.py at 1B in bf16 on the device (forward, cache every
-                 activation, per-head patching: ours, transformers, the TL bridge, nnsight if present)
     dictionary   TopK training tokens/s, d_sae 16k on 2048-wide rows: ``train_sae`` vs a plain loop
-    training     ``train`` with bf16 autocast against fp32 (tokens/s, finite loss)
     app          Streamlit's AppTest of the Inspect page with ``WORKBENCH_DEVICE`` set to the device
-    circuits     EAP over every edge, and the attribution graph where ``workbench.analysis.graphs`` exists,
-                 at 1k and 4k tokens: seconds and peak memory (last: the most open-ended)
 
 Packages the GPU machine lacks travel as wheels in ``scripts/gpu_wheels`` (listed, pinned, in its
 ``requirements.txt``); those missing from this interpreter are installed with ``--no-deps`` into
@@ -57,14 +64,24 @@ from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / "scripts" / "gpu_wheels"
-ORDER = ["environment", "tests", "import", "decode", "contenders", "dictionary", "training", "app", "circuits"]
-# Seconds each section may take: on a GPU (the full run) and with --quick. The whole run also has a
-# deadline; a section gets the smaller of its budget and what the deadline leaves after a minimum for
-# each section still to come, so a slow section cannot starve all the others.
-BUDGET = {"environment": (45, 40), "tests": (140, 120), "import": (150, 90), "decode": (120, 60),
-          "contenders": (75, 60), "dictionary": (40, 40), "training": (40, 40), "app": (60, 120),
-          "circuits": (70, 40)}
-MIN_SECTION_S = 10
+# The order of what matters: is the library correct on CUDA (its tests, the real model against the CPU),
+# then the speed targets (decode, compiled decode, forward, EAP memory, training), then what already held
+# in the first GPU run (import, dictionary training, the app). ``--budget`` drops sections from the end.
+ORDER = ["tests", "environment", "parity", "decode", "compiled_ours", "contenders", "circuits", "training",
+         "compiled_transformers", "import", "dictionary", "app"]
+# Per section: (its box on a GPU, the least time worth starting it with on a GPU, its box with --quick).
+# The planner (``plan`` and ``section_timeout``) gives each section, in ORDER, the smaller of its box and
+# what the budget leaves once every later planned section has its minimum; sections whose minimum does not
+# fit are "skipped: budget" up front, from the end of ORDER. Time a section leaves unused flows on.
+PLAN = {"tests": (240, 60, 120), "environment": (45, 15, 40), "parity": (120, 30, 60), "decode": (120, 45, 60),
+        "compiled_ours": (120, 40, 30), "contenders": (75, 30, 60), "circuits": (70, 25, 40), "training": (40, 20, 40),
+        "compiled_transformers": (120, 40, 30), "import": (150, 40, 90), "dictionary": (40, 15, 40),
+        "app": (60, 20, 120)}
+MIN_SECTION_S = 10  # a section's minimum with --quick
+END_RESERVE_S = 5  # the last results written, the work folder removed
+# What comes back in --out: never more than these (the device tool brings back at most 8 small files).
+OUT_FILES = ("results.json", "results.md", "log.txt", "tests-tail.txt")
+LOG_CAP_BYTES = 2 << 20
 TEST_FILES = ["tests/test_device_guard.py", "tests/test_graphs.py", "tests/test_core_*.py", "tests/test_interop*.py",
               "tests/test_analysis_*.py", "tests/test_padding*.py"]
 QUICK_TEST_FILES = ["tests/test_core_config.py"]
@@ -316,8 +333,10 @@ def section_tests(sec: Section) -> None:
     files = [str(Path(f).relative_to(REPO)) if Path(f).is_absolute() else f for f in files]
     log = sec.work / "tests.jsonl"
     log.unlink(missing_ok=True)
+    junit_path = sec.work / "tests-junit.xml"
+    junit_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", *files, "--device", sec.device, "-q", "-p", "gpu_check_pytest",
-           "-o", "console_output_style=classic"]
+           "-o", "console_output_style=classic", "--junitxml", str(junit_path), "-o", "junit_logging=no"]
     if sec.quick:  # CI checks the mechanics here; the jaxtyping instrumentation of every module costs half a minute
         cmd += ["-o", "addopts=-p no:cacheprovider"]
     have = lambda module: subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode == 0
@@ -349,7 +368,38 @@ def section_tests(sec: Section) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     reader.join(5)
-    outcomes: dict[str, str] = {}
+    stream, failures, collected = read_test_log(log)
+    summary = pytest_summary(tail)
+    junit = junit_counts(junit_path)
+    # The counts to trust: pytest's own summary line where pytest ended, else its JUnit file, else (a run cut
+    # at its box) the per-report stream, which holds every test that finished. All three are kept.
+    counts, source = ((summary, "pytest summary line") if summary else (junit, "junit xml") if junit
+                      else (stream, "per-report stream (pytest was cut before its summary)"))
+    sec.put("counts", counts)
+    sec.put("counts_source", source)
+    sec.put("counts_stream", stream)
+    if summary and {k: v for k, v in stream.items() if v} != {k: v for k, v in summary.items() if v}:
+        sec.note(f"the per-report stream counted {stream}, pytest's summary {summary}; the summary is reported")
+    sec.put("collected", collected)
+    sec.put("failures", failures)
+    sec.put("returncode", proc.returncode)
+    sec.put("tail", tail[-12:])
+    (sec.work / "tests-tail.txt").write_text("\n".join(tail[-400:]) + "\n")
+    ran = sum(counts.values())
+    sec.summary = (", ".join(f"{n} {k}" for k, n in counts.items() if n) or "nothing ran") + \
+        (f" of {collected} collected" if collected else "") + (f"; cut at {box:.0f} s" if timed_out else "")
+    sec.note(sec.summary)
+    if counts["failed"] or counts["error"] or (not timed_out and proc.returncode not in (0, 5)) or not ran:
+        sec.status = "failed"
+
+
+COUNT_KEYS = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+
+
+def read_test_log(log: Path) -> tuple[dict, list, Optional[int]]:
+    """Counts from gpu_check_pytest's JSON lines: one per report pytest counts, keyed by test and phase, so a
+    test that fails and then errors in teardown counts once in each, as pytest's summary does."""
+    reports: dict[tuple, str] = {}
     failures: list[dict] = []
     collected = None
     if log.exists():
@@ -358,21 +408,38 @@ def section_tests(sec: Section) -> None:
             if "collected" in event:
                 collected = event["collected"]
                 continue
-            outcomes[event["nodeid"]] = event["outcome"]
+            reports[event["nodeid"], event.get("when", "call")] = event["outcome"]
             if event["outcome"] in ("failed", "error") and len(failures) < 25:
                 failures.append({"test": event["nodeid"], "message": event.get("message", "")})
-    counts = {k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "error", "skipped", "xfailed")}
-    sec.put("counts", counts)
-    sec.put("collected", collected)
-    sec.put("failures", failures)
-    sec.put("returncode", proc.returncode)
-    sec.put("tail", tail[-12:])
-    ran = sum(counts.values())
-    sec.summary = (", ".join(f"{n} {k}" for k, n in counts.items() if n) or "nothing ran") + \
-        (f" of {collected} collected" if collected else "") + (f"; cut at {box:.0f} s" if timed_out else "")
-    sec.note(sec.summary)
-    if counts["failed"] or counts["error"] or (not timed_out and proc.returncode not in (0, 5)) or not ran:
-        sec.status = "failed"
+    counts = {k: sum(1 for v in reports.values() if v == k) for k in COUNT_KEYS}
+    return counts, failures, collected
+
+
+def pytest_summary(lines: list[str]) -> Optional[dict]:
+    """pytest's last line, e.g. ``661 failed, 385 passed, 3 skipped, 77 errors in 117.91s``, as counts."""
+    import re
+
+    for line in reversed(lines[-30:]):
+        if re.search(r"\bin [\d.]+s\b", line) and re.search(r"\d+ (passed|failed|errors?|skipped|deselected|no tests)", line):
+            counts = dict.fromkeys(COUNT_KEYS, 0)
+            for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", line):
+                counts["error" if word.startswith("error") else word] = int(n)
+            return counts
+    return None
+
+
+def junit_counts(path: Path) -> Optional[dict]:
+    """Counts from pytest's ``--junitxml`` file (written when pytest ends; None where it did not)."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    return {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
+            "failed": total["failures"], "error": total["errors"], "skipped": total["skipped"], "xfailed": 0, "xpassed": 0}
 
 
 def section_import(sec: Section) -> None:
@@ -439,91 +506,195 @@ def section_import(sec: Section) -> None:
     sec.note(sec.summary)
 
 
-def section_decode(sec: Section) -> None:
-    import torch
-    import transformers
+class _Decode:
+    """What the decode sections share: the two models loaded in bf16, the prompts at batch 1 and 32, the
+    eager prefill times, the floor, and the per-token timing."""
 
-    import workbench as wb
+    def __init__(self, sec: Section):
+        import torch
+        import transformers
 
-    path = ensure_llama(sec, sec.args.model_size)
-    ours = wb.from_hf(path, dtype=torch.bfloat16, device=sec.device).eval()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(sec.device).eval()
-    weights = model_bytes(ours)
-    bandwidth = copy_bandwidth(sec.device, (2 << 30) if sec.cuda else (64 << 20))
-    prompt_len, new = (128, 64) if not sec.quick else (16, 6)
-    repeats = 3 if not sec.quick else 1
-    sec.put("setup", {"model": f"llama-{sec.args.model_size}", "model_gib": weights / 2**30, "prompt": prompt_len,
-                      "new_tokens": new, "copy_bandwidth_gb_s": bandwidth / 1e9,
-                      "per_token": f"(t(generate {new} new) - t(eager forward of the prompt)) / {new - 1}, "
-                                   f"medians of {repeats}"})
-    rows: list[dict] = []
-    gen = torch.Generator().manual_seed(0)
-    prompts = {b: torch.randint(3, ours.cfg.d_vocab, (b, prompt_len), generator=gen).to(sec.device) for b in (1, 32)}
+        import workbench as wb
 
-    def ours_gen(model, tokens, n, **kw):
-        return model.generate(tokens, max_new_tokens=n, use_kv_cache=True, **kw)
+        self.sec, self.torch, self.wb = sec, torch, wb
+        path = ensure_llama(sec, sec.args.model_size)
+        self.ours = wb.from_hf(path, dtype=torch.bfloat16, device=sec.device).eval()
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(sec.device).eval()
+        self.weights = model_bytes(self.ours)
+        self.bandwidth = copy_bandwidth(sec.device, (2 << 30) if sec.cuda else (64 << 20))
+        self.prompt_len, self.new = (128, 64) if not sec.quick else (16, 6)
+        self.repeats = 3 if not sec.quick else 1
+        sec.put("setup", {"model": f"llama-{sec.args.model_size}", "model_gib": self.weights / 2**30,
+                          "prompt": self.prompt_len, "new_tokens": self.new, "copy_bandwidth_gb_s": self.bandwidth / 1e9,
+                          "per_token": f"(t(generate {self.new} new) - t(eager forward of the prompt)) / {self.new - 1}, "
+                                       f"medians of {self.repeats}"})
+        self.rows: list[dict] = []
+        gen = torch.Generator().manual_seed(0)
+        self.prompts = {b: torch.randint(3, self.ours.cfg.d_vocab, (b, self.prompt_len), generator=gen).to(sec.device)
+                        for b in (1, 32)}
+        # generate(new) is one prefill and new - 1 decode steps. The prefill is timed as an eager forward of the
+        # prompt, so every generate call has one length: a static cache (and its compiled graphs) is built once.
+        with torch.no_grad():
+            self.prefill = {(name, b): median_time(lambda m=m, t=t: m(t), self.repeats + 1, sec.sync)
+                            for b, t in self.prompts.items() for name, m in (("ours", self.ours), ("transformers", self.hf))}
 
-    def hf_gen(model, tokens, n, **kw):
-        return model.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=0, **kw)
+    def ours_gen(self, tokens, n, **kw):
+        return self.ours.generate(tokens, max_new_tokens=n, use_kv_cache=True, **kw)
 
-    # generate(new) is one prefill and new - 1 decode steps. The prefill is timed as an eager forward of the
-    # prompt, so every generate call has one length: a static cache (and its compiled graphs) is built once.
-    with torch.no_grad():
-        prefill = {(name, b): median_time(lambda m=m, t=t: m(t), repeats + 1, sec.sync)
-                   for b, t in prompts.items() for name, m in (("ours", ours), ("transformers", hf))}
+    def hf_gen(self, tokens, n, **kw):
+        return self.hf.generate(tokens, attention_mask=self.torch.ones_like(tokens), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=0, **kw)
 
-    def per_token(fn, tokens, contender: str) -> float:
+    def per_token(self, fn, tokens, contender: str) -> float:
+        new, sec = self.new, self.sec
         out = fn(tokens, new)  # the warm-up (the compilation, when compiled)
         if out.shape[1] != tokens.shape[1] + new:
             raise RuntimeError(f"asked for {new} new tokens, got {out.shape[1] - tokens.shape[1]}")
-        t_new = median_time(lambda: fn(tokens, new), repeats, sec.sync)
-        decode = t_new - prefill[contender, tokens.shape[0]]
+        t_new = median_time(lambda: fn(tokens, new), self.repeats, sec.sync)
+        decode = t_new - self.prefill[contender, tokens.shape[0]]
         if decode <= 0:  # tiny shapes under load: the prefill's own timing noise is larger than the decode
             sec.note(f"{contender}, batch {tokens.shape[0]}: generate took no longer than the prefill alone; "
                      f"per token is the whole generate / {new} (an upper bound)")
             return 1e3 * t_new / new
         return 1e3 * decode / (new - 1)
 
-    def add(mode: str, contender: str, batch: int, ms: float) -> None:
-        kv = wb.kv_cache_bytes(ours.cfg, context=prompt_len + new // 2, batch=batch)
-        floor = 1e3 * (weights + kv) / bandwidth
-        rows.append({"mode": mode, "contender": contender, "batch": batch, "ms_per_token": ms,
-                     "floor_ms": floor, "over_floor": ms / floor})
-        sec.put("rows", rows)
-        sec.note(f"{mode} {contender} batch {batch}: {ms:.2f} ms/token, {ms / floor:.1f}x the floor of {floor:.3f} ms")
+    def add(self, mode: str, contender: str, batch: int, ms: float) -> None:
+        kv = self.wb.kv_cache_bytes(self.ours.cfg, context=self.prompt_len + self.new // 2, batch=batch)
+        floor = 1e3 * (self.weights + kv) / self.bandwidth
+        self.rows.append({"mode": mode, "contender": contender, "batch": batch, "ms_per_token": ms,
+                          "floor_ms": floor, "over_floor": ms / floor})
+        self.sec.put("rows", self.rows)
+        self.sec.note(f"{mode} {contender} batch {batch}: {ms:.2f} ms/token, {ms / floor:.1f}x the floor of {floor:.3f} ms")
 
-    with torch.no_grad():
-        for batch, tokens in prompts.items():
-            add("eager", "ours", batch, per_token(lambda t, n: ours_gen(ours, t, n), tokens, "ours"))
-            add("eager", "transformers", batch, per_token(lambda t, n: hf_gen(hf, t, n), tokens, "transformers"))
-        a, b = ours_gen(ours, prompts[1], 16)[0, prompt_len:], hf_gen(hf, prompts[1], 16)[0, prompt_len:]
+
+def section_decode(sec: Section) -> None:
+    d = _Decode(sec)
+    with d.torch.no_grad():
+        for batch, tokens in d.prompts.items():
+            d.add("eager", "ours", batch, d.per_token(d.ours_gen, tokens, "ours"))
+            d.add("eager", "transformers", batch, d.per_token(d.hf_gen, tokens, "transformers"))
+        a, b = d.ours_gen(d.prompts[1], 16)[0, d.prompt_len:], d.hf_gen(d.prompts[1], 16)[0, d.prompt_len:]
         sec.put("greedy_agreement_16", float((a == b).float().mean()))  # bf16 on a random model: ties flip, a reading only
-        if not sec.cuda:
-            sec.note("compiled: skipped (mode='reduce-overhead' is CUDA graphs; on the CPU it compiles for minutes)")
-        else:
-            for contender in ("transformers", "ours"):
-                graphs_before = _dynamo_counts()
-                try:
-                    started = time.perf_counter()
-                    if contender == "transformers":  # HF's documented recipe: a static cache and a compiled forward
-                        hf.forward = torch.compile(hf.forward, mode="reduce-overhead")
-                        fn = lambda t, n: hf_gen(hf, t, n, cache_implementation="static")
-                    else:
-                        ours.compile(mode="reduce-overhead")  # CUDA graphs over the static cache's one decode graph
-                        fn = lambda t, n: ours_gen(ours, t, n, static_cache=True)
-                    for batch, tokens in prompts.items():
-                        add("compiled", contender, batch, per_token(fn, tokens, contender))
-                    sec.note(f"compiled {contender}: {time.perf_counter() - started:.0f} s in all, compilation included")
-                except Exception as err:  # the eager rows stand; the compiled one says why it is missing
-                    sec.note(f"compiled {contender}: skipped, {type(err).__name__}: {str(err)[:300]}")
-                after = _dynamo_counts()
-                # a decode split into many graphs (graph breaks, recompiles for each cache length) replays
-                # many small CUDA graphs, or falls back to eager past dynamo's cache limit
-                sec.put(f"dynamo {contender}", {k: after[k] - graphs_before.get(k, 0) for k in after})
-    eager = {(r["contender"], r["batch"]): r["ms_per_token"] for r in rows if r["mode"] == "eager"}
+    eager = {(r["contender"], r["batch"]): r["ms_per_token"] for r in d.rows}
     sec.summary = ", ".join(f"batch {b}: ours {eager['ours', b]:.2f} vs transformers {eager['transformers', b]:.2f} ms/token"
-                            for b in (1, 32)) + f" (floor {rows[0]['floor_ms']:.3f} ms at batch 1)"
+                            for b in (1, 32)) + f" (floor {d.rows[0]['floor_ms']:.3f} ms at batch 1)"
+    sec.note(sec.summary)
+
+
+def _compiled_decode(sec: Section, contender: str) -> None:
+    """Compiled static-cache decode (``mode="reduce-overhead"``: CUDA graphs) of one contender. Each contender
+    is a section of its own, so its compilation has its own box: a compile that runs long is cut there, and
+    neither the eager decode nor the other contender loses a second to it (in the first GPU run,
+    transformers' compilation used the whole decode box)."""
+    if not sec.cuda:
+        raise Skip("mode='reduce-overhead' is CUDA graphs; on the CPU it compiles for minutes")
+    d = _Decode(sec)
+    graphs_before = _dynamo_counts()
+    started = time.perf_counter()
+    with d.torch.no_grad():
+        if contender == "transformers":  # HF's documented recipe: a static cache and a compiled forward
+            d.hf.forward = d.torch.compile(d.hf.forward, mode="reduce-overhead")
+            fn = lambda t, n: d.hf_gen(t, n, cache_implementation="static")
+        else:
+            d.ours.compile(mode="reduce-overhead")  # CUDA graphs over the static cache's one decode graph
+            fn = lambda t, n: d.ours_gen(t, n, static_cache=True)
+        for batch, tokens in d.prompts.items():  # batch 1 first: the target; batch 32 if the box allows
+            d.add("compiled", contender, batch, d.per_token(fn, tokens, contender))
+            after = _dynamo_counts()
+            # a decode split into many graphs (graph breaks, recompiles for each cache length) replays
+            # many small CUDA graphs, or falls back to eager past dynamo's cache limit
+            sec.put("dynamo", {k: after[k] - graphs_before.get(k, 0) for k in after})
+    sec.summary = ", ".join(f"batch {r['batch']}: {r['ms_per_token']:.2f} ms/token ({r['over_floor']:.1f}x the floor)"
+                            for r in d.rows) + f"; {time.perf_counter() - started:.0f} s with compilation"
+    sec.note(sec.summary)
+
+
+def section_compiled_ours(sec: Section) -> None:
+    _compiled_decode(sec, "ours")
+
+
+def section_compiled_transformers(sec: Section) -> None:
+    _compiled_decode(sec, "transformers")
+
+
+def _open_real(device: str, dtype):
+    """The real pretrained model (issue 35's SmolLM2-135M) through ``workbench.open_pretrained``, or Skip
+    where that call has not landed or its model is not installed. Only the arguments it takes are passed."""
+    import inspect
+
+    import workbench as wb
+
+    opener = getattr(wb, "open_pretrained", None)
+    if opener is None:
+        raise Skip("workbench.open_pretrained does not exist yet: the real model's parity and speed wait for it")
+    accepted = inspect.signature(opener).parameters
+    kwargs = {k: v for k, v in (("device", device), ("dtype", dtype)) if k in accepted}
+    try:
+        opened = opener(**kwargs)
+    except (ImportError, FileNotFoundError, getattr(wb, "GGUFImportError", ImportError)) as err:
+        raise Skip(f"workbench.open_pretrained: {type(err).__name__}: {str(err)[:200]}") from err
+    model = opened[0] if isinstance(opened, tuple) else opened
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _real_speed(sec: Section, model, gen) -> dict:
+    """The device's speed on the real model: a forward of 4 x 256 tokens and greedy decode at batch 1."""
+    import torch
+
+    long = torch.randint(3, model.cfg.d_vocab, (4, 256), generator=gen).to(sec.device)
+    one = long[:1, :128]
+    with torch.no_grad():
+        model(long)
+        fwd = median_time(lambda: model(long), 5, sec.sync)
+        model.generate(one, max_new_tokens=4, use_kv_cache=True)
+        t = median_time(lambda: model.generate(one, max_new_tokens=33, use_kv_cache=True), 3, sec.sync)
+        pre = median_time(lambda: model(one), 3, sec.sync)
+    return {"forward_4x256_ms": 1e3 * fwd, "decode_ms_per_token": 1e3 * max(t - pre, 0.0) / 32}
+
+
+def section_parity(sec: Section) -> None:
+    """The real model on the device against the same model on the CPU: fp32 logits to 1e-4, bf16 within two
+    bf16 roundings of the CPU's bf16 logits; then its forward and decode speed on the device."""
+    import torch
+
+    if not sec.cuda:
+        raise Skip("a device against the CPU: nothing to compare on a CPU-only run")
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 matmuls, not TF32's 10-bit mantissa
+    torch.backends.cudnn.allow_tf32 = False
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    import copy
+
+    base = _open_real("cpu", torch.float32)  # opened once (its first open converts the file), copied per dtype
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = copy.deepcopy(base).to(dtype=dtype)
+        tokens = torch.randint(3, cpu.cfg.d_vocab, (2, 64), generator=gen)
+        with torch.no_grad():
+            ref = cpu(tokens).float()
+        dev = cpu.to(sec.device)
+        with torch.no_grad():
+            got = dev(tokens.to(sec.device)).float().cpu()
+        diff = (got - ref).abs()
+        if dtype == torch.float32:
+            ok = bool(diff.max() <= 1e-4)
+            bound = "1e-4"
+        else:
+            # two roundings: 2 x bf16's half-ulp-to-ulp spacing at each logit's magnitude (eps 2^-7 relative)
+            spacing = torch.finfo(torch.bfloat16).eps * torch.maximum(got.abs(), ref.abs()).clamp_min(2.0**-126)
+            ok = bool((diff <= 2 * spacing).all())
+            bound = "2 bf16 roundings"
+        rows.append({"dtype": str(dtype).replace("torch.", ""), "max_abs_diff": float(diff.max()),
+                     "mean_abs_diff": float(diff.mean()), "bound": bound, "within": ok})
+        sec.put("parity", rows)
+        if not ok:
+            sec.status = "failed"
+        rows[-1].update(_real_speed(sec, dev, gen))
+        sec.put("parity", rows)
+        del cpu, dev
+        torch.cuda.empty_cache()
+    sec.summary = "; ".join(f"{r['dtype']}: max |diff| {r['max_abs_diff']:.2e} ({'within' if r['within'] else 'BEYOND'} "
+                            f"{r['bound']}), forward {r['forward_4x256_ms']:.1f} ms, decode {r['decode_ms_per_token']:.2f} "
+                            "ms/token" for r in rows)
     sec.note(sec.summary)
 
 
@@ -769,9 +940,29 @@ def install_wheels(site: Path) -> dict:
     return report
 
 
+def section_min(name: str, args) -> float:
+    return MIN_SECTION_S if args.quick else PLAN[name][1]
+
+
+def plan(chosen: list[str], args, available: float) -> tuple[list[str], dict[str, str]]:
+    """The sections that fit ``available`` seconds at their minimums, in ORDER; the rest, from the end,
+    with the reason each is skipped."""
+    planned, skipped, need = [], {}, 0.0
+    for name in chosen:
+        if need + section_min(name, args) <= available:
+            planned.append(name)
+            need += section_min(name, args)
+        else:
+            skipped[name] = (f"skipped: budget (needs at least {section_min(name, args):.0f} s; "
+                             f"{max(available - need, 0):.0f} s of the {args.budget:.0f} s budget left after the sections before it)")
+    return planned, skipped
+
+
 def section_timeout(name: str, started: float, args, remaining: list[str]) -> float:
-    budget = BUDGET[name][1 if args.quick else 0] * args.budget_scale
-    return min(budget, args.deadline - (time.time() - started) - MIN_SECTION_S * len(remaining))
+    """This section's box: its own, or less where the budget must keep every later planned section's minimum."""
+    box = PLAN[name][2 if args.quick else 0] * args.budget_scale
+    left = args.budget - (time.time() - started) - END_RESERVE_S
+    return min(box, left - sum(section_min(n, args) for n in remaining))
 
 
 def section_body(name: str, sec: Section) -> None:
@@ -915,8 +1106,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny shapes and short boxes: the CI run (about a minute)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default $OUT, else ./gpu-check-out)")
     parser.add_argument("--sections", default=",".join(ORDER), help=f"comma-separated subset of {','.join(ORDER)}")
-    parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds for the whole run (default 540 on a GPU, 400 with --quick)")
+    parser.add_argument("--budget", "--deadline", dest="budget", type=float, default=None,
+                        help="seconds for the whole run, planned section by section in ORDER (default 540 on a GPU, "
+                             "400 with --quick); sections that do not fit are 'skipped: budget'")
     parser.add_argument("--budget-scale", type=float, default=1.0, help="multiply every section's time box")
     parser.add_argument("--import-sizes", default=None, help="model sizes for the import section (default 1b,8b; quick tiny,small)")
     parser.add_argument("--import-repeats", type=int, default=None, help="fresh-process imports per contender (default 1)")
@@ -938,7 +1130,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     unknown = set(args.sections.split(",")) - set(ORDER)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; the sections are {','.join(ORDER)}")
-    args.deadline = args.deadline or (400.0 if args.quick else 540.0)
+    args.budget = args.budget or (400.0 if args.quick else 540.0)
     args.import_sizes = args.import_sizes or ("tiny" if args.quick else "1b,8b")
     args.import_repeats = args.import_repeats or 1
     args.model_size = args.model_size or ("tiny" if args.quick else "1b")
@@ -980,7 +1172,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sys.stdout, sys.stderr = Tee(sys.__stdout__, log), Tee(sys.__stderr__, log)
     started = time.time()
     work = work_root(args.work_dir)
-    print(f"gpu check: results in {out}, models in {work}, deadline {args.deadline:.0f} s", flush=True)
+    print(f"gpu check: results in {out}, models in {work}, budget {args.budget:.0f} s", flush=True)
 
     wheels = install_wheels(work / "site")
     if wheels["installed"]:
@@ -1012,21 +1204,30 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)), "device": device,
                                "quick": args.quick, "command": " ".join(["scripts/gpu_check.py", *(argv or sys.argv[1:])]),
-                               "deadline_s": args.deadline, "wheels": wheels, "preload_error": preload_error,
+                               "budget_s": args.budget, "wheels": wheels, "preload_error": preload_error,
                                "sections": {}}
     chosen = [name for name in ORDER if name in args.sections.split(",")]
+    planned, budget_skips = plan(chosen, args, args.budget - (time.time() - started) - END_RESERVE_S)
+    results["plan"] = {"budget_s": args.budget, "planned": planned, "skipped": list(budget_skips)}
     for name in chosen:
         results["sections"][name] = {"status": "not run", "summary": "", "messages": [], "data": {}}
-    for i, name in enumerate(chosen):
-        timeout = section_timeout(name, started, args, chosen[i + 1:])
-        if timeout < MIN_SECTION_S:
-            results["sections"][name] = {"status": "skipped", "summary": "no time left before the deadline",
-                                         "messages": [], "data": {}, "seconds": 0}
+    for name, why in budget_skips.items():
+        results["sections"][name] = {"status": "skipped", "summary": why, "messages": [], "data": {}, "seconds": 0}
+        print(f"== {name}: {why}", flush=True)
+    for i, name in enumerate(planned):
+        timeout = section_timeout(name, started, args, planned[i + 1:])
+        if timeout < section_min(name, args):
+            why = (f"skipped: budget ({max(timeout, 0):.0f} s left for it, at least {section_min(name, args):.0f} s "
+                   "needed; the sections before it overran)")
+            results["sections"][name] = {"status": "skipped", "summary": why, "messages": [], "data": {}, "seconds": 0}
+            print(f"== {name}: {why}", flush=True)
             continue
         print(f"\n== {name} (box {timeout:.0f} s, {time.time() - started:.0f} s into the run)", flush=True)
         sec = Section(name, device, args.quick, work, work / f"{name}.json", time.time() + timeout, args)
         results["sections"][name] = record = run_section(name, sec, timeout, fresh=args.fresh_processes)
         print(f"== {name}: {record['status']} in {record['seconds']:.0f} s: {record['summary']}", flush=True)
+        if (work / "tests-tail.txt").exists():
+            shutil.copyfile(work / "tests-tail.txt", out / "tests-tail.txt")
         results["seconds"] = time.time() - started
         write_results(out, results)
     results["seconds"] = time.time() - started
@@ -1043,7 +1244,17 @@ def main(argv: Optional[list[str]] = None) -> int:
           + f"; {out / 'results.md'}", flush=True)
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     log.close()
+    cap_log(out / "log.txt")
     return 0
+
+
+def cap_log(path: Path, cap: int = LOG_CAP_BYTES) -> None:
+    """Keep what travels back small: a log over ``cap`` keeps its first eighth and its last part."""
+    if not path.exists() or path.stat().st_size <= cap:
+        return
+    data = path.read_bytes()
+    head, tail = data[: cap // 8], data[-(cap - cap // 8):]
+    path.write_bytes(head + f"\n[... {len(data) - len(head) - len(tail)} bytes of the log cut here ...]\n".encode() + tail)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One command that proves the CUDA paths where a GPU is lent, and measures us against the peers there.
 #
-#   bash scripts/gpu_check.sh                         # a GPU machine: every section, about 8 minutes
+#   bash scripts/gpu_check.sh --budget 480            # a GPU machine: the sections in order of what matters, fitted to 480 s
 #   bash scripts/gpu_check.sh --device cpu --quick    # anywhere: the same code on tiny shapes
 #
-# Results: results.json, results.md and log.txt in --out DIR (default $OUT, else ./gpu-check-out).
+# Results: results.json, results.md, log.txt and tests-tail.txt in --out DIR (default $OUT, else ./gpu-check-out).
 # $PYTHON picks the interpreter (default python3: on the GPU machine, the one that holds CUDA torch).
 # What each section measures and what its numbers mean: docs/reference/gpu.md.
 set -u

@@ -3,7 +3,10 @@ lines) as the test ends, so a run cut off at its time box still counts what fini
 
     GPU_CHECK_TEST_LOG=tests.jsonl python -m pytest -p gpu_check_pytest ...   (scripts/ on PYTHONPATH)
 
-Under pytest-xdist only the controlling process writes (it receives every worker's reports).
+Under pytest-xdist only the controlling process writes (it receives every worker's reports). One line per
+report that pytest itself counts (a call's result; a setup or teardown that did not pass; a file that did
+not collect), so the counts the check sums agree with pytest's own summary line: a test that fails in its
+call and errors in its teardown is one failure and one error there, and here.
 """
 
 import json
@@ -27,6 +30,11 @@ def pytest_collection_finish(session) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids) -> None:
     _write({"collected": len(ids)})
+
+
+def pytest_collectreport(report) -> None:
+    if report.failed:  # a file that does not import: pytest's summary counts it as an error
+        _write({"nodeid": report.nodeid, "when": "collect", "outcome": "error", "message": _message(report)})
 
 
 def _message(report) -> str:
