@@ -103,20 +103,43 @@ def key_parts(model, cache, layer: int, keys: torch.Tensor) -> tuple[list[str], 
             labels.append(f"L{l}H{h}"), parts.append(out[:, :, h])
         if getattr(attn, "b_O", None) is not None:
             bias = bias + attn.b_O
-        labels.append(f"L{l} MLP"), parts.append(cache[f"blocks.{l}.hook_mlp_out"][:, keys])
+        if f"blocks.{l}.hook_mlp_out" in cache.cache_dict:  # an attention-only model has none
+            labels.append(f"L{l} MLP"), parts.append(cache[f"blocks.{l}.hook_mlp_out"][:, keys])
     labels.append("bias"), parts.append(bias)
     return labels, torch.stack(parts, dim=2)
 
 
+def held_norm(block, cache, layer: int, keys: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """``ln1`` applied to each part of its input [batch, k, n_parts, d_model] with its clean scale held
+    (linear: a LayerNorm also centres each part; its bias goes to the last part, ``bias``)."""
+    from workbench.components.norm import LayerNorm, LayerNormPre
+
+    name = f"blocks.{layer}.ln1.hook_scale"
+    if name not in cache.cache_dict:  # no norm
+        return X
+    norm = block.ln1
+    if isinstance(norm, (LayerNorm, LayerNormPre)):
+        X = X - X.mean(-1, keepdim=True)
+    X = X / cache[name][:, keys][:, :, None]  # the scale, [batch, k, 1] -> per part
+    if getattr(norm, "w", None) is not None:
+        X = X * norm.w
+    if getattr(norm, "b", None) is not None:
+        X = X.clone()
+        X[:, :, -1] = X[:, :, -1] + norm.b
+    return X
+
+
 @torch.no_grad()
-def k_composition(model, tokens: torch.Tensor, half: int, heads: list[tuple[int, int]], cache=None) -> pd.DataFrame:
+def k_composition(model, tokens: torch.Tensor, half: int, heads: list[tuple[int, int]], cache=None,
+                  prefix: int = 0) -> pd.DataFrame:
     """Per induction head and key-side part: the mean contribution to the head's attention score at the
-    designed entries (query n + j, key j + 1, j = 0..n-2), and the mean score; see the module docstring."""
+    designed entries (query n + j, key j + 1, j = 0..n-2, all after ``prefix`` tokens such as a BOS), the
+    mean score, and the largest |score - sum of parts|; see the module docstring."""
     if cache is None:
         wanted = ("hook_embed", "hook_pos_embed", "hook_z", "hook_mlp_out", "hook_resid_pre", "ln1.hook_scale",
                   "hook_rot_q", "hook_q", "hook_attn_scores")
         _, cache = model.run_with_cache(tokens, names_filter=lambda name: name.endswith(wanted))
-    keys = torch.arange(1, half, device=tokens.device)
+    keys = torch.arange(prefix + 1, prefix + half, device=tokens.device)
     queries = keys + half - 1
     batch = tokens.shape[0]
     rows = []
@@ -125,8 +148,7 @@ def k_composition(model, tokens: torch.Tensor, half: int, heads: list[tuple[int,
         labels, X = key_parts(model, cache, layer, keys)
         whole = cache[f"blocks.{layer}.hook_resid_pre"][:, keys]
         assert torch.allclose(X.sum(2), whole, atol=1e-3 * float(whole.abs().max())), "key parts do not sum to the residual"
-        scale = cache[f"blocks.{layer}.ln1.hook_scale"][:, keys]  # [batch, k, 1]: the RMS, held
-        Xn = X / scale[:, :, None] * block.ln1.w
+        Xn = held_norm(block, cache, layer, keys, X)
         k = Xn @ attn._W_K[head // attn.group]  # [batch, k, n_parts, d_head]
         if attn._b_K is not None:
             k[:, :, -1] = k[:, :, -1] + attn._b_K[head // attn.group]
@@ -245,11 +267,22 @@ def main(argv=None) -> pd.DataFrame:
     print("\nK-composition: key-side parts of the best induction heads' scores at the designed entries:")
     print(k_top.to_string(index=False))
 
+    import plotly.graph_objects as go
+
+    grid = head_num.pivot(index="layer", columns="head", values="induction_mean").sort_index()
+    heatmap = go.Figure(go.Heatmap(z=grid.to_numpy(), x=[f"H{h}" for h in grid.columns],
+                                   y=[f"L{l}" for l in grid.index], colorscale="Viridis",
+                                   hovertemplate="%{y} %{x}: induction %{z:.3f}<extra></extra>"))
+    heatmap.update_layout(title=f"Induction score per head (mean over {len(seeds)} seeds)", template="plotly_white",
+                          yaxis_autorange="reversed", height=max(400, 22 * len(grid)))
+    bars = by_ablation.head(args.top).assign(label=lambda f: "L" + f["layer"].astype(str) + "H" + f["head"].astype(str))
+    ablation_fig = _common.interval_bars(bars, "label", "ablation_delta",
+                                         "Loss on the second copy, head zero-ablated minus clean (95% interval)")
     config = {"experiment": NAME, "model": source, **vars(args), "seeds_used": seeds,
               "ablated_heads": [f"L{l}H{h}" for l, h in ablated], "composed_heads": [f"L{l}H{h}" for l, h in composed],
               "seconds": round(time.time() - start, 1)}
     results = heads.assign(table="heads")
-    _common.write_run(args.out, config, results, figures={}, summary=top, title=f"{NAME} ({source})",
+    _common.write_run(args.out, config, results, figures={"induction": heatmap, "ablation": ablation_fig}, summary=top, title=f"{NAME} ({source})",
                       tables={"loss": loss_num, "heads": head_num, "kcomp": k_num, "loss_readable": loss_read,
                               "heads_readable": head_read, "kcomp_top": k_top})
     return heads

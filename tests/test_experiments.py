@@ -13,7 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ["param_table", "kv_cache_gqa", "head_ablation_sweep", "lens_comparison", "norm_placement_depth",
-               "component_swap", "steering_sweep", "circuit_benchmark", "prompt_patching", "block_eras", "grokking"]
+               "component_swap", "steering_sweep", "circuit_benchmark", "prompt_patching", "block_eras", "grokking",
+               "real_induction"]
 sys.path.insert(0, str(REPO / "experiments"))
 
 
