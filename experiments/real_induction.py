@@ -285,7 +285,7 @@ def main(argv=None) -> pd.DataFrame:
     _common.write_run(args.out, config, results, figures={"induction": heatmap, "ablation": ablation_fig}, summary=top, title=f"{NAME} ({source})",
                       tables={"loss": loss_num, "heads": head_num, "kcomp": k_num, "loss_readable": loss_read,
                               "heads_readable": head_read, "kcomp_top": k_top})
-    return heads
+    return results
 
 
 if __name__ == "__main__":
