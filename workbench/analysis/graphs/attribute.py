@@ -34,6 +34,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from workbench.analysis.common import check_device
 from workbench.analysis.graphs.checks import check_capture_finite, check_finite, fingerprint, warn_trained_elsewhere
 from workbench.analysis.graphs.graph import Graph, NODE_KINDS, _influence, compute_influence_sparse
 from workbench.analysis.graphs.replacement import (AttentionOnly, Capture, FrozenRun, capture, check_conventions,
@@ -124,13 +125,12 @@ def attribution_graph(
     check_conventions(token_embedding, held_positions)
     check_layout(model)
     rs = replacement_set(transcoders, model)
+    check_device(model, "the transcoders' weights", rs)  # before check_model's probe runs them on the model's data
     check_model(model, rs)
     _check_precision(model, rs)
     if isinstance(target, list) and not target:
         raise ValueError("target is an empty list: give at least one target (a token, a pair (a, b), a tensor), "
                          "or None for the top logits")
-    from workbench.analysis.common import check_device
-    check_device(model, "the transcoders' weights", rs)
     check_finite(model, rs)  # once, before anything is computed: a NaN weight gave NaN edges or a runaway graph
     weights = fingerprint(model, rs)  # what the graph records, so bind() can refuse other weights
     warn_trained_elsewhere(model, rs, weights["model"])
