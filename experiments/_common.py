@@ -95,6 +95,17 @@ def interval_bars(numbers: pd.DataFrame, x: str, value: str, title: str = ""):
     return fig
 
 
+def planted(name: str, quick: bool, checkpoints: Path):
+    """A planted model by name; under --quick the hand-built induction model, which needs no checkpoint."""
+    from workbench.planted import Planted, load_planted
+    from workbench.planted.hand import BOS, HALF, TRUTH, build_hand_induction
+
+    if quick:
+        prompts = {"kind": "repeat", "half": HALF, "vocab": BOS, "bos": BOS, "distinct": True}
+        return Planted(name, build_hand_induction(), TRUTH, [], "construction", prompts)
+    return load_planted(name, checkpoints)
+
+
 # ---- prompt files ------------------------------------------------------------------------
 def read_prompts(path: Path):
     """A ``--prompts`` file as a ``workbench.PromptSet``: .csv or .jsonl, by its suffix."""

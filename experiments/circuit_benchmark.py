@@ -56,8 +56,6 @@ def main(argv=None) -> pd.DataFrame:
         node_scores, prune, truth_nodes,
     )
     from workbench.analysis.circuits.circuit import auroc
-    from workbench.planted import Planted, load_planted
-    from workbench.planted.hand import BOS, HALF, TRUTH, build_hand_induction
 
     models = [m for m in args.models.split(",") if m]
     methods = [m for m in args.methods.split(",") if m]
@@ -68,13 +66,7 @@ def main(argv=None) -> pd.DataFrame:
     if args.quick:  # the hand-built model needs no checkpoint: build it here
         models, args.batch, args.steps = ["hand-induction"], 8, 4
 
-    def planted(name: str) -> Planted:
-        if args.quick:
-            prompts = {"kind": "repeat", "half": HALF, "vocab": BOS, "bos": BOS, "distinct": True}
-            return Planted(name, build_hand_induction(), TRUTH, [], "construction", prompts)
-        return load_planted(name, args.checkpoints)
-
-    loaded = {name: planted(name) for name in models}
+    loaded = {name: _common.planted(name, args.quick, args.checkpoints) for name in models}
 
     def one(item):
         name, method = item

@@ -48,19 +48,11 @@ def main(argv=None) -> pd.DataFrame:
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; registered: {sorted(mib.METHODS)}")
     _common.setup(args)
-    from workbench.planted import Planted, load_planted
-    from workbench.planted.hand import BOS, HALF, TRUTH, build_hand_induction
 
     if args.quick:  # the hand-built model needs no checkpoint
         models, methods, args.batch = ["hand-induction"], ["eap", "activation"], 4
 
-    def planted(name: str) -> Planted:
-        if args.quick:
-            prompts = {"kind": "repeat", "half": HALF, "vocab": BOS, "bos": BOS, "distinct": True}
-            return Planted(name, build_hand_induction(), TRUTH, [], "construction", prompts)
-        return load_planted(name, args.checkpoints)
-
-    loaded = {name: planted(name) for name in models}
+    loaded = {name: _common.planted(name, args.quick, args.checkpoints) for name in models}
     curves = []
 
     def one(item):
