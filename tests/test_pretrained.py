@@ -34,8 +34,13 @@ TOL = 1e-5  # fp32, relative to the largest magnitude of the compared tensor
 
 
 @pytest.fixture(scope="module")
-def ours(tmp_path_factory):
-    return wb.open_pretrained("smollm2-135m", cache=tmp_path_factory.mktemp("models"))
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def ours(cache_dir):
+    return wb.open_pretrained("smollm2-135m", cache=cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +97,9 @@ def test_ioi_prompt_names_mary(ours):
     with torch.no_grad():
         logits = ours(ours.to_tokens(IOI))
     assert ours.to_str_tokens(logits[0, -1].argmax()) == [" Mary"]
+
+
+def test_from_pretrained_opens_it_by_name(ours, cache_dir):
+    again = wb.HookedDecoder.from_pretrained("smollm2-135m", cache=cache_dir)  # the converted cache, reused
+    tokens = ours.to_tokens(IOI)
+    torch.testing.assert_close(again(tokens), ours(tokens), atol=0, rtol=0)

@@ -11,8 +11,9 @@ reaches for next, each either working as in TL or refusing with a message naming
   residual stream) exists only after ``set_use_attn_result(True)``. Here it is computed whenever
   something listens, so True changes nothing; False leaves it out of a default
   ``run_with_cache`` (it is [batch, pos, head, d_model]: the largest entry of a full cache).
-- ``HookedDecoder.from_pretrained(name)``: a shipped checkpoint by name, a checkpoint folder, or
-  a Hugging Face model folder / hub id (through ``workbench.from_hf``).
+- ``HookedDecoder.from_pretrained(name)``: a shipped checkpoint by name, a checkpoint folder, a
+  shipped pretrained model (``"smollm2-135m"``) or GGUF file, or a Hugging Face model folder / hub
+  id (through ``workbench.from_hf``).
 
 TL's other configuration switches (``set_use_split_qkv_input``, ``set_use_hook_mlp_in``, ...)
 have no counterpart to set: the hook points they add (``hook_q_input``, ``hook_mlp_in``) are
@@ -93,8 +94,9 @@ def from_pretrained(cls: Any, name: Union[str, Path], *, device: Any = None,
     """TL's ``from_pretrained``, for what the workbench opens.
 
     ``name`` is a shipped checkpoint (``"stories-2020"``, one of the folders in the repository's
-    ``checkpoints/``), a folder written by ``save_checkpoint``, or anything ``workbench.from_hf``
-    opens (a Hugging Face model folder or hub id). ``kwargs`` go to the loader (``fold_ln=True``,
+    ``checkpoints/``), a folder written by ``save_checkpoint``, a shipped pretrained model
+    (``"smollm2-135m"``) or a ``.gguf`` file (``workbench.open_gguf``; ``cache=`` goes to it), or
+    anything ``workbench.from_hf`` opens (a Hugging Face model folder or hub id). ``kwargs`` go to the loader (``fold_ln=True``,
     ...). TL's ``from_pretrained`` folds the norms and centres the weights by default; here
     nothing is processed unless asked, as in ``from_hf``.
     """
@@ -114,6 +116,13 @@ def from_pretrained(cls: Any, name: Union[str, Path], *, device: Any = None,
             if not isinstance(model, cls):
                 raise ValueError(f"{path} holds a {type(model).__name__}, not a {cls.__name__}")
             return model
+    from workbench.interop.gguf import PRETRAINED, open_gguf, resolve_gguf
+
+    if str(name) in PRETRAINED or str(name).lower().endswith(".gguf"):  # a shipped pretrained model or a GGUF file
+        model = open_gguf(resolve_gguf(name), device=device, dtype=dtype, **kwargs)
+        if not isinstance(model, cls):
+            raise ValueError(f"{name} opens as a {type(model).__name__}, not a {cls.__name__}")
+        return model
     try:
         return from_hf(name, device=device, dtype=dtype, **kwargs)
     except Exception as error:  # say what was tried, then what the HF loader said
