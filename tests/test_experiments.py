@@ -183,3 +183,13 @@ def test_a_stopped_grid_resumes_from_its_journal_and_the_journal_goes_once_writt
     _common.write_run(args.out, {"experiment": "x"}, frame, {})
     assert not (args.out / "grid.rank0.jsonl").exists()
     assert "grid.rank0.jsonl" not in _common.run_files(args.out)
+
+
+def test_real_lenses_quick_reads_the_model_itself_at_the_final_layer(tmp_path):
+    """At the final stream both lenses are the model: KL 0 and full agreement with its top token;
+    below it the KLs are positive (a random model's streams are not its output)."""
+    wide = importlib.import_module("real_lenses").main(["--quick", "--out", str(tmp_path), "--threads", "1"])
+    last = wide[wide.layer == wide.layer.max()]
+    assert (last[["logit_kl", "tuned_kl"]].abs() < 1e-5).all().all()
+    assert (last[["logit_agree", "tuned_agree"]] == 1).all().all()
+    assert (wide[wide.layer < wide.layer.max()].logit_kl > 0).all()
