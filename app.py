@@ -8,10 +8,18 @@ else ``checkpoints/`` next to this file.
 import os
 
 import streamlit as st
-import torch
 
-from ui import ablate, build_train, circuit, common, compare, features, graph, inspect, patch, steer, sweeps, training
-from workbench import viz
+from ui import serve
+
+# Under ``python -m ui.serve`` the imports below and the default checkpoint are being preloaded on
+# a thread that started with the server: an early first session waits for it here (at once otherwise).
+serve.wait_for_preload()
+serve.mark("script start")
+
+import torch  # noqa: E402
+
+from ui import ablate, build_train, circuit, common, compare, features, graph, inspect, patch, steer, sweeps, training  # noqa: E402,E501
+from workbench import viz  # noqa: E402
 
 PAGES = {
     "Inspect": inspect.render,
@@ -47,3 +55,4 @@ for key in (common.PERSISTENT + build_train.PERSISTENT + training.PERSISTENT + c
         st.session_state[key] = st.session_state[key]
 st.sidebar.caption(f"Checkpoints folder: `{common.checkpoints_root()}`")
 PAGES[page]()
+serve.mark("script end")

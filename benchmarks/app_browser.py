@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "app"))
 
 TARGETS = {"first page (cold server)": 4.0, "first page once the server is up": 4.0,
-           "first page, ui.serve (cold)": 4.0, "first page once ui.serve is up": 4.0, "open a page (new session)": 1.5, "new prompt (Inspect)": 1.0,
+           "first page, ui.serve (cold)": 4.0, "first page once ui.serve is up": 4.0,
+           "first page, minimal Streamlit app": 4.0, "open a page (new session)": 1.5, "new prompt (Inspect)": 1.0,
            "cached widget (Inspect layer)": 0.5, "Patch pairs slider": 0.5, "Patch metric": 0.5,
            "Ablate one head": 0.5, "Cancel a training run": 1.0}
 
@@ -73,19 +74,24 @@ def settle(page, action: Callable[[], None], timeout: float = 120_000) -> float:
 
 
 class Server:
-    """``streamlit run app.py`` on a free port; ``started`` is when the process was launched."""
+    """``streamlit run app.py`` (or ``python -m ui.serve``, or ``script`` instead of app.py) on a free
+    port; ``started`` is when the process was launched, ``launched`` the same in epoch seconds."""
 
-    def __init__(self, env: dict, serve: bool = False):
+    def __init__(self, env: dict, serve: bool = False, script: str = "app.py"):
+        import tempfile
+
         from browser_kit import _free_port
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        launch = ["-m", "ui.serve"] if serve else ["-m", "streamlit", "run", "app.py", "--browser.gatherUsageStats",
+        launch = ["-m", "ui.serve"] if serve else ["-m", "streamlit", "run", script, "--browser.gatherUsageStats",
                                                    "false"]
         cmd = [sys.executable, *launch, "--server.headless", "true", "--server.port", str(self.port),
                "--server.address", "127.0.0.1"]
-        self.started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.log = tempfile.TemporaryFile("w+")
+        self.started, self.launched = time.perf_counter(), time.time()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env={**env, "WORKBENCH_TIMINGS": "1"}, stdout=self.log,
+                                     stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 120
         while True:
             try:
@@ -97,9 +103,20 @@ class Server:
                     raise SystemExit("streamlit did not start") from None
                 time.sleep(0.05)
 
+    def timings(self) -> dict[str, float]:
+        """The ``timing <phase> <epoch>`` lines the server printed (ui/serve.py, app.py): seconds from launch."""
+        self.log.seek(0)
+        out = {}
+        for line in self.log.read().splitlines():
+            if line.startswith("timing "):
+                _, *phase, stamp = line.split()
+                out.setdefault(" ".join(phase), float(stamp) - self.launched)
+        return out
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
+        self.log.close()
 
 
 def new_session(browser, url: str, name: str):
@@ -118,20 +135,51 @@ def settled_page(tab, name: str) -> None:
     wait_idle(tab, timeout=300_000)
 
 
-def first_page(browser, env: dict, serve: bool = False) -> tuple[float, float]:
+def first_page(browser, env: dict, serve: bool = False, breakdown: bool = False) -> tuple[float, float]:
     """From launching the server, and from its first healthy answer (when a user could open the
-    URL), until Inspect has drawn its figures: (from launch, from up)."""
+    URL), until Inspect has drawn its figures: (from launch, from up). With ``breakdown``, prints
+    when each part ended, in seconds from launch (the server's phases from its ``timing`` lines)."""
     server = Server(env, serve)
     try:
         opened = time.perf_counter()
         tab = new_session(browser, server.url, "Inspect")
+        loaded = time.perf_counter()
         tab.locator(".js-plotly-plot .main-svg").first.wait_for(timeout=300_000)
+        figure = time.perf_counter()
         settled_page(tab, "Inspect")
         done = time.perf_counter()
         tab.context.close()
+        if breakdown:
+            parts = {**server.timings(), "server healthy": server.up - server.started,
+                     "browser: page loaded (DOMContentLoaded)": loaded - server.started,
+                     "browser: first figure drawn": figure - server.started, "browser: settled": done - server.started}
+            print(f"  {'ui.serve' if serve else 'streamlit run'}, seconds from launch: "
+                  + "; ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: kv[1])), flush=True)
         return done - server.started, done - opened
     finally:
         server.close()
+
+
+MINIMAL = "import streamlit as st\nst.header('Inspect')\nst.plotly_chart({'data': [{'y': [1, 3, 2]}]})\n"
+
+
+def minimal_page(browser, env: dict) -> float:
+    """The floor on this machine: a two-line Streamlit script with one plotly figure, from launch to drawn."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(MINIMAL)
+    server = Server(env, script=script.name)
+    try:
+        tab = new_session(browser, server.url, "Inspect")
+        tab.locator(".js-plotly-plot .main-svg").first.wait_for(timeout=300_000)
+        settled_page(tab, "Inspect")
+        seconds = time.perf_counter() - server.started
+        tab.context.close()
+        return seconds
+    finally:
+        server.close()
+        os.unlink(script.name)
 
 
 def report(name: str, seconds: list[float], loads: list[float]) -> None:
@@ -163,10 +211,12 @@ def main(repeats: int, cold: int, checkpoints: Path, only_first: bool = False) -
         for serve, names in ((False, ("first page (cold server)", "first page once the server is up")),
                              (True, ("first page, ui.serve (cold)", "first page once ui.serve is up"))):
             loads = [_load() for _ in range(cold)]
-            runs = [first_page(browser, env, serve) for _ in range(cold)]
+            runs = [first_page(browser, env, serve, breakdown=True) for _ in range(cold)]
             report(names[0], [r[0] for r in runs], loads)
             report(names[1], [r[1] for r in runs], loads)
         if only_first:
+            loads = [_load() for _ in range(cold)]
+            report("first page, minimal Streamlit app", [minimal_page(browser, env) for _ in range(cold)], loads)
             return
         server = Server(env)
         try:

@@ -80,3 +80,32 @@ def test_training_memory_counts_the_real_optimizer_state_exactly():
     assert bigger["activations"] > 2 * est["activations"] and bigger["weights"] == est["weights"]
     with pytest.raises(ValueError, match="batch_size"):
         training_memory_bytes(cfg, 0, 8)
+
+
+@pytest.mark.parametrize("scaling", ["none", "linear", "llama3", "yarn"])
+def test_a_meta_model_computes_rope_frequencies_off_the_meta_device(scaling):
+    """Every checkpoint load builds the model on the meta device first (check_config_matches_weights).
+    RoPE's ``base ** tensor`` on the meta device runs one of torch's Python decompositions, whose
+    first use in a process took seconds of the app's first page; the frequencies are now computed
+    on the CPU and only their shape goes to the meta device. Same shapes as a real model."""
+    from torch.overrides import TorchFunctionMode
+
+    from workbench.accounting import meta_model
+    from workbench.components.positional import rope_inv_freq
+
+    cfg = wb.ModelConfig(d_vocab=50, d_model=32, n_layers=1, n_heads=2, n_ctx=64, positional="rope",
+                         rope_scaling=scaling, rope_scaling_factor=1.0 if scaling == "none" else 2.0)
+    meta_pows = []
+
+    class Pows(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if "pow" in getattr(func, "__name__", "") and isinstance(out, torch.Tensor) and out.is_meta:
+                meta_pows.append(func.__name__)
+            return out
+
+    with Pows():
+        model = meta_model(cfg)
+    assert meta_pows == []
+    freqs = [b for n, b in model.named_buffers() if n.endswith("inv_freq")]
+    assert freqs and all(f.is_meta and f.shape == rope_inv_freq(cfg)[0].shape for f in freqs)

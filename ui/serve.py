@@ -1,20 +1,33 @@
-"""``python -m ui.serve [streamlit options] [-- --checkpoints DIR]``: the app, warmed before it serves.
+"""``python -m ui.serve [streamlit options] [-- --checkpoints DIR]``: the app, warmed while the server starts.
 
 ``streamlit run app.py`` imports torch, plotly and the pages when the first browser session runs
 the script, and loads the default checkpoint then: that session waits for all of it. This
-launcher does that work in the server's own process first (the imports, the default checkpoint
-through the same ``st.cache_resource`` loader the pages use, one forward), then hands over to
-``streamlit run app.py`` in the same process, so the first page a user opens finds it done.
+launcher does that work in the server's own process (the imports, the default checkpoint
+through the same ``st.cache_resource`` loader the pages use, one forward, one figure of each
+trace type) on a background thread, while ``streamlit run app.py`` starts in the same process and
+the browser loads the page's JavaScript. app.py calls :func:`wait_for_preload` before its first
+import, so a session that arrives early waits for the preload instead of racing it.
+
+With ``WORKBENCH_TIMINGS=1`` in the environment each phase prints ``timing <phase> <epoch s>``
+(``benchmarks/app.py --browser`` reads them to split the first page's time into its parts).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 APP = Path(__file__).resolve().parent.parent / "app.py"
+_preload: threading.Thread | None = None
+
+
+def mark(phase: str) -> None:
+    """Print when ``phase`` ended, with WORKBENCH_TIMINGS=1 (for the benchmark's breakdown)."""
+    if os.environ.get("WORKBENCH_TIMINGS") == "1":
+        print(f"timing {phase} {time.time():.3f}", flush=True)
 
 
 def preload(script_args: list[str]) -> str:
@@ -23,10 +36,11 @@ def preload(script_args: list[str]) -> str:
     import plotly.graph_objects
     import torch
 
-    from ui import (ablate, build_train, circuit, common, compare, features, inspect, patch,  # noqa: F401
-                    steer, sweeps, training)
+    from ui import (ablate, build_train, circuit, common, compare, features, graph, inspect, patch,  # noqa: F401
+                    steer, sweeps, training, vocabulary)
     from workbench import viz  # noqa: F401
 
+    mark("imports")
     torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", "1")))
     found = common.list_checkpoints(common.checkpoints_root(script_args))
     name = common.default_checkpoint(list(found))
@@ -34,8 +48,10 @@ def preload(script_args: list[str]) -> str:
         return f"preloaded the app's imports in {time.perf_counter() - started:.1f} s (no checkpoint to load)"
     path = found[name]
     model, _, _, _ = common._load(str(Path(path).resolve()), common.weights_stamp(path), common.app_device())
+    mark("model loaded")
     with torch.no_grad():  # the first forward of a process pays for kernels and allocator set-up
         model(torch.zeros(1, min(8, model.cfg.n_ctx), dtype=torch.long, device=model.device))
+    mark("first forward")
     # plotly imports a trace type's validators when the first figure of that type is built
     from plotly.subplots import make_subplots
 
@@ -44,13 +60,45 @@ def preload(script_args: list[str]) -> str:
                   plotly.graph_objects.Bar(x=[0], y=[0])):
         warm.add_trace(trace, row=1, col=1)
     warm.update_layout(coloraxis=dict(colorscale="Viridis")).to_json()
+    mark("figures warmed")
     return f"preloaded the app's imports and {name} in {time.perf_counter() - started:.1f} s"
+
+
+def start_preload(script_args: list[str]) -> threading.Thread:
+    """:func:`preload` on a daemon thread; its line (or its error) is printed when it ends."""
+    global _preload
+    work = preload  # bound now: the thread calls what was asked for, even if the name is rebound later
+
+    def run() -> None:
+        try:
+            print(work(script_args), flush=True)
+        except Exception as error:  # the app still runs: the first session then pays for what failed here
+            print(f"preload failed ({type(error).__name__}: {error}); the first page will load it", flush=True)
+
+    _preload = threading.Thread(target=run, name="workbench-preload", daemon=True)
+    _preload.start()
+    return _preload
+
+
+def wait_for_preload() -> None:
+    """Until the preload (if this process started one) has ended; at once otherwise.
+
+    app.py calls this before importing torch and the pages: a session that arrives while the
+    preload is importing them then waits for it rather than importing the same modules from a
+    second thread (and loads the default checkpoint from the cache it filled, not a second time).
+    """
+    if _preload is not None and _preload is not threading.current_thread():
+        _preload.join()
 
 
 def main(argv: list[str]) -> None:
     streamlit_args, script_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     sys.path.insert(0, str(APP.parent))
-    print(preload(script_args), flush=True)
+    mark("python started")
+    # The preload runs beside the server's start (Streamlit's runtime, its component scan, tornado)
+    # and the browser's loading of the page: from launch, the first page waits for the longer of
+    # the two, not their sum.
+    start_preload(script_args)
     from streamlit.web import cli
 
     # 127.0.0.1 unless told otherwise, also when started from another folder (where .streamlit/config.toml,
@@ -63,4 +111,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    # Through the module ``ui.serve`` (not ``__main__``): app.py's ``from ui import serve`` must
+    # find the thread this started.
+    from ui import serve
+
+    serve.main(sys.argv[1:])

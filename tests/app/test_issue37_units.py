@@ -322,3 +322,71 @@ def test_workbench_sh_app_binds_to_localhost_unless_told(monkeypatch, args, addr
     argv = seen["argv"]
     assert argv[argv.index("--server.address") + 1] == address and argv.count("--server.address") == 1
     assert argv[-3:] == ["--", "--checkpoints", "x"]
+
+
+# ---- 6. the first page: preloaded while the server starts, nothing heavy left for it --------------
+def test_serve_starts_the_server_while_preloading_and_the_first_run_waits_for_the_preload(monkeypatch):
+    import sys
+    import threading
+
+    from streamlit.web import cli
+
+    from ui import serve
+
+    release, seen = threading.Event(), {}
+
+    def slow_preload(argv):
+        release.wait(timeout=2)  # the server must start before this ends (it waited for all of it before)
+        seen["preloaded"] = argv
+        return "preloaded"
+
+    def fake_cli():
+        seen["server started before the preload ended"] = "preloaded" not in seen
+        release.set()
+        serve.wait_for_preload()  # what app.py does first
+        seen["preloaded before the script went on"] = seen.get("preloaded")
+        return 0
+
+    monkeypatch.setattr(serve, "_preload", None)
+    monkeypatch.setattr(serve, "preload", slow_preload)
+    monkeypatch.setattr(cli, "main", fake_cli)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit):
+        serve.main(["--", "--checkpoints", "x"])
+    assert seen["server started before the preload ended"] is True
+    assert seen["preloaded before the script went on"] == ["--checkpoints", "x"]
+    assert "serve.wait_for_preload()" in (REPO / "app.py").read_text().split("import torch")[0]
+
+
+FIRST_RUN = """
+import json, os, sys
+sys.path.insert(0, os.getcwd())
+from ui import serve
+serve.preload([])
+from streamlit.testing.v1 import AppTest
+from ui import common
+before = set(sys.modules)
+at = AppTest.from_file(os.path.join(os.getcwd(), "app.py"), default_timeout=300)
+at.run()
+assert not at.exception, [e.value for e in at.exception]
+print(json.dumps({"new": sorted(set(sys.modules) - before), "loads": list(common.LOADS.values())}))
+"""
+
+
+def test_after_the_preload_the_first_page_imports_nothing_heavy_and_loads_the_model_once(checkpoints_dir):
+    """In a fresh process, as ``python -m ui.serve`` runs: the preload then the first Inspect run.
+    The preload left out the Graph page (and its QK panel and vocabulary browser), which the first run
+    then imported; any library, page or torch module still imported there is time the first page pays."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WORKBENCH_CHECKPOINTS": str(checkpoints_dir)}
+    out = subprocess.run([sys.executable, "-c", FIRST_RUN], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    heavy = [m for m in seen["new"] if m.split(".")[0] in ("ui", "workbench", "torch", "transformer_lens",
+                                                           "transformers", "scipy", "sklearn")]
+    assert heavy == []
+    assert seen["loads"] == [1]  # the default checkpoint, read once (by the preload), found by the page

@@ -99,6 +99,14 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
     Mirrors Hugging Face's ``ROPE_INIT_FUNCTIONS`` (default, linear, llama3, yarn), so that
     imported checkpoints reproduce their logits. ``dynamic`` is applied per call in ``Rotary``.
     """
+    if torch.get_default_device().type == "meta":
+        # A model built for its shapes (accounting.meta_model, which checks every checkpoint loaded):
+        # the same numbers on the CPU, then shape only. On the meta device itself ``base ** tensor``
+        # is one of torch's Python decompositions, whose first use in a process imports torch's
+        # meta kernels: seconds of the app's first page on a loaded machine.
+        with torch.device("cpu"):
+            inv_freq, scaling = rope_inv_freq(cfg)
+        return inv_freq.to("meta"), scaling
     dim = cfg.rotary_dim
     inv_freq = _plain_inv_freq(cfg.rope_base, dim)
     factor, scaling = cfg.rope_scaling_factor, 1.0
