@@ -81,6 +81,20 @@ def test_tuned_lens_beats_logit_lens_and_round_trips(tmp_path):
         TunedLens.load(tmp_path / "ckpt", _model(n_layers=3))
 
 
+def test_training_a_tuned_lens_computes_no_gradient_for_the_model_and_leaves_it_as_it_was():
+    model = _model()
+    next(model.parameters()).requires_grad_(False)  # a user's own choice, kept as it was
+    computed = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_hook(lambda grad, name=name: computed.append(name))
+    before = {name: p.requires_grad for name, p in model.named_parameters()}
+    train_tuned_lens(model, torch.randint(0, 50, (8, 12)), steps=3, batch_size=4, progress=False)
+    assert computed == []  # the lens learns; the model's weight gradients were never computed
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == before
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_tuned_lens_load_missing_or_corrupt_is_a_checkpoint_error(tmp_path):
     with pytest.raises(wb.CheckpointError, match="train one"):
         TunedLens.load(tmp_path)

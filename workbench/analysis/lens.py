@@ -383,8 +383,13 @@ def train_tuned_lens(
     gen = torch.Generator().manual_seed(seed)
     history: list[float] = []
     n_tokens, longest = 0, 0
+    # Frozen for the training: without this each backward also computed the gradient of every weight
+    # the KL reads (the final norm and the unembedding, d_model x d_vocab) only to throw it away.
+    frozen = [p for p in model.parameters() if p.requires_grad]
     with eval_mode(model):
         try:
+            for p in frozen:
+                p.requires_grad_(False)
             # The model is frozen, so its residual streams are computed once, not once per step,
             # when they fit: packed real tokens, with where each prompt's tokens start.
             per_token = (model.cfg.n_layers + 1) * model.cfg.d_model * 4
@@ -412,8 +417,8 @@ def train_tuned_lens(
                 sched.step()
                 history.append(float(kl.detach().mean()))
         finally:
-            for p in model.parameters():  # backward left grads on the frozen model
-                p.grad = None
+            for p in frozen:
+                p.requires_grad_(True)
     lens.info = {"train": {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
                            "n_sequences": n, "seq_len": longest, "n_tokens": n_tokens},
                  "history": history}
