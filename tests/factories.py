@@ -62,3 +62,15 @@ def run_torchrun(args, timeout: int = 300) -> None:
         proc.communicate()
         pytest.fail(f"torchrun with 2 processes did not finish in {timeout} s")
     assert proc.returncode == 0, stderr[-3000:]
+
+
+def json_paths(value, width: int, prefix=()):
+    """Every key path into a parsed JSON document (the first ``width`` items of each list): the places a
+    fuzz test damages."""
+    yield prefix
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from json_paths(v, width, prefix + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value[:width]):
+            yield from json_paths(v, width, prefix + (i,))

@@ -22,21 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from factories import json_paths
+
 from workbench.analysis.graphs import Graph
 
 HOSTILE = [None, -1, 0, 1, 10**12, 2**63, -2**70, 1.5, 1e308, -1e300, float("nan"), "x", "", [], {}, True,
            [1, 2], {"a": 1}, "../../etc", [[1.0]], "__DEEP__", "__DEEP500__", "__INF__"]
 DEEP = "[" * 100000 + "]" * 100000
-
-
-def _json_paths(value, prefix=()):
-    yield prefix
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _json_paths(v, prefix + (k,))
-    elif isinstance(value, list):
-        for i, v in enumerate(value[:6]):
-            yield from _json_paths(v, prefix + (i,))
 
 
 def _damage(data: bytes, rng: random.Random) -> tuple[bytes, str]:
@@ -52,7 +44,7 @@ def _damage(data: bytes, rng: random.Random) -> tuple[bytes, str]:
             where.append(i)
         return bytes(out), f"flip bytes {where}"
     doc = json.loads(data)
-    paths = [p for p in _json_paths(doc) if p]
+    paths = [p for p in json_paths(doc, 6) if p]
     if kind == "shape":
         lists = [p for p in paths if isinstance(_at(doc, p), list) and _at(doc, p)]
         path = rng.choice(lists)

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from factories import json_paths
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE = [None, -1, 0, 1, 10**12, 2**63, 1.5, float("nan"), "x", "", [], {}, True, [1, 2], {"a": 1}, "../../etc"]
@@ -135,16 +136,6 @@ def _targets(work: Path) -> dict:
     return out
 
 
-def _json_paths(value, prefix=()):
-    yield prefix
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _json_paths(v, prefix + (k,))
-    elif isinstance(value, list):
-        for i, v in enumerate(value[:8]):
-            yield from _json_paths(v, prefix + (i,))
-
-
 def _damage(data: bytes, name: str, rng) -> tuple[bytes, str]:
     kind = rng.choice(["truncate", "flip", "json"] if name.endswith(".json") else ["truncate", "flip"])
     if kind == "truncate":
@@ -164,7 +155,7 @@ def _damage(data: bytes, name: str, rng) -> tuple[bytes, str]:
         doc = json.loads(data)
     except ValueError:
         return data[:-1], "truncate the last byte"
-    paths = [p for p in _json_paths(doc) if p]
+    paths = [p for p in json_paths(doc, 8) if p]
     if not paths:
         return json.dumps(rng.choice(HOSTILE)).encode(), "replace the document"
     path = rng.choice(paths)
