@@ -626,3 +626,20 @@ def test_ddp_two_processes_match_one_process(checkpoint, model, tmp_path):
     ddp = load_dictionary(tmp_path / "ddp")
     for name, p in single.named_parameters():
         torch.testing.assert_close(dict(ddp.named_parameters())[name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_cfg_json_width_the_weights_do_not_have_is_refused_before_anything_is_built(tmp_path):
+    import json
+    import shutil
+
+    from workbench.analysis.dictionaries import DictionaryError, load_dictionary
+
+    src = Path(__file__).resolve().parents[1] / "checkpoints" / "stories-2026" / "saes" / "resid-post-1"
+    for width in (2**63, 7):  # once an overflow inside torch; a plain mismatch
+        folder = tmp_path / f"w{width}"
+        shutil.copytree(src, folder)
+        cfg = json.loads((folder / "cfg.json").read_text())
+        cfg["d_in"] = width
+        (folder / "cfg.json").write_text(json.dumps(cfg))
+        with pytest.raises(DictionaryError, match="W_enc has shape"):
+            load_dictionary(folder)

@@ -196,6 +196,14 @@ def load_dictionary(path: Union[str, Path], device: Union[str, torch.device] = "
         state = load_file(str(path / WEIGHTS_FILE))
     except (SafetensorError, OSError, RuntimeError) as e:
         raise DictionaryError(f"{path / WEIGHTS_FILE} is corrupt ({e})") from None
+    # Before the module is built: it allocates [d_in, d_sae] from cfg.json, so a width the weights do not
+    # have (d_in = 2**63 from a damaged file) raised a TypeError inside torch, or asked for the RAM.
+    enc = state.get("W_enc")
+    if enc is None:
+        raise DictionaryError(f"{path / WEIGHTS_FILE} lacks ['W_enc'] (every dictionary kind has one)")
+    if tuple(enc.shape) != (cfg.d_in, cfg.d_sae):
+        raise DictionaryError(f"{path / WEIGHTS_FILE}: W_enc has shape {tuple(enc.shape)}, but cfg.json "
+                              f"(d_in={cfg.d_in}, d_sae={cfg.d_sae}) needs {(cfg.d_in, cfg.d_sae)}")
     sae = DICTIONARIES[cfg.kind](cfg)
     _load_state(sae, state, raw, path)
     sae.metrics = dict(meta.get("metrics", {}))
