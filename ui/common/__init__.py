@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import streamlit as st  # noqa: F401  (``common.st``: tests patch ``common.st.session_state``)
 
+from workbench.tokenizer import IdTokenizer  # noqa: F401  (pages and tests use ``common.IdTokenizer``)
+
 from ui.common.checkpoints import (
     ALLOW_ANY_PATH_ENV, DEFAULT_CHECKPOINT, ENV_VAR, OTHER_DIR, PERSISTENT, REPO, all_checkpoints, allow_any_path,
     checkpoint_picker, checkpoints_root, default_checkpoint, is_checkpoint, list_checkpoints, page_checkpoint,
