@@ -247,11 +247,15 @@ def equal_l0(gathered, metrics):
     for (trainer, kind, seed), part in gathered.groupby(["trainer", "kind", "seed"], sort=False):
         k = float(part["k"].iloc[0])
         if kind in SWEPT:
-            got = at_l0(part.to_dict("records"), k, metrics)
-            row = {"trainer": trainer, "kind": kind, "seed": seed, "k": k, "matched": "interpolated" if got else
+            got, how = at_l0(part.to_dict("records"), k, metrics), "interpolated"
+            nearest = part.iloc[(part["sae_l0"] - k).abs().argmin()]
+            if got is None and abs(nearest["sae_l0"] - k) <= 0.1 * k:  # one run already within 10% of k
+                got, how = {m: float(nearest[m]) for m in metrics}, f"coefficient {nearest['coefficient']:.3g}"
+            row = {"trainer": trainer, "kind": kind, "seed": seed, "k": k, "matched": how if got else
                    f"not bracketed (L0 {part['sae_l0'].min():.3g}..{part['sae_l0'].max():.3g})"}
             row.update(got or {m: float("nan") for m in metrics})
-            row["sae_l0"] = k if got else float("nan")
+            if how == "interpolated" and got:
+                row["sae_l0"] = k
         else:
             one = part.iloc[0]
             near = abs(one["sae_l0"] - k) <= 0.1 * k
