@@ -1,28 +1,32 @@
-"""SynthSAEBench (SAE Lens' ``sae_lens.synthetic``): every dictionary kind scored against known features.
+"""SynthSAEBench (SAE Lens' ``sae_lens.synthetic``): the workbench's trainers against SAE Lens' at equal L0.
 
 SAE Lens' generator builds a ground-truth dictionary of ``--features`` unit directions in
-``--hidden`` dimensions (Zipfian firing probabilities from 0.3 down to 0.01, a hierarchy of
-features whose children fire only with their parent, low-rank correlations, firing magnitudes
-``relu(1 + 0.1 N(0,1))``, a bias of norm 1) and samples activations from it. On each seed's
-generator this trains the workbench's ReLU, TopK, BatchTopK, JumpReLU and Matryoshka BatchTopK
-dictionaries (``train_sae``), and, when SAE Lens imports, SAE Lens' own trainers of the same five
-kinds (``sae_lens.synthetic.train_toy_sae``) with the same width, k, samples, batch size, peak
-learning rate and seed. Every dictionary is scored by SAE Lens' ``eval_sae_on_synthetic_data`` on
-the same held-out samples (MCC, F1 / precision / recall, uniqueness, explained variance, L0, dead
-latents, shrinkage); ``workbench.analysis.synth_bench.evaluate`` is scored beside it as a check
-that it reproduces SAE Lens' numbers (``max |ours - SAE Lens|`` in config.json).
+``--hidden`` dimensions and samples activations from it (``--recipe synth16k``: SynthSAEBench-16k's
+settings, Zipfian firing probabilities, trees of mutually exclusive children, low-rank
+correlations, magnitudes 5 down to 4, bias 0.5, orthogonalised features; ``--recipe small``: the
+earlier CPU recipe). On each seed's generator this trains the workbench's ReLU, TopK, BatchTopK,
+JumpReLU and Matryoshka BatchTopK dictionaries (``train_sae``) and, when SAE Lens imports, SAE
+Lens' own trainers of the same kinds (``sae_lens.synthetic.train_toy_sae``) with the same width,
+k, samples, batch size, learning rate, warm-up and seed. Every dictionary is scored by SAE Lens'
+``eval_sae_on_synthetic_data`` on the same held-out samples (MCC, F1 / precision / recall,
+uniqueness, explained variance, L0, dead latents, shrinkage); ``synth_bench.evaluate`` is scored
+beside it as a check (``max |ours - SAE Lens|`` in config.json).
 
-The benchmark paper's SynthSAEBench-16k model (16,384 features) is published on the Hugging Face
-Hub, which this machine cannot reach, and its training budget is far past a 2-core CPU: the
-default here is the same generator at 256 features in 48 dimensions with 256 latents, 50k
-training samples per dictionary
-(``--features/--hidden/--latents``), so its numbers are not the paper's 16k numbers.
+Equal L0: the TopK-style kinds run at k (k = the mean number of firing features among the
+``--latents`` most frequent, rounded; matched when L0 is within 10% of k). ReLU and JumpReLU run at
+``--sweep`` multiples of each trainer's base coefficient, and their metrics are interpolated at
+L0 = k (linear in log L0 between the two runs that bracket it; never extrapolated). Tables:
+summary.csv (equal-L0 means and 95% intervals), equal_l0.csv (per seed), sweep.csv (every run),
+verdicts.csv (workbench minus SAE Lens on F1 and MCC, paired by seed).
 
-Without SAE Lens (as in CI) the data come from ``synth_bench.SimpleSynthModel`` (the same Zipfian
-probabilities and magnitudes, no hierarchy or correlations), only the workbench's trainers run,
-and only the workbench's evals score them.
+SynthSAEBench-16k itself (``--recipe synth16k --features 16384 --hidden 768 --latents 4096
+--gen-seed 42``) is far past a 2-core CPU (docs/reference/synth-sae-bench.md says how far).
+Without SAE Lens (as in CI, and always under ``--quick``) the data come from
+``synth_bench.SimpleSynthModel`` and only the workbench's trainers and evals run.
 
-    PYTHONPATH=/work/saelens python experiments/synth_sae_bench.py --seeds 3 --threads 2
+    PYTHONPATH=/work/saelens torchrun --standalone --nproc_per_node 3 experiments/synth_sae_bench.py \
+        --recipe synth16k --features 512 --hidden 24 --latents 128 --samples 256000 --batch-size 256 \
+        --lr 3e-3 --sweep 3,10,30 --seeds 3 --threads 1
 """
 
 from __future__ import annotations
@@ -41,21 +45,21 @@ METRICS = ["classification/f1_score", "mcc", "classification/precision", "classi
 
 
 def add_flags(p) -> None:
-    p.add_argument("--features", type=int, default=256, help="ground-truth features (the paper's model: 16384)")
-    p.add_argument("--hidden", type=int, default=48, help="hidden size of the activations")
-    p.add_argument("--latents", type=int, default=256, help="dictionary width (the paper: as many as features)")
-    p.add_argument("--k", type=float, default=0, help="TopK-style k (0: the generator's true L0, rounded)")
-    p.add_argument("--samples", type=int, default=50_000, help="training samples per dictionary")
-    p.add_argument("--batch-size", type=int, default=512, help="samples per step")
+    p.add_argument("--features", type=int, default=512, help="ground-truth features (the paper's model: 16384)")
+    p.add_argument("--hidden", type=int, default=24, help="hidden size of the activations")
+    p.add_argument("--latents", type=int, default=128, help="dictionary width (the paper: 4096 for 16384 features)")
+    p.add_argument("--k", type=float, default=0, help="TopK-style k (0: the L0 of the --latents most frequent features, rounded)")
+    p.add_argument("--samples", type=int, default=256_000, help="training samples per dictionary")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, both trainers")
     p.add_argument("--eval-samples", type=int, default=20_000, help="held-out samples scored per dictionary")
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated dictionary kinds")
     p.add_argument("--no-saelens", action="store_true", help="do not use SAE Lens even when it imports")
-    p.add_argument("--recipe", choices=RECIPES, default="small",
+    p.add_argument("--recipe", choices=RECIPES, default="synth16k",
                    help="generator settings: 'small' (Zipf 0.3..0.01, magnitudes 1 +- 0.1, bias 1, hierarchy depth 2) "
                         "or 'synth16k' (SynthSAEBench-16k's settings at --features/--hidden; the paper's model is "
                         "--recipe synth16k --features 16384 --hidden 768 --latents 4096 --gen-seed 42)")
-    p.add_argument("--sweep", default="0.3,1,3",
+    p.add_argument("--sweep", default="3,10,30",
                    help="relu / jumprelu: multiples of each trainer's base coefficient trained per seed; metrics "
                         "are interpolated at L0 = k between the two runs whose L0s bracket it")
     p.add_argument("--l1-ours", type=float, default=1.0, help="base L1 coefficient, workbench relu")
@@ -183,7 +187,17 @@ def coefficients(args, trainer: str, kind: str) -> list[float]:
     if kind not in SWEPT:
         return [0.0]
     base = getattr(args, f"{'l1' if kind == 'relu' else 'l0'}_{'ours' if trainer == 'workbench' else 'saelens'}")
-    return [base * float(m) for m in str(args.sweep).split(",")]
+    return [base * m for m in parse_sweep(args.sweep)]
+
+
+def parse_sweep(text: str) -> list[float]:
+    try:
+        values = [float(m) for m in str(text).split(",") if m.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise SystemExit(f"--sweep: expected comma-separated positive multiples of the base coefficient, got {text!r}")
+    return values
 
 
 def target_k(held_acts, latents: int) -> int:
@@ -309,6 +323,7 @@ def main(argv=None):
     add_flags(p)
     args = p.parse_args(argv)
     kinds = parse_kinds(args.kinds)
+    parse_sweep(args.sweep)  # refused now, not after the first seed's training
     if args.quick:
         args.features, args.hidden, args.latents, args.samples, args.eval_samples = 64, 16, 64, 4096, 1024
         args.batch_size, args.recipe = 256, "small"

@@ -249,3 +249,12 @@ def test_equal_l0_rows_and_paired_verdicts():
     assert verdicts.loc["relu", "F1 verdict"] == "workbench better"  # +0.2 on every seed
     assert verdicts.loc["relu", "MCC verdict"] == "no difference detected"  # equal on every seed
     assert verdicts.loc["topk", "F1 verdict"] == "not compared" and verdicts.loc["topk", "F1 n"] == 0
+
+
+def test_a_bad_sweep_is_refused_before_any_training():
+    sys.path.insert(0, str(REPO / "experiments"))
+    import synth_sae_bench
+
+    for bad in ("", "1,x", "0,1", "-3"):
+        with pytest.raises(SystemExit, match="--sweep: expected comma-separated positive multiples"):
+            synth_sae_bench.main(["--quick", "--sweep", bad, "--out", "/nonexistent/never-written"])
