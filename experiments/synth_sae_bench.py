@@ -38,6 +38,7 @@ import _common
 
 NAME = "synth_sae_bench"
 RECIPES = ["small", "synth16k"]
+CHUNK = 16384  # rows drawn from the generator at a time
 SWEPT = ("relu", "jumprelu")  # kinds whose L0 is set by a coefficient, not by k
 KINDS = ["relu", "topk", "batchtopk", "jumprelu", "matryoshka_batchtopk"]
 METRICS = ["classification/f1_score", "mcc", "classification/precision", "classification/recall", "uniqueness",
@@ -216,8 +217,9 @@ def run_seed(args, seed, sae_lens, kinds):
     torch.manual_seed(seed)
     model, features, sample = generator(args, seed, sae_lens)
     steps = max(1, args.samples // args.batch_size)
-    with torch.no_grad():
-        data, _ = sample(steps * args.batch_size)
+    with torch.no_grad():  # in chunks: one 256k-row draw from SAE Lens' generator peaks past 4 GB
+        data = torch.cat([sample(min(CHUNK, steps * args.batch_size - at))[0]
+                          for at in range(0, steps * args.batch_size, CHUNK)])
         held_x, held_acts = sample(args.eval_samples)
     k = args.k or target_k(held_acts, args.latents)
     rows = []
