@@ -193,3 +193,41 @@ def test_real_lenses_quick_reads_the_model_itself_at_the_final_layer(tmp_path):
     assert (last[["logit_kl", "tuned_kl"]].abs() < 1e-5).all().all()
     assert (last[["logit_agree", "tuned_agree"]] == 1).all().all()
     assert (wide[wide.layer < wide.layer.max()].logit_kl > 0).all()
+
+
+def _open_rank_journal(out: str, rank: int, world: int, start) -> None:
+    """One torchrun rank opening its journal (a process of its own, as under torchrun)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    import _common
+
+    _common._JOURNAL.update(out=Path(out), key={"flag": "1"})
+    start.wait()
+    _common._open_journal(rank, world, 8)
+
+
+def test_ranks_opening_their_journals_at_once_all_land_in_the_manifest(tmp_path):
+    """Every rank lists its journal in the run folder's manifest before writing it. The ranks start
+    together, so the read-modify-write of one manifest must be serialised (and each write atomic): a
+    rank that read the manifest half-written, or wrote over another rank's update, left that rank's
+    journal unlisted, and the run's own tables were then refused as "not written by an experiment run"
+    (seen with 3 torchrun ranks)."""
+    import multiprocessing
+
+    from workbench.checkpoint import MANIFEST_FILE
+
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(3):
+        out = tmp_path / f"run{trial}"
+        world = 6
+        start = ctx.Barrier(world)
+        procs = [ctx.Process(target=_open_rank_journal, args=(str(out), r, world, start)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        listed = json.loads((out / MANIFEST_FILE).read_text())["files"]
+        assert sorted(listed) == sorted(f"grid.rank{r}.jsonl" for r in range(world)), (trial, listed)
