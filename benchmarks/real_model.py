@@ -276,10 +276,11 @@ def child_memory(args) -> None:
     metric = logit_diff_metric(spec["answer"], spec["wrong"])
     if args.contender == "ours":
         model = load_ours(quick_dir)
-    else:
-        model, tokenizer = load_hf(Path(args.model_dir))
+    else:  # the real model: transformers dequantizes the GGUF itself here too (a GGUF-loaded model cannot be saved)
+        folder, gguf = (quick_dir, None) if args.quick else real_paths()
+        model, tokenizer = load_hf(folder, gguf.name if gguf else None)
         if args.contender == "bridge":
-            model, note = boot_bridge(Path(args.model_dir), model, tokenizer)
+            model, note = boot_bridge(folder, model, tokenizer)
             if model is None:
                 print(json.dumps({"error": note}))
                 return
@@ -568,10 +569,7 @@ def main(argv=None) -> dict:
     else:
         folder, gguf = real_paths()
         hf, tokenizer = load_hf(folder, gguf.name)
-        model_dir = Path(tmp.name) / "hf"  # the memory children load this copy: the GGUF's dequantization once
-        if "memory" in tasks:
-            hf.save_pretrained(model_dir)
-            tokenizer.save_pretrained(model_dir)
+        model_dir = folder
     ours = load_ours(quick_dir)
     bridge, bridge_note = boot_bridge(model_dir if args.quick else real_paths()[0], copy.deepcopy(hf), tokenizer)
     lines.append(f"loaded ours, transformers and the bridge in {time.perf_counter() - started:.0f} s; bridge: {bridge_note}")
