@@ -44,8 +44,8 @@ writing ``hook_mlp_out``) from ``<cache folder>/saes/transcoders/layer{l}`` when
 there (each one's W_enc is multiplied by that layer's ln2 weight, so it reads the folded model's
 normalized input the same way), else seeded random ones of that shape (random: the timing is real,
 the graph means nothing). Both sides keep ``--max-feature-nodes`` feature rows (time grows with rows
-x tokens: on the 2-core CPU a 135M model's backward over 64 copies of 256 tokens takes minutes), 64
-targets per backward pass. circuit-tracer treats position 0 as a constant; ours does the same with
+x tokens: on the 2-core CPU a 135M model's backward over 64 copies of 256 tokens takes minutes),
+``--graph-batch`` targets per backward pass. circuit-tracer treats position 0 as a constant; ours does the same with
 ``token_embedding="token", held_positions=1``; the first token is a special one (<|im_start|>), or
 circuit-tracer prepends one and the prompts differ.
 
@@ -411,7 +411,7 @@ def child_graph(args) -> None:
     tokens = torch.tensor(json.loads((Path(args.exchange) / "tokens.json").read_text()))[: args.context]
     before = peak_mb()
     start = time.perf_counter()
-    graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=args.max_feature_nodes, batch_size=64,
+    graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=args.max_feature_nodes, batch_size=args.graph_batch,
                                  token_embedding="token", held_positions=1)
     seconds = time.perf_counter() - start
     from safetensors.torch import save_file
@@ -426,6 +426,17 @@ def child_graph(args) -> None:
                       "peak_rss_mb": peak_mb(),
                       "n_nodes": graph.n_nodes, "n_edges": graph.n_edges,
                       "scores": graph.scores()}))
+
+
+def _trim() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
 
 
 def graph_parity(out: Path, context: int, n_layers: int) -> dict:
@@ -465,8 +476,9 @@ def graph_task(args, out: Path, quick_dir: Optional[Path], lines: list, table: l
     exchange = out / "exchange"
     export_graph(model, tcs, tokens, exchange)
     lines.append(f"graph: transcoders {tc_note}; {model.cfg.n_layers} x d_sae {tcs[0].cfg.d_sae}; "
-                 f"max_feature_nodes {args.max_feature_nodes}, 64 targets per backward")
+                 f"max_feature_nodes {args.max_feature_nodes}, {args.graph_batch} targets per backward")
     have_ct = Path(args.ct_python).exists()
+    mine = theirs = None
     ct_cmd = [args.ct_python, str(ROOT / "benchmarks" / "_ct_side.py"), "--exchange", str(exchange)]
     env = {"CT_THREADS": str(args.threads)}
     if have_ct:
@@ -487,19 +499,25 @@ def graph_task(args, out: Path, quick_dir: Optional[Path], lines: list, table: l
     else:
         lines.append(f"graph: circuit-tracer's venv {args.ct_python} is missing; ours only")
     n_layers = model.cfg.n_layers
-    del model, tcs
+    del model, tcs, mine, theirs
+    _trim()  # hand the freed model back to the system while the children run
     for context in contexts:
         row: dict = {"task": f"graph {context} tokens"}
-        mine = run_child([sys.executable, __file__, "--child", "graph", "--context", str(context), "--exchange",
-                          str(exchange), "--model-dir", str(quick_dir or ""), *(["--quick"] if args.quick else []),
-                          "--threads", str(args.threads), "--d-sae", str(args.d_sae), "--seed", str(args.seed),
-                          "--max-feature-nodes", str(args.max_feature_nodes), "--out", str(out / f"ours-{context}")],
-                         args.timeout)
+        try:
+            mine = run_child([sys.executable, __file__, "--child", "graph", "--context", str(context), "--exchange",
+                              str(exchange), "--model-dir", str(quick_dir or ""), *(["--quick"] if args.quick else []),
+                              "--threads", str(args.threads), "--d-sae", str(args.d_sae), "--seed", str(args.seed),
+                              "--max-feature-nodes", str(args.max_feature_nodes), "--graph-batch", str(args.graph_batch),
+                              "--out", str(out / f"ours-{context}")],
+                             args.timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as err:
+            lines.append(f"graph {context}: ours failed: {str(err)[-600:]}")
+            continue
         row["ours_s"], row["ours_peak_mb"], row["ours_nodes"] = mine["seconds"], mine["peak_rss_mb"], mine["n_nodes"]
         row["ours_graph_mb"] = mine["peak_rss_mb"] - mine["peak_rss_mb_before"]  # above the loaded process's peak
         if have_ct:
             try:
-                run_child(ct_cmd + ["--context", str(context), "--batch-size", "64", "--max-feature-nodes",
+                run_child(ct_cmd + ["--context", str(context), "--batch-size", str(args.graph_batch), "--max-feature-nodes",
                                     str(args.max_feature_nodes), "--out", str(out / f"ct-{context}")], args.timeout, env)
                 t = json.loads((out / f"ct-{context}" / "timing.json").read_text())
                 row["ct_s"], row["ct_peak_mb"], row["ct_nodes"] = t["seconds"], t["peak_rss_mb"], t["n_nodes"]
@@ -531,7 +549,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sweep-repeats", type=int, default=2, help="timed rounds of the 270-head sweep")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--graph-contexts", default="256")
-    p.add_argument("--max-feature-nodes", type=int, default=64)
+    p.add_argument("--max-feature-nodes", type=int, default=32)
+    p.add_argument("--graph-batch", type=int, default=16, help="targets per backward pass, both sides")
     p.add_argument("--d-sae", type=int, default=4608, help="features per random transcoder (8 x d_model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ct-python", default=DEFAULT_CT_PYTHON)
