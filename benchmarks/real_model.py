@@ -650,6 +650,9 @@ def main(argv=None) -> dict:
             if name != "transformers":
                 parity[f"sweep {name}"] = float((torch.tensor(out) - ref).abs().max())
     results["parity"] = parity
+    # what is measured so far, written before the slow parts (a run cut short keeps it)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    print(json.dumps({"timings": results["timings"], "parity": parity}), flush=True)
     if "memory" in tasks:
         spec = Path(tmp.name) / "spec.json"
         spec.write_text(json.dumps({"tokens": tokens.tolist(), "sweep_tokens": sweep_in.tolist(), "answer": answer,
@@ -660,6 +663,8 @@ def main(argv=None) -> dict:
                    str(model_dir), "--spec", str(spec), "--threads", str(args.threads),
                    *(["--quick"] if args.quick else [])]
             results["memory"][name] = run_child(cmd, args.timeout)
+            print(json.dumps({"memory": name, **results["memory"][name]}), flush=True)
+            (args.out / "results.json").write_text(json.dumps(results, indent=1))
     if "graph" in tasks:
         graph_task(args, args.out, quick_dir, lines, results["graph"])
     lines.append(f"load average at end: {load_average()}; total {time.perf_counter() - started:.0f} s")
