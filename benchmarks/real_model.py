@@ -287,7 +287,9 @@ def child_memory(args) -> None:
     loaded = _status("VmRSS:") / 2**20
     peak = _status("VmHWM:") / 2**20  # the load's peak; each task's below (clear_refs resets VmHWM)
     fns = contender_fns(args.contender, model, tokens, sweep_in, metric, spec["n_layers"], spec["n_heads"])
-    tasks = [t for t in ("forward", "cache", "sweep") if t in spec["tasks"]]
+    # the sweep's memory (one forward's, plus our clean cache) only with --memory-sweep: on a loaded 2-core machine
+    # each contender's sweep takes minutes
+    tasks = [t for t in ("forward", "cache", "sweep") if t in spec["tasks"] and (t != "sweep" or spec.get("memory_sweep"))]
     result = {"rss_after_load_mib": loaded}
     with torch.no_grad():
         fns["forward"]()  # a warm-up call: what the timed rounds measure is a warm process
@@ -550,6 +552,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--graph-contexts", default="256")
     p.add_argument("--max-feature-nodes", type=int, default=32)
+    p.add_argument("--memory-sweep", action="store_true", help="the memory task measures the sweep too (minutes)")
     p.add_argument("--graph-batch", type=int, default=16, help="targets per backward pass, both sides")
     p.add_argument("--d-sae", type=int, default=4608, help="features per random transcoder (8 x d_model)")
     p.add_argument("--seed", type=int, default=0)
@@ -656,7 +659,8 @@ def main(argv=None) -> dict:
     if "memory" in tasks:
         spec = Path(tmp.name) / "spec.json"
         spec.write_text(json.dumps({"tokens": tokens.tolist(), "sweep_tokens": sweep_in.tolist(), "answer": answer,
-                                    "wrong": wrong, "n_layers": n_layers, "n_heads": n_heads, "tasks": tasks}))
+                                    "wrong": wrong, "n_layers": n_layers, "n_heads": n_heads, "tasks": tasks,
+                                    "memory_sweep": args.memory_sweep}))
         del hf, bridge, ours, who, fns
         for name in ("ours", "transformers", "bridge"):
             cmd = [sys.executable, __file__, "--child", "memory", "--contender", name, "--model-dir",
