@@ -584,6 +584,15 @@ def main(argv=None) -> dict:
     tmp = tempfile.TemporaryDirectory()
     quick_dir = Path(tmp.name) / "tiny" if args.quick else None
     started = time.perf_counter()
+    if not {"forward", "cache", "sweep", "memory"} & set(tasks):  # the graph alone: its children load what they need
+        if args.quick:
+            write_quick(quick_dir)
+        graph_task(args, args.out, quick_dir, lines, results["graph"])
+        lines.append(f"load average at end: {load_average()}; total {time.perf_counter() - started:.0f} s")
+        tmp.cleanup()
+        report(results, args)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        return results
     if args.quick:
         write_quick(quick_dir)
         hf, tokenizer = load_hf(quick_dir)
