@@ -44,6 +44,7 @@ import argparse
 import heapq
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -58,6 +59,7 @@ from tqdm.auto import tqdm
 NAME = "real_transcoders"
 MODEL = "smollm2-135m"
 MARK = "experiments/real_transcoders.py"  # the written_by mark in each layer's sae_meta.json
+FILES = ("cfg.json", "sae_meta.json", "sae_weights.safetensors", "metrics.csv")  # what train_sae writes there
 PROMPT = "When Mary and John went to the store, John gave a drink to"
 ANSWER = " Mary"
 
@@ -112,12 +114,18 @@ def layer_folders(out: Path, n_layers: int) -> list[Path]:
     return [out / "saes" / "transcoders" / f"layer{layer}" for layer in range(n_layers)]
 
 
-def check_folders(folders: list[Path]) -> None:
-    """Refuse, before any work, a layer folder that holds anything this script did not write."""
+def ours(folder: Path) -> bool:
+    """Whether ``folder`` holds only files this script writes, under its mark (a link is never ours)."""
     from workbench.overwrite import read_json_dict
 
-    foreign = [f for f in folders if f.exists() and (not f.is_dir() or any(f.iterdir()))
-               and (read_json_dict(f / "sae_meta.json") or {}).get("written_by") != MARK]
+    return (folder.is_dir() and not folder.is_symlink()
+            and all(p.name in FILES and p.is_file() and not p.is_symlink() for p in folder.iterdir())
+            and (read_json_dict(folder / "sae_meta.json") or {}).get("written_by") == MARK)
+
+
+def check_folders(folders: list[Path]) -> None:
+    """Refuse, before any work, a layer folder that holds anything this script did not write."""
+    foreign = [f for f in folders if os.path.lexists(f) and not (f.is_dir() and not any(f.iterdir())) and not ours(f)]
     if foreign:
         raise SystemExit(f"{foreign[0]} (and {len(foreign) - 1} more) hold files this script did not write; nothing "
                          "was written: move them away or pass another --out")
@@ -150,8 +158,8 @@ def train(model, store, folders: list[Path], args) -> tuple[list, list[float]]:
     tcs, seconds = [], []
     bar = tqdm(folders, desc="transcoders", unit="layer")
     for layer, folder in enumerate(bar):
-        if folder.exists():  # ours (check_folders): replace it whole
-            shutil.rmtree(folder)
+        for name in FILES if folder.exists() else ():  # ours (check_folders): its files go, nothing else
+            (folder / name).unlink(missing_ok=True)
         started = time.perf_counter()
         trained = an.train_sae(store, out=folder, model=model, kind="skip_transcoder", d_sae=args.d_sae, steps=args.steps,
                      batch_size=args.batch_size, hook=f"blocks.{layer}.ln2.hook_normalized",
@@ -335,7 +343,7 @@ def graph_study(model, tcs, args, run_dir: Path) -> tuple[dict, pd.DataFrame, pd
     return info, path_frame, pd.DataFrame(checks)
 
 
-def main(argv=None) -> pd.DataFrame:
+def main(argv=None) -> dict:
     args = parse(argv)
     _common.check_run_dir(args.run_dir)
     torch.set_num_threads(args.threads)
@@ -408,7 +416,9 @@ def main(argv=None) -> pd.DataFrame:
                f"{timings['total_s'] / 60:.1f} min")
     _common.write_run(args.run_dir, config, layers, {}, title=verdict,
                       tables={"loss": loss_frame, "path": path, "edges": edges})
-    return dict(layers=layers, loss=loss, graph=graph_info, path=path, edges=edges, config=config)
+    held = sequences[args.train_seqs: args.train_seqs + args.eval_seqs]
+    return dict(layers=layers, loss=loss, graph=graph_info, path=path, edges=edges, config=config, model=model,
+                transcoders=tcs, eval_tokens=held, ce_tokens=held[: args.ce_seqs])
 
 
 if __name__ == "__main__":
