@@ -73,21 +73,27 @@ def parse(argv=None) -> argparse.Namespace:
                         "model's converted cache folder; with --quick: <run-dir>/checkpoint)")
     p.add_argument("--run-dir", type=Path, default=_common.REPO / "runs" / NAME, help="where the tables go")
     p.add_argument("--seed", type=int, default=0, help="the shuffle of the sequences and the transcoders' seed")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: a shared machine's cores are busy)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--train-seqs", type=int, default=320, help="training sequences (a multiple of --eval-seqs)")
     p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences")
-    p.add_argument("--ce-seqs", type=int, default=16, help="held-out sequences for the spliced losses")
+    p.add_argument("--ce-seqs", type=int, default=8, help="held-out sequences for the spliced losses")
     p.add_argument("--d-sae", type=int, default=1024, help="features per transcoder")
-    p.add_argument("--steps", type=int, default=100, help="training steps per transcoder")
+    p.add_argument("--steps", type=int, default=400, help="training steps per transcoder, at most (see --train-minutes)")
     p.add_argument("--batch-size", type=int, default=256, help="rows per training step")
-    p.add_argument("--graph-nodes", type=int, default=256, help="feature rows of the graph (max_feature_nodes)")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (5 warmup steps, no decay)")
+    p.add_argument("--train-minutes", type=float, default=15.0,
+                   help="time box of all the training: each layer stops after its share (0: no box, --steps each)")
+    p.add_argument("--store", type=Path, default=None,
+                   help="keep the activations in this folder, and reuse them when it already holds this run's "
+                        "(default: a temporary folder, deleted at the end)")
+    p.add_argument("--graph-nodes", type=int, default=128, help="feature rows of the graph (max_feature_nodes)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--answer", default=ANSWER, help="the target token (the indirect object's name)")
     args = p.parse_args(argv)
     if args.quick:
         args.seq_len, args.train_seqs, args.eval_seqs, args.ce_seqs = 16, 16, 8, 4
-        args.d_sae, args.steps, args.batch_size, args.graph_nodes = 64, 30, 64, 64
+        args.d_sae, args.steps, args.batch_size, args.graph_nodes, args.train_minutes = 64, 30, 64, 64, 0
         args.answer = "M"  # the tiny model's tokens are bytes: the first byte of "Mary"
     if args.train_seqs % args.eval_seqs or min(args.train_seqs, args.eval_seqs, args.ce_seqs) < 1:
         raise SystemExit(f"--train-seqs ({args.train_seqs}) must be a positive multiple of --eval-seqs "
@@ -150,22 +156,30 @@ def text_sequences(model, args) -> tuple[torch.Tensor, dict]:
     return sequences[order], info
 
 
-def train(model, store, folders: list[Path], args) -> tuple[list, list[float]]:
+def train(model, store, folders: list[Path], args) -> tuple[list, list[float], list[int]]:
     from make_transcoders import to_float16
 
     from workbench import analysis as an
 
-    tcs, seconds = [], []
+    tcs, seconds, steps = [], [], []
+    budget = args.train_minutes * 60 / len(folders)  # seconds per layer (0: none)
     bar = tqdm(folders, desc="transcoders", unit="layer")
     for layer, folder in enumerate(bar):
         for name in FILES if folder.exists() else ():  # ours (check_folders): its files go, nothing else
             (folder / name).unlink(missing_ok=True)
         started = time.perf_counter()
+        history = []
+
+        def boxed(row, started=started, history=history) -> bool:  # True: stop (evaluated and saved as if done)
+            history.append(row["step"])
+            return bool(budget) and time.perf_counter() - started > budget
+
         trained = an.train_sae(store, out=folder, model=model, kind="skip_transcoder", d_sae=args.d_sae, steps=args.steps,
-                     batch_size=args.batch_size, hook=f"blocks.{layer}.ln2.hook_normalized",
-                     hook_out=f"blocks.{layer}.hook_mlp_out", seed=args.seed, threads=args.threads,
-                     log_every=max(1, args.steps // 4), save_train_state=False, eval_sequences=0, progress=False)
+                               callback=boxed, lr=args.lr, warmup_steps=5, decay_fraction=0.0, batch_size=args.batch_size, hook=f"blocks.{layer}.ln2.hook_normalized",
+                               hook_out=f"blocks.{layer}.hook_mlp_out", seed=args.seed, threads=args.threads,
+                               log_every=5, save_train_state=False, eval_sequences=0, progress=False)
         seconds.append(time.perf_counter() - started)
+        steps.append(history[-1] if history else args.steps)
         bar.set_postfix(ev=f"{trained.metrics['explained_variance']:.3f}", l0=f"{trained.metrics['l0']:.0f}")
         to_float16(folder)
         meta = json.loads((folder / "sae_meta.json").read_text())
@@ -175,7 +189,7 @@ def train(model, store, folders: list[Path], args) -> tuple[list, list[float]]:
         for p in tc.parameters():
             p.requires_grad_(False)
         tcs.append(tc)
-    return tcs, seconds
+    return tcs, seconds, steps
 
 
 @torch.no_grad()
@@ -365,23 +379,25 @@ def main(argv=None) -> dict:
     print(f"{source}; transcoders -> {out / 'saes' / 'transcoders'}; {text_info}", flush=True)
     kept = args.seq_len - 1
     tmp = Path(tempfile.mkdtemp(prefix="real-transcoders-"))
+    store_dir = args.store or tmp / "store"
     timings = {}
     try:
         started = time.perf_counter()
         store = an.ActivationStore.collect(model, sequences, clt_hooks(model.cfg.n_layers), len(sequences) * kept,
-                                           tmp / "store", batch_size=args.eval_seqs, seq_len=args.seq_len,
+                                           store_dir, batch_size=args.eval_seqs, seq_len=args.seq_len,
                                            tokens_per_shard=args.eval_seqs * kept, dtype="float16", progress=True)
         timings["collect_s"] = time.perf_counter() - started
         started = time.perf_counter()
-        tcs, seconds = train(model, store, folders, args)
+        tcs, seconds, steps = train(model, store, folders, args)
         timings["train_s"] = time.perf_counter() - started
         held_out = store.subset([store.n_shards - 1])
         started = time.perf_counter()
         rows = []
-        for layer, (tc, s) in enumerate(zip(tcs, seconds)):
+        for layer, (tc, s, n) in enumerate(zip(tcs, seconds, steps)):
             m, _ = reconstruction_metrics(tc, held_out)
             rows.append({"layer": layer, "explained_variance": m["explained_variance"], "fvu": 1 - m["explained_variance"],
-                         "l0": m["l0"], "dead_fraction": m["dead_fraction"], "train_s": s})
+                         "l0": m["l0"], "dead_fraction": m["dead_fraction"], "steps": n,
+                         "train_rows": n * args.batch_size, "train_s": s})
         layers = pd.DataFrame(rows)
         ce_tokens = sequences[args.train_seqs: args.train_seqs + args.ce_seqs].to(model.device)
         loss = losses(model, tcs, ce_tokens)
