@@ -88,6 +88,11 @@ def parse(argv=None) -> argparse.Namespace:
                    help="keep the activations in this folder, and reuse them when it already holds this run's "
                         "(default: a temporary folder, deleted at the end)")
     p.add_argument("--graph-nodes", type=int, default=128, help="feature rows of the graph (max_feature_nodes)")
+    p.add_argument("--reuse", action="store_true",
+                   help="measure the transcoders already in --out (written by this script) instead of training new ones")
+    p.add_argument("--qk-head", default="18.6", help="layer.head of the induction head whose keys are attributed "
+                                                      "(empty: skip the QK step)")
+    p.add_argument("--qk-len", type=int, default=12, help="length of the random sequence that is repeated once")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--answer", default=ANSWER, help="the target token (the indirect object's name)")
     args = p.parse_args(argv)
@@ -95,6 +100,7 @@ def parse(argv=None) -> argparse.Namespace:
         args.seq_len, args.train_seqs, args.eval_seqs, args.ce_seqs = 16, 16, 8, 4
         args.d_sae, args.steps, args.batch_size, args.graph_nodes, args.train_minutes = 64, 30, 64, 64, 0
         args.answer = "M"  # the tiny model's tokens are bytes: the first byte of "Mary"
+        args.qk_head, args.qk_len = ("1.0" if args.qk_head else ""), 6
     if args.train_seqs % args.eval_seqs or min(args.train_seqs, args.eval_seqs, args.ce_seqs) < 1:
         raise SystemExit(f"--train-seqs ({args.train_seqs}) must be a positive multiple of --eval-seqs "
                          f"({args.eval_seqs}), and --ce-seqs ({args.ce_seqs}) positive")
@@ -189,6 +195,26 @@ def train(model, store, folders: list[Path], args) -> tuple[list, list[float], l
         for p in tc.parameters():
             p.requires_grad_(False)
         tcs.append(tc)
+    return tcs, seconds, steps
+
+
+def reuse(folders: list[Path]) -> tuple[list, list[float], list[int]]:
+    """The transcoders this script wrote into ``folders`` (and their recorded training time and steps)."""
+    from workbench import analysis as an
+    from workbench.overwrite import read_json_dict
+
+    missing = [f for f in folders if not ours(f)]
+    if missing:
+        raise SystemExit(f"--reuse: {missing[0]} does not hold a transcoder this script wrote ({len(missing)} such folders)")
+    tcs, seconds, steps = [], [], []
+    for folder in folders:
+        tc = an.load_dictionary(folder).eval()
+        for p in tc.parameters():
+            p.requires_grad_(False)
+        tcs.append(tc)
+        recorded = (read_json_dict(folder / "sae_meta.json") or {}).get("real_transcoders_metrics", {})
+        seconds.append(recorded.get("train_s", float("nan")))
+        steps.append(recorded.get("steps", -1))
     return tcs, seconds, steps
 
 
@@ -357,6 +383,33 @@ def graph_study(model, tcs, args, run_dir: Path) -> tuple[dict, pd.DataFrame, pd
     return info, path_frame, pd.DataFrame(checks)
 
 
+def qk_study(model, tcs, args) -> tuple[dict, pd.DataFrame]:
+    """Why the induction head attends where it does: the graph of a random sequence repeated once
+    (top logits at the last position), and ``an.qk_attribution`` of the head's score from the last
+    position (the second copy of the sequence's last token) to the position after that token's
+    first copy, the key an induction head looks for."""
+    from workbench import analysis as an
+
+    layer, head = (int(v) for v in args.qk_head.split("."))
+    g = torch.Generator().manual_seed(args.seed)
+    low = 0 if args.quick else 1000  # the real vocabulary's first ids are special and byte tokens
+    half = torch.randint(low, model.cfg.d_vocab if args.quick else 20000, (args.qk_len,), generator=g)
+    tokens = torch.cat([half, half])[None].to(model.device)
+    query, key = 2 * args.qk_len - 1, args.qk_len
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=f"blocks.{layer}.attn.hook_pattern")
+    pattern = cache[f"blocks.{layer}.attn.hook_pattern"][0, head, query]
+    started = time.perf_counter()
+    graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=args.graph_nodes // 2)
+    frame = an.qk_attribution(graph, layer, head, query, key, top=12)
+    info = {"qk_head": f"L{layer}H{head}", "qk_tokens": tokens[0].tolist(), "qk_query_pos": query, "qk_key_pos": key,
+            "qk_attention_to_key": float(pattern[key]), "qk_attention_max_pos": int(pattern.argmax()),
+            "qk_graph": repr(graph), "qk_graph_scores": graph.scores(), "qk_seconds": time.perf_counter() - started,
+            **{f"qk_{k}": float(v) for k, v in frame.attrs.items() if k in ("score", "bilinear", "residual")}}
+    keep = ["query_node", "key_node", "query_kind", "key_kind", "contribution", "pattern_change"]
+    return info, frame[keep].reset_index(drop=True)
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
     _common.check_run_dir(args.run_dir)
@@ -388,7 +441,7 @@ def main(argv=None) -> dict:
                                            tokens_per_shard=args.eval_seqs * kept, dtype="float16", progress=True)
         timings["collect_s"] = time.perf_counter() - started
         started = time.perf_counter()
-        tcs, seconds, steps = train(model, store, folders, args)
+        tcs, seconds, steps = reuse(folders) if args.reuse else train(model, store, folders, args)
         timings["train_s"] = time.perf_counter() - started
         held_out = store.subset([store.n_shards - 1])
         started = time.perf_counter()
@@ -410,6 +463,7 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     graph_info, path, edges = graph_study(model, tcs, args, args.run_dir)
     timings["graph_s"] = time.perf_counter() - started
+    qk_info, qk = ({}, pd.DataFrame()) if not args.qk_head else qk_study(model, tcs, args)
     timings["total_s"] = time.perf_counter() - t0
     size_mb = sum(f.stat().st_size for folder in folders for f in folder.iterdir()) / 1e6
     for folder, row in zip(folders, rows):  # each layer's held-out metrics next to its weights
@@ -421,19 +475,22 @@ def main(argv=None) -> dict:
     print(path.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     print("edges re-measured by interventions on the frozen replacement model:")
     print(edges.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    if len(qk):
+        print("QK attribution:", qk_info)
+        print(qk.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     loss_frame = pd.DataFrame([loss])
     config = {"experiment": NAME, **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "model": source, "transcoders": str(out / "saes" / "transcoders"), "size_mb": size_mb,
-              **text_info, **timings, **graph_info, **loss}
+              **text_info, **timings, **graph_info, **loss, **qk_info}
     verdict = (f"{source}: mean explained variance {layers.explained_variance.mean():.3f}, mean L0 "
                f"{layers.l0.mean():.1f}; loss {loss['ce_loss_clean']:.3f} clean, {loss['ce_loss_spliced']:.3f} with all "
                f"{len(tcs)} spliced, {loss['ce_loss_spliced_with_error']:.3f} with error terms; graph replacement score "
                f"{graph_info['score_replacement']:.3f}, completeness {graph_info['score_completeness']:.3f}; "
                f"{timings['total_s'] / 60:.1f} min")
     _common.write_run(args.run_dir, config, layers, {}, title=verdict,
-                      tables={"loss": loss_frame, "path": path, "edges": edges})
+                      tables={"loss": loss_frame, "path": path, "edges": edges, **({"qk": qk} if len(qk) else {})})
     held = sequences[args.train_seqs: args.train_seqs + args.eval_seqs]
-    return dict(layers=layers, loss=loss, graph=graph_info, path=path, edges=edges, config=config, model=model,
+    return dict(layers=layers, loss=loss, graph=graph_info, path=path, edges=edges, qk=qk, config=config, model=model,
                 transcoders=tcs, eval_tokens=held, ce_tokens=held[: args.ce_seqs])
 
 

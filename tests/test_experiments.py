@@ -225,6 +225,8 @@ def test_real_transcoders_quick_saves_a_transcoder_set_and_its_numbers_hold_agai
     edges = r["edges"]
     assert len(edges) > 0 and (edges.abs_diff <= 1e-4 * edges.edge.abs().clip(lower=1)).all()
     assert (run / "ioi-graph.json").is_file() and (run / "path.csv").is_file()
+    qk = r["qk"]  # the induction head's score split into pairs: they sum to the model's score
+    assert len(qk) > 0 and abs(r["config"]["qk_bilinear"] + r["config"]["qk_residual"] - r["config"]["qk_score"]) < 1e-5
     module.check_folders(folders)  # its own folders: replaced by a rerun
     (folders[1] / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit, match="did not write"):
