@@ -212,9 +212,10 @@ def reuse(folders: list[Path]) -> tuple[list, list[float], list[int]]:
         for p in tc.parameters():
             p.requires_grad_(False)
         tcs.append(tc)
-        recorded = (read_json_dict(folder / "sae_meta.json") or {}).get("real_transcoders_metrics", {})
+        meta = read_json_dict(folder / "sae_meta.json") or {}
+        recorded = meta.get("real_transcoders_metrics", {})
         seconds.append(recorded.get("train_s", float("nan")))
-        steps.append(recorded.get("steps", -1))
+        steps.append(recorded.get("steps", meta.get("metrics", {}).get("steps", -1)))
     return tcs, seconds, steps
 
 
