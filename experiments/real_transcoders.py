@@ -90,6 +90,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--graph-nodes", type=int, default=128, help="feature rows of the graph (max_feature_nodes)")
     p.add_argument("--reuse", action="store_true",
                    help="measure the transcoders already in --out (written by this script) instead of training new ones")
+    p.add_argument("--qk-only", action="store_true",
+                   help="only the QK step, on the transcoders already in --out (written by this script)")
     p.add_argument("--qk-head", default="18.6", help="layer.head of the induction head whose keys are attributed "
                                                       "(empty: skip the QK step)")
     p.add_argument("--qk-len", type=int, default=12, help="length of the random sequence that is repeated once")
@@ -429,6 +431,17 @@ def main(argv=None) -> dict:
     out = args.out or default_out
     folders = layer_folders(out, model.cfg.n_layers)
     check_folders(folders)
+    if args.qk_only:
+        tcs = reuse(folders)[0]
+        started = time.perf_counter()
+        qk_info, qk = qk_study(model, tcs, args)
+        print("QK attribution:", qk_info)
+        print(qk.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        config = {"experiment": NAME, **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                  "model": source, "transcoders": str(out / "saes" / "transcoders"), **qk_info,
+                  "total_s": time.perf_counter() - t0}
+        _common.write_run(args.run_dir, config, qk, {}, title=f"{source}: QK attribution of {qk_info['qk_head']}")
+        return dict(qk=qk, config=config)
     sequences, text_info = text_sequences(model, args)
     print(f"{source}; transcoders -> {out / 'saes' / 'transcoders'}; {text_info}", flush=True)
     kept = args.seq_len - 1
