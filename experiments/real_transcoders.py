@@ -281,12 +281,12 @@ def measured_edge(full, model, source: int, target: int, answer: int) -> float:
     seen = {}
     hooks = []
     if kinds[int(full.kind[target])] == "feature":
-        layer, pos, feat = int(full.layer[target]), int(full.pos[target]), int(full.feature[target])
-        W = rs.encoder(layer)[0]
+        t_layer, t_pos, feat = int(full.layer[target]), int(full.pos[target]), int(full.feature[target])
+        W = rs.encoder(t_layer)[0]
 
-        def read(x, hook):
-            seen["pre"] = float(x[0, pos].to(W.dtype) @ W[:, feat])
-        hooks.append((f"blocks.{layer}.ln2.hook_normalized", read))
+        def read(x, hook):  # the target's names are its own: the source's below must not shadow them
+            seen["pre"] = float(x[0, t_pos].to(W.dtype) @ W[:, feat])
+        hooks.append((rs.hook_in(t_layer), read))
 
     def value(acts=None, errors=None, embed=None) -> float:
         logits = frozen_forward(model, rs, cap, acts=acts, errors=errors, embed=embed)(1, extra_hooks=hooks)[0]
@@ -383,7 +383,7 @@ def graph_study(model, tcs, args, run_dir: Path) -> tuple[dict, pd.DataFrame, pd
                        "edge": edge, "intervention": measured, "abs_diff": abs(edge - measured),
                        "on_path": (s, t) in on_path})
     pruned.save(run_dir / "ioi-graph.json")  # replaces only a graph file it wrote
-    return info, path_frame, pd.DataFrame(checks)
+    return info, path_frame, pd.DataFrame(checks), full
 
 
 def qk_study(model, tcs, args) -> tuple[dict, pd.DataFrame]:
@@ -475,7 +475,7 @@ def main(argv=None) -> dict:
     print({k: round(v, 5) if isinstance(v, float) else v for k, v in loss.items()}, flush=True)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    graph_info, path, edges = graph_study(model, tcs, args, args.run_dir)
+    graph_info, path, edges, graph = graph_study(model, tcs, args, args.run_dir)
     timings["graph_s"] = time.perf_counter() - started
     qk_info, qk = ({}, pd.DataFrame()) if not args.qk_head else qk_study(model, tcs, args)
     timings["total_s"] = time.perf_counter() - t0
@@ -504,7 +504,7 @@ def main(argv=None) -> dict:
     _common.write_run(args.run_dir, config, layers, {}, title=verdict,
                       tables={"loss": loss_frame, "path": path, "edges": edges, **({"qk": qk} if len(qk) else {})})
     held = sequences[args.train_seqs: args.train_seqs + args.eval_seqs]
-    return dict(layers=layers, loss=loss, graph=graph_info, path=path, edges=edges, qk=qk, config=config, model=model,
+    return dict(layers=layers, loss=loss, graph_info=graph_info, graph=graph, path=path, edges=edges, qk=qk, config=config, model=model,
                 transcoders=tcs, eval_tokens=held, ce_tokens=held[: args.ce_seqs])
 
 

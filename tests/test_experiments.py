@@ -225,6 +225,13 @@ def test_real_transcoders_quick_saves_a_transcoder_set_and_its_numbers_hold_agai
     edges = r["edges"]
     assert len(edges) > 0 and (edges.abs_diff <= 1e-4 * edges.edge.abs().clip(lower=1)).all()
     assert (run / "ioi-graph.json").is_file() and (run / "path.csv").is_file()
+    graph = r["graph"]  # edges into features from tokens at other positions (through attention) re-measured too
+    cross = [(int(s), int(t), float(w)) for s, t, w in zip(graph.edge_source, graph.edge_target, graph.edge_weight)
+             if graph.kind[t] == 0 and graph.kind[s] == 2 and graph.pos[s] != graph.pos[t]]
+    cross = sorted(cross, key=lambda e: -abs(e[2]))[:4]
+    answer = r["graph_info"]["answer_id"]
+    assert cross and all(abs(module.measured_edge(graph, model, s, t, answer) - w) <= 1e-4 * max(1.0, abs(w))
+                         for s, t, w in cross)
     qk = r["qk"]  # the induction head's score split into pairs: they sum to the model's score
     assert len(qk) > 0 and abs(r["config"]["qk_bilinear"] + r["config"]["qk_residual"] - r["config"]["qk_score"]) < 1e-5
     module.check_folders(folders)  # its own folders: replaced by a rerun
