@@ -167,6 +167,77 @@ def k_composition(model, tokens: torch.Tensor, half: int, heads: list[tuple[int,
     return pd.DataFrame(rows)
 
 
+def _projected(model, cache, layer: int, head: int, positions: torch.Tensor, side: str) -> tuple[list[str], torch.Tensor]:
+    """(labels, [batch, len(positions), n_parts, d_head]): each part of the residual stream entering ``layer`` at
+    ``positions`` through the held ``ln1``, ``W_Q`` (``side`` "q") or the shared ``W_K`` ("k") and RoPE, in float64."""
+    block, attn = model.blocks[layer], model.blocks[layer].attn
+    labels, X = key_parts(model, cache, layer, positions)
+    Xn = held_norm(block, cache, layer, positions, X).double()
+    if side == "q":
+        W, b, idx = attn.W_Q[head], attn.b_Q, head
+    else:
+        idx = head // attn.group
+        W, b = attn._W_K[idx], attn._b_K
+    out = Xn @ W.double()
+    if b is not None:
+        out[:, :, -1] = out[:, :, -1] + b[idx].double()
+    if attn.position.rotates:
+        out = attn.position.rotate(out.contiguous(), 0, positions=positions[None].expand(len(out), -1))
+    return labels, out
+
+
+@torch.no_grad()
+def qk_pairs(model, tokens: torch.Tensor, half: int, heads: list[tuple[int, int]], cache=None,
+             prefix: int = 0) -> dict:
+    """QK attribution of each induction head's score at the designed entries, both sides split, without an
+    attribution graph: ``{(layer, head): (labels, [n_parts, n_parts] mean contribution of each (query-side part,
+    key-side part) pair over the entries, mean score, largest |score - sum of pairs| over the entries)}``.
+
+    The parts are ``key_parts``' (embedding, each earlier head's ``z W_O``, each earlier MLP's output, biases) at
+    the query and at the key; with the ``ln1`` scale held at both, the query and the key are linear in them, so
+    the score ``q . k / sqrt(d_head)`` is bilinear and the pairs sum to it. It is ``an.qk_attribution``'s table
+    with each MLP's output one node (its graph's error node when the transcoders have no active feature:
+    ``empty_transcoders``), averaged over the entries."""
+    if cache is None:
+        wanted = ("hook_embed", "hook_pos_embed", "hook_z", "hook_mlp_out", "hook_resid_pre", "ln1.hook_scale",
+                  "hook_attn_scores")
+        _, cache = model.run_with_cache(tokens, names_filter=lambda name: name.endswith(wanted))
+    keys = torch.arange(prefix + 1, prefix + half, device=tokens.device)
+    queries = keys + half - 1
+    out = {}
+    for layer, head in heads:
+        attn = model.blocks[layer].attn
+        if attn.softcap is not None or attn.position.score_bias(2, 2, 0) is not None:
+            raise ValueError("qk_pairs splits a bilinear score: a soft-capped or ALiBi score is not one")
+        labels, q = _projected(model, cache, layer, head, queries, "q")
+        _, k = _projected(model, cache, layer, head, keys, "k")
+        n = q.shape[0] * q.shape[1]
+        pairs = torch.einsum("bkie,bkje->ij", q, k) / (n * attn.attn_scale)
+        whole = (q.sum(2) * k.sum(2)).sum(-1) / attn.attn_scale  # [batch, entries]: the sum of the pairs
+        score = cache[f"blocks.{layer}.attn.hook_attn_scores"][:, head, queries, keys].double()
+        out[(layer, head)] = (labels, pairs, float(score.mean()), float((score - whole).abs().max()))
+    return out
+
+
+def empty_transcoders(model) -> list:
+    """One transcoder per layer with a single feature and every weight zero: no feature is ever active, so in
+    an attribution graph made with them each MLP's whole output is its layer's error node. What lets
+    ``an.qk_attribution`` run on a model without transcoders (the MLPs are then nodes, not features)."""
+    from workbench.analysis.dictionaries.base import DictionaryConfig
+    from workbench.analysis.dictionaries.transcoder import Transcoder
+
+    out = []
+    for layer in range(model.cfg.n_layers):
+        tc = Transcoder(DictionaryConfig(kind="transcoder", d_in=model.cfg.d_model, d_sae=1,
+                                         hook_name=f"blocks.{layer}.ln2.hook_normalized",
+                                         hook_name_out=f"blocks.{layer}.hook_mlp_out"))
+        with torch.no_grad():
+            for p in tc.parameters():
+                p.zero_()
+        out.append(tc.to(next(model.parameters()).device))
+    return out
+
+
 def main(argv=None) -> pd.DataFrame:
     p = _common.parser(NAME, __doc__)
     p.add_argument("--half", type=int, default=50, help="tokens per copy (default 50)")
