@@ -238,12 +238,93 @@ def empty_transcoders(model) -> list:
     return out
 
 
+def qk_summary(rows: pd.DataFrame, prev_of: dict, top: int) -> dict[str, pd.DataFrame]:
+    """From the ``qkpairs`` rows (one matrix per seed and head): per head, the ``top`` pairs of largest |mean
+    contribution| over seeds, and the query-side and key-side marginals (each part summed over the other side),
+    with intervals over seeds; numbers (``qk_pairs``, ``qk_query``, ``qk_key``) and readable top tables."""
+    import numpy as np
+
+    pair_rows, side_rows, order = [], [], []
+    for (layer, head), group in rows.groupby(["layer", "head"], sort=False):
+        order.append((layer, head))
+        labels = list(group["labels"].iloc[0])
+        mats = np.stack([np.asarray(m, dtype=float) for m in group["pairs"]])  # [seed, n, n]
+        mean = np.abs(mats.mean(0)).ravel()
+        for flat in np.argsort(-mean)[:top]:
+            i, j = divmod(int(flat), len(labels))
+            for s, m in zip(group["seed"], mats):
+                pair_rows.append({"layer": layer, "head": head, "query_side": labels[i], "key_side": labels[j],
+                                  "seed": s, "contribution": float(m[i, j])})
+        for s, m, score, residual in zip(group["seed"], mats, group["score"], group["residual"]):
+            for side, sums in (("query", m.sum(1)), ("key", m.sum(0))):
+                side_rows += [{"layer": layer, "head": head, "side": side, "source": label, "seed": s,
+                               "contribution": float(v), "score": float(score), "residual": float(residual)}
+                              for label, v in zip(labels, sums)]
+    tables = {}
+    p_num, p_read = _common.with_intervals(pd.DataFrame(pair_rows), ["layer", "head", "query_side", "key_side"],
+                                           ["contribution"])
+    rank = {lh: n for n, lh in enumerate(order)}
+    key = p_num.apply(lambda r: (rank[(r.layer, r["head"])], -abs(r.contribution_mean)), axis=1)
+    p_num, p_read = p_num.loc[key.sort_values().index], p_read.loc[key.sort_values().index]
+    tables["qk_pairs"], tables["qk_pairs_top"] = p_num.reset_index(drop=True), p_read.reset_index(drop=True)
+    sides = pd.DataFrame(side_rows)
+    for side in ("query", "key"):
+        num, read = _common.with_intervals(sides[sides.side == side], ["layer", "head", "source"],
+                                           ["contribution", "score"])
+        num["source_prev_token"] = num["source"].map(prev_of)  # NaN for the embedding, MLPs and biases
+        read = read.assign(source_prev_token=num["source_prev_token"].round(3))
+        keep = []  # per head, in rank order: its 6 largest parts and its 2 most negative
+        for lh in order:
+            part = num[(num.layer == lh[0]) & (num["head"] == lh[1])].sort_values("contribution_mean", ascending=False)
+            keep += list(part.index[:6]) + [i for i in part.index[-2:] if i not in part.index[:6]]
+        tables[f"qk_{side}"], tables[f"qk_{side}_top"] = num.reset_index(drop=True), read.loc[keep].reset_index(drop=True)
+    return tables
+
+
+def qk_check(model, tokens: torch.Tensor, half: int, heads: list[tuple[int, int]]) -> float:
+    """The largest |difference| between ``qk_pairs`` and ``an.qk_attribution`` (its graph made over
+    ``empty_transcoders``, every MLP output an error node) averaged over the same entries, on one sequence."""
+    from workbench import analysis as an
+
+    labels_of = {}
+    graph = an.attribution_graph(model, empty_transcoders(model), tokens, max_feature_nodes=0, max_n_logits=1)
+    from workbench.analysis.graphs.qk import QKContext
+
+    context, worst = QKContext(graph), 0.0
+    ours = qk_pairs(model, tokens, half, heads)
+    for (layer, head), (labels, pairs, _, _) in ours.items():
+        index = {label: i for i, label in enumerate(labels)}
+        reference = torch.zeros_like(pairs)
+        for key in range(1, half):
+            frame = an.qk_attribution(graph, layer, head, key + half - 1, key, top=None, exact=0, context=context)
+            for r in frame.itertuples(index=False):
+                qi = index[labels_of.setdefault(r.query_unit, _our_label(r.query_unit))]
+                ki = index[labels_of.setdefault(r.key_unit, _our_label(r.key_unit))]
+                reference[qi, ki] += r.contribution
+        worst = max(worst, float((pairs - reference / (half - 1)).abs().max()))
+    return worst
+
+
+def _our_label(unit: str) -> str:
+    """``an.qk_attribution``'s unit in ``key_parts``' names: a head ``L0 H2`` -> ``L0H2``, an error node of a
+    graph over ``empty_transcoders`` (the whole MLP output) ``err L0`` -> ``L0 MLP``, a token node -> ``embed``."""
+    if unit.startswith("err L"):
+        return f"L{unit[5:]} MLP"
+    if unit.startswith("tok "):
+        return "embed"
+    return unit.replace(" ", "")
+
+
 def main(argv=None) -> pd.DataFrame:
     p = _common.parser(NAME, __doc__)
     p.add_argument("--half", type=int, default=50, help="tokens per copy (default 50)")
     p.add_argument("--batch", type=int, default=4, help="sequences per seed (default 4)")
     p.add_argument("--ablate", type=int, default=12, help="ablate the N best induction heads (0: all heads)")
     p.add_argument("--compose", type=int, default=3, help="K-composition of the N best induction heads")
+    p.add_argument("--qk", type=int, default=2, help="QK attribution (both sides) of the N best induction heads")
+    p.add_argument("--qk-check", action="store_true",
+                   help="also run an.qk_attribution (graph over empty transcoders) on seed 0's first sequence and "
+                        "print its largest difference from qk_pairs (minutes on a CPU)")
     p.add_argument("--top", type=int, default=10, help="heads shown per table")
     args = p.parse_args(argv)
     if args.quick:
@@ -283,6 +364,7 @@ def main(argv=None) -> pd.DataFrame:
     ranked = [(int(r.layer), int(r.head)) for r in by_head.itertuples(index=False)]
     ablated = ranked if args.ablate == 0 else ranked[: min(args.ablate, n_heads)]
     composed = ranked[: min(args.compose, n_heads)]
+    qk_heads = ranked[: min(args.qk, n_heads)]
     specs = [an.AblationSpec("head", layer, head=head, method="zero") for layer, head in ablated]
 
     # Phase 2, per seed: ablation of the chosen heads, K-composition of the best ones.
@@ -295,7 +377,13 @@ def main(argv=None) -> pd.DataFrame:
                 "ablation_delta": float(r.delta), "clean": float(r.clean)} for r in sweep.itertuples(index=False)]
         comp = k_composition(model, tokens, args.half, composed)
         out += [{"table": "kcomp", "seed": s, **r} for r in comp.to_dict("records")]
-        print(f"seed {s}: ablation and K-composition done at {time.time() - start:.0f} s", flush=True)
+        # every pair of every QK head, as one row each (a matrix of n_parts^2 values): the pairs kept in the
+        # tables are chosen from the mean over seeds, so each seed must keep all of them
+        for (layer, head), (labels, pairs, score, residual) in qk_pairs(model, tokens, args.half, qk_heads).items():
+            out.append({"table": "qkpairs", "seed": s, "layer": layer, "head": head, "labels": labels,
+                        "pairs": [[round(v, 6) for v in row] for row in pairs.tolist()], "score": score,
+                        "residual": residual})
+        print(f"seed {s}: ablation, K-composition and QK attribution done at {time.time() - start:.0f} s", flush=True)
         return out
 
     phase2 = _common.split_rows(_common.run_grid(seeds, run_one, desc="seeds"))
@@ -326,6 +414,9 @@ def main(argv=None) -> pd.DataFrame:
     keep = sorted(keep, key=lambda i: (rank[(int(k_num.layer[i]), int(k_num["head"][i]))], -k_num.contribution_mean[i]))
     k_top = k_read.loc[keep].reset_index(drop=True)
 
+    qk_tables = qk_summary(phase2["qkpairs"], prev_of, args.top)
+    check = qk_check(model, data[seeds[0]][:1], args.half, qk_heads) if args.qk_check else None
+
     print("\nloss per copy (mean [95% interval] over seeds):")
     print(loss_read.to_string(index=False))
     print(f"\ntop {args.top} heads by induction score (copying, previous-token, ablation delta alongside):")
@@ -337,6 +428,14 @@ def main(argv=None) -> pd.DataFrame:
     print(head_read.loc[by_copying.index[: args.top]].to_string(index=False))
     print("\nK-composition: key-side parts of the best induction heads' scores at the designed entries:")
     print(k_top.to_string(index=False))
+    for name, title in (("qk_pairs_top", "QK attribution: the (query-side, key-side) pairs of largest mean contribution"),
+                        ("qk_query_top", "QK attribution, query side (each query-side part summed over the key side)"),
+                        ("qk_key_top", "QK attribution, key side (summed over the query side: the K-composition split)")):
+        print(f"\n{title}:")
+        print(qk_tables[name].to_string(index=False))
+    if check is not None:
+        print(f"\nan.qk_attribution over empty transcoders vs qk_pairs (seed {seeds[0]}, sequence 0): largest "
+              f"|difference| {check:.3g}")
 
     import plotly.graph_objects as go
 
@@ -351,11 +450,12 @@ def main(argv=None) -> pd.DataFrame:
                                          "Loss on the second copy, head zero-ablated minus clean (95% interval)")
     config = {"experiment": NAME, "model": source, **vars(args), "seeds_used": seeds,
               "ablated_heads": [f"L{l}H{h}" for l, h in ablated], "composed_heads": [f"L{l}H{h}" for l, h in composed],
+              "qk_heads": [f"L{l}H{h}" for l, h in qk_heads], "qk_check_max_difference": check,
               "seconds": round(time.time() - start, 1)}
     results = heads.assign(table="heads")
     _common.write_run(args.out, config, results, figures={"induction": heatmap, "ablation": ablation_fig}, summary=top, title=f"{NAME} ({source})",
                       tables={"loss": loss_num, "heads": head_num, "kcomp": k_num, "loss_readable": loss_read,
-                              "heads_readable": head_read, "kcomp_top": k_top})
+                              "heads_readable": head_read, "kcomp_top": k_top, **qk_tables})
     return results
 
 

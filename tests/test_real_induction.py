@@ -69,16 +69,6 @@ def test_repeated_half_loss_is_the_models_own_loss_on_the_second_copy():
     assert second == pytest.approx(float(per_token[:, 8:].mean()), rel=1e-6)
 
 
-def _library_label(unit: str) -> str:
-    """``an.qk_attribution``'s unit in ``key_parts``' names: a head ``L0 H2`` -> ``L0H2``, the error node of a
-    graph over empty transcoders (the whole MLP output) ``err L0`` -> ``L0 MLP``, a token node -> ``embed``."""
-    if unit.startswith("err L"):
-        return f"L{unit[5:]} MLP"
-    if unit.startswith("tok "):
-        return "embed"
-    return unit.replace(" ", "")
-
-
 @pytest.mark.parametrize("which", ["hand", "rope-gqa-swiglu"])
 def test_qk_pairs_are_qk_attribution_averaged_over_the_designed_entries(which):
     """Both sides split, against the library's QK attribution: on the hand-written induction model (attention
@@ -102,7 +92,7 @@ def test_qk_pairs_are_qk_attribution_averaged_over_the_designed_entries(which):
     index = {label: i for i, label in enumerate(labels)}
     for f in frames:
         for r in f.itertuples(index=False):
-            reference[index[_library_label(r.query_unit)], index[_library_label(r.key_unit)]] += r.contribution
+            reference[index[ri._our_label(r.query_unit)], index[ri._our_label(r.key_unit)]] += r.contribution
     reference /= len(frames)
     scale = float(reference.abs().max())
     assert scale > 1e-4  # not a table of zeros (a random model's scores are small)
