@@ -1,6 +1,7 @@
 """Induction heads in the real model SmolLM2-135M (30 layers x 9 heads, 3 KV heads, RoPE):
 which heads they are, by attention, by their OV circuit's copying and by ablation, and which
-previous-token heads feed the key side of their pattern (K-composition).
+previous-token heads feed the key side of their pattern (K-composition), and which parts write the
+query and the key together (QK attribution).
 
 Data: random tokens repeated once, ``[r, r]`` with ``|r| = --half`` (no BOS: SmolLM2 has none),
 ``--batch`` sequences per seed (``repeated_random_tokens(model, half, batch, seed)``).
@@ -25,9 +26,15 @@ Per seed:
   residual stream (the embedding, every earlier head's output ``z W_O``, every earlier MLP's output):
   with the layer's RMSNorm scale held at its clean value the key is linear in them, so each part's
   ``q . RoPE(W_K norm(part)) / sqrt(d_head)`` is its contribution, and the parts sum to the score
-  (``residual`` column: the score minus that sum, rounding only). This is QK attribution on the key
-  side with the query held whole: ``an.qk_attribution`` needs an attribution graph, which for a model
-  with MLPs needs transcoders, which this model does not have yet.
+  (``residual`` column: the score minus that sum, rounding only): QK attribution on the key side
+  with the query held whole;
+- QK attribution, both sides, for the ``--qk`` best induction heads (``qk_pairs``): the same parts at
+  the query too, so the score at each designed entry is a sum over (query-side part, key-side part)
+  pairs; the pairs of largest mean contribution, and each side's marginals (the key side's is the
+  K-composition split). It is ``an.qk_attribution``'s table with each MLP's output as one node:
+  the library's own function runs on this model without transcoders when it is given
+  ``empty_transcoders`` (one zero-weight feature per layer: none is ever active, so each layer's
+  error node is its MLP's whole output), and ``--qk-check`` compares the two on one sequence.
 
 Tables report each value's mean and 95% t-interval over the seeds (sequences differ per seed).
 

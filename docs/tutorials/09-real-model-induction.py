@@ -22,7 +22,7 @@
 #
 # **The sample here is small** so that this page runs in seconds: random tokens repeated once,
 # `[r, r]` with |r| = 20, 2 sequences of one seed (80 tokens). The full study
-# ([real-model-induction.md](../reference/real-model-induction.md), `experiments/real_induction.py`)
+# (`docs/reference/real-model-induction.md`, made by `experiments/real_induction.py`)
 # uses |r| = 50, 3 seeds with 95% intervals over them, ablates the 12 best heads and splits the
 # attention score of the best ones over the heads that write their queries and keys.
 

@@ -24,7 +24,7 @@
 # Python, so nothing is downloaded), cut into 16-token sequences; the tuned lens trains for 3 steps on
 # 3 of them (48 tokens) and both lenses are compared on 2 other sequences (32 tokens). Each tuned-lens
 # step projects 30 layers onto the 49,152-token vocabulary, forward and backward, which is what makes it
-# slow on a CPU. The full study ([real-model-lenses.md](../reference/real-model-lenses.md),
+# slow on a CPU. The full study (`docs/reference/real-model-lenses.md`, made by
 # `experiments/real_lenses.py`) uses the docstrings of 24 standard-library modules, trains on 512
 # tokens per seed and gives every layer's KL, agreement and accuracy with 95% intervals over 3 seeds.
 
@@ -66,8 +66,11 @@ print(last[["layer_label", "top1", "top1_prob", "kl_to_final"]].iloc[::5].to_str
 viz.logit_lens_figure(lens_table)
 
 # %% [markdown]
-# Through most of the depth the logit lens' top token has little to do with the final one: in this
-# model the prediction forms in the last few layers.
+# At the sentence's last token (the full stop) the model predicts a newline (top-token probability
+# about 0.44). Read through the logit lens, the early layers name other tokens, and from about layer 15
+# on the lens names the newline too, but with a probability near 0.99 and still 9-11 nats of KL from the
+# final distribution: the right top token with the wrong distribution around it. The study finds the
+# logit lens' KL at 12-17 nats from layer 1 to 23, falling only over layers 24-29.
 #
 # ## A tuned lens, trained in seconds
 # `an.train_tuned_lens` fits one translator per layer (identity at the start), the model frozen. Three
