@@ -39,7 +39,6 @@ from workbench.data.induction import induction_scores
 
 os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root
 pio.renderers.default = "notebook_connected"
-torch.set_grad_enabled(False)
 
 model = wb.open_pretrained("smollm2-135m")     # converted once from the wheel's GGUF file, then cached
 print(model.cfg.n_layers, "layers x", model.cfg.n_heads, "heads; d_model", model.cfg.d_model)
@@ -53,7 +52,8 @@ print(model.cfg.n_layers, "layers x", model.cfg.n_heads, "heads; d_model", model
 # %%
 HALF = 20
 tokens = an.repeated_random_tokens(model, HALF, 2, seed=0)   # [2, 40]: [r, r], r uniform over the vocabulary
-losses = model(tokens, return_type="loss", loss_per_token=True)
+with torch.no_grad():
+    losses = model(tokens, return_type="loss", loss_per_token=True)
 print(f"first copy:  {losses[:, : HALF - 1].mean():.2f} nats")
 print(f"second copy: {losses[:, HALF:].mean():.2f} nats")
 
@@ -86,6 +86,7 @@ viz.attention_figure(patterns, layer=18, head=6)
 # never built. Σλ / Σ|λ| is +1 for a pure copier (Elhage et al. 2021).
 
 # %%
+@torch.no_grad()
 def copying_score(layer: int, head: int) -> float:
     block = model.blocks[layer]
     ov_back = (block.attn.W_O[head].double() @ (model.ln_final.w.double()[:, None] * model.W_U.double())
