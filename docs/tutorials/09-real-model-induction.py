@@ -124,4 +124,5 @@ print(sweep[["layer", "head", "clean", "metric", "delta"]].to_string(index=False
 # No single head accounts for the whole fall from the first copy to the second: the mechanism is
 # spread over several heads in layers 17-24. The study's tables give these numbers for the 12 best
 # heads with intervals over 3 seeds, and split the induction heads' attention scores over what writes
-# their queries and keys (the previous-token head L16H0 writes their keys).
+# their queries and keys: the pair that carries the match is layer 0's MLP at the query (the current
+# token) with the previous-token head L16H0 at the key.
