@@ -1,4 +1,4 @@
-"""SynthSAEBench machinery: the Matryoshka BatchTopK loss against SAE Lens' (a reimplementation from its
+"""SynthSAEBench machinery: the Matryoshka BatchTopK and ReLU (L1) losses against SAE Lens' (a reimplementation from its
 source here, and SAE Lens itself where it imports), the evals against hand computations, the
 Hungarian matching against brute force, and the refusals."""
 
@@ -109,6 +109,81 @@ def test_matryoshka_parity_with_saelens_itself():
                     torch.zeros(D_SAE, dtype=torch.bool))
     torch.testing.assert_close(terms["loss"].detach(), out.loss.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(terms["acts"].dense(D_SAE).detach(), out.feature_acts.detach(), rtol=1e-6, atol=1e-6)
+
+
+# ---- ReLU (L1): the same objective as SAE Lens' StandardTrainingSAE ------------------------------------
+def relu_sae(seed=0):
+    sae = make_dictionary(DictionaryConfig(kind="relu", d_in=D_IN, d_sae=D_SAE))
+    sae.init_weights(torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        sae.W_enc.add_(0.3 * torch.randn(sae.W_enc.shape, generator=g))
+        sae.b_enc.copy_(0.1 * torch.randn(D_SAE, generator=g))
+        sae.b_dec.copy_(0.1 * torch.randn(D_IN, generator=g))
+    return sae
+
+
+def standard_reference_loss(W_enc, b_enc, W_dec, b_dec, x, l1):
+    """SAE Lens 6.54's StandardTrainingSAE.training_forward_pass, from its source: ReLU((x - b_dec) W_enc
+    + b_enc), squared error summed over dims and averaged over rows, plus l1 * the mean over rows of the
+    L1 norm of the activations weighted by their decoder rows' norms (its decoder is unconstrained)."""
+    acts = ((x - b_dec) @ W_enc + b_enc).relu()
+    mse = ((acts @ W_dec + b_dec) - x).pow(2).sum(-1).mean()
+    return mse + l1 * (acts * W_dec.norm(dim=1)).norm(p=1, dim=-1).mean(), acts
+
+
+def test_relu_loss_and_gradients_match_saelens_standard_source():
+    """Our ReLU trains on SAE Lens' objective: its plain L1 equals SAE Lens' decoder-norm-weighted L1
+    because training keeps the decoder rows at unit norm (checked here after real steps)."""
+    sae = relu_sae()
+    x = torch.randn(20, D_IN, generator=torch.Generator().manual_seed(5))
+    config = SAETrainConfig(kind="relu", d_sae=D_SAE, sparsity_coefficient=2.5, steps=100)
+    terms = _losses(sae, x, x, config, step=config.steps, dead=torch.zeros(D_SAE, dtype=torch.bool))
+    terms["loss"].backward()
+    ours = {n: p.grad.clone() for n, p in sae.named_parameters()}
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in sae.named_parameters()}
+    loss, acts = standard_reference_loss(*(params[n] for n in ("W_enc", "b_enc", "W_dec", "b_dec")), x, 2.5)
+    loss.backward()
+    torch.testing.assert_close(terms["loss"].detach(), loss.detach(), rtol=1e-5, atol=1e-6)
+    assert float(terms["sparsity_loss"].detach()) > 0.1 * float(terms["mse"].detach())  # the penalty is a real part of the sum
+    torch.testing.assert_close(terms["acts"].detach(), acts.detach())
+    # the gradients differ only along each decoder row, which the trainer removes before the step
+    for name in ("W_enc", "b_enc", "b_dec"):
+        torch.testing.assert_close(ours[name], params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    W = sae.W_dec.detach()
+    radial = lambda g: g - (g * W).sum(-1, keepdim=True) * W  # noqa: E731
+    torch.testing.assert_close(radial(ours["W_dec"]), radial(params["W_dec"].grad), rtol=1e-4, atol=1e-6)
+
+
+def test_relu_training_keeps_unit_decoder_rows():
+    """What makes the plain L1 the weighted one: after real training steps every decoder row has norm 1."""
+    from workbench.analysis.dictionaries import train_sae
+    from workbench.analysis.store import TensorActivations
+
+    x = torch.randn(512, D_IN, generator=torch.Generator().manual_seed(3)) * 3 + 1
+    sae = train_sae(TensorActivations({"x": x}, rows_per_shard=512), kind="relu", d_sae=D_SAE, steps=20,
+                    batch_size=64, lr=1e-2, eval_rows=64, progress=False, device="cpu", save_train_state=False)
+    # the saved dictionary takes raw activations (the input scale is folded into W_enc/b_enc/b_dec only)
+    torch.testing.assert_close(sae.W_dec.norm(dim=1), torch.ones(D_SAE), rtol=0, atol=1e-5)
+
+
+def test_relu_parity_with_saelens_itself():
+    _sae_lens()
+    from sae_lens import StandardTrainingSAE, StandardTrainingSAEConfig
+    from sae_lens.saes.sae import TrainStepInput
+
+    sae = relu_sae()
+    theirs = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=D_IN, d_sae=D_SAE, l1_coefficient=2.5))
+    with torch.no_grad():
+        for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
+            getattr(theirs, name).copy_(getattr(sae, name))
+    x = torch.randn(20, D_IN, generator=torch.Generator().manual_seed(5))
+    out = theirs.training_forward_pass(TrainStepInput(sae_in=x, coefficients={"l1": 2.5}, dead_neuron_mask=None,
+                                                      n_training_steps=0, is_logging_step=False))
+    config = SAETrainConfig(kind="relu", d_sae=D_SAE, sparsity_coefficient=2.5, steps=100)
+    terms = _losses(sae, x, x, config, config.steps, torch.zeros(D_SAE, dtype=torch.bool))
+    torch.testing.assert_close(terms["loss"].detach(), out.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(terms["sparsity_loss"].detach(), out.losses["l1_loss"].detach(), rtol=1e-5, atol=1e-6)
 
 
 # ---- the evals by hand ------------------------------------------------------------------------------
