@@ -27,7 +27,7 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from ui import common, qk_panel
+from ui import common, pretrained, qk_panel
 from ui.circuit import clicked_node
 from workbench import analysis as an
 from workbench import viz
@@ -115,8 +115,15 @@ def _pruned(key, ref, ids, target, max_nodes: int, node_threshold: float, edge_t
 # ---- the page -----------------------------------------------------------------------------------------
 def render() -> None:
     st.header("Graph")
-    options = {name: path for name, path in common.all_checkpoints().items()
-               if replacements(path) or attention_only(path)}
+    found = common.all_checkpoints()
+    options = {name: path for name, path in found.items() if replacements(path) or attention_only(path)}
+    lacking = {name: path for name, path in {**pretrained.entries(), **found}.items()
+               if name not in options and (name == pretrained.LABEL or pretrained.is_text_model(path))}
+    for name, path in lacking.items():  # a real model is what a user comes here for: say why it is not listed
+        st.info(f"**{name}** has no transcoders yet, so it is not offered here. This page reads one transcoder per "
+                f"MLP from `{Path(path) / 'saes' / 'transcoders'}/layer{{l}}` (l = 0 to its last layer, SAELens "
+                "folders; `experiments/real_transcoders.py` trains them there) or a cross-layer transcoder from "
+                f"`{Path(path) / 'saes' / 'clt'}`.")
     if not options:
         st.info("No checkpoint here ships transcoders or a CLT under `saes/`, and none is attention-only. Make "
                 "transcoders with `python scripts/make_transcoders.py` (see docs/reference/cross-layer-transcoders.md).")
@@ -137,7 +144,7 @@ def render() -> None:
     kinds = replacements(ckpt.path) if not ckpt.model.cfg.attn_only else {ITSELF: ""}
     kind = st.radio("Replacement", list(kinds), key="graph_kind", persist_state="session", horizontal=True)
     ref = (kinds[kind], _stamp(kinds[kind])) if kinds[kind] else ("", 0)
-    text = common.prompt_box(ckpt, key="graph_prompt", default=IOI_PROMPT if _is_text(ckpt) else None)
+    text = common.prompt_box(ckpt, key="graph_prompt", default=_default_prompt(ckpt))
     ids = common.prompt_ids(ckpt, text)
     if ids is None:
         return
@@ -256,6 +263,13 @@ def _export(full, name: str, node_threshold: float, edge_threshold: float) -> No
                       help="The pruned graph as circuit-tracer writes it: its local viewer and Neuronpedia open it.")
     b.markdown(f"[Link to this view]({view_link(st.session_state)}) (the checkpoint, prompt, target, sliders and "
                "open feature)")
+
+
+def _default_prompt(ckpt: common.Checkpoint):
+    """A real model's IOI sentence, the stories one for a stories model, the checkpoint's own otherwise."""
+    if pretrained.is_text_model(ckpt.path):
+        return pretrained.PROMPT
+    return IOI_PROMPT if _is_text(ckpt) else None
 
 
 def _is_text(ckpt: common.Checkpoint) -> bool:
