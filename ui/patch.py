@@ -21,7 +21,7 @@ from typing import Optional
 
 import streamlit as st
 
-from ui import common
+from ui import common, pretrained
 from workbench import viz
 from workbench.analysis.per_prompt import default_positions
 from workbench.padding import TokenBatch
@@ -98,8 +98,12 @@ def _pairs(ckpt: common.Checkpoint):
         return pairs.clean, pairs.corrupted, metric, _labels(ckpt, pairs.clean, pairs.corrupted)
     default = _task_pairs(ckpt, sources[0], 1) if sources else None
     left, right = st.columns(2)
-    common.follow_default("patch_clean", default.prompts[0] if default else common.default_prompt(ckpt), ckpt.path)
-    common.follow_default("patch_corrupted", default.corrupted_prompts[0] if default else "", ckpt.path)
+    clean_default = default.prompts[0] if default else common.default_prompt(ckpt)
+    # a real model's IOI sentence comes with its corruption (the subject's second mention swapped)
+    corrupted_default = default.corrupted_prompts[0] if default else (
+        pretrained.CORRUPTED if clean_default == pretrained.PROMPT else "")
+    common.follow_default("patch_clean", clean_default, ckpt.path)
+    common.follow_default("patch_corrupted", corrupted_default, ckpt.path)
     clean_text = left.text_area("Clean prompt", key="patch_clean", persist_state="session", height=80)
     corrupted_text = right.text_area("Corrupted prompt", key="patch_corrupted", persist_state="session", height=80)
     clean = common.prompt_ids(ckpt, clean_text, where=left)

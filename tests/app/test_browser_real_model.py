@@ -14,7 +14,7 @@ import os
 import pytest
 
 from browser_kit import (BROWSER_MARKS, assert_drawn, choose, click_cell, figure, go_to, heading, no_exception,
-                         open_app, pick, radio, shot, wait_idle, widget)
+                         open_app, pick, shot, wait_idle, widget)
 from test_browser_round3 import _summary, overlaps
 from ui import pretrained
 
@@ -52,6 +52,17 @@ def checked(tab, name: str) -> None:
         raise
 
 
+def choose_typed(tab, label: str, option: str) -> None:
+    """A selectbox of many options (its list is virtual: option 29 of 30 is not in the page until
+    scrolled to): click it, type the option to filter the list, click it."""
+    box = widget(tab, "stSelectbox", label)
+    box.scroll_into_view_if_needed()
+    box.click()
+    tab.keyboard.type(option)
+    tab.get_by_role("option", name=option, exact=True).click()
+    wait_idle(tab)
+
+
 def main_text(tab) -> str:
     return tab.locator("[data-testid=stMain]").inner_text()
 
@@ -64,7 +75,7 @@ def test_inspect(real):
         assert_drawn(figure(tab, title), title)
     # the model's answer to the IOI sentence is " Mary" (its top prediction, the attribution's default)
     sync_api.expect(figure(tab, "direct attribution").locator(".gtitle")).to_contain_text("Mary")
-    choose(tab, "Layer", str(N_LAYERS - 1))
+    choose_typed(tab, "Layer", str(N_LAYERS - 1))
     sync_api.expect(figure(tab, f"Attention L{N_LAYERS - 1}H0")).to_be_visible()
     checked(tab, "inspect")
     tab.get_by_role("tab", name="Every head").click()
@@ -90,9 +101,9 @@ def test_ablate(real):
     heatmap = figure(tab, "when each head is ablated")
     tab.locator("[data-testid=stException]").or_(heatmap).first.wait_for(state="visible", timeout=300_000)
     assert_drawn(heatmap, "head sweep over 270 heads")
-    click_cell(tab, heatmap, layer=28, head=7, n_layers=N_LAYERS, n_heads=N_HEADS)
+    click_cell(tab, heatmap, layer=17, head=7, n_layers=N_LAYERS, n_heads=N_HEADS)
     units = tab.locator("[data-testid=stMultiSelect]", has_text="Units to ablate")
-    sync_api.expect(units).to_contain_text("L28H7", timeout=120_000)
+    sync_api.expect(units).to_contain_text("L17H7", timeout=120_000)
     checked(tab, "ablate-sweep")
     shot(tab, "real-ablate")
 
