@@ -1,0 +1,53 @@
+"""The app's parts for the real model that need no browser (AppTest and plain calls): exact patching
+waits for a click on a model too large for it, the Graph page says where a real model's transcoders go.
+The browser test of every page on SmolLM2-135M itself is test_browser_real_model.py."""
+
+import json
+
+from test_pages import figure, messages, titles
+
+from ui import patch, pretrained
+
+
+def test_exact_patching_of_a_large_model_waits_for_the_button_and_then_matches_the_one_call(app, monkeypatch):
+    at = app("Patch")
+    before = figure(at, "Patching resid_pre")["data"][0]["z"]
+    heads_before = figure(at, "Patching each head")["data"][0]["z"]
+    monkeypatch.setattr(patch, "EXACT_BUDGET", 0)  # every model is "large" now
+    at.slider(key="patch_n").set_value(7).run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = " ".join(titles(at))
+    assert "Patching resid_pre" not in shown and "Patching each head" not in shown, shown
+    assert "Attribution patching" in shown  # the one-pass estimate is drawn meanwhile
+    assert "patched forward passes" in messages(at)
+    at.slider(key="patch_n").set_value(8).run()  # back to the pairs drawn at first, now site by site
+    at.button(key="patch_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert figure(at, "Patching resid_pre")["data"][0]["z"] == before
+    assert figure(at, "Patching each head")["data"][0]["z"] == heads_before
+    at.radio(key="patch_value").set_value(list(patch.VALUES)[1]).run()  # a later rerun keeps the result
+    assert "Patching resid_pre" in " ".join(titles(at))
+
+
+def test_exact_cost_counts_patches_per_site_and_head():
+    class Cfg:
+        n_layers, n_heads = 30, 9
+
+    class Model:
+        cfg = Cfg()
+
+        def parameters(self):
+            import torch
+
+            return [torch.zeros(10, 10)]
+
+    patches, cost = patch.exact_cost(Model(), n_pos=14, n_pairs=2, sites=("resid_pre", "attn_out", "mlp_out", "head"))
+    assert patches == 3 * 30 * 14 + 270 and cost == 100 * patches * 2
+
+
+def test_is_text_model_reads_the_converters_mark(tmp_path):
+    (tmp_path / "meta.json").write_text(json.dumps({"cache_format": pretrained.CACHE_FORMAT}))
+    assert pretrained.is_text_model(str(tmp_path))
+    (tmp_path / "meta.json").write_text(json.dumps({"task": "stories"}))
+    assert not pretrained.is_text_model(str(tmp_path))
+    assert not pretrained.is_text_model(str(tmp_path / "missing"))
