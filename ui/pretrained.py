@@ -78,21 +78,29 @@ def converted(path: str) -> bool:
 
 
 def convert(where=None) -> None:
-    """Convert the wheel's GGUF file into its cache folder (once: ``open_gguf`` locks and reuses it),
-    saying so in ``where`` (a Streamlit container) while it runs."""
+    """Convert the wheel's GGUF file into its cache folder (once: ``open_gguf`` locks and reuses it,
+    so two sessions choosing it at once convert it once), with a spinner saying so in ``where`` (a
+    Streamlit container, or the ``streamlit`` module) while it runs; silently with ``where=None``."""
     import workbench as wb
 
-    message = (f"Converting {LABEL} into the model cache once (about 15 s; later opens load the converted "
-               "checkpoint)…")
     if where is None:
         wb.open_pretrained(NAME, device="cpu")
         return
-    with where.spinner(message):
+    import contextlib
+
+    import streamlit as st
+
+    message = (f"Converting {LABEL} into the model cache, once (about 15 s; later opens load the converted "
+               "checkpoint)…")
+    with (where if where is not st else contextlib.nullcontext()), st.spinner(message):
         wb.open_pretrained(NAME, device="cpu")
 
 
-def is_text_model(path: str) -> bool:
-    """A converted real language model (from a GGUF file), whose prompts are real text."""
+def is_text_model(path: str, meta: Optional[dict] = None) -> bool:
+    """A converted real language model (from a GGUF file), whose prompts are real text: the converter's
+    mark in ``meta`` (the checkpoint's meta.json, read from ``path`` when not given)."""
+    if meta is not None:
+        return meta.get("cache_format") == CACHE_FORMAT
     try:
         return json.loads(Path(path, "meta.json").read_text()).get("cache_format") == CACHE_FORMAT
     except (OSError, ValueError, AttributeError):
