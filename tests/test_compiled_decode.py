@@ -226,3 +226,20 @@ def test_a_non_finite_key_shows_in_a_compiled_static_step():
     torch.testing.assert_close(logits["compiled"][0], logits["eager"][0], atol=1e-5, rtol=0)
     assert torch.isfinite(logits["compiled"][0]).all()
     assert torch.isnan(logits["eager"][1]).all() and torch.isnan(logits["compiled"][1]).all()
+
+
+def test_a_compiled_static_step_keeps_float64():
+    """A float64 model's compiled static decode step computes its attention in float64, as the eager
+    step does (it accumulated in float32 before, which left a 1e-8 gap where float64 promises 1e-15)."""
+    eager = model_of("parallel-rope-gqa").double()
+    compiled = model_of("parallel-rope-gqa").double().compile(backend="eager")
+    x = prompt(7)
+    steps = {}
+    with torch.no_grad():
+        for label, model in (("eager", eager), ("compiled", compiled)):
+            cache = model.make_kv_cache(1, 24, static=True)  # in the weights' dtype
+            model(x, kv_cache=cache)
+            cache.start_decoding()
+            steps[label] = model(x[:, -1:], kv_cache=cache)[:, -1]
+    assert steps["compiled"].dtype == torch.float64
+    torch.testing.assert_close(steps["compiled"], steps["eager"], atol=1e-12, rtol=0)

@@ -431,8 +431,9 @@ def test_10_leftovers_removed_when_the_server_stops_and_after_a_kill(tmp_path):
     stale = Path(tempfile.mkdtemp(prefix=f"workbench-train-{dead.pid}-"))
     mine = Path(tempfile.mkdtemp(prefix=f"workbench-train-{os.getpid()}-"))
     from ui import common
+    from ui.common import uploads
 
-    common._stale_checked = False
+    uploads._stale_checked = False  # the flag remove_stale_temp_folders reads, in its own module
     common.TempFolder("workbench-uploads-").remove()
     assert not stale.exists() and mine.exists()  # a live process's folder is never touched
     mine.rmdir()

@@ -31,9 +31,7 @@ def applies(meta: dict) -> bool:
 
 @st.cache_resource(max_entries=4, show_spinner="Finding the key frequencies…")
 def _task_and_keys(path: str, stamp: int, options: tuple) -> tuple[ModularTask, tuple[int, ...]]:
-    from ui.training import _series
-
-    series, _, _ = _series(path, stamp)
+    series, _, _ = common.snapshot_series(path, stamp)
     task = ModularTask(**dict(options))
     return task, tuple(fourier.key_frequencies(series.load(-1), task))
 

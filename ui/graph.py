@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote, urlencode
 
 import pandas as pd
@@ -33,7 +32,6 @@ from workbench import analysis as an
 from workbench import viz
 from workbench.analysis import max_activating_contexts, suggest_answer, task_from_meta
 from workbench.analysis.dictionaries.clt import is_clt_folder
-from workbench.analysis.dictionaries.saelens import CFG_FILE, WEIGHTS_FILE
 from workbench.analysis.features import dataset_tokens
 
 IOI_PROMPT = "Once Ella and Ivy went to the beach, Ivy gave a hat to"
@@ -53,7 +51,7 @@ def replacements(checkpoint: str) -> dict[str, str]:
     for folder in sorted(root.iterdir()) if root.is_dir() else ():
         if folder.is_dir() and is_clt_folder(folder):
             clts[f"{folder.name} (cross-layer transcoder)"] = str(folder)
-        elif folder.is_dir() and _layer_folders(folder):
+        elif folder.is_dir() and common.layer_folders(folder):
             sets[f"{folder.name} (transcoder set)"] = str(folder)
     return {**sets, **clts}
 
@@ -66,27 +64,9 @@ def attention_only(checkpoint: str) -> bool:
         return False
 
 
-def _layer_folders(folder: Path) -> list[Path]:
-    layers = sorted((p for p in folder.glob("layer*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-    ok = layers and all((p / CFG_FILE).is_file() and (p / WEIGHTS_FILE).is_file() for p in layers)
-    return layers if ok and [int(p.name[5:]) for p in layers] == list(range(len(layers))) else []
-
-
 def _stamp(folder: str) -> int:
     files = [p for p in Path(folder).rglob("*.safetensors")]
     return max((p.stat().st_mtime_ns for p in files), default=0)
-
-
-@st.cache_resource(max_entries=8, show_spinner="Loading the transcoders…")
-def _replacement(folder: str, stamp: int):
-    """A CLT, or the list of per-layer transcoders, with gradients off."""
-    layers = _layer_folders(Path(folder))
-    loaded = [an.load_dictionary(str(p)) for p in layers] if layers else an.load_dictionary(folder)
-    for module in loaded if isinstance(loaded, list) else [loaded]:
-        module.eval()
-        for p in module.parameters():
-            p.requires_grad_(False)
-    return loaded
 
 
 def _layer_dictionary(replacement, layer: int):
@@ -94,20 +74,10 @@ def _layer_dictionary(replacement, layer: int):
     return replacement[layer] if isinstance(replacement, list) else replacement.layer_encoder(layer)
 
 
-# ---- the graph, cached --------------------------------------------------------------------------------
-@st.cache_resource(max_entries=16, show_spinner="Computing the attribution graph…")
-def _graph(key: tuple[str, int], ref: tuple[str, int], ids: tuple[int, ...], target: Any, max_nodes: int):
-    """The (bound) attribution graph of ``ids``; keyed by value."""
-    model, lock = common.model_for(key)
-    with lock:
-        return an.attribution_graph(model, _replacement(*ref) if ref[0] else None,
-                                    torch.tensor([ids], device=model.device), target=target, max_feature_nodes=max_nodes)
-
-
 @st.cache_resource(max_entries=64, show_spinner=False)
 def _pruned(key, ref, ids, target, max_nodes: int, node_threshold: float, edge_threshold: float):
     """(pruned graph, nodes, edges) at these thresholds."""
-    pruned = _graph(key, ref, ids, target, max_nodes).prune(node_threshold, edge_threshold)
+    pruned = common.cached_graph(key, ref, ids, target, max_nodes).prune(node_threshold, edge_threshold)
     nodes, edges = pruned.to_frame()
     return pruned, nodes, edges
 
@@ -160,7 +130,7 @@ def render() -> None:
     edge_threshold = c.slider("Edge threshold", 0.5, 1.0, step=0.01, key="graph_edge_threshold",
                               persist_state="session", help="Keep the edges holding this share of the edge influence.")
     try:
-        full = _graph(ckpt.key, ref, ids, target, max_nodes)
+        full = common.cached_graph(ckpt.key, ref, ids, target, max_nodes)
         pruned, nodes, edges = _pruned(ckpt.key, ref, ids, target, max_nodes, node_threshold, edge_threshold)
     except ValueError as e:
         st.error(f"Cannot build this graph: {e}")
@@ -339,7 +309,7 @@ def _contexts(key: tuple[str, int], ref: tuple[str, int], layer: int, feature: i
 
     with lock, torch.no_grad():
         tokens = dataset_tokens(model, task_from_meta(read_meta(key[0])), n_sequences)
-        return max_activating_contexts(model, _layer_dictionary(_replacement(*ref), layer), tokens, feature=feature,
+        return max_activating_contexts(model, _layer_dictionary(common.load_replacement(*ref), layer), tokens, feature=feature,
                                        k=10, n_sequences=n_sequences)
 
 

@@ -30,12 +30,10 @@ EXACT = 5  # pairs whose key-side node's removal is re-run exactly
 
 @st.cache_data(max_entries=64, show_spinner="QK attribution of this attention edge…")
 def _qk(graph_key: tuple, layer: int, head: int, query_pos: int, key_pos: int) -> tuple[pd.DataFrame, dict]:
-    """(table, attrs) of ``qk_attribution`` on the page's graph; ``graph_key`` = ``ui.graph._graph``'s arguments."""
-    from ui.graph import _graph  # the page's cached graph: one definition of how it is built
-
+    """(table, attrs) of ``qk_attribution`` on the page's graph; ``graph_key`` = ``common.cached_graph``'s arguments."""
     model, lock = common.model_for(graph_key[0])
     with lock:
-        table = an.qk_attribution(_graph(*graph_key), layer, head, query_pos, key_pos, top=TOP, exact=EXACT)
+        table = an.qk_attribution(common.cached_graph(*graph_key), layer, head, query_pos, key_pos, top=TOP, exact=EXACT)
     return table, dict(table.attrs)
 
 
@@ -45,11 +43,9 @@ ENTRIES = 30  # the graph's attention entries offered, largest |weight| first
 @st.cache_data(max_entries=16, show_spinner=False)
 def _entries(graph_key: tuple) -> pd.DataFrame:
     """The graph's attention entries of largest |weight| (``analysis.attention_entries``)."""
-    from ui.graph import _graph
-
     model, lock = common.model_for(graph_key[0])
     with lock:
-        return an.attention_entries(_graph(*graph_key)).head(ENTRIES)
+        return an.attention_entries(common.cached_graph(*graph_key)).head(ENTRIES)
 
 
 def _entry_label(e) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import threading
 import types
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -68,15 +67,6 @@ def _stamp(path: str) -> int:
         return 0
 
 
-@st.cache_resource(max_entries=8, show_spinner="Reading the snapshots…")
-def _series(path: str, stamp: int) -> tuple[Any, threading.Lock, list[str]]:
-    """(the run's lazy Series, a lock for its per-snapshot results, load_series' warnings)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        series = wb.load_series(path)
-    return series, threading.Lock(), [str(w.message) for w in caught]
-
-
 def load_run(path: str, where=st) -> Optional[tuple[Any, threading.Lock]]:
     """The run's (series, lock), or None with the reason shown in ``where``."""
     if not has_snapshots(path):
@@ -85,7 +75,7 @@ def load_run(path: str, where=st) -> Optional[tuple[Any, threading.Lock]]:
                    "training. The shipped `induction-attn2l` has 24.")
         return None
     try:
-        series, lock, notes = _series(path, _stamp(path))
+        series, lock, notes = common.snapshot_series(path, _stamp(path))
     except (ValueError, wb.CheckpointError) as e:
         where.error(f"Cannot read the snapshots of `{path}`: {e}")
         return None
@@ -97,7 +87,7 @@ def load_run(path: str, where=st) -> Optional[tuple[Any, threading.Lock]]:
 @st.cache_resource(max_entries=4, show_spinner="Loading the snapshot…")
 def _snapshot(path: str, stamp: int, step: int) -> tuple[Any, threading.Lock]:
     """The model at ``step`` of the run at ``path`` (its tokenizer, else one of token ids)."""
-    series, _, _ = _series(path, stamp)
+    series, _, _ = common.snapshot_series(path, stamp)
     model = series.load(next(s for s in series if s.step == step))
     if model.tokenizer is None:  # abstract-id tasks (induction): prompts are typed as token ids
         model.tokenizer = IdTokenizer(model.cfg.d_vocab)

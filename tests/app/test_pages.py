@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from ui import build_train, common, sweeps
+from ui.common import uploads
 from workbench.tokenizer import load_tokenizer
 
 DEFAULT = "stories-2026"
@@ -224,7 +225,7 @@ def test_an_upload_is_selected_at_once_and_a_failed_one_names_its_file_and_clear
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(common, "_upload_root", None)
+    monkeypatch.setattr(uploads, "_upload_root", None)
     at = app("Inspect")
     at.file_uploader(key="upload_0").set_value(("mine.zip", _zipped(checkpoints_dir / "stories-2020", "x"),
                                                 "application/zip")).run()
@@ -278,7 +279,7 @@ def test_uploads_land_in_a_temp_folder_with_limits(checkpoints_dir, tmp_path, mo
         common.save_upload([("notes.txt", b"hello")], root=tmp_path / "uploads")
     with pytest.raises(ValueError, match="corrupt or not a zip"):
         common.save_upload([("broken.zip", b"PK\x03\x04 nope")], root=tmp_path / "uploads")
-    monkeypatch.setattr(common, "UPLOAD_LIMIT_MB", 0)
+    monkeypatch.setattr(uploads, "UPLOAD_LIMIT_MB", 0)  # where save_upload reads it
     with pytest.raises(ValueError, match="the limit is 0 MB"):
         common.save_upload([("mine.zip", buf.getvalue())], root=tmp_path / "uploads")
 
@@ -288,7 +289,7 @@ def test_uploads_go_to_a_private_random_folder_and_never_through_a_symlink(tmp_p
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # mkdtemp lands here, cleaned up by pytest
-    monkeypatch.setattr(common, "_upload_root", None)
+    monkeypatch.setattr(uploads, "_upload_root", None)
     files = [("config.json", b"{}"), ("model.safetensors", b"weights")]
     _, path = common.save_upload(files)
     root = Path(path).parent

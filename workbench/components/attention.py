@@ -334,13 +334,15 @@ class Attention(nn.Module):
         """A static cache's decode step under torch.compile: one query per head over the whole buffer,
         written out so inductor makes it its own kernels (SDPA's CPU kernel, an opaque call, copies
         the query, keys, values and mask into its layout every call: most of a small model's
-        attention time). Grouped heads broadcast over their key head, nothing repeated; float32
-        scores and softmax, as SDPA accumulates; a non-finite query or key makes the output NaN,
-        as ``_fused`` does in a graph."""
-        qg = q.float().unflatten(1, (k.shape[1], self.group))  # [batch, kv_head, group, 1, d_head]
-        scores = qg @ k.float()[:, :, None].transpose(-1, -2) / self.attn_scale  # [batch, kv_head, group, 1, key]
+        attention time). Grouped heads broadcast over their key head, nothing repeated; scores and
+        softmax in float32 at least, as SDPA accumulates (float64 stays float64: a float64 model's
+        compiled step equals its eager one to 1e-15, not to float32's 1e-8); a non-finite query or
+        key makes the output NaN, as ``_fused`` does in a graph."""
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qg = q.to(acc).unflatten(1, (k.shape[1], self.group))  # [batch, kv_head, group, 1, d_head]
+        scores = qg @ k.to(acc)[:, :, None].transpose(-1, -2) / self.attn_scale  # [batch, kv_head, group, 1, key]
         scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
-        z = (torch.softmax(scores, dim=-1) @ v.float()[:, :, None]).flatten(1, 2)  # [batch, head, 1, d_head]
+        z = (torch.softmax(scores, dim=-1) @ v.to(acc)[:, :, None]).flatten(1, 2)  # [batch, head, 1, d_head]
         finite = torch.isfinite(q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32))
         return torch.where(finite, z.to(v.dtype), float("nan"))
 

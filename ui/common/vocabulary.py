@@ -7,21 +7,23 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ui import common
 from workbench import viz
 from workbench.analysis import direct_path, token_neighbours, vocabulary_table
+from ui.common.analyses import analysis
+from ui.common.drawing import show
+from ui.common.loading import Checkpoint
 
 MAX_VOCAB = 4096  # a table a person can scroll; larger vocabularies are searched in the prompt instead
 
 
-def render(ckpt: common.Checkpoint) -> None:
+def render(ckpt: Checkpoint) -> None:
     if ckpt.cfg.d_vocab > MAX_VOCAB:
         st.caption(f"The vocabulary browser is for vocabularies of up to {MAX_VOCAB:,} tokens; this one has "
                    f"{ckpt.cfg.d_vocab:,}.")
         return
     st.caption("Every token, its embedding norm, and the next tokens the direct path (embedding → final norm → "
                "unembedding, no block in between) predicts after it. Select a row for details.")
-    table = common.analysis(vocabulary_table, ckpt.key, None, k=3)
+    table = analysis(vocabulary_table, ckpt.key, None, k=3)
     search = st.text_input("Find a token", key="vocab_search", persist_state="session",
                            placeholder="a token, or part of one")
     shown = table[table["token"].str.contains(search, regex=False)] if search else table
@@ -40,8 +42,8 @@ def render(ckpt: common.Checkpoint) -> None:
     space = "embed" if space == "embedding" else "unembed"
     left, right = st.columns(2)
     with left:
-        path = common.analysis(direct_path, ckpt.key, None, token=token_id, k=8)
-        common.show(viz.direct_path_figure(path, label, theme=None), key=f"vocab_path_{token_id}")
+        path = analysis(direct_path, ckpt.key, None, token=token_id, k=8)
+        show(viz.direct_path_figure(path, label, theme=None), key=f"vocab_path_{token_id}")
     with right:
-        near = common.analysis(token_neighbours, ckpt.key, None, token=token_id, k=10, space=space)
-        common.show(viz.neighbours_figure(near, label, space, theme=None), key=f"vocab_near_{token_id}_{space}")
+        near = analysis(token_neighbours, ckpt.key, None, token=token_id, k=10, space=space)
+        show(viz.neighbours_figure(near, label, space, theme=None), key=f"vocab_near_{token_id}_{space}")
