@@ -26,7 +26,8 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from ui import common, pretrained, qk_panel
+from ui import common, qk_panel
+from ui.common import pretrained
 from ui.circuit import clicked_node
 from workbench import analysis as an
 from workbench import viz

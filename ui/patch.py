@@ -22,7 +22,8 @@ from typing import Optional
 import pandas as pd
 import streamlit as st
 
-from ui import common, pretrained
+from ui import common
+from ui.common import pretrained
 from workbench import viz
 from workbench.analysis.per_prompt import default_positions
 from workbench.padding import TokenBatch

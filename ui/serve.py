@@ -37,7 +37,8 @@ def preload(script_args: list[str]) -> str:
     import torch
 
     from ui import (ablate, build_train, circuit, common, compare, features, graph, inspect, patch,  # noqa: F401
-                    pretrained, steer, sweeps, training)
+                    steer, sweeps, training)
+    from ui.common import pretrained
     from workbench import viz  # noqa: F401
 
     mark("imports")

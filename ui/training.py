@@ -29,7 +29,8 @@ import streamlit as st
 import torch
 
 import workbench as wb
-from ui import common, fourier_panel, pretrained, sweeps
+from ui import common, fourier_panel, sweeps
+from ui.common import pretrained
 from workbench import viz
 from workbench.analysis import attention_patterns, head_scores, logit_lens, over_training
 from workbench.analysis.graphs import qk_training

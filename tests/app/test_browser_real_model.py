@@ -16,7 +16,7 @@ import pytest
 from browser_kit import (BROWSER_MARKS, assert_drawn, choose, click_cell, figure, go_to, heading, no_exception,
                          open_app, pick, shot, wait_idle, widget)
 from test_browser_round3 import _summary, overlaps
-from ui import pretrained
+from ui.common import pretrained
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 pytestmark = [*BROWSER_MARKS, pytest.mark.skipif(not pretrained.available(),

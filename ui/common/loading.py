@@ -112,7 +112,7 @@ def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint
         except HFImportError as e:
             where.error(f"Cannot open `{path}`: {e}")
             return None
-    from ui import pretrained
+    from ui.common import pretrained
 
     if not p.is_dir() and pretrained.is_pretrained(str(p)):  # chosen for the first time: convert it, once
         try:

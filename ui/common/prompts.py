@@ -25,7 +25,7 @@ def default_prompt(ckpt: Optional[Checkpoint]) -> str:
         return DEFAULT_PROMPT
     if isinstance(ckpt.meta.get("default_prompt"), str):
         return ckpt.meta["default_prompt"]
-    from ui import pretrained
+    from ui.common import pretrained
 
     if pretrained.is_text_model(ckpt.path, ckpt.meta):  # a real language model: a real sentence
         return pretrained.PROMPT
