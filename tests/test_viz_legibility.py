@@ -122,3 +122,15 @@ def test_two_attention_patterns_side_by_side_share_one_colour_bar_at_the_right()
     diff = viz.attention_figure(patterns.assign(attention=patterns["attention"] - 0.2), 0, 0, difference=True)
     mixed = viz.side_by_side(viz.attention_figure(patterns, 0, 0), diff)  # two scales: a bar each
     assert len([t for t in mixed.data if t.type == "heatmap" and t.showscale is not False]) == 2
+
+
+def test_side_by_side_keeps_the_sources_ticks_so_they_can_be_thinned():
+    tokens = [f"tok{i}" for i in range(14)]
+    patterns = pd.DataFrame([{"batch": 0, "layer": 0, "head": 0, "query_pos": q, "key_pos": k, "query_token": tokens[q],
+                              "key_token": tokens[k], "attention": 1.0 / (q + 1)} for q in range(14) for k in range(q + 1)])
+    one = viz.attention_figure(patterns, 0, 0)
+    fig = viz.side_by_side(one, one)
+    assert list(fig.layout.xaxis2.tickvals) == list(one.layout.xaxis.tickvals)
+    viz.thin_ticks(viz.thin_ticks(fig, 8), 8, axis="y")
+    for ax in (fig.layout.xaxis, fig.layout.xaxis2, fig.layout.yaxis, fig.layout.yaxis2):
+        assert len(ax.tickvals) <= 8 and len(ax.ticktext) == len(ax.tickvals)

@@ -33,6 +33,7 @@ from workbench import analysis as an
 from workbench import viz
 from workbench.analysis import max_activating_contexts, suggest_answer, task_from_meta
 from workbench.analysis.dictionaries.clt import is_clt_folder
+from workbench.analysis.dictionaries.saelens import CFG_FILE, WEIGHTS_FILE
 from workbench.analysis.features import dataset_tokens
 
 IOI_PROMPT = "Once Ella and Ivy went to the beach, Ivy gave a hat to"
@@ -52,9 +53,25 @@ def replacements(checkpoint: str) -> dict[str, str]:
     for folder in sorted(root.iterdir()) if root.is_dir() else ():
         if folder.is_dir() and is_clt_folder(folder):
             clts[f"{folder.name} (cross-layer transcoder)"] = str(folder)
-        elif folder.is_dir() and common.layer_folders(folder):
+        elif folder.is_dir() and common.layer_folders(folder) and n_layers(checkpoint) in (
+                None, len(common.layer_folders(folder))):  # every layer's MLP: a set being trained is not one yet
             sets[f"{folder.name} (transcoder set)"] = str(folder)
     return {**sets, **clts}
+
+
+def n_layers(checkpoint: str):
+    """The checkpoint's layer count from its config.json (None when unreadable)."""
+    try:
+        return int(json.loads((Path(checkpoint) / "config.json").read_text())["n_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def transcoder_layers(checkpoint: str) -> int:
+    """How many ``saes/transcoders/layer{l}`` folders hold both of a transcoder's files (a set being trained)."""
+    root = Path(checkpoint) / "saes" / "transcoders"
+    return sum(1 for p in root.glob("layer*") if p.name[5:].isdigit() and (p / CFG_FILE).is_file()
+               and (p / WEIGHTS_FILE).is_file()) if root.is_dir() else 0
 
 
 def attention_only(checkpoint: str) -> bool:
@@ -91,7 +108,9 @@ def render() -> None:
     lacking = {name: path for name, path in {**pretrained.entries(), **found}.items()
                if name not in options and (name == pretrained.LABEL or pretrained.is_text_model(path))}
     for name, path in lacking.items():  # a real model is what a user comes here for: say why it is not listed
-        st.info(f"**{name}** has no transcoders yet, so it is not offered here. This page reads one transcoder per "
+        done = transcoder_layers(path)
+        has = f"has transcoders for {done} of its {n_layers(path)} layers so far" if done else "has no transcoders yet"
+        st.info(f"**{name}** {has}, so it is not offered here. This page reads one transcoder per "
                 f"MLP from `{Path(path) / 'saes' / 'transcoders'}/layer{{l}}` (l = 0 to its last layer, SAELens "
                 "folders; `experiments/real_transcoders.py` trains them there) or a cross-layer transcoder from "
                 f"`{Path(path) / 'saes' / 'clt'}`.")

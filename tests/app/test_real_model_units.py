@@ -91,3 +91,21 @@ def test_the_picker_offers_the_pretrained_model_beside_the_shipped_ones(app):
     options = at.selectbox(key="ckpt").options
     assert pretrained.LABEL in options and "stories-2026" in options
     assert at.selectbox(key="ckpt").value == "stories-2026"  # the shipped default stays the default
+
+
+def test_a_transcoder_set_being_trained_is_not_offered_until_it_covers_every_layer(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from ui import graph
+
+    shipped = Path(__file__).resolve().parents[2] / "checkpoints" / "stories-2026"
+    if not (shipped / "saes" / "transcoders" / "layer0").is_dir():
+        import pytest
+
+        pytest.skip(f"the shipped transcoders of {shipped} are missing")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(shipped, ckpt, ignore=shutil.ignore_patterns("clt"))
+    assert "transcoders (transcoder set)" in graph.replacements(str(ckpt))
+    shutil.rmtree(ckpt / "saes" / "transcoders" / "layer2")  # 2 of its 3 layers: still training
+    assert graph.replacements(str(ckpt)) == {} and graph.transcoder_layers(str(ckpt)) == 2

@@ -47,8 +47,12 @@ def side_by_side(left: go.Figure, right: go.Figure, titles: Optional[tuple[str, 
                 trace.update(coloraxis=None, colorscale=axis.colorscale, zmin=axis.cmin, zmax=axis.cmax,
                              showscale=col == 2)
             fig.add_trace(trace, row=1, col=col)
-        fig.update_xaxes(title=source.layout.xaxis.title.text, row=1, col=col)
-        fig.update_yaxes(title=source.layout.yaxis.title.text, autorange=source.layout.yaxis.autorange, row=1, col=col)
+        # the source's own ticks (every token labelled, say), so thin_ticks can thin them after
+        ticks = lambda ax: {k: v for k, v in dict(type=ax.type, tickmode=ax.tickmode, tickvals=ax.tickvals,  # noqa: E731
+                                                      ticktext=ax.ticktext).items() if v is not None}
+        fig.update_xaxes(title=source.layout.xaxis.title.text, **ticks(source.layout.xaxis), row=1, col=col)
+        fig.update_yaxes(title=source.layout.yaxis.title.text, autorange=source.layout.yaxis.autorange,
+                         **ticks(source.layout.yaxis), row=1, col=col)
     named = any(trace.name for trace in fig.data)
     fig.update_layout(template=_template(theme), showlegend=named)
     return fig
