@@ -34,6 +34,7 @@ def side_by_side(left: go.Figure, right: go.Figure, titles: Optional[tuple[str, 
     # right: the left one's, between the panels, ran into the right panel's axis title once its tick
     # labels were a real tokenizer's words.
     shared = _one_fixed_scale(left, right)
+    spacing = 0.16 if shared else spacing  # no bar between the panels: the right one's tick labels only
     fig = make_subplots(rows=1, cols=2, subplot_titles=titles, horizontal_spacing=spacing)
     for col, source in ((1, left), (2, right)):
         for trace in source.data:
