@@ -134,3 +134,10 @@ def test_side_by_side_keeps_the_sources_ticks_so_they_can_be_thinned():
     viz.thin_ticks(viz.thin_ticks(fig, 8), 8, axis="y")
     for ax in (fig.layout.xaxis, fig.layout.xaxis2, fig.layout.yaxis, fig.layout.yaxis2):
         assert len(ax.tickvals) <= 8 and len(ax.ticktext) == len(ax.tickvals)
+
+
+def test_a_clickable_heatmap_of_30_layers_fills_its_panel_so_clicks_land_on_their_cell():
+    # the clickable points' markers padded the autorange: a click at layer 17's centre selected layer 18
+    fig = viz.layer_head_figure(_layer_head_table(), clickable=True)
+    assert list(fig.layout.yaxis.range) == [29.5, -0.5] and list(fig.layout.xaxis.range) == [-0.5, 8.5]
+    assert fig.layout.yaxis.autorange is False

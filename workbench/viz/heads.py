@@ -102,6 +102,12 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
         fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
     fig.update_xaxes(title="head", type="category")
     fig.update_yaxes(autorange="reversed", type="category")
+    if clickable and len(panels) == 1:
+        # The cells fill the panel exactly: the clickable points' markers would otherwise pad the axes'
+        # autorange, moving each row off its cell by a growing amount (a row down by layer 17 of 30).
+        n_layers, n_heads = frame["layer"].nunique(), frame["head"].nunique()
+        fig.update_xaxes(autorange=False, range=[-0.5, n_heads - 0.5])
+        fig.update_yaxes(autorange=False, range=[n_layers - 0.5, -0.5])
     for r in range(1, n_rows + 1):
         fig.update_yaxes(title="layer", row=r, col=1)
     return fig
