@@ -29,6 +29,14 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 
 def peak_mb() -> float:
+    """This process's peak resident memory in MB: Linux's VmHWM, which an exec starts afresh. Not ru_maxrss: Linux
+    carries the pre-exec high-water mark across execve, so a child forked from a large parent reported the parent's."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -96,6 +104,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--context", type=int, default=0, help="prompt length for a graph (0: only the logits)")
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--max-feature-nodes", type=int, default=None, help="attribute's max_feature_nodes (None: all)")
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("CT_THREADS", "1")))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +120,8 @@ def main() -> None:
     prompt = tokens[: args.context]
     before = peak_mb()
     start = time.perf_counter()
-    graph = attribute(prompt, model, batch_size=args.batch_size, verbose=False)
+    graph = attribute(prompt, model, batch_size=args.batch_size, max_feature_nodes=args.max_feature_nodes,
+                      verbose=False)
     seconds = time.perf_counter() - start
     after = peak_mb()
     pruned = prune_graph(graph, 0.8, 0.98)

@@ -235,12 +235,19 @@ def _open_journal(rank: int, world: int, n_items: int) -> Optional[_Journal]:
     out = _JOURNAL.get("out")
     if out is None:
         return None
+    from workbench.checkpoint import locked
+    from workbench.overwrite import write_atomic
+
     out.mkdir(parents=True, exist_ok=True)
     name = f"{JOURNAL_PREFIX}{rank}.jsonl"
-    ours = run_files(out) or set()
-    if name not in ours:  # listed before it is written, so the folder stays a run directory
-        manifest = {"format": RUN_FORMAT, "files": sorted((ours | {name}) - {MANIFEST_FILE})}
-        (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    # torchrun's ranks all start here at once: one at a time reads and rewrites the manifest (the
+    # folder's lock, ``.<out>.lock`` beside it, as a checkpoint's), and the rewrite is atomic, so no
+    # rank reads it half-written or writes over another rank's name.
+    with locked(out):
+        ours = run_files(out) or set()
+        if name not in ours:  # listed before it is written, so the folder stays a run directory
+            manifest = {"format": RUN_FORMAT, "files": sorted((ours | {name}) - {MANIFEST_FILE})}
+            write_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
     return _Journal(out / name, {**_JOURNAL["key"], "world": world, "items": n_items})
 
 

@@ -95,6 +95,18 @@ def test_training_a_tuned_lens_computes_no_gradient_for_the_model_and_leaves_it_
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_tuned_lens_trains_with_gradients_switched_off_around_it():
+    model = _model()
+    data = torch.randint(0, 50, (8, 12))
+    reference = train_tuned_lens(model, data, steps=3, batch_size=4, progress=False)
+    with torch.no_grad():  # as a notebook that switched gradients off earlier has it
+        lens = train_tuned_lens(model, data, steps=3, batch_size=4, progress=False)
+        assert not torch.is_grad_enabled()  # the caller's setting is left as it was
+    identity = torch.eye(lens.weight.shape[-1]).expand_as(lens.weight)
+    assert not torch.equal(lens.weight, identity)  # it learned
+    assert torch.equal(lens.weight, reference.weight)  # the lens trained with gradients on
+
+
 def test_tuned_lens_load_missing_or_corrupt_is_a_checkpoint_error(tmp_path):
     with pytest.raises(wb.CheckpointError, match="train one"):
         TunedLens.load(tmp_path)

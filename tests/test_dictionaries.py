@@ -464,6 +464,20 @@ def store(model, tmp_path_factory):
                                    batch_size=8, tokens_per_shard=1000, progress=False)
 
 
+def test_a_run_folder_another_run_is_writing_is_refused_and_left_alone(store, tmp_path):
+    from workbench.checkpoint import locked
+
+    kw = dict(kind="topk", d_sae=16, k=2, hook=SAE_HOOK, batch_size=64, progress=False, eval_sequences=0)
+    out = tmp_path / "run"
+    train_sae(store, steps=4, out=out, save_every=2, **kw)  # a run to continue
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with locked(out, timeout=0.0):  # what a run writing into out holds (another process's alike)
+        with pytest.raises(ValueError, match="in use"):
+            train_sae(store, steps=8, out=out, resume=True, **kw)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written or deleted
+    assert train_sae(store, steps=8, out=out, resume=True, **kw) is not None  # free again: it continues
+
+
 def test_run_folder_resume_and_metrics(model, store, tmp_path):
     kw = dict(kind="topk", d_sae=64, k=4, hook=SAE_HOOK, batch_size=128, log_every=5, progress=False, lr=3e-3,
               warmup_steps=2, eval_sequences=8)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ["param_table", "kv_cache_gqa", "head_ablation_sweep", "lens_comparison", "norm_placement_depth",
@@ -193,3 +194,86 @@ def test_real_lenses_quick_reads_the_model_itself_at_the_final_layer(tmp_path):
     assert (last[["logit_kl", "tuned_kl"]].abs() < 1e-5).all().all()
     assert (last[["logit_agree", "tuned_agree"]] == 1).all().all()
     assert (wide[wide.layer < wide.layer.max()].logit_kl > 0).all()
+
+
+def _open_rank_journal(out: str, rank: int, world: int, start) -> None:
+    """One torchrun rank opening its journal (a process of its own, as under torchrun)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    import _common
+
+    _common._JOURNAL.update(out=Path(out), key={"flag": "1"})
+    start.wait()
+    _common._open_journal(rank, world, 8)
+
+
+def test_ranks_opening_their_journals_at_once_all_land_in_the_manifest(tmp_path):
+    """Every rank lists its journal in the run folder's manifest before writing it. The ranks start
+    together, so the read-modify-write of one manifest must be serialised (and each write atomic): a
+    rank that read the manifest half-written, or wrote over another rank's update, left that rank's
+    journal unlisted, and the run's own tables were then refused as "not written by an experiment run"
+    (seen with 3 torchrun ranks)."""
+    import multiprocessing
+
+    from workbench.checkpoint import MANIFEST_FILE
+
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(3):
+        out = tmp_path / f"run{trial}"
+        world = 6
+        start = ctx.Barrier(world)
+        procs = [ctx.Process(target=_open_rank_journal, args=(str(out), r, world, start)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        listed = json.loads((out / MANIFEST_FILE).read_text())["files"]
+        assert sorted(listed) == sorted(f"grid.rank{r}.jsonl" for r in range(world)), (trial, listed)
+
+
+def test_real_transcoders_quick_saves_a_transcoder_set_and_its_numbers_hold_against_references(tmp_path):
+    """The --quick pipeline (a tiny random model): the transcoders land where the Graph page looks
+    (saes/transcoders/layer{l}), each held-out explained variance matches one recomputed from the
+    model's own activations, splicing with error terms gives the model's own loss (torch's cross
+    entropy on its logits), and every re-measured edge equals the intervention on the frozen model."""
+    module = importlib.import_module("real_transcoders")
+    out, run = tmp_path / "ckpt", tmp_path / "run"
+    r = module.main(["--quick", "--out", str(out), "--run-dir", str(run), "--threads", "1"])
+    model, tcs = r["model"], r["transcoders"]
+    n = model.cfg.n_layers
+    folders = sorted((out / "saes" / "transcoders").iterdir())
+    assert [f.name for f in folders] == [f"layer{layer}" for layer in range(n)]
+    assert all((f / "cfg.json").is_file() and (f / "sae_weights.safetensors").is_file() for f in folders)
+    _, cache = model.run_with_cache(r["eval_tokens"])
+    for layer, tc in enumerate(tcs):
+        x = cache[f"blocks.{layer}.ln2.hook_normalized"][:, 1:].reshape(-1, model.cfg.d_model)
+        y = cache[f"blocks.{layer}.hook_mlp_out"][:, 1:].reshape(-1, model.cfg.d_model).double()
+        with torch.no_grad():
+            ev = 1 - (tc(x).double() - y).pow(2).sum() / (y - y.mean(0)).pow(2).sum()
+        assert abs(float(ev) - r["layers"].explained_variance[layer]) < 2e-2  # the store holds float16
+    tokens = r["ce_tokens"]
+    with torch.no_grad():
+        logits = model(tokens)
+    own = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    assert abs(r["loss"]["ce_loss_spliced_with_error"] - float(own)) < 1e-4
+    assert r["loss"]["error_term_max_logit_drift"] < 1e-4
+    edges = r["edges"]
+    assert len(edges) > 0 and (edges.abs_diff <= 1e-4 * edges.edge.abs().clip(lower=1)).all()
+    assert (run / "ioi-graph.json").is_file() and (run / "path.csv").is_file()
+    graph = r["graph"]  # edges into features from tokens at other positions (through attention) re-measured too
+    cross = [(int(s), int(t), float(w)) for s, t, w in zip(graph.edge_source, graph.edge_target, graph.edge_weight)
+             if graph.kind[t] == 0 and graph.kind[s] == 2 and graph.pos[s] != graph.pos[t]]
+    cross = sorted(cross, key=lambda e: -abs(e[2]))[:4]
+    answer = r["graph_info"]["answer_id"]
+    assert cross and all(abs(module.measured_edge(graph, model, s, t, answer) - w) <= 1e-4 * max(1.0, abs(w))
+                         for s, t, w in cross)
+    qk = r["qk"]  # the induction head's score split into pairs: they sum to the model's score
+    assert len(qk) > 0 and abs(r["config"]["qk_bilinear"] + r["config"]["qk_residual"] - r["config"]["qk_score"]) < 1e-5
+    module.check_folders(folders)  # its own folders: replaced by a rerun
+    (folders[1] / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="did not write"):
+        module.main(["--quick", "--out", str(out), "--run-dir", str(run), "--threads", "1"])
+    assert (folders[1] / "notes.txt").read_text() == "mine"

