@@ -98,11 +98,14 @@ def main() -> None:
                         help="click-to-settled times in Chromium instead of AppTest's server time")
     parser.add_argument("--cold", type=int, default=1, help="with --browser: cold server starts to time")
     parser.add_argument("--first-only", action="store_true", help="with --browser: only the first page")
+    parser.add_argument("--real-model", action="store_true",
+                        help="with --browser: also the first page with the real model (SmolLM2-135M, the picker's "
+                             "pretrained entry) as the default, from an empty checkpoints folder")
     args = parser.parse_args()
     if args.browser:
         from app_browser import main as browser_main
 
-        browser_main(args.repeats, args.cold, args.checkpoints, args.first_only)
+        browser_main(args.repeats, args.cold, args.checkpoints, args.first_only, args.real_model)
         return
     os.environ["WORKBENCH_CHECKPOINTS"] = str(args.checkpoints)
     print(f"{os.cpu_count()} CPU cores; torch threads per the app: {os.environ.get('WORKBENCH_THREADS', '1')}")

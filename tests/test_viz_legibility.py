@@ -68,3 +68,76 @@ def test_counting_a_loaded_model_matches_counting_its_config(name):
     model, _ = wb.load_checkpoint(path)
     assert count_model_params(model) == count_params(model.cfg)
     assert count_model_params(model)["total"] == sum(p.numel() for p in model.parameters())
+
+
+# ---- the real model's size: 30 layers x 9 heads (SmolLM2-135M) -------------------------------------------
+def _layer_head_table(n_layers: int = 30, n_heads: int = 9, panels: int = 1) -> pd.DataFrame:
+    return pd.DataFrame([dict(layer=l, head=h, method=f"m{m}", delta=0.1 * l - 0.05 * h + 0.01 * m)
+                         for m in range(panels) for l in range(n_layers) for h in range(n_heads)])
+
+
+def _plot_height(fig) -> float:
+    """The figure's height less its margins: what its panels share (plotly's defaults where unset)."""
+    margin = fig.layout.margin
+    return (fig.layout.height or 450) - (margin.t if margin.t is not None else 100) - (
+        margin.b if margin.b is not None else 80)
+
+
+ROW_PX = 14  # a layer's row must hold its 12 px tick label: below this plotly drops labels or they touch
+
+
+@pytest.mark.parametrize("clickable", [False, True])
+def test_a_layer_head_heatmap_of_30_layers_gives_every_layer_a_readable_row(clickable):
+    fig = viz.layer_head_figure(_layer_head_table(), clickable=clickable, title="30 x 9")
+    assert _plot_height(fig) / 30 >= ROW_PX, fig.layout.height  # and so its 10 px cell text
+
+
+def test_sweeps_panels_of_30_layers_each_keep_readable_rows():
+    table = _layer_head_table(panels=6)
+    fig = viz.layer_head_figure(table, facet="method", columns=3)  # two rows of three panels
+    domain = fig.layout.yaxis.domain  # the first panel's share of the plot height
+    assert _plot_height(fig) * (domain[1] - domain[0]) / 30 >= ROW_PX, (fig.layout.height, domain)
+    assert len([t for t in fig.data if t.type == "heatmap"]) == 6
+
+
+def test_head_patching_and_scores_of_30_layers_keep_readable_rows():
+    table = _layer_head_table().assign(site="head", pos=-1, metric=0.5, restored=0.2, clean=1.0, corrupted=0.0)
+    fig = viz.patching_figure(table, "head", value="restored")
+    assert _plot_height(fig) / 30 >= ROW_PX, fig.layout.height
+    scores = pd.DataFrame([dict(layer=l, head=h, kind=k, score=0.1) for k in ("previous", "induction", "duplicate")
+                           for l in range(30) for h in range(9)])
+    fig = viz.head_scores_figure(scores)
+    domain = fig.layout.yaxis.domain
+    assert _plot_height(fig) * (domain[1] - domain[0]) / 30 >= ROW_PX, (fig.layout.height, domain)
+
+
+def test_two_attention_patterns_side_by_side_share_one_colour_bar_at_the_right():
+    # the left panel's own bar sat between the panels and ran into the right panel's axis title
+    tokens = ["When", " Mary", " and", " John", " went"]
+    patterns = pd.DataFrame([{"batch": 0, "layer": 0, "head": 0, "query_pos": q, "key_pos": k, "query_token": tokens[q],
+                              "key_token": tokens[k], "attention": 1.0 / (q + 1)} for q in range(5) for k in range(q + 1)])
+    fig = viz.side_by_side(viz.attention_figure(patterns, 0, 0), viz.attention_figure(patterns, 0, 0))
+    shown = [t for t in fig.data if t.type == "heatmap" and t.showscale is not False]
+    assert len(shown) == 1 and shown[0].xaxis == "x2" and shown[0].colorbar.x == 1.0
+    diff = viz.attention_figure(patterns.assign(attention=patterns["attention"] - 0.2), 0, 0, difference=True)
+    mixed = viz.side_by_side(viz.attention_figure(patterns, 0, 0), diff)  # two scales: a bar each
+    assert len([t for t in mixed.data if t.type == "heatmap" and t.showscale is not False]) == 2
+
+
+def test_side_by_side_keeps_the_sources_ticks_so_they_can_be_thinned():
+    tokens = [f"tok{i}" for i in range(14)]
+    patterns = pd.DataFrame([{"batch": 0, "layer": 0, "head": 0, "query_pos": q, "key_pos": k, "query_token": tokens[q],
+                              "key_token": tokens[k], "attention": 1.0 / (q + 1)} for q in range(14) for k in range(q + 1)])
+    one = viz.attention_figure(patterns, 0, 0)
+    fig = viz.side_by_side(one, one)
+    assert list(fig.layout.xaxis2.tickvals) == list(one.layout.xaxis.tickvals)
+    viz.thin_ticks(viz.thin_ticks(fig, 8), 8, axis="y")
+    for ax in (fig.layout.xaxis, fig.layout.xaxis2, fig.layout.yaxis, fig.layout.yaxis2):
+        assert len(ax.tickvals) <= 8 and len(ax.ticktext) == len(ax.tickvals)
+
+
+def test_a_clickable_heatmap_of_30_layers_fills_its_panel_so_clicks_land_on_their_cell():
+    # the clickable points' markers padded the autorange: a click at layer 17's centre selected layer 18
+    fig = viz.layer_head_figure(_layer_head_table(), clickable=True)
+    assert list(fig.layout.yaxis.range) == [29.5, -0.5] and list(fig.layout.xaxis.range) == [-0.5, 8.5]
+    assert fig.layout.yaxis.autorange is False

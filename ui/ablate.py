@@ -191,6 +191,8 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference, target: common.T
             fig = viz.side_by_side(viz.attention_figure(pat_clean, layer, head),
                                    viz.attention_figure(pat_ablated, layer, head),
                                    titles=(f"{chosen} clean", f"{chosen} ablated"))
+            # two panels in three quarters of the page: every token's label would pile onto the next
+            fig = viz.thin_ticks(viz.thin_ticks(fig, 5), 8, axis="y")
             common.show(fig, key="ablate_attention")
             diff = pattern_difference(pat_clean, pat_ablated)
             common.show(viz.attention_figure(diff, layer, head, difference=True), key="ablate_attention_diff")

@@ -27,11 +27,13 @@ import streamlit as st
 import torch
 
 from ui import common, qk_panel
+from ui.common import pretrained
 from ui.circuit import clicked_node
 from workbench import analysis as an
 from workbench import viz
 from workbench.analysis import max_activating_contexts, suggest_answer, task_from_meta
 from workbench.analysis.dictionaries.clt import is_clt_folder
+from workbench.analysis.dictionaries.saelens import CFG_FILE, WEIGHTS_FILE
 from workbench.analysis.features import dataset_tokens
 
 IOI_PROMPT = "Once Ella and Ivy went to the beach, Ivy gave a hat to"
@@ -51,9 +53,25 @@ def replacements(checkpoint: str) -> dict[str, str]:
     for folder in sorted(root.iterdir()) if root.is_dir() else ():
         if folder.is_dir() and is_clt_folder(folder):
             clts[f"{folder.name} (cross-layer transcoder)"] = str(folder)
-        elif folder.is_dir() and common.layer_folders(folder):
+        elif folder.is_dir() and common.layer_folders(folder) and n_layers(checkpoint) in (
+                None, len(common.layer_folders(folder))):  # every layer's MLP: a set being trained is not one yet
             sets[f"{folder.name} (transcoder set)"] = str(folder)
     return {**sets, **clts}
+
+
+def n_layers(checkpoint: str):
+    """The checkpoint's layer count from its config.json (None when unreadable)."""
+    try:
+        return int(json.loads((Path(checkpoint) / "config.json").read_text())["n_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def transcoder_layers(checkpoint: str) -> int:
+    """How many ``saes/transcoders/layer{l}`` folders hold both of a transcoder's files (a set being trained)."""
+    root = Path(checkpoint) / "saes" / "transcoders"
+    return sum(1 for p in root.glob("layer*") if p.name[5:].isdigit() and (p / CFG_FILE).is_file()
+               and (p / WEIGHTS_FILE).is_file()) if root.is_dir() else 0
 
 
 def attention_only(checkpoint: str) -> bool:
@@ -85,8 +103,17 @@ def _pruned(key, ref, ids, target, max_nodes: int, node_threshold: float, edge_t
 # ---- the page -----------------------------------------------------------------------------------------
 def render() -> None:
     st.header("Graph")
-    options = {name: path for name, path in common.all_checkpoints().items()
-               if replacements(path) or attention_only(path)}
+    found = common.all_checkpoints()
+    options = {name: path for name, path in found.items() if replacements(path) or attention_only(path)}
+    lacking = {name: path for name, path in {**pretrained.entries(), **found}.items()
+               if name not in options and (name == pretrained.LABEL or pretrained.is_text_model(path))}
+    for name, path in lacking.items():  # a real model is what a user comes here for: say why it is not listed
+        done = transcoder_layers(path)
+        has = f"has transcoders for {done} of its {n_layers(path)} layers so far" if done else "has no transcoders yet"
+        st.info(f"**{name}** {has}, so it is not offered here. This page reads one transcoder per "
+                f"MLP from `{Path(path) / 'saes' / 'transcoders'}/layer{{l}}` (l = 0 to its last layer, SAELens "
+                "folders; `experiments/real_transcoders.py` trains them there) or a cross-layer transcoder from "
+                f"`{Path(path) / 'saes' / 'clt'}`.")
     if not options:
         st.info("No checkpoint here ships transcoders or a CLT under `saes/`, and none is attention-only. Make "
                 "transcoders with `python scripts/make_transcoders.py` (see docs/reference/cross-layer-transcoders.md).")
@@ -107,7 +134,7 @@ def render() -> None:
     kinds = replacements(ckpt.path) if not ckpt.model.cfg.attn_only else {ITSELF: ""}
     kind = st.radio("Replacement", list(kinds), key="graph_kind", persist_state="session", horizontal=True)
     ref = (kinds[kind], _stamp(kinds[kind])) if kinds[kind] else ("", 0)
-    text = common.prompt_box(ckpt, key="graph_prompt", default=IOI_PROMPT if _is_text(ckpt) else None)
+    text = common.prompt_box(ckpt, key="graph_prompt", default=_default_prompt(ckpt))
     ids = common.prompt_ids(ckpt, text)
     if ids is None:
         return
@@ -226,6 +253,13 @@ def _export(full, name: str, node_threshold: float, edge_threshold: float) -> No
                       help="The pruned graph as circuit-tracer writes it: its local viewer and Neuronpedia open it.")
     b.markdown(f"[Link to this view]({view_link(st.session_state)}) (the checkpoint, prompt, target, sliders and "
                "open feature)")
+
+
+def _default_prompt(ckpt: common.Checkpoint):
+    """A real model's IOI sentence, the stories one for a stories model, the checkpoint's own otherwise."""
+    if pretrained.is_text_model(ckpt.path):
+        return pretrained.PROMPT
+    return IOI_PROMPT if _is_text(ckpt) else None
 
 
 def _is_text(ckpt: common.Checkpoint) -> bool:

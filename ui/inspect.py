@@ -36,6 +36,9 @@ LENS_VALUES = {
 }
 
 
+WIDE_HEADS = 64  # above this many heads the attention section is drawn across the whole page
+
+
 def render() -> None:
     ckpt = common.page_checkpoint("Inspect")
     if ckpt is None:
@@ -50,11 +53,17 @@ def render() -> None:
         ids = common.prompt_ids(ckpt, text)
     if ids is not None:
         _tokens_and_loss(ckpt, ids)
-        left, right = st.columns(2)
-        with left:
+        if ckpt.cfg.n_heads * ckpt.cfg.n_layers > WIDE_HEADS:
+            # Many heads: half the page left SmolLM2's 9-head score panels 65 px wide, their head labels
+            # on top of each other; the section takes the page's width, the norms go under it.
             _attention(ckpt, ids)
-        with right:
             _residual_norms(ckpt, ids)
+        else:
+            left, right = st.columns(2)
+            with left:
+                _attention(ckpt, ids)
+            with right:
+                _residual_norms(ckpt, ids)
         _lens(ckpt, ids)  # full width: every cell carries the lens' top token
         _attribution(ckpt, ids)
     st.subheader("Model card")

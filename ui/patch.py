@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import pandas as pd
 import streamlit as st
 
 from ui import common
+from ui.common import pretrained
 from workbench import viz
 from workbench.analysis.per_prompt import default_positions
 from workbench.padding import TokenBatch
@@ -56,14 +58,14 @@ def render() -> None:
                            persist_state="session",
                            format_func=lambda s: SITES[s])
     value = VALUES[b.radio("Show", list(VALUES), key="patch_value", persist_state="session")]
-    patched = common.analysis(patch_pairs, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric,
-                              sites=tuple(chosen) + ("head",))
-    first = patched.iloc[0]
-    gaps = common.analysis(pair_gaps, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric)
+    sites_run = tuple(chosen) + ("head",)
+    patched = _exact(ckpt, clean, corrupted, metric, sites_run, len(labels))
+    scores = common.analysis(pair_scores, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric)
+    gaps = [c - r for c, r in zip(scores["clean"], scores["corrupted"])]
     gap, noise = gap_and_noise(gaps, metric.kind)
     c1, c2, c3 = st.columns(3)
-    c1.metric("Metric on the clean prompts", f"{first['clean']:.3f} {metric.units}")
-    c2.metric("Metric on the corrupted prompts", f"{first['corrupted']:.3f} {metric.units}")
+    c1.metric("Metric on the clean prompts", f"{sum(scores['clean']) / len(gaps):.3f} {metric.units}")
+    c2.metric("Metric on the corrupted prompts", f"{sum(scores['corrupted']) / len(gaps):.3f} {metric.units}")
     c3.metric("Gap that patching can restore", f"{gap:+.3f} {metric.units}",
               help=f"Mean over {len(gaps)} pair(s); noise level {noise:.3f} {metric.units} "
                    "(twice the standard error of the mean over pairs, or the metric's resolution).")
@@ -74,10 +76,53 @@ def render() -> None:
                    f"noise level {noise:.4f} over {len(gaps)} pair(s)), so the fraction of the gap restored is not "
                    "drawn: the figures show the metric after patching. Pick a corruption that changes the answer.")
         value = "metric"
+    if patched is None:  # a large model: exact patching waits for the button; the one-pass estimate does not
+        _heads(ckpt, clean, corrupted, metric, None, value)
+        return
     for site in chosen:
         common.show(viz.patching_figure(patched, site, value=value, tokens=labels, units=metric.units),
                     key=f"patch_{site}")
     _heads(ckpt, clean, corrupted, metric, patched, value)
+
+
+# Exact patching runs one patched forward (from the patched layer on) per site, layer and position
+# and per head, for every pair. Above this many parameter-passes (parameters x patches x pairs) it
+# waits for a click and shows a progress bar: SmolLM2-135M's one IOI pair of 14 tokens is 2e11
+# (1,530 patches: 11.5 min on a 2-core machine at load 25, where one forward took 0.8 s), while
+# stories-2026 with 32 task pairs is about 1e10 and runs as soon as the page opens.
+EXACT_BUDGET = 5e10
+
+
+def exact_cost(model, n_pos: int, n_pairs: int, sites) -> tuple[int, float]:
+    """(patches, parameter-passes) of exact patching at ``sites`` over ``n_pos`` positions and ``n_pairs`` pairs."""
+    cfg = model.cfg
+    patches = sum(cfg.n_layers * (cfg.n_heads if site == "head" else n_pos) for site in sites)
+    return patches, float(sum(p.numel() for p in model.parameters())) * patches * n_pairs
+
+
+def _exact(ckpt: common.Checkpoint, clean, corrupted, metric: AnswerMetric, sites: tuple, n_pos: int):
+    """The exact patching table at ``sites``; None (with a button that runs it) when it is long."""
+    patches, cost = exact_cost(ckpt.model, n_pos, len(clean), sites)
+    if cost <= EXACT_BUDGET:
+        return common.analysis(patch_pairs, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric,
+                               sites=sites)
+    run = (ckpt.key, clean, corrupted, metric, sites)
+    if st.session_state.get("patch_exact") != run:
+        st.info(f"Exact patching of this model is {patches:,} patched forward passes over {len(clean)} pair(s) "
+                f"({ckpt.cfg.n_layers} layers x {n_pos} positions per site, and {ckpt.cfg.n_layers * ckpt.cfg.n_heads} "
+                "heads): about a minute on a quiet CPU core, more on a busy one. Attribution patching's one-pass "
+                "estimate of every head is below meanwhile.")
+        if not st.button("Run exact patching", key="patch_run", type="primary"):
+            return None
+    bar = st.progress(0.0, text="patching…")
+    frames = []
+    for i, site in enumerate(sites):  # one site at a time: each is cached on its own, and the bar moves
+        bar.progress(i / len(sites), text=f"patching {SITES.get(site, 'each head')} ({i + 1} of {len(sites)})")
+        frames.append(common.analysis(patch_pairs, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric,
+                                      sites=(site,)))
+    bar.empty()
+    st.session_state["patch_exact"] = run
+    return pd.concat(frames, ignore_index=True)
 
 
 def _pairs(ckpt: common.Checkpoint):
@@ -98,8 +143,12 @@ def _pairs(ckpt: common.Checkpoint):
         return pairs.clean, pairs.corrupted, metric, _labels(ckpt, pairs.clean, pairs.corrupted)
     default = _task_pairs(ckpt, sources[0], 1) if sources else None
     left, right = st.columns(2)
-    common.follow_default("patch_clean", default.prompts[0] if default else common.default_prompt(ckpt), ckpt.path)
-    common.follow_default("patch_corrupted", default.corrupted_prompts[0] if default else "", ckpt.path)
+    clean_default = default.prompts[0] if default else common.default_prompt(ckpt)
+    # a real model's IOI sentence comes with its corruption (the subject's second mention swapped)
+    corrupted_default = default.corrupted_prompts[0] if default else (
+        pretrained.CORRUPTED if clean_default == pretrained.PROMPT else "")
+    common.follow_default("patch_clean", clean_default, ckpt.path)
+    common.follow_default("patch_corrupted", corrupted_default, ckpt.path)
     clean_text = left.text_area("Clean prompt", key="patch_clean", persist_state="session", height=80)
     corrupted_text = right.text_area("Corrupted prompt", key="patch_corrupted", persist_state="session", height=80)
     clean = common.prompt_ids(ckpt, clean_text, where=left)
@@ -143,6 +192,14 @@ def patch_pairs(model, clean, corrupted, metric, sites):
                                positions=_positions(clean, corrupted))
 
 
+def pair_scores(model, clean, corrupted, metric) -> dict[str, list[float]]:
+    """Each pair's clean and corrupted metric, in pair order (one cheap patch site, scored per pair)."""
+    table = activation_patching(model, _batch(model, clean), _batch(model, corrupted), metric, sites="resid_pre",
+                                positions=[-1], per_prompt=True)
+    first = table[table["layer"] == 0].sort_values("prompt")
+    return {"clean": first["clean"].astype(float).tolist(), "corrupted": first["corrupted"].astype(float).tolist()}
+
+
 def pair_gaps(model, clean, corrupted, metric) -> list[float]:
     """Each pair's clean minus corrupted metric (one cheap patch site, scored per pair)."""
     table = activation_patching(model, _batch(model, clean), _batch(model, corrupted), metric, sites="resid_pre",
@@ -182,7 +239,10 @@ def _heads(ckpt: common.Checkpoint, clean, corrupted, metric: AnswerMetric, patc
     st.subheader("Heads: exact patching and attribution patching")
     left, right = st.columns(2)
     with left:
-        common.show(viz.patching_figure(patched, "head", value=value, units=metric.units), key="patch_heads")
+        if patched is not None:
+            common.show(viz.patching_figure(patched, "head", value=value, units=metric.units), key="patch_heads")
+        else:
+            st.caption("Exact head patching: run it with the button above.")
     with right:
         if not metric.differentiable:
             st.info("Attribution patching follows the metric's gradient; a rank has none. Pick another metric.")
@@ -191,7 +251,7 @@ def _heads(ckpt: common.Checkpoint, clean, corrupted, metric: AnswerMetric, patc
         fig = viz.layer_head_figure(attribution, value="attribution", units=f"estimated Δ {metric.units}",
                                     title="Attribution patching: each head's estimated effect")
         common.show(fig, key="patch_attribution")
-    agreement = _agreement(attribution, patched)
+    agreement = _agreement(attribution, patched) if patched is not None else None
     if agreement is not None:
         st.caption(f"Attribution patching estimates every head from one forward and backward pass; its estimates "
                    f"correlate with the exact effects (metric − corrupted) at r = {agreement:.3f}.")

@@ -38,15 +38,20 @@ def preload(script_args: list[str]) -> str:
 
     from ui import (ablate, build_train, circuit, common, compare, features, graph, inspect, patch,  # noqa: F401
                     steer, sweeps, training)
+    from ui.common import pretrained
     from workbench import viz  # noqa: F401
 
     mark("imports")
     torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", "1")))
-    found = common.list_checkpoints(common.checkpoints_root(script_args))
+    # the picker's list: the checkpoints folder's models, then the pretrained model (the default when
+    # the folder has none)
+    found = {**common.list_checkpoints(common.checkpoints_root(script_args)), **pretrained.entries()}
     name = common.default_checkpoint(list(found))
     if name is None:
         return f"preloaded the app's imports in {time.perf_counter() - started:.1f} s (no checkpoint to load)"
     path = found[name]
+    if name == pretrained.LABEL and not pretrained.converted(path):
+        pretrained.convert()
     model, _, _, _ = common._load(str(Path(path).resolve()), common.weights_stamp(path), common.app_device())
     mark("model loaded")
     with torch.no_grad():  # the first forward of a process pays for kernels and allocator set-up

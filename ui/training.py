@@ -30,6 +30,7 @@ import torch
 
 import workbench as wb
 from ui import common, fourier_panel, sweeps
+from ui.common import pretrained
 from workbench import viz
 from workbench.analysis import attention_patterns, head_scores, logit_lens, over_training
 from workbench.analysis.graphs import qk_training
@@ -117,6 +118,10 @@ def scores_over_training(name: str, series, lock: threading.Lock):
 
 def render() -> None:
     st.header("Training")
+    if st.session_state.get("ckpt") == pretrained.LABEL:  # chosen on another page: say why it is not here
+        st.info(f"**{pretrained.LABEL}** is not listed: it was trained elsewhere and ships no snapshots of its "
+                "training, so there is nothing to scrub through. This page lists the checkpoints folder's models "
+                "and the runs with snapshots.")
     runs = list_runs(common.checkpoints_root(), sweeps.runs_root())
     if not runs:
         st.info("No checkpoints or runs found. Train one with snapshots: `python -m workbench train ... --snapshots log:24`.")

@@ -109,10 +109,13 @@ def test_a_checkpoint_without_transcoders_is_offered_only_when_attention_only(ap
     at = app("Graph")
     options = at.selectbox(key="graph_ckpt").options
     assert DEFAULT in options and "planted-hand-induction" in options  # attention-only: its own replacement
-    for name in options:
-        attn_only = json.loads((Path(checkpoints_dir) / name / "config.json").read_text()).get("attn_only")
-        assert attn_only or any((Path(checkpoints_dir) / name / "saes").glob("*/*.safetensors")) or \
-            any((Path(checkpoints_dir) / name / "saes").glob("*/*/*.safetensors"))
+    from ui.common import pretrained
+
+    for name in options:  # the pretrained model's folder is in the model cache (offered once its transcoders are in)
+        folder = Path(pretrained.entries().get(name, Path(checkpoints_dir) / name))
+        attn_only = json.loads((folder / "config.json").read_text()).get("attn_only")
+        assert attn_only or any((folder / "saes").glob("*/*.safetensors")) or \
+            any((folder / "saes").glob("*/*/*.safetensors"))
     assert "modular-grokking" not in options  # MLPs and no transcoders: nothing to build the graph with
 
 

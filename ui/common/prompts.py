@@ -19,11 +19,16 @@ DEFAULT_PROMPT = ("Once upon a time, Mary and John lived in a small town. "
 
 # ---- prompts -------------------------------------------------------------------------------------
 def default_prompt(ckpt: Optional[Checkpoint]) -> str:
-    """A prompt the checkpoint can read: meta.json's ``default_prompt``, else a stories sentence."""
+    """A prompt the checkpoint can read: meta.json's ``default_prompt``, the IOI sentence for a real
+    language model (a converted GGUF file), else a stories sentence."""
     if ckpt is None:
         return DEFAULT_PROMPT
     if isinstance(ckpt.meta.get("default_prompt"), str):
         return ckpt.meta["default_prompt"]
+    from ui.common import pretrained
+
+    if pretrained.is_text_model(ckpt.path, ckpt.meta):  # a real language model: a real sentence
+        return pretrained.PROMPT
     if isinstance(ckpt.tokenizer, IdTokenizer):
         return ckpt.tokenizer.decode(_id_prompt(ckpt))
     return DEFAULT_PROMPT

@@ -89,13 +89,25 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     axis = dict(colorscale=DIVERGING, cmid=0, cmin=-limit, cmax=limit) if diverging else dict(colorscale=SEQUENTIAL)
     fig.update_layout(coloraxis={**axis, "colorbar": dict(title=units or value)}, title=title or value,
                       template=_template(theme))
-    if n_rows > 2:  # many rows of panels: each keeps about 200 px instead of sharing plotly's default 450
-        fig.update_layout(height=120 + 220 * n_rows)
+    # many rows of panels: each keeps about 200 px instead of sharing plotly's default 450
+    height = 120 + 220 * n_rows if n_rows > 2 else 450
+    # and each layer a row of at least 15 px for its 12 px tick label (30 layers: 450 px a panel);
+    # 180 px of margins, and the gaps between rows of panels taken out
+    rows_px = 15 * frame["layer"].nunique() * n_rows / (1 - (down if n_rows > 1 else 0) * (n_rows - 1))
+    height = max(height, int(np.ceil(180 + rows_px)))
+    if height != 450:
+        fig.update_layout(height=height)
     if clickable:
         # Every click lands on the nearest cell's point, wherever in the cell it is.
         fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
     fig.update_xaxes(title="head", type="category")
     fig.update_yaxes(autorange="reversed", type="category")
+    if clickable and len(panels) == 1:
+        # The cells fill the panel exactly: the clickable points' markers would otherwise pad the axes'
+        # autorange, moving each row off its cell by a growing amount (a row down by layer 17 of 30).
+        n_layers, n_heads = frame["layer"].nunique(), frame["head"].nunique()
+        fig.update_xaxes(autorange=False, range=[-0.5, n_heads - 0.5])
+        fig.update_yaxes(autorange=False, range=[n_layers - 0.5, -0.5])
     for r in range(1, n_rows + 1):
         fig.update_yaxes(title="layer", row=r, col=1)
     return fig

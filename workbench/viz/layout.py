@@ -12,6 +12,16 @@ from workbench.analysis.common import check_choice
 from workbench.viz._common import _template
 
 
+def _one_fixed_scale(left: go.Figure, right: go.Figure) -> bool:
+    """Whether each figure is one heatmap, and both have the same colour scale with the same fixed ends."""
+    maps = [[t for t in f.data if isinstance(t, go.Heatmap)] for f in (left, right)]
+    if any(len(m) != 1 for m in maps):
+        return False
+    a, b = maps[0][0], maps[1][0]
+    return (a.coloraxis is None and b.coloraxis is None and a.zmin is not None and a.zmax is not None
+            and (a.zmin, a.zmax) == (b.zmin, b.zmax) and a.colorscale == b.colorscale)
+
+
 def side_by_side(left: go.Figure, right: go.Figure, titles: Optional[tuple[str, str]] = None,
                  theme: Optional[str] = "default") -> go.Figure:
     """Two figures in one row (e.g. a model clean and ablated, or two models)."""
@@ -20,19 +30,30 @@ def side_by_side(left: go.Figure, right: go.Figure, titles: Optional[tuple[str, 
             raise ValueError("side_by_side takes single-panel figures; this one has several subplots")
     titles = titles or tuple((f.layout.title.text or "") for f in (left, right))
     spacing = 0.28  # room for the left panel's colour bar and the right panel's tick labels
+    # Two heatmaps on one fixed scale (two attention patterns, 0 to 1) share one colour bar, at the
+    # right: the left one's, between the panels, ran into the right panel's axis title once its tick
+    # labels were a real tokenizer's words.
+    shared = _one_fixed_scale(left, right)
+    spacing = 0.16 if shared else spacing  # no bar between the panels: the right one's tick labels only
     fig = make_subplots(rows=1, cols=2, subplot_titles=titles, horizontal_spacing=spacing)
     for col, source in ((1, left), (2, right)):
         for trace in source.data:
             trace = go.Figure(trace).data[0]  # a copy, so the source figure is left alone
-            if isinstance(trace, go.Heatmap) and trace.coloraxis is None:
+            if isinstance(trace, go.Heatmap) and trace.coloraxis is None and shared:
+                trace.update(showscale=col == 2, colorbar=dict(x=1.0, len=0.9, thickness=12))
+            elif isinstance(trace, go.Heatmap) and trace.coloraxis is None:
                 trace.update(colorbar=dict(x=0.5 - spacing / 2 + 0.01 if col == 1 else 1.0, len=0.9, thickness=12))
             if isinstance(trace, go.Heatmap) and trace.coloraxis is not None:
                 axis = source.layout.coloraxis
                 trace.update(coloraxis=None, colorscale=axis.colorscale, zmin=axis.cmin, zmax=axis.cmax,
                              showscale=col == 2)
             fig.add_trace(trace, row=1, col=col)
-        fig.update_xaxes(title=source.layout.xaxis.title.text, row=1, col=col)
-        fig.update_yaxes(title=source.layout.yaxis.title.text, autorange=source.layout.yaxis.autorange, row=1, col=col)
+        # the source's own ticks (every token labelled, say), so thin_ticks can thin them after
+        ticks = lambda ax: {k: v for k, v in dict(type=ax.type, tickmode=ax.tickmode, tickvals=ax.tickvals,  # noqa: E731
+                                                      ticktext=ax.ticktext).items() if v is not None}
+        fig.update_xaxes(title=source.layout.xaxis.title.text, **ticks(source.layout.xaxis), row=1, col=col)
+        fig.update_yaxes(title=source.layout.yaxis.title.text, autorange=source.layout.yaxis.autorange,
+                         **ticks(source.layout.yaxis), row=1, col=col)
     named = any(trace.name for trace in fig.data)
     fig.update_layout(template=_template(theme), showlegend=named)
     return fig
