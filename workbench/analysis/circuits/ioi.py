@@ -177,11 +177,11 @@ def logit_diff_direct_effects(runner, io: Sequence[int], s: Sequence[int]) -> Te
     direction = (model.W_U[:, io] - model.W_U[:, s]).T  # [batch, d_model]
     bias = (model.b_U[io] - model.b_U[s]) if getattr(model, "b_U", None) is not None else 0.0
 
-    def diff(x: Tensor) -> Tensor:  # [..., batch, d_model] -> [..., batch]
+    def diff(x: Tensor) -> Tensor:  # [n, batch, d_model] -> [n, batch]
         return (model.ln_final(x) * direction).sum(-1) + bias
 
     with torch.no_grad():
-        clean = diff(last).mean()
+        clean = diff(last[None])[0].mean()
         patched = diff(last + runner.delta[:, :, -1]).mean(-1)  # [senders]
     return (patched - clean).cpu()
 
