@@ -15,7 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ["param_table", "kv_cache_gqa", "head_ablation_sweep", "lens_comparison", "norm_placement_depth",
                "component_swap", "steering_sweep", "circuit_benchmark", "prompt_patching", "block_eras", "grokking",
-               "mib_circuits", "synth_sae_bench", "real_induction", "real_lenses"]
+               "mib_circuits", "synth_sae_bench", "real_induction", "real_lenses", "real_ioi"]
 sys.path.insert(0, str(REPO / "experiments"))
 
 

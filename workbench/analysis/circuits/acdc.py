@@ -21,7 +21,7 @@ threshold sweep.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -44,19 +44,29 @@ def distance_fn(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], kl: bool
 
 
 def acdc(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], threshold: float, kl: bool,
-         progress: ProgressLike = False) -> tuple[Tensor, np.ndarray]:
+         progress: ProgressLike = False, start: Optional[Tensor] = None) -> tuple[Tensor, np.ndarray]:
     """(the kept-edge mask [senders, receivers], each edge's score) after greedy pruning;
-    ``progress`` (True: a tqdm bar; or ``progress(done, total)``) counts receivers visited."""
+    ``progress`` (True: a tqdm bar; or ``progress(done, total)``) counts receivers visited.
+
+    ``start``: a mask [senders, receivers] to prune from instead of the whole graph (its edges are
+    the only ones tried; every other edge is corrupted from the start, and scores 0). On a model
+    too large to try every edge, ACDC restricted to the top edges of a cheaper method's ranking."""
     g = runner.graph
     distance = distance_fn(runner, metric, kl)
     keep = g.full_mask()
-    current = distance(runner.metric_of(metric, keep, from_stage=int(g.receiver_stage.max()) + 1))
+    if start is not None:
+        if tuple(start.shape) != tuple(keep.shape):
+            raise ValueError(f"start must be a mask of shape {tuple(keep.shape)} [senders, receivers], "
+                             f"got {tuple(start.shape)}")
+        keep = (start.to(keep) * g.adjacency > 0.5).to(keep.dtype)
+    whole = None if start is not None else int(g.receiver_stage.max()) + 1  # the whole graph: the clean run
+    current = distance(runner.metric_of(metric, keep, from_stage=whole))
     scores = np.zeros(g.n_edges)
     adjacency = g.adjacency.numpy()
     sender_of_node = {node: i for i, node in enumerate(g.senders)}
     bar = Progress(progress, len(g.receivers), "ACDC")
     for r in _counted(range(len(g.receivers) - 1, -1, -1), bar):
-        senders = np.nonzero(adjacency[:, r])[0][::-1]
+        senders = np.nonzero(adjacency[:, r] * keep[:, r].numpy())[0][::-1]
         node = g.node_of_receiver(r)
         if node[0] != "logits" and not bool(keep[sender_of_node[node]].any()):
             keep[senders.copy(), r] = 0.0  # nothing reads this node any more: its inputs cannot matter

@@ -141,14 +141,16 @@ def faithfulness_curve(
     absolute: bool = False,
     percentages: Sequence[float] = PERCENTAGES,
     graph: Optional[ComputationGraph] = None,
+    runner: Optional[EdgeRunner] = None,
 ) -> pd.DataFrame:
     """Faithfulness of the circuit of each size: one row per fraction, with the edges asked for
     (``n_chosen``), the edges left after pruning (``n_edges``) and ``faithfulness``.
 
     ``scores``: one importance per edge (graph order), or a dict of node label -> importance for
     a node-level method (fractions are then of the scored nodes). ``absolute``: rank by |score|.
-    ``attrs``: clean, corrupted (the metric of the two runs)."""
-    runner = EdgeRunner(model, ds, graph)
+    ``runner``: an ``EdgeRunner`` of ``ds`` already built (its clean and corrupted runs are reused;
+    ``ds`` and ``graph`` are then not read). ``attrs``: clean, corrupted (the metric of the two runs)."""
+    runner = EdgeRunner(model, ds, graph) if runner is None else runner
     g = runner.graph
     clean, corrupted = runner.endpoints(metric)
     if clean == corrupted:
