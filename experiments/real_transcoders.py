@@ -79,6 +79,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences")
     p.add_argument("--ce-seqs", type=int, default=8, help="held-out sequences for the spliced losses")
     p.add_argument("--d-sae", type=int, default=1024, help="features per transcoder")
+    p.add_argument("--kind", choices=("relu", "topk"), default="relu",
+                   help="the transcoders' activation: relu (ReLU + L1, the trainer's default coefficient) or topk "
+                        "(each token keeps its --k largest pre-activations; no penalty, AuxK for dead features)")
+    p.add_argument("--k", type=int, default=32, help="--kind topk: features per token")
     p.add_argument("--steps", type=int, default=400, help="training steps per transcoder, at most (see --train-minutes)")
     p.add_argument("--batch-size", type=int, default=256, help="rows per training step")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (5 warmup steps, no decay)")
@@ -106,6 +110,8 @@ def parse(argv=None) -> argparse.Namespace:
     if args.train_seqs % args.eval_seqs or min(args.train_seqs, args.eval_seqs, args.ce_seqs) < 1:
         raise SystemExit(f"--train-seqs ({args.train_seqs}) must be a positive multiple of --eval-seqs "
                          f"({args.eval_seqs}), and --ce-seqs ({args.ce_seqs}) positive")
+    if args.kind == "topk" and not 1 <= args.k <= args.d_sae:
+        raise SystemExit(f"--k ({args.k}) must lie in [1, --d-sae={args.d_sae}]")
     if args.ce_seqs > args.eval_seqs:
         raise SystemExit(f"--ce-seqs ({args.ce_seqs}) must be at most --eval-seqs ({args.eval_seqs})")
     return args
@@ -182,7 +188,8 @@ def train(model, store, folders: list[Path], args) -> tuple[list, list[float], l
             history.append(row["step"])
             return bool(budget) and time.perf_counter() - started > budget
 
-        trained = an.train_sae(store, out=folder, model=model, kind="skip_transcoder", d_sae=args.d_sae, steps=args.steps,
+        topk = dict(activation="topk", k=args.k) if args.kind == "topk" else {}
+        trained = an.train_sae(store, out=folder, model=model, kind="skip_transcoder", d_sae=args.d_sae, steps=args.steps, **topk,
                                callback=boxed, lr=args.lr, warmup_steps=5, decay_fraction=0.0, batch_size=args.batch_size, hook=f"blocks.{layer}.ln2.hook_normalized",
                                hook_out=f"blocks.{layer}.hook_mlp_out", seed=args.seed, threads=args.threads,
                                log_every=5, save_train_state=False, eval_sequences=0, progress=False)
