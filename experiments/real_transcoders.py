@@ -94,6 +94,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--graph-nodes", type=int, default=128, help="feature rows of the graph (max_feature_nodes)")
     p.add_argument("--reuse", action="store_true",
                    help="measure the transcoders already in --out (written by this script) instead of training new ones")
+    p.add_argument("--install-from", type=Path, default=None,
+                   help="copy the finished set this script wrote under <DIR>/saes/transcoders (a run with --out DIR) "
+                        "into --out, replacing only this script's own folders there; nothing trained or measured")
     p.add_argument("--qk-only", action="store_true",
                    help="only the QK step, on the transcoders already in --out (written by this script)")
     p.add_argument("--qk-head", default="18.6", help="layer.head of the induction head whose keys are attributed "
@@ -149,6 +152,26 @@ def check_folders(folders: list[Path]) -> None:
     if foreign:
         raise SystemExit(f"{foreign[0]} (and {len(foreign) - 1} more) hold files this script did not write; nothing "
                          "was written: move them away or pass another --out")
+
+
+def install(sources: list[Path], folders: list[Path]) -> list[Path]:
+    """Copy a finished set (every layer ours, its held-out metrics recorded) into ``folders``, which
+    ``check_folders`` has cleared: only this script's files are replaced there, nothing else touched."""
+    from workbench.overwrite import read_json_dict
+
+    unfinished = [f for f in sources if not (ours(f) and "real_transcoders_metrics" in (read_json_dict(f / "sae_meta.json") or {}))]
+    if unfinished:
+        raise SystemExit(f"--install-from: {unfinished[0]} does not hold a finished transcoder this script wrote "
+                         f"({len(unfinished)} such folders); nothing was copied")
+    if any(s.resolve() == f.resolve() for s, f in zip(sources, folders) if f.exists()):
+        raise SystemExit("--install-from names --out itself; nothing was copied")
+    for source, folder in zip(sources, folders):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in FILES:
+            (folder / name).unlink(missing_ok=True)
+            if (source / name).is_file():
+                shutil.copyfile(source / name, folder / name)
+    return folders
 
 
 def text_sequences(model, args) -> tuple[torch.Tensor, dict]:
@@ -438,6 +461,10 @@ def main(argv=None) -> dict:
     out = args.out or default_out
     folders = layer_folders(out, model.cfg.n_layers)
     check_folders(folders)
+    if args.install_from:
+        install(layer_folders(args.install_from, model.cfg.n_layers), folders)
+        print(f"installed {args.install_from / 'saes' / 'transcoders'} -> {out / 'saes' / 'transcoders'}")
+        return dict(installed=folders)
     if args.qk_only:
         tcs = reuse(folders)[0]
         started = time.perf_counter()
