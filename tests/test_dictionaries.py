@@ -90,7 +90,8 @@ def best_cosine(W, F):
 def test_each_kind_recovers_planted_features(kind):
     data, F, G = planted(kind)
     tc = kind in TRANSCODERS
-    sae = train_sae(TensorActivations(data, rows_per_shard=4096), kind=kind, d_sae=48, k=2,
+    # k= given to a transcoder kind makes it TopK: these stay ReLU + L1 (TopK ones: test_topk_transcoder_...)
+    sae = train_sae(TensorActivations(data, rows_per_shard=4096), kind=kind, d_sae=48, k=None if tc else 2,
                     steps=600 if tc else 400, batch_size=256, lr=1e-2, warmup_steps=10, progress=False, threads=1,
                     **(dict(hook="x", hook_out="y") if tc else {}))
     decoder = best_cosine(sae.W_dec.detach(), G if tc else F)
