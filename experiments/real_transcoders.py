@@ -79,6 +79,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences")
     p.add_argument("--ce-seqs", type=int, default=8, help="held-out sequences for the spliced losses")
     p.add_argument("--d-sae", type=int, default=1024, help="features per transcoder")
+    p.add_argument("--kind", choices=("relu", "topk"), default="relu",
+                   help="the transcoders' activation: relu (ReLU + L1, the trainer's default coefficient) or topk "
+                        "(each token keeps its --k largest pre-activations; no penalty, AuxK for dead features)")
+    p.add_argument("--k", type=int, default=32, help="--kind topk: features per token")
     p.add_argument("--steps", type=int, default=400, help="training steps per transcoder, at most (see --train-minutes)")
     p.add_argument("--batch-size", type=int, default=256, help="rows per training step")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (5 warmup steps, no decay)")
@@ -90,6 +94,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--graph-nodes", type=int, default=128, help="feature rows of the graph (max_feature_nodes)")
     p.add_argument("--reuse", action="store_true",
                    help="measure the transcoders already in --out (written by this script) instead of training new ones")
+    p.add_argument("--install-from", type=Path, default=None,
+                   help="copy the finished set this script wrote under <DIR>/saes/transcoders (a run with --out DIR) "
+                        "into --out, replacing only this script's own folders there; nothing trained or measured")
     p.add_argument("--qk-only", action="store_true",
                    help="only the QK step, on the transcoders already in --out (written by this script)")
     p.add_argument("--qk-head", default="18.6", help="layer.head of the induction head whose keys are attributed "
@@ -106,6 +113,8 @@ def parse(argv=None) -> argparse.Namespace:
     if args.train_seqs % args.eval_seqs or min(args.train_seqs, args.eval_seqs, args.ce_seqs) < 1:
         raise SystemExit(f"--train-seqs ({args.train_seqs}) must be a positive multiple of --eval-seqs "
                          f"({args.eval_seqs}), and --ce-seqs ({args.ce_seqs}) positive")
+    if args.kind == "topk" and not 1 <= args.k <= args.d_sae:
+        raise SystemExit(f"--k ({args.k}) must lie in [1, --d-sae={args.d_sae}]")
     if args.ce_seqs > args.eval_seqs:
         raise SystemExit(f"--ce-seqs ({args.ce_seqs}) must be at most --eval-seqs ({args.eval_seqs})")
     return args
@@ -145,6 +154,26 @@ def check_folders(folders: list[Path]) -> None:
                          "was written: move them away or pass another --out")
 
 
+def install(sources: list[Path], folders: list[Path]) -> list[Path]:
+    """Copy a finished set (every layer ours, its held-out metrics recorded) into ``folders``, which
+    ``check_folders`` has cleared: only this script's files are replaced there, nothing else touched."""
+    from workbench.overwrite import read_json_dict
+
+    unfinished = [f for f in sources if not (ours(f) and "real_transcoders_metrics" in (read_json_dict(f / "sae_meta.json") or {}))]
+    if unfinished:
+        raise SystemExit(f"--install-from: {unfinished[0]} does not hold a finished transcoder this script wrote "
+                         f"({len(unfinished)} such folders); nothing was copied")
+    if any(s.resolve() == f.resolve() for s, f in zip(sources, folders) if f.exists()):
+        raise SystemExit("--install-from names --out itself; nothing was copied")
+    for source, folder in zip(sources, folders):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in FILES:
+            (folder / name).unlink(missing_ok=True)
+            if (source / name).is_file():
+                shutil.copyfile(source / name, folder / name)
+    return folders
+
+
 def text_sequences(model, args) -> tuple[torch.Tensor, dict]:
     """[train + eval, seq_len] token ids of the stdlib docstrings, shuffled with the seed."""
     from real_lenses import TEXT_MODULES, stdlib_text, tokenize
@@ -182,7 +211,8 @@ def train(model, store, folders: list[Path], args) -> tuple[list, list[float], l
             history.append(row["step"])
             return bool(budget) and time.perf_counter() - started > budget
 
-        trained = an.train_sae(store, out=folder, model=model, kind="skip_transcoder", d_sae=args.d_sae, steps=args.steps,
+        topk = dict(activation="topk", k=args.k) if args.kind == "topk" else {}
+        trained = an.train_sae(store, out=folder, model=model, kind="skip_transcoder", d_sae=args.d_sae, steps=args.steps, **topk,
                                callback=boxed, lr=args.lr, warmup_steps=5, decay_fraction=0.0, batch_size=args.batch_size, hook=f"blocks.{layer}.ln2.hook_normalized",
                                hook_out=f"blocks.{layer}.hook_mlp_out", seed=args.seed, threads=args.threads,
                                log_every=5, save_train_state=False, eval_sequences=0, progress=False)
@@ -431,6 +461,10 @@ def main(argv=None) -> dict:
     out = args.out or default_out
     folders = layer_folders(out, model.cfg.n_layers)
     check_folders(folders)
+    if args.install_from:
+        install(layer_folders(args.install_from, model.cfg.n_layers), folders)
+        print(f"installed {args.install_from / 'saes' / 'transcoders'} -> {out / 'saes' / 'transcoders'}")
+        return dict(installed=folders)
     if args.qk_only:
         tcs = reuse(folders)[0]
         started = time.perf_counter()

@@ -90,7 +90,8 @@ def best_cosine(W, F):
 def test_each_kind_recovers_planted_features(kind):
     data, F, G = planted(kind)
     tc = kind in TRANSCODERS
-    sae = train_sae(TensorActivations(data, rows_per_shard=4096), kind=kind, d_sae=48, k=2,
+    # k= given to a transcoder kind makes it TopK: these stay ReLU + L1 (TopK ones: test_topk_transcoder_...)
+    sae = train_sae(TensorActivations(data, rows_per_shard=4096), kind=kind, d_sae=48, k=None if tc else 2,
                     steps=600 if tc else 400, batch_size=256, lr=1e-2, warmup_steps=10, progress=False, threads=1,
                     **(dict(hook="x", hook_out="y") if tc else {}))
     decoder = best_cosine(sae.W_dec.detach(), G if tc else F)
@@ -518,6 +519,41 @@ def test_transcoder_trains_on_a_store_and_splices(model, store):
     clean = model(tokens)
     with an.spliced(model, tc, error_term=True):
         assert (model(tokens) - clean).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", TRANSCODERS)
+def test_topk_transcoder_trains_through_train_sae_saves_and_splices(model, store, tmp_path, kind):
+    """k= given for a transcoder kind trains a TopK one: k features per token (torch.topk of the
+    pre-activations as the reference), no L1, the same after saving, and the model with error terms."""
+    k = 5
+    tc = train_sae(store, kind=kind, d_sae=32, k=k, hook=TC_IN, hook_out=TC_OUT, steps=20, batch_size=128, lr=1e-2,
+                   progress=False, eval_sequences=0, log_every=5, out=tmp_path / "tc")
+    assert tc.cfg.k == k and (tc.history["sparsity_loss"] == 0).all()
+    tokens = torch.randint(0, 40, (3, 8))
+    _, cache = model.run_with_cache(tokens, names_filter=[TC_IN, TC_OUT])
+    x = cache[TC_IN].detach()
+    acts = tc.encode(x)
+    assert ((acts > 0).sum(-1) == k).all()  # L0 == k per token
+    values, indices = tc.pre_acts(x).topk(k, dim=-1)
+    torch.testing.assert_close(acts, torch.zeros_like(acts).scatter(-1, indices, values.relu()))
+    pre = tc.pre_acts(x.flatten(0, 1))  # training decodes the kept entries (and the skip path): the same map
+    torch.testing.assert_close(tc.train_decode(tc.train_encode(pre), x.flatten(0, 1)), tc(x.flatten(0, 1)),
+                               atol=1e-5, rtol=1e-5)
+    m, _ = an.dictionaries.reconstruction_metrics(tc, store.subset([store.n_shards - 1]))
+    assert m["l0"] == pytest.approx(k)
+    loaded = load_dictionary(tmp_path / "tc")
+    assert type(loaded) is type(tc) and loaded.cfg.k == k
+    assert json.loads((tmp_path / "tc" / "cfg.json").read_text())["architecture"] == kind  # what the Graph page reads
+    torch.testing.assert_close(loaded.encode(x), acts)
+    clean = model(tokens)
+    with an.spliced(model, loaded, error_term=True):
+        assert (model(tokens) - clean).abs().max() <= 1e-5
+    with an.spliced(model, loaded):  # without: the transcoder's output replaces the MLP's
+        spliced = model(tokens)
+    mlp_in = model.run_with_cache(tokens, names_filter=[TC_IN])[1][TC_IN]
+    assert (spliced - clean).abs().max() > 1e-4 and mlp_in.shape == x.shape
+    with pytest.raises(ValueError, match="integer k in \\[1, d_sae=32\\]"):
+        train_sae(store, kind=kind, d_sae=32, k=40, hook=TC_IN, hook_out=TC_OUT, steps=2, progress=False)
 
 
 def test_trainer_bad_input(model, store, tmp_path):

@@ -277,3 +277,37 @@ def test_real_transcoders_quick_saves_a_transcoder_set_and_its_numbers_hold_agai
     with pytest.raises(SystemExit, match="did not write"):
         module.main(["--quick", "--out", str(out), "--run-dir", str(run), "--threads", "1"])
     assert (folders[1] / "notes.txt").read_text() == "mine"
+
+
+def test_real_transcoders_quick_topk_replaces_its_own_set_with_k_features_per_token(tmp_path):
+    """--kind topk: every layer's saved transcoder keeps k features per held-out token and its edges
+    still equal interventions; --install-from copies the set over the script's own ReLU set (and
+    refuses a folder holding a file it did not write)."""
+    from workbench.analysis import load_dictionary
+
+    module = importlib.import_module("real_transcoders")
+    out, trial = tmp_path / "ckpt", tmp_path / "trial"
+    module.main(["--quick", "--out", str(out), "--run-dir", str(tmp_path / "relu"), "--threads", "1", "--qk-head", ""])
+    r = module.main(["--quick", "--kind", "topk", "--k", "8", "--out", str(trial), "--run-dir", str(tmp_path / "topk"),
+                     "--threads", "1", "--qk-head", ""])
+    module.main(["--quick", "--install-from", str(trial), "--out", str(out)])  # over the script's own ReLU set
+    for layer in range(r["model"].cfg.n_layers):
+        for name in ("cfg.json", "sae_meta.json", "sae_weights.safetensors"):
+            rel = Path("saes") / "transcoders" / f"layer{layer}" / name
+            assert (out / rel).read_bytes() == (trial / rel).read_bytes()
+    model = r["model"]
+    _, cache = model.run_with_cache(r["eval_tokens"])
+    for layer in range(model.cfg.n_layers):
+        tc = load_dictionary(out / "saes" / "transcoders" / f"layer{layer}")
+        assert tc.cfg.k == 8 and tc.cfg.kind == "skip_transcoder"
+        x = cache[f"blocks.{layer}.ln2.hook_normalized"][:, 1:].reshape(-1, model.cfg.d_model)
+        assert ((tc.encode(x) > 0).sum(-1) == 8).all()
+    assert (r["layers"].l0 == 8).all()
+    (out / "saes" / "transcoders" / "layer0" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="did not write"):
+        module.main(["--quick", "--install-from", str(trial), "--out", str(out)])
+    assert (out / "saes" / "transcoders" / "layer0" / "notes.txt").read_text() == "mine"
+    with pytest.raises(SystemExit, match="--k \\(0\\) must lie in"):
+        module.parse(["--quick", "--kind", "topk", "--k", "0"])
+    edges = r["edges"]
+    assert len(edges) > 0 and (edges.abs_diff <= 1e-4 * edges.edge.abs().clip(lower=1)).all()

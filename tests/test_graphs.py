@@ -42,13 +42,13 @@ LAYOUTS = {
 }
 
 
-def _transcoders(model, kind: str = "skip_transcoder", d_sae: int = 48, seed: int = 0) -> list:
+def _transcoders(model, kind: str = "skip_transcoder", d_sae: int = 48, seed: int = 0, k: int = 0) -> list:
     """Random transcoders at a realistic scale: decoders sized to the MLP's output, about a third firing."""
     g = torch.Generator().manual_seed(seed)
     out = []
     d = model.cfg.d_model
     for layer in range(model.cfg.n_layers):
-        tc = make_dictionary(DictionaryConfig(kind=kind, d_in=d, d_sae=d_sae, d_out=d,
+        tc = make_dictionary(DictionaryConfig(kind=kind, d_in=d, d_sae=d_sae, d_out=d, k=k,
                                               hook_name=f"blocks.{layer}.ln2.hook_normalized",
                                               hook_name_out=f"blocks.{layer}.hook_mlp_out"))
         tc.init_weights(g)
@@ -138,6 +138,23 @@ def test_replacement_model_and_edges(name):
     graph = attribution_graph(model, tcs, tokens, batch_size=32)
     assert graph.meta["n_active_features"] > 20
     assert _check_edges(model, graph) == 6  # (b) all six source-kind x target-kind pairs have edges that were checked
+
+
+@pytest.mark.parametrize("kind", ["transcoder", "skip_transcoder"])
+def test_topk_transcoder_graph_edges_are_interventions(kind):
+    """TopK transcoders (circuit-tracer's form): once the graph freezes each token's active set, the
+    map is linear, so every edge is still the direct effect of zeroing its source."""
+    model = _model(**LAYOUTS["pre-rmsnorm-rope-swiglu-gqa"])
+    tcs = _transcoders(model, kind=kind, k=6)
+    tokens = torch.randint(0, 40, (1, 7))
+    rs = replacement_set(tcs)
+    cap = capture(model, rs, tokens)[0]
+    assert all(((a > 0).sum(-1) <= 6).all() and ((a > 0).sum(-1) >= 1).all() for a in cap.acts)
+    torch.testing.assert_close(cap.acts[0], tcs[0].encode(cap.x_in[0]))
+    with torch.no_grad():
+        torch.testing.assert_close(frozen_forward(model, rs, cap)()[0], model(tokens)[0], atol=ATOL, rtol=0)
+    graph = attribution_graph(model, tcs, tokens, batch_size=32)
+    assert _check_edges(model, graph) == 6
 
 
 def _clt(activation: str, skip: bool, seed: int = 0) -> CrossLayerTranscoder:

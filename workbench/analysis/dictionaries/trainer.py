@@ -69,6 +69,7 @@ METRIC_COLUMNS = ["step", "loss", "mse", "sparsity_loss", "aux_loss", "l0", "exp
 # on planted-feature data (inputs scaled to mean norm sqrt(d)); TopK-style kinds need none.
 DEFAULT_SPARSITY = {"relu": 1.0, "jumprelu": 0.3, "transcoder": 0.3, "skip_transcoder": 0.3, "clt": 0.3}
 AUX_K_KINDS = ("topk", "batchtopk", "matryoshka_batchtopk")
+TRANSCODER_KINDS = ("transcoder", "skip_transcoder")
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ class SAETrainConfig:
     k: float = option(32.0, "TopK: features per token; BatchTopK: mean features per token")
     hook: str = option("", "the store hook to read (default: the store's only hook); a transcoder's input")
     hook_out: str = option("", "a transcoder's output hook (e.g. blocks.1.hook_mlp_out)")
-    activation: str = option("jumprelu", "a CLT's activation: jumprelu (L0 penalty) or topk (k per token and layer)")
+    activation: str = option("jumprelu", "a CLT's activation: jumprelu (L0 penalty) or topk (k per token and layer); "
+                             "a transcoder's: topk (k per token), else ReLU + L1")
     skip: bool = option(False, "a CLT with a linear skip path per layer")
     steps: int = option(2000, "optimizer steps in total (a resumed run continues up to this)")
     batch_size: int = option(4096, "activation rows per step, summed over processes")
@@ -118,6 +120,8 @@ class SAETrainConfig:
             raise ValueError(f"activation={self.activation!r} is not a CLT activation; choose jumprelu or topk")
         if self.kind == "clt" and self.activation == "topk" and not (float(self.k).is_integer() and 1 <= self.k <= self.d_sae):
             raise ValueError(f"a TopK CLT needs an integer k in [1, d_sae={self.d_sae}] (per token and layer), got {self.k:g}")
+        if self.topk_transcoder and not (float(self.k).is_integer() and 1 <= self.k <= self.d_sae):
+            raise ValueError(f"a TopK {self.kind} needs an integer k in [1, d_sae={self.d_sae}] (per token), got {self.k:g}")
         if self.kind in AUX_K_KINDS and not 0 < self.k <= self.d_sae:
             raise ValueError(f"k={self.k:g} must lie in (0, d_sae={self.d_sae}] for kind={self.kind!r}")
 
@@ -135,11 +139,23 @@ class SAETrainConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def topk_transcoder(self) -> bool:
+        """A per-layer transcoder with the TopK activation (``activation="topk"``)."""
+        return self.kind in TRANSCODER_KINDS and self.activation == "topk"
+
+    @property
+    def aux_k(self) -> bool:
+        """Whether the AuxK dead-feature loss applies (TopK-style kinds, TopK transcoders)."""
+        return (self.kind in AUX_K_KINDS or self.topk_transcoder) and self.aux_k_coefficient > 0
+
+    @property
     def peak_lr(self) -> float:
         return self.lr or 2e-4 / math.sqrt(self.d_sae / 2**14)
 
     @property
     def sparsity(self) -> float:
+        if self.topk_transcoder:
+            return 0.0  # k sets the sparsity
         return self.sparsity_coefficient or DEFAULT_SPARSITY.get(self.kind, 0.0)
 
     def lr_at(self, step: int) -> float:
@@ -179,6 +195,8 @@ def train_sae(
     The returned dictionary takes raw activations; ``sae.history`` is the logged DataFrame.
     """
     given = {k_: v for k_, v in dict(kind=kind, d_sae=d_sae, k=k, steps=steps).items() if v is not None}
+    if k is not None and "activation" not in overrides and (kind or (config and config.kind)) in TRANSCODER_KINDS:
+        given["activation"] = "topk"  # k= given for a transcoder asks for a TopK one (ReLU + L1 has no k)
     config = (config or SAETrainConfig()).replace(**given, **overrides)
     if isinstance(source, (str, Path)):
         source = ActivationStore(source)
@@ -349,7 +367,7 @@ def _losses(sae: AnyDictionary, x: torch.Tensor, y: torch.Tensor, config: SAETra
     inner = sum(getattr(sae, "inner_losses", lambda *_: {})(acts, y).values(), mse.new_zeros(()))
     sparsity = sum(sae.sparsity_loss(acts, pre, config.sparsity_at(step)).values(), mse.new_zeros(()))
     aux = mse.new_zeros(())
-    if config.kind in AUX_K_KINDS and config.aux_k_coefficient:
+    if config.aux_k:
         aux = config.aux_k_coefficient * aux_k_loss(sae, pre, y - recons, dead)
     return {"loss": mse + inner + sparsity + aux, "mse": mse, "sparsity_loss": sparsity, "aux_loss": aux, "acts": acts,
             "recons": recons, "rows": len(x)}
@@ -464,7 +482,7 @@ def _dictionary_config(config: SAETrainConfig, layout: _Layout, source) -> Dicti
                           k=int(config.k) if config.activation == "topk" else 0, skip=config.skip, **model)
     transcoder = layout.outs != layout.ins
     return DictionaryConfig(kind=config.kind, d_in=d_in, d_sae=config.d_sae, d_out=d_out if transcoder else 0,
-                            k=config.k if config.kind in AUX_K_KINDS else 0, hook_name=layout.ins[0],
+                            k=config.k if config.kind in AUX_K_KINDS or config.topk_transcoder else 0, hook_name=layout.ins[0],
                             hook_name_out=layout.outs[0] if transcoder else "",
                             hook_shape=tuple(source.hook_shape(layout.ins[0])), extra=_extra(config), **model)
 

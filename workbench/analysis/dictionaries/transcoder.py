@@ -10,7 +10,9 @@ width may differ from the output's).
 
 With ``k`` set in the config (``DictionaryConfig(kind="transcoder", ..., k=16)``) the activation is
 TopK instead of ReLU: each token keeps its k largest pre-activations, the form circuit-tracer's
-TopK transcoders take (they are built in code; its files hold ReLU and JumpReLU ones).
+TopK transcoders take (they are built in code; its files hold ReLU and JumpReLU ones). ``train_sae``
+trains one with ``activation="topk"`` and ``k`` (or just ``k=`` given to it): no L1 then, AuxK for
+dead features as for TopK SAEs, and training decodes only the kept entries.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from workbench.analysis.dictionaries.topk import topk_relu, topk_sparse
-from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
+from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig, SparseActs
 
 
 class Transcoder(Dictionary):
@@ -42,7 +44,17 @@ class Transcoder(Dictionary):
     def sparse_activate(self, pre: Tensor) -> Optional[tuple[Tensor, Tensor]]:
         return topk_sparse(pre, self.cfg.k) if self.cfg.k else None
 
-    def sparsity_loss(self, acts: Tensor, pre: Tensor, coefficient: float) -> dict[str, Tensor]:
+    def train_encode(self, pre: Tensor):
+        if not self.cfg.k:
+            return self.train_activate(pre)
+        k = int(self.cfg.k)  # TopK: the kept entries only, as TopKSAE trains
+        values, indices = pre.topk(k, dim=-1, sorted=False)
+        offsets = torch.arange(0, pre.shape[0] * k, k, device=pre.device)
+        return SparseActs(values.relu().flatten(), indices.flatten(), offsets, pre.shape[0])
+
+    def sparsity_loss(self, acts, pre: Tensor, coefficient: float) -> dict[str, Tensor]:
+        if self.cfg.k:  # TopK: k sets the sparsity, no penalty
+            return {}
         return {"l1": coefficient * acts.abs().sum(-1).mean()}
 
 
@@ -58,6 +70,11 @@ class SkipTranscoder(Transcoder):
         if x is None:
             raise ValueError("a skip-transcoder's output depends on its input: call decode(acts, x)")
         return acts @ self.W_dec + self.b_dec + x.to(self.W_skip.dtype) @ self.W_skip.T
+
+    def train_decode(self, acts, x: Tensor) -> Tensor:
+        if isinstance(acts, SparseActs):  # the base decodes the bags; the skip path is added here
+            return super().train_decode(acts, x) + x.to(self.W_skip.dtype) @ self.W_skip.T
+        return self.decode(acts, x)
 
     def decode_sparse(self, values: Tensor, indices: Tensor, x: Optional[Tensor] = None) -> Tensor:
         if x is None:
