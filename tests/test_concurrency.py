@@ -204,3 +204,40 @@ def test_a_training_survives_another_save_dropping_its_snapshots_mid_save(tmp_pa
     assert torch.equal(wb.load_checkpoint(out)[0].W_E, result.model.W_E)  # the run's final model, whole
     with pytest.warns(UserWarning, match=r"step-000002.safetensors \(missing\)"):  # the one the other save dropped
         assert wb.load_series(out).steps == [4]  # the snapshot written after the race is kept
+
+
+def test_a_read_whose_folder_is_replaced_mid_read_reads_the_new_version(tmp_path, monkeypatch):
+    """The lock-free first read can lose its folder to a writer's swap between listing it and opening
+    model.safetensors: safetensors then raises its own RuntimeError (not a CheckpointError), which
+    escaped to the caller (seen once in a full suite run of the test above). The read is retried under
+    the lock and returns the writer's version."""
+    import workbench.checkpoint as ck
+
+    old, new = wb.HookedDecoder(tiny(seed=0)), wb.HookedDecoder(tiny(seed=1))
+    shared = tmp_path / "shared"
+    wb.save_checkpoint(old, shared)
+    real, calls = ck._load_once, []
+
+    def swapped_mid_read(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 1:  # another session replaces the folder while this read is under way
+            wb.save_checkpoint(new, shared)
+            raise RuntimeError(f"unable to open file <{path}/model.safetensors> in read-only mode: "
+                               "No such file or directory (2)")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ck, "_load_once", swapped_mid_read)
+    model, _ = wb.load_checkpoint(shared)
+    assert torch.equal(model.W_E, new.W_E) and len(calls) == 2
+
+    # a failure on a folder nobody touched is still the caller's to see, once
+    calls.clear()
+
+    def broken(path, *args, **kwargs):
+        calls.append(path)
+        raise RuntimeError("a damaged file")
+
+    monkeypatch.setattr(ck, "_load_once", broken)
+    with pytest.raises(RuntimeError, match="a damaged file"):
+        wb.load_checkpoint(shared)
+    assert len(calls) == 1

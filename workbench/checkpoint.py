@@ -548,7 +548,10 @@ def load_checkpoint(
     if before is not None or not _being_written(path):
         try:  # without the lock first: reading never waits for anyone, nor needs a writable folder
             loaded = _load_once(path, device, dtype, **options)
-        except CheckpointError:
+        except Exception:
+            # Any failure (a CheckpointError, or safetensors' own RuntimeError "unable to open file"
+            # when a writer moved the folder away between our listing and our open) is ours to
+            # report only if the folder stayed the one we started on; otherwise read again below.
             if _identity(path) == before:
                 raise
         else:
