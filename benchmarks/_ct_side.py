@@ -15,7 +15,6 @@ targets and probabilities, circuit-tracer's pruning masks at 0.8 / 0.98) and ``t
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -28,16 +27,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 
-def peak_mb() -> float:
-    """This process's peak resident memory in MB: Linux's VmHWM, which an exec starts afresh. Not ru_maxrss: Linux
-    carries the pre-exec high-water mark across execve, so a child forked from a large parent reported the parent's."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from _memory import peak_mb  # noqa: E402  (the benchmarks' folder is on sys.path: the script's own)
 
 
 def tokenizer_dir(d_vocab: int) -> str:

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -148,16 +147,7 @@ def export(model, tcs, tokens, exchange: Path) -> None:
     (exchange / "tokens.json").write_text(json.dumps(tokens.tolist()))
 
 
-def peak_mb() -> float:
-    """This process's peak resident memory in MB: Linux's VmHWM, which an exec starts afresh. Not ru_maxrss: Linux
-    carries the pre-exec high-water mark across execve, so a child forked from a large parent reported the parent's."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from _memory import peak_mb  # noqa: E402  (the benchmarks' folder is on sys.path: the script's own)
 
 
 def child_ours(args) -> None:

@@ -62,7 +62,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -235,16 +234,7 @@ def _status(field: str) -> int:
     return 0
 
 
-def peak_mb() -> float:
-    """This process's peak resident memory in MB: Linux's VmHWM, which an exec starts afresh. Not ru_maxrss: Linux
-    carries the pre-exec high-water mark across execve, so a child forked from a large parent reported the parent's."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from _memory import peak_mb  # noqa: E402  (the benchmarks' folder is on sys.path: the script's own)
 
 
 def peak_growth(fn: Callable) -> Optional[float]:
