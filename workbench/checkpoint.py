@@ -35,7 +35,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from safetensors.torch import save_file
@@ -229,6 +229,20 @@ def locked(path: Union[str, Path], timeout: Optional[float] = None) -> Iterator[
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock_path)  # while still holding it: see the samestat check above
         os.close(fd)
+
+
+def hold_now(path: Union[str, Path], busy: Callable[[str], Exception]) -> contextlib.ExitStack:
+    """``path``'s write lock (``locked``), taken without waiting and held by the returned stack.
+
+    When another process holds it, raises ``busy(by)`` at once, ``by`` naming the holder for the
+    caller's own message (" (process 123)", or "" when the lock file names none)."""
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(locked(path, timeout=0.0))
+    except CheckpointError:
+        holder = _read_pid(Path(path).parent / f".{Path(path).name}.lock")
+        raise busy(f" (process {holder})" if holder else "") from None
+    return stack
 
 
 def _read_pid(lock_path: Path) -> Optional[int]:

@@ -479,18 +479,10 @@ class ActivationStore(ShardedActivations):
 def _owned(out: Path):
     """The write lock of store folder ``out`` (``.<name>.lock`` beside it), held; StoreError at once when
     another collection holds it."""
-    import contextlib
+    from workbench.checkpoint import hold_now
 
-    from workbench.checkpoint import CheckpointError, _read_pid, locked
-
-    stack = contextlib.ExitStack()
-    try:
-        stack.enter_context(locked(out, timeout=0.0))
-    except CheckpointError:
-        holder = _read_pid(out.parent / f".{out.name}.lock")
-        raise StoreError(f"{out} is in use: another collection{f' (process {holder})' if holder else ''} is writing "
-                         "there now; give each collection its own folder (nothing was written)") from None
-    return stack
+    return hold_now(out, lambda by: StoreError(f"{out} is in use: another collection{by} is writing there now; give "
+                                               "each collection its own folder (nothing was written)"))
 
 
 def _collect_shard(model, src: TokenSource, hooks, rule, dtype, out: Path, k: int, first: int, n_batches: int,

@@ -227,19 +227,13 @@ def _owned(out):
     another run holds it. Nothing for ``out=None``."""
     import contextlib
 
-    from workbench.checkpoint import CheckpointError, _read_pid, locked
+    from workbench.checkpoint import hold_now
 
-    stack = contextlib.ExitStack()
     if out is None or (os.path.lexists(out) and not Path(out).is_dir()):
-        return stack  # no folder, or not one: _check_out says so
+        return contextlib.ExitStack()  # no folder, or not one: _check_out says so
     out = Path(out)
-    try:
-        stack.enter_context(locked(out, timeout=0.0))
-    except CheckpointError:
-        holder = _read_pid(out.parent / f".{out.name}.lock")
-        raise ValueError(f"{out} is in use: another training run{f' (process {holder})' if holder else ''} is "
-                         "writing there now; give each run its own out= (nothing was written)") from None
-    return stack
+    return hold_now(out, lambda by: ValueError(f"{out} is in use: another training run{by} is writing there now; "
+                                               "give each run its own out= (nothing was written)"))
 
 
 def _train(source, config: SAETrainConfig, layout: "_Layout", dist_info, device, out, model, resume: bool,

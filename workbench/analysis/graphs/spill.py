@@ -117,19 +117,15 @@ def _make(folder: Path) -> list[Path]:
 
 def _lock(folder: Path) -> contextlib.ExitStack:
     """``folder``'s spill lock, held; ValueError at once when another run holds it or the folder is read-only."""
-    from workbench.checkpoint import CheckpointError, _read_pid, locked
+    from workbench.checkpoint import hold_now
 
-    stack = contextlib.ExitStack()
     try:
-        stack.enter_context(locked(folder / LOCK_NAME, timeout=0.0))
-    except CheckpointError:
-        holder = _read_pid(folder / f".{LOCK_NAME}.lock")
-        raise ValueError(f"spill_dir {folder} is in use: another graph{f' (process {holder})' if holder else ''} is "
-                         "writing its edges there now; give each graph its own folder") from None
+        return hold_now(folder / LOCK_NAME, lambda by: ValueError(
+            f"spill_dir {folder} is in use: another graph{by} is writing its edges there now; give each graph its "
+            "own folder"))
     except OSError as e:
         raise ValueError(f"spill_dir {folder} is not writable ({e.strerror or e}): give a folder you can write "
                          "in (nothing was computed)") from None
-    return stack
 
 
 def _check_free(sub: Path) -> None:
