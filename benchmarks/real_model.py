@@ -227,35 +227,16 @@ def contender_fns(who: str, model, tokens, sweep_in, metric, n_layers: int, n_he
 
 
 # ---- memory: one fresh process per contender ------------------------------------------------------------
-def _status(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 from _memory import peak_mb  # noqa: E402  (the benchmarks' folder is on sys.path: the script's own)
+from contenders import _rss, peak_rss_growth  # noqa: E402
 
 
 def peak_growth(fn: Callable) -> Optional[float]:
-    """MiB by which one call of ``fn`` raised the resident memory above where it started (the peak reset first
-    with /proc/self/clear_refs, freed memory handed back by glibc's malloc_trim); None where Linux cannot say."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    start = _status("VmRSS:")
+    """MiB by which one call of ``fn``, without autograd, raised the resident memory above where it started
+    (``contenders.peak_rss_growth``); None where Linux cannot say."""
     with torch.no_grad():
-        out = fn()
-    growth = _status("VmHWM:") - start
-    del out
-    return growth / 2**20
+        growth = peak_rss_growth(fn)
+    return None if growth is None else growth / 2**20
 
 
 def child_memory(args) -> None:
@@ -277,8 +258,8 @@ def child_memory(args) -> None:
             if model is None:
                 print(json.dumps({"error": note}))
                 return
-    loaded = _status("VmRSS:") / 2**20
-    peak = _status("VmHWM:") / 2**20  # the load's peak; each task's below (clear_refs resets VmHWM)
+    loaded = _rss("VmRSS:") / 2**20
+    peak = _rss("VmHWM:") / 2**20  # the load's peak; each task's below (clear_refs resets VmHWM)
     fns = contender_fns(args.contender, model, tokens, sweep_in, metric, spec["n_layers"], spec["n_heads"])
     # the sweep's memory (one forward's, plus our clean cache) only with --memory-sweep: on a loaded 2-core machine
     # each contender's sweep takes minutes
@@ -288,7 +269,7 @@ def child_memory(args) -> None:
         fns["forward"]()  # a warm-up call: what the timed rounds measure is a warm process
     for task in tasks:
         result[task] = peak_growth(fns[task])
-        peak = max(peak, _status("VmHWM:") / 2**20)
+        peak = max(peak, _rss("VmHWM:") / 2**20)
     result["peak_rss_mib"] = peak
     print(json.dumps(result))
 
