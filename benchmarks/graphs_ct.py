@@ -101,21 +101,29 @@ def build(n_ctx: int, seed: int = 0, config: str = "llama"):
 
 
 def tl_state_dict(model) -> dict:
-    """Our weights under HookedTransformer's names (the layouts already agree; GQA's _W_K is W_K for MHA)."""
+    """Our weights under HookedTransformer 3's names (the layouts already agree). A GQA model keeps TL's grouped
+    ``_W_K`` / ``_W_V`` names; for MHA they are ``W_K`` / ``W_V``. A bias-free model gets TL's biases as zeros."""
     import torch
 
-    rename = {"._W_K": ".W_K", "._W_V": ".W_V", "._b_K": ".b_K", "._b_V": ".b_V", "unembed.W_U_param": "unembed.W_U"}
+    c = model.cfg
+    kv = c.n_kv_heads or c.n_heads
+    k = "_" if kv != c.n_heads else ""
+    rename = {"unembed.W_U_param": "unembed.W_U"}
+    if not k:
+        rename.update({"._W_K": ".W_K", "._W_V": ".W_V", "._b_K": ".b_K", "._b_V": ".b_V"})
     out = {}
     for name, value in model.state_dict().items():
         if name.endswith((".ln1.w", ".ln2.w", "ln_final.w", ".ln1.b", ".ln2.b", "ln_final.b")) or ".b_gate" in name:
             continue  # RMSPre / LNPre have no weight (or bias); the bias-free gated MLP's b_gate is zero and TL has none
+        if name == "embed.W_E_T":
+            continue  # a tied model's unembedding: written as unembed.W_U below
         for a, b in rename.items():
             name = name.replace(a, b)
         out[name] = value.detach().float().contiguous()
-    out["unembed.b_U"] = model.W_U.new_zeros(model.cfg.d_vocab).float()
-    c = model.cfg
+    out["unembed.W_U"] = model.W_U.detach().float().contiguous()
+    out["unembed.b_U"] = torch.zeros(c.d_vocab)
     for layer in range(c.n_layers):  # a bias-free model: HookedTransformer still has its biases, all zero
-        zeros = {"attn.b_Q": (c.n_heads, c.d_head), "attn.b_K": (c.n_heads, c.d_head), "attn.b_V": (c.n_heads, c.d_head),
+        zeros = {"attn.b_Q": (c.n_heads, c.d_head), f"attn.{k}b_K": (kv, c.d_head), f"attn.{k}b_V": (kv, c.d_head),
                  "attn.b_O": (c.d_model,), "mlp.b_in": (c.d_mlp,), "mlp.b_out": (c.d_model,)}
         for name, shape in zeros.items():
             out.setdefault(f"blocks.{layer}.{name}", torch.zeros(shape))

@@ -320,32 +320,8 @@ def folded_model(quick_dir: Optional[Path]):
     return model.eval(), ln2
 
 
-def tl_state_dict(model) -> dict:
-    """Our (folded) weights under HookedTransformer 3's names; GQA's keys and values stay ``_W_K`` / ``_W_V``."""
-    c = model.cfg
-    gqa = c.n_kv_heads not in (None, c.n_heads)
-    out = {}
-    for name, value in model.state_dict().items():
-        if name.endswith((".ln1.w", ".ln2.w", "ln_final.w")) or ".b_gate" in name:
-            continue  # RMSPre has no weight (folded); the bias-free gated MLP has no b_gate in TL
-        if not gqa:
-            name = name.replace("._W_K", ".W_K").replace("._W_V", ".W_V")
-        name = name.replace("unembed.W_U_param", "unembed.W_U")
-        out[name] = value.detach().float().contiguous()
-    out["unembed.W_U"] = model.W_U.detach().float().contiguous()
-    out.pop("embed.W_E_T", None)
-    out["unembed.b_U"] = torch.zeros(c.d_vocab)
-    kv = c.n_kv_heads or c.n_heads
-    k = "_" if gqa else ""
-    for layer in range(c.n_layers):
-        zeros = {"attn.b_Q": (c.n_heads, c.d_head), f"attn.{k}b_K": (kv, c.d_head), f"attn.{k}b_V": (kv, c.d_head),
-                 "attn.b_O": (c.d_model,), "mlp.b_in": (c.d_mlp,), "mlp.b_out": (c.d_model,)}
-        for name, shape in zeros.items():
-            out.setdefault(f"blocks.{layer}.{name}", torch.zeros(shape))
-    return out
-
-
 def export_graph(model, tcs, tokens, exchange: Path) -> None:
+    from graphs_ct import tl_state_dict  # the same export graphs_ct hands circuit-tracer
     from safetensors.torch import save_file
 
     from workbench.analysis.dictionaries.circuit_tracer import save_circuit_tracer
