@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 D_IN, D_SAE, K, WIDTHS = 12, 32, 3, [4, 8, 16, 32]
 
 
-def matryoshka(seed=0):
-    cfg = DictionaryConfig(kind="matryoshka_batchtopk", d_in=D_IN, d_sae=D_SAE, k=K, extra={"matryoshka_widths": WIDTHS})
+def perturbed(cfg: DictionaryConfig, seed: int):
+    """A dictionary of ``cfg`` with seeded weights off their initial values (biases nonzero)."""
     sae = make_dictionary(cfg)
     sae.init_weights(torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -29,6 +29,11 @@ def matryoshka(seed=0):
         sae.b_enc.copy_(0.1 * torch.randn(D_SAE, generator=g))
         sae.b_dec.copy_(0.1 * torch.randn(D_IN, generator=g))
     return sae
+
+
+def matryoshka(seed=0):
+    return perturbed(DictionaryConfig(kind="matryoshka_batchtopk", d_in=D_IN, d_sae=D_SAE, k=K,
+                                      extra={"matryoshka_widths": WIDTHS}), seed)
 
 
 def reference_loss(W_enc, b_enc, W_dec, b_dec, x, k, widths):
@@ -113,14 +118,7 @@ def test_matryoshka_parity_with_saelens_itself():
 
 # ---- ReLU (L1): the same objective as SAE Lens' StandardTrainingSAE ------------------------------------
 def relu_sae(seed=0):
-    sae = make_dictionary(DictionaryConfig(kind="relu", d_in=D_IN, d_sae=D_SAE))
-    sae.init_weights(torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed + 1)
-        sae.W_enc.add_(0.3 * torch.randn(sae.W_enc.shape, generator=g))
-        sae.b_enc.copy_(0.1 * torch.randn(D_SAE, generator=g))
-        sae.b_dec.copy_(0.1 * torch.randn(D_IN, generator=g))
-    return sae
+    return perturbed(DictionaryConfig(kind="relu", d_in=D_IN, d_sae=D_SAE), seed)
 
 
 def standard_reference_loss(W_enc, b_enc, W_dec, b_dec, x, l1):
