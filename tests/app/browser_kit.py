@@ -166,7 +166,14 @@ def assert_drawn(locator, what: str, svg: bool = True) -> None:
     locator.scroll_into_view_if_needed()
     if svg:
         assert locator.locator(".main-svg").count() > 0, f"{what}: no plot"
-    image = Image.open(BytesIO(locator.screenshot())).convert("L")
+    try:
+        shot = locator.screenshot()
+    except Exception as e:  # Streamlit redrew the figure mid-shot: the locator finds the new one, shoot it
+        if "not attached to the DOM" not in str(e):
+            raise
+        locator.wait_for(state="visible", timeout=120_000)
+        shot = locator.screenshot()
+    image = Image.open(BytesIO(shot)).convert("L")
     assert max(ImageStat.Stat(image).stddev) > 8, f"{what}: the figure is blank"
 
 
