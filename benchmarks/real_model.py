@@ -410,12 +410,59 @@ def graph_parity(out: Path, context: int, n_layers: int) -> dict:
             "max_abs_adjacency": float(A_ct.abs().max())}
 
 
-def run_child(cmd: list[str], timeout: int, env: Optional[dict] = None) -> dict:
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+class MemoryCapExceeded(RuntimeError):
+    """A child's resident memory passed ``--memory-cap-mb``: it was stopped (the machine has no more)."""
+
+
+def _child_rss_mb(pid: int) -> Optional[float]:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def run_child(cmd: list[str], timeout: int, env: Optional[dict] = None, memory_cap_mb: Optional[float] = None) -> dict:
+    """Run one child to its JSON line. With ``memory_cap_mb`` its resident memory is read twice a second and
+    the child is stopped (``MemoryCapExceeded``, naming the highest reading and when) once it passes the cap,
+    before it pushes the whole machine into swapping or the kernel's OOM killer picks a victim."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        start, high = time.perf_counter(), 0.0
+        while proc.poll() is None:
+            rss = _child_rss_mb(proc.pid) or 0.0
+            high = max(high, rss)
+            elapsed = time.perf_counter() - start
+            if memory_cap_mb is not None and rss > memory_cap_mb:
+                proc.kill()
+                proc.wait()
+                raise MemoryCapExceeded(f"stopped at {high:,.0f} MB resident after {elapsed:.0f} s "
+                                        f"(--memory-cap-mb {memory_cap_mb:,.0f}): it did not finish")
+            if elapsed > timeout:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.5)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{stderr[-3000:]}")
+    return json.loads(stdout.strip().splitlines()[-1]) if stdout.strip() else {}
+
+
+def default_memory_cap_mb() -> float:
+    """Three quarters of what the machine has available now (Linux's MemAvailable), for each graph child."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return 0.75 * int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("inf")
 
 
 def graph_task(args, out: Path, quick_dir: Optional[Path], lines: list, table: list) -> None:
@@ -453,6 +500,8 @@ def graph_task(args, out: Path, quick_dir: Optional[Path], lines: list, table: l
     n_layers = model.cfg.n_layers
     del model, tcs, mine, theirs
     _trim()  # hand the freed model back to the system while the children run
+    cap = args.memory_cap_mb if args.memory_cap_mb is not None else default_memory_cap_mb()
+    lines.append(f"graph: each graph child is stopped above {cap:,.0f} MB resident (--memory-cap-mb)")
     for context in contexts:
         row: dict = {"task": f"graph {context} tokens"}
         try:
@@ -461,16 +510,19 @@ def graph_task(args, out: Path, quick_dir: Optional[Path], lines: list, table: l
                               "--threads", str(args.threads), "--d-sae", str(args.d_sae), "--seed", str(args.seed),
                               "--max-feature-nodes", str(args.max_feature_nodes), "--graph-batch", str(args.graph_batch),
                               "--out", str(out / f"ours-{context}")],
-                             args.timeout)
+                             args.timeout, memory_cap_mb=cap)
         except (RuntimeError, subprocess.TimeoutExpired) as err:
             lines.append(f"graph {context}: ours failed: {str(err)[-600:]}")
+            row["ours_stopped"] = str(err)[-300:]
+            table.append(row)
             continue
         row["ours_s"], row["ours_peak_mb"], row["ours_nodes"] = mine["seconds"], mine["peak_rss_mb"], mine["n_nodes"]
         row["ours_graph_mb"] = mine["peak_rss_mb"] - mine["peak_rss_mb_before"]  # above the loaded process's peak
         if have_ct:
             try:
                 run_child(ct_cmd + ["--context", str(context), "--batch-size", str(args.graph_batch), "--max-feature-nodes",
-                                    str(args.max_feature_nodes), "--out", str(out / f"ct-{context}")], args.timeout, env)
+                                    str(args.max_feature_nodes), "--out", str(out / f"ct-{context}")], args.timeout, env,
+                          memory_cap_mb=cap)
                 t = json.loads((out / f"ct-{context}" / "timing.json").read_text())
                 row["ct_s"], row["ct_peak_mb"], row["ct_nodes"] = t["seconds"], t["peak_rss_mb"], t["n_nodes"]
                 row["ct_graph_mb"] = t["peak_rss_mb"] - t["peak_rss_mb_before"]
@@ -478,6 +530,7 @@ def graph_task(args, out: Path, quick_dir: Optional[Path], lines: list, table: l
                 row.update(graph_parity(out, context, n_layers))
             except (RuntimeError, subprocess.TimeoutExpired) as err:
                 lines.append(f"graph {context}: circuit-tracer failed: {str(err)[-600:]}")
+                row["ct_stopped"] = str(err)[-300:]
         row["ours_scores"] = mine.get("scores")
         table.append(row)
         print(json.dumps(row), flush=True)
@@ -508,6 +561,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ct-python", default=DEFAULT_CT_PYTHON)
     p.add_argument("--timeout", type=int, default=3600, help="seconds per subprocess")
+    p.add_argument("--memory-cap-mb", type=float, default=None,
+                   help="stop a graph child whose resident memory passes this (default: 3/4 of MemAvailable at the start)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "real_model", help="where graphs and results.json go")
     p.add_argument("--child", choices=["memory", "graph"], help=argparse.SUPPRESS)
     p.add_argument("--contender", help=argparse.SUPPRESS)
@@ -660,12 +715,16 @@ def report(results: dict, args) -> None:
         print(f"  memory {name}: " + ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}"
                                                for k, v in mem.items()) + " (MiB)")
     for row in results["graph"]:
+        if "ours_stopped" in row:
+            print(f"  {row['task']}: ours {row['ours_stopped']}")
+            continue
         print(f"  {row['task']}: ours {row['ours_s']:.1f} s, {row['ours_peak_mb']:.0f} MB peak ({row['ours_graph_mb']:.0f} "
               f"MB above the loaded process's), {row['ours_nodes']} nodes"
               + (f"; circuit-tracer {row['ct_s']:.1f} s, {row['ct_peak_mb']:.0f} MB ({row['ct_graph_mb']:.0f}), "
                  f"{row['ct_nodes']} nodes; "
                  f"ours/ct time {row['ours_s'] / row['ct_s']:.2f}x, memory {row['ours_peak_mb'] / row['ct_peak_mb']:.2f}x"
                  if "ct_s" in row else "")
+              + (f"; circuit-tracer {row['ct_stopped']}" if "ct_stopped" in row else "")
               + (f"; parity: feature nodes equal {row['feature_nodes_equal']}, {row['unmatched_nodes']} unmatched nodes, "
                  f"max |adjacency difference| {row['max_abs_adjacency_difference']:.2e} (largest |edge| "
                  f"{row['max_abs_adjacency']:.2e})" if "max_abs_adjacency" in row else ""))

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -74,3 +76,19 @@ def test_peak_memory_is_the_child_processs_own():
                                      cwd=REPO).stdout.split()[-1])
         assert child < parent - 300, (script, child, parent)  # the child imports torch, not the ballast
     del ballast
+
+
+def test_a_graph_child_past_the_memory_cap_is_stopped_and_named(tmp_path):
+    # circuit-tracer's 1,024-token graph grows past what the machine has; the runner stops it at the cap
+    # and says how high it got, instead of leaving the kernel's OOM killer to pick a process
+    bench = importlib.import_module("real_model")
+    grow = ("import time\nblocks = []\nfor _ in range(40):\n    blocks.append(bytearray(25 << 20))\n"
+            "    time.sleep(0.05)\ntime.sleep(5)\nprint('{}')")
+    with pytest.raises(bench.MemoryCapExceeded, match=r"stopped at [\d,]+ MB resident after \d+ s"):
+        bench.run_child([sys.executable, "-c", grow], timeout=60, memory_cap_mb=300)
+    ok = bench.run_child([sys.executable, "-c", "print('{\"seconds\": 1}')"], timeout=60, memory_cap_mb=300)
+    assert ok == {"seconds": 1}
+    with pytest.raises(subprocess.TimeoutExpired):
+        bench.run_child([sys.executable, "-c", "import time; time.sleep(30)"], timeout=1)
+    with pytest.raises(RuntimeError, match="failed \\(3\\)"):
+        bench.run_child([sys.executable, "-c", "import sys; sys.exit(3)"], timeout=60)
