@@ -28,7 +28,6 @@ import torch
 
 from ui import common, qk_panel
 from ui.common import pretrained
-from ui.circuit import clicked_node
 from workbench import analysis as an
 from workbench import viz
 from workbench.analysis import max_activating_contexts, suggest_answer, task_from_meta
@@ -301,7 +300,7 @@ def _summary(full, pruned) -> None:
 
 def _select(key: str) -> None:
     """A click on a node of the graph opens it (before the page redraws)."""
-    node = clicked_node(st.session_state.get(key))
+    node = common.clicked_node(st.session_state.get(key))
     if node is not None and node.startswith("F"):
         st.session_state["graph_node"] = node
 
