@@ -1,6 +1,6 @@
 """circuit-tracer's side of benchmarks/graphs_ct.py: runs in circuit-tracer's own venv, never imports workbench.
 
-    /work/venv-ct/bin/python benchmarks/_ct_side.py --exchange DIR --context 64 --out DIR/ct-64
+    /work/ctvenv/bin/python benchmarks/_ct_side.py --exchange DIR --context 64 --out DIR/ct-64
 
 Reads what graphs_ct.py exported into ``--exchange`` (``model.json``: the HookedTransformerConfig
 fields; ``model.safetensors``: the weights under HookedTransformer's names; ``transcoders/``: the

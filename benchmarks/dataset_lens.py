@@ -12,7 +12,6 @@ that memory follows the batch, not the dataset:
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import workbench as wb  # noqa: E402
 import workbench.analysis as an  # noqa: E402
 from workbench.analysis.reference import task_from_meta  # noqa: E402
 from workbench.checkpoint import read_meta  # noqa: E402
+from _memory import peak_mb  # noqa: E402  (the benchmarks' folder is on sys.path: the script's own)
 
 
 def main() -> None:
@@ -42,13 +42,13 @@ def main() -> None:
     rows = task_from_meta(read_meta(args.checkpoint)).batch(args.prompts, n_ctx, split="val").tolist()
     lengths = np.linspace(n_ctx // 4, n_ctx, len(rows)).round().astype(int).tolist()
     ds = wb.TokenBatch.from_ids([r[:n] for r, n in zip(rows, lengths)], model.tokenizer.pad_id, "left")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_mb()  # VmHWM: this process's own peak (ru_maxrss would carry a parent's across exec)
     start = time.perf_counter()
     table = an.logit_lens(model, ds, batch_size=args.batch_size, aggregate=True)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_mb()
     print(f"{len(ds)} prompts of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} real), batch {args.batch_size}: "
-          f"{seconds:.2f} s, peak RSS {peak / 1024:.0f} MiB (+{(peak - before) / 1024:.0f} MiB during the lens)")
+          f"{seconds:.2f} s, peak RSS {peak:.0f} MiB (+{peak - before:.0f} MiB during the lens)")
     print(table[["layer_label", "n_tokens", "kl_to_final", "top1_accuracy"]].to_string(index=False))
     few = wb.TokenBatch(ds.tokens[::8], ds.attention_mask[::8], "left")  # the check: 1 prompt in 8
     per_token = an.logit_lens(model, few, k=1, batch_size=args.batch_size)

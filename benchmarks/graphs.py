@@ -5,8 +5,9 @@
 A stories-size model (stories-2026's shape: 3 layers, d_model 128, 4 heads / 2 KV heads,
 RoPE, RMSNorm, MoE SwiGLU MLPs; random weights, ``n_ctx`` raised to the longest context) with
 TopK-16 skip transcoders of 512 features per layer (the shape circuit-tracer's cost was
-measured on). Each context runs in a subprocess of its own, so ``resource.getrusage``'s peak
-resident memory is that graph's alone; a baseline subprocess that builds the same model, the
+measured on). Each context runs in a subprocess of its own, so its peak resident memory (Linux's
+``VmHWM``, which an exec starts afresh; not ``getrusage``'s ru_maxrss, which Linux carries over from
+the parent) is that graph's alone; a baseline subprocess that builds the same model, the
 transcoders and the tokens but computes no graph is subtracted to give the graph's own memory,
 whose growth with the context is fitted as ``memory ~ context^p`` (target p <= 1.2; a 4,096-token
 graph within 4 GB). The graph: the top logits' rows, then ``--features`` feature rows chosen by
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -30,6 +30,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere, no install needed
+from _memory import peak_mb  # noqa: E402  (the benchmarks' folder is on sys.path: the script's own)
 
 
 def build(context: int, d_sae: int, k: int, seed: int = 0):
@@ -80,7 +81,7 @@ def child(args) -> None:
         row.update(seconds=time.perf_counter() - start, active_features=graph.meta["n_active_features"],
                    feature_rows=int((graph.kind == 0).sum()), edges=graph.n_edges,
                    stored_patterns=graph.meta["stored_patterns"])
-    row["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    row["peak_mb"] = peak_mb()
     print("RESULT " + json.dumps(row), flush=True)
 
 

@@ -1,15 +1,15 @@
 """Attribution graphs side by side with circuit-tracer 0.5: the same model, the same transcoders, edge by edge.
 
     python benchmarks/graphs_ct.py                         # contexts 64 and 256
-    python benchmarks/graphs_ct.py --contexts 64 --ct-python /work/venv-ct/bin/python
+    python benchmarks/graphs_ct.py --contexts 64 --ct-python /work/ctvenv/bin/python
     python benchmarks/graphs_ct.py --contexts 64 --config gpt2 --conventions circuit-tracer
 
 circuit-tracer cannot share the workbench's environment (it pins transformers <= 4.57.3 and
 huggingface-hub < 1 and builds on TransformerLens 3), so it runs in a venv of its own and the two
 sides exchange files only. Create that venv once (torch first, so pip keeps the CPU build):
 
-    python3 -m venv /work/venv-ct && /work/venv-ct/bin/pip install torch==2.13.0 \\
-        && /work/venv-ct/bin/pip install circuit-tracer==0.5.0
+    python3 -m venv /work/ctvenv && /work/ctvenv/bin/pip install torch==2.13.0 \\
+        && /work/ctvenv/bin/pip install circuit-tracer==0.5.0
 
 What runs (``--out``, default ``runs/graphs_ct``):
 1. A random Llama-shaped HookedDecoder (4 layers, d_model 128, 4 heads of 32, SwiGLU 512, RMSNorm
@@ -59,7 +59,9 @@ N_LAYERS, D_MODEL, N_HEADS, D_HEAD, D_MLP, D_VOCAB = 4, 128, 4, 32, 512, 160
 # d_vocab differs from d_model on purpose: circuit-tracer 0.5 tells the unembedding's orientation by
 # matching a side against d_vocab (attribution/targets.py), and takes rows for columns when the two are equal.
 D_SAE, K, EPS = 512, 16, 1e-5
-DEFAULT_CT_PYTHON = "/work/venv-ct/bin/python"
+# circuit-tracer's venv, the one place its path is named (real_model.py imports it from here)
+CT_VENV = "/work/ctvenv"
+DEFAULT_CT_PYTHON = f"{CT_VENV}/bin/python"
 BOS = 1  # the bos_token of _ct_side.py's WordLevel tokenizer (t1)
 
 
@@ -316,8 +318,8 @@ def main() -> None:
     if not args.compare_only:
         if not Path(args.ct_python).exists():
             raise SystemExit(f"circuit-tracer's venv is missing ({args.ct_python}); create it with:\n  python3 -m venv "
-                             "/work/venv-ct && /work/venv-ct/bin/pip install torch==2.13.0 && "
-                             "/work/venv-ct/bin/pip install circuit-tracer==0.5.0")
+                             f"{CT_VENV} && {CT_VENV}/bin/pip install torch==2.13.0 && "
+                             f"{CT_VENV}/bin/pip install circuit-tracer==0.5.0")
         model, tcs, tokens = build(max(contexts), args.seed, args.config)
         export(model, tcs, tokens, out / "exchange")
         ct_cmd = [args.ct_python, str(ROOT / "benchmarks" / "_ct_side.py"), "--exchange", str(out / "exchange")]

@@ -85,7 +85,6 @@ TEXT = ("The history of the city begins with a small fishing village on the rive
         "to finish. Today the city is known for its university, its museums and its food, and every summer "
         "the festival fills the streets with music. ")
 IOI = "When Mary and John went to the store, John gave a drink to"
-DEFAULT_CT_PYTHON = "/work/ctvenv/bin/python"
 ACTIVE = 16  # features active per (layer, position) in the random transcoders, on average
 
 
@@ -229,6 +228,7 @@ def contender_fns(who: str, model, tokens, sweep_in, metric, n_layers: int, n_he
 # ---- memory: one fresh process per contender ------------------------------------------------------------
 from _memory import peak_mb  # noqa: E402  (the benchmarks' folder is on sys.path: the script's own)
 from contenders import _rss, peak_rss_growth  # noqa: E402
+from graphs_ct import DEFAULT_CT_PYTHON  # noqa: E402  (one path to circuit-tracer's venv)
 
 
 def peak_growth(fn: Callable) -> Optional[float]:

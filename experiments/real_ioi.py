@@ -68,22 +68,27 @@ def head_evidence(model, prompts) -> tuple[dict, pd.DataFrame]:
     """(behaviour, one row per head): see the module docstring, on ``prompts`` (an ``IOIPrompts``)."""
     from workbench.analysis.circuits.ioi import POSITIONS
 
-    clean, _ = prompts.tokens(model.device)
-    n, rows = len(prompts), torch.arange(len(prompts))
+    device = model.device
+    clean, _ = prompts.tokens(device)
+    # every index and id is made on the model's device, and each layer's numbers come to the CPU in one
+    # copy: on a GPU a host tensor meets the data (an ``==`` of ids) or each float() is a sync
+    n, rows = len(prompts), torch.arange(len(prompts), device=device)
     wanted = ("hook_pattern", "hook_z", "ln1.hook_normalized", "ln_final.hook_scale")
     logits, cache = model.run_with_cache(clean, names_filter=lambda name: name.endswith(wanted))
-    io, s = torch.tensor(prompts.io), torch.tensor(prompts.s)
+    io, s = torch.tensor(prompts.io, device=device), torch.tensor(prompts.s, device=device)
     last = logits[:, -1].float()
     diff = last[rows, io] - last[rows, s]
-    behaviour = {"accuracy": float((diff > 0).float().mean()), "top1_io": float((last.argmax(-1) == io).float().mean()),
-                 "logit_diff": float(diff.mean())}
-    pos = {k: prompts.pos(k) for k in POSITIONS}
+    behaviour = dict(zip(("accuracy", "top1_io", "logit_diff"), torch.stack([
+        (diff > 0).float().mean(), (last.argmax(-1) == io).float().mean(), diff.mean()]).tolist()))
+    pos = {k: prompts.pos(k, device) for k in POSITIONS}
     W_U = model.W_U.float()
     direction = W_U[:, io] - W_U[:, s]  # [d_model, n]
     final_w = getattr(model.ln_final, "w", None)
     scale = cache["ln_final.hook_scale"][rows, pos["END"]].float()  # [n, 1]
-    names = torch.tensor(sorted(set(prompts.io) | set(prompts.s) | set(prompts.c)))
+    names = torch.tensor(sorted(set(prompts.io) | set(prompts.s) | set(prompts.c)), device=device)
     io_col = (names[None, :] == io[:, None]).float().argmax(-1)  # where IO sits among the names
+    columns = ("attn_end_io", "attn_end_s2", "attn_end_s1", "attn_s2_s1", "attn_s2_s1p1", "attn_s1p1_s1", "prev_token",
+               "dla", "copy_top", "copy_bottom")
     out = []
     for layer, block in enumerate(model.blocks):
         pattern = cache[f"blocks.{layer}.attn.hook_pattern"].float()  # [n, head, q, k]
@@ -93,6 +98,7 @@ def head_evidence(model, prompts) -> tuple[dict, pd.DataFrame]:
         if getattr(block.ln1, "w", None) is not None:
             x_io = x_io * block.ln1.w.float()
         prev = pattern.diagonal(offset=-1, dim1=-2, dim2=-1)[..., 1:].mean(-1)  # [n, head]: p -> p-1, p >= 1
+        values = []  # per head, one 0-dim tensor per column
         for h in range(model.cfg.n_heads):
             att = pattern[:, h]
             head_out = z[:, h] @ W_O[h] / scale  # [n, d_model]
@@ -104,19 +110,14 @@ def head_evidence(model, prompts) -> tuple[dict, pd.DataFrame]:
                 ov = ov * final_w.float()
             name_logits = ov @ W_U[:, names]  # [n, names]
             ranks = name_logits.argsort(-1, descending=True)
-            out.append({
-                "layer": layer, "head": h, "head_label": label(layer, h),
-                "attn_end_io": float(att[rows, pos["END"], pos["IO"]].mean()),
-                "attn_end_s2": float(att[rows, pos["END"], pos["S2"]].mean()),
-                "attn_end_s1": float(att[rows, pos["END"], pos["S1"]].mean()),
-                "attn_s2_s1": float(att[rows, pos["S2"], pos["S1"]].mean()),
-                "attn_s2_s1p1": float(att[rows, pos["S2"], pos["S1+1"]].mean()),
-                "attn_s1p1_s1": float(att[rows, pos["S1+1"], pos["S1"]].mean()),
-                "prev_token": float(prev[:, h].mean()),
-                "dla": float(dla.mean()),
-                "copy_top": float((ranks[:, 0] == io_col).float().mean()),
-                "copy_bottom": float((ranks[:, -1] == io_col).float().mean()),
-            })
+            values.append(torch.stack([
+                att[rows, pos["END"], pos["IO"]].mean(), att[rows, pos["END"], pos["S2"]].mean(),
+                att[rows, pos["END"], pos["S1"]].mean(), att[rows, pos["S2"], pos["S1"]].mean(),
+                att[rows, pos["S2"], pos["S1+1"]].mean(), att[rows, pos["S1+1"], pos["S1"]].mean(),
+                prev[:, h].mean(), dla.mean(), (ranks[:, 0] == io_col).float().mean(),
+                (ranks[:, -1] == io_col).float().mean()]))
+        for h, row in enumerate(torch.stack(values).tolist()):
+            out.append({"layer": layer, "head": h, "head_label": label(layer, h), **dict(zip(columns, row))})
     del cache
     behaviour["n"] = n
     return behaviour, pd.DataFrame(out)

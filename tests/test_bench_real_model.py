@@ -67,14 +67,23 @@ def test_hf_sweep_zeroes_the_heads_slice(tmp_path):
 def test_peak_memory_is_the_child_processs_own():
     """Linux keeps ru_maxrss across exec, so a child started from a large process reported that process's peak;
     the benchmarks read VmHWM, which the exec starts afresh."""
+    import torch  # noqa: F401  (what the children import is in the parent too: run alone, the parent had none of it)
+
+    import workbench  # noqa: F401
+
     ballast = bytearray(400 * 2**20)  # 400 MiB touched in this (the parent) process
     ballast[::4096] = b"x" * len(ballast[::4096])
     parent = next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
-    for script in ("_ct_side", "real_model"):
+    for script in ("_ct_side", "real_model", "graphs", "graphs_ct", "dataset_lens"):
         code = f"import sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); from {script} import peak_mb; print(peak_mb())"
         child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                      cwd=REPO).stdout.split()[-1])
         assert child < parent - 300, (script, child, parent)  # the child imports torch, not the ballast
+    # graphs.py's own child run (its baseline: the model and transcoders, no graph), as the benchmark starts it
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "graphs.py"), "--child", "--baseline", "--context",
+                          "8", "--d-sae", "16", "--k", "2"], capture_output=True, text=True, check=True, cwd=REPO)
+    row = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    assert row["peak_mb"] < parent - 300, (row, parent)
     del ballast
 
 
@@ -92,3 +101,14 @@ def test_a_graph_child_past_the_memory_cap_is_stopped_and_named(tmp_path):
         bench.run_child([sys.executable, "-c", "import time; time.sleep(30)"], timeout=1)
     with pytest.raises(RuntimeError, match="failed \\(3\\)"):
         bench.run_child([sys.executable, "-c", "import sys; sys.exit(3)"], timeout=60)
+
+
+def test_one_path_to_circuit_tracers_venv():
+    """graphs_ct.py named /work/venv-ct and real_model.py /work/ctvenv (the one that exists): one constant now."""
+    import graphs_ct
+
+    import real_model as bench
+
+    assert bench.DEFAULT_CT_PYTHON is graphs_ct.DEFAULT_CT_PYTHON == f"{graphs_ct.CT_VENV}/bin/python"
+    for script in ("graphs_ct.py", "real_model.py", "_ct_side.py"):
+        assert "venv-ct" not in (REPO / "benchmarks" / script).read_text(), script

@@ -43,9 +43,9 @@ def model():
     return wb.HookedDecoder(tiny(d_vocab=40)).eval()
 
 
-def random_dictionary(kind, d_in=32, d_sae=64, hook=SAE_HOOK, seed=0, **cfg):
+def random_dictionary(kind, d_in=32, d_sae=64, hook=SAE_HOOK, seed=0, k=None, **cfg):
     tc = kind in TRANSCODERS
-    config = DictionaryConfig(kind=kind, d_in=d_in, d_sae=d_sae, k=0 if tc else 4, hook_name=TC_IN if tc else hook,
+    config = DictionaryConfig(kind=kind, d_in=d_in, d_sae=d_sae, k=(0 if tc else 4) if k is None else k, hook_name=TC_IN if tc else hook,
                               hook_name_out=TC_OUT if tc else "", **cfg)
     sae = make_dictionary(config)
     sae.init_weights(torch.Generator().manual_seed(seed))
@@ -221,6 +221,111 @@ def test_files_saelens_wrote_load_here(tmp_path):
     assert as_jumprelu.kind == "jumprelu"
     x = torch.randn(8, 32)
     torch.testing.assert_close(as_jumprelu(x), btk(x))
+
+
+def topk_transcoder(kind, k=5):
+    sae = random_dictionary(kind, d_in=32, d_sae=40, k=k)
+    assert sae.cfg.k == k
+    return sae
+
+
+@pytest.mark.parametrize("kind", TRANSCODERS)
+def test_a_topk_transcoder_is_not_written_as_saelens_relu_transcoder(kind, tmp_path):
+    """SAE Lens 6.x has no TopK transcoder: a cfg.json that said "transcoder" loaded there as ReLU. Ours
+    names "topk_transcoder" / "topk_skip_transcoder" with k in cfg.json (what SAE Lens' topk does), warns,
+    and loads as the same TopK from cfg.json alone; a file written before (k only in sae_meta.json) warns."""
+    sae = topk_transcoder(kind)
+    with pytest.warns(UserWarning, match="SAE Lens 6.x has no TopK transcoder class"):
+        save_dictionary(sae, tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "cfg.json").read_text())
+    assert cfg["architecture"] == f"topk_{kind}" and cfg["k"] == 5 and cfg["d_out"] == 32
+    (tmp_path / "d" / "sae_meta.json").unlink()  # what SAE Lens sees: cfg.json and the weights
+    back = load_dictionary(tmp_path / "d")
+    x = torch.randn(20, 32)
+    values, indices = sae.pre_acts(x).topk(5, dim=-1)
+    assert type(back) is type(sae) and back.cfg.k == 5
+    torch.testing.assert_close(back.encode(x), torch.zeros(20, 40).scatter(-1, indices, values.relu()))
+    torch.testing.assert_close(back(x), sae(x), rtol=0, atol=0)
+
+    shutil.copytree(tmp_path / "d", tmp_path / "old")  # as written before: "transcoder", k in sae_meta.json only
+    del cfg["k"]
+    cfg["architecture"] = kind
+    (tmp_path / "old" / "cfg.json").write_text(json.dumps(cfg))
+    (tmp_path / "old" / "sae_meta.json").write_text(json.dumps({"format": "workbench-dictionary", "version": 1,
+                                                                 "config": sae.cfg.to_dict()}))
+    with pytest.warns(UserWarning, match=f"says '{kind}' \\(k=5 from sae_meta.json"):
+        old = load_dictionary(tmp_path / "old")
+    torch.testing.assert_close(old(x), sae(x), rtol=0, atol=0)
+    del cfg["architecture"]
+    (tmp_path / "old" / "cfg.json").write_text(json.dumps({**cfg, "architecture": f"topk_{kind}"}))
+    with pytest.raises(DictionaryError, match="has no integer 'k'"):
+        load_dictionary(tmp_path / "old")
+
+
+def register_saelens_topk_transcoders(sae_lens):
+    """The classes docs/reference/dictionaries.md shows: SAE Lens' transcoders with its TopK activation."""
+    from dataclasses import dataclass
+
+    from sae_lens.registry import SAE_CLASS_REGISTRY
+    from sae_lens.saes.topk_sae import TopK
+    from sae_lens.saes.transcoder import SkipTranscoder, SkipTranscoderConfig, Transcoder, TranscoderConfig
+
+    @dataclass
+    class TopKTranscoderConfig(TranscoderConfig):
+        k: int = 100
+
+        @classmethod
+        def architecture(cls) -> str:
+            return "topk_transcoder"
+
+    class TopKTranscoder(Transcoder):
+        def get_activation_fn(self):
+            return TopK(self.cfg.k)
+
+    @dataclass
+    class TopKSkipTranscoderConfig(SkipTranscoderConfig):
+        k: int = 100
+
+        @classmethod
+        def architecture(cls) -> str:
+            return "topk_skip_transcoder"
+
+    class TopKSkipTranscoder(SkipTranscoder):
+        def get_activation_fn(self):
+            return TopK(self.cfg.k)
+
+    for name, classes in {"topk_transcoder": (TopKTranscoder, TopKTranscoderConfig),
+                          "topk_skip_transcoder": (TopKSkipTranscoder, TopKSkipTranscoderConfig)}.items():
+        if name not in SAE_CLASS_REGISTRY:
+            sae_lens.register_sae_class(name, *classes)
+
+
+@pytest.mark.filterwarnings("ignore:saving a TopK transcoder")
+def test_saelens_itself_refuses_our_topk_transcoders_and_loads_them_with_a_registered_class(tmp_path):
+    """With SAE Lens importable: it refuses our TopK transcoder files (it read them as ReLU before, outputs
+    off by more than 1), and loads them, equal to ours to 1e-6, once TopK transcoder classes are registered."""
+    from workbench.analysis import synth_bench
+
+    sae_lens, why = synth_bench.import_sae_lens()
+    if sae_lens is None:
+        pytest.skip(f"needs sae_lens importable (it cannot share this venv: it pins transformer-lens < 4): {why}")
+    from sae_lens.registry import SAE_CLASS_REGISTRY
+
+    saes = {kind: topk_transcoder(kind) for kind in TRANSCODERS}
+    for kind, sae in saes.items():
+        save_dictionary(sae, tmp_path / kind)
+        if f"topk_{kind}" not in SAE_CLASS_REGISTRY:
+            with pytest.raises(KeyError, match=f"topk_{kind}"):
+                sae_lens.SAE.load_from_disk(str(tmp_path / kind))
+    register_saelens_topk_transcoders(sae_lens)
+    x = torch.randn(50, 32)
+    for kind, sae in saes.items():
+        theirs = sae_lens.SAE.load_from_disk(str(tmp_path / kind))
+        assert type(theirs).__name__ == {"transcoder": "TopKTranscoder", "skip_transcoder": "TopKSkipTranscoder"}[kind]
+        with torch.no_grad():
+            torch.testing.assert_close(theirs.encode(x), sae.encode(x), rtol=0, atol=1e-6)
+            torch.testing.assert_close(theirs(x), sae(x), rtol=0, atol=1e-6)
+            assert ((theirs.encode(x) > 0).sum(-1) <= 5).all()
 
 
 def test_unsupported_and_corrupt_dictionary_files(tmp_path):
@@ -543,7 +648,7 @@ def test_topk_transcoder_trains_through_train_sae_saves_and_splices(model, store
     assert m["l0"] == pytest.approx(k)
     loaded = load_dictionary(tmp_path / "tc")
     assert type(loaded) is type(tc) and loaded.cfg.k == k
-    assert json.loads((tmp_path / "tc" / "cfg.json").read_text())["architecture"] == kind  # what the Graph page reads
+    assert json.loads((tmp_path / "tc" / "cfg.json").read_text())["architecture"] == f"topk_{kind}"  # SAE Lens has no TopK transcoder
     torch.testing.assert_close(loaded.encode(x), acts)
     clean = model(tokens)
     with an.spliced(model, loaded, error_term=True):

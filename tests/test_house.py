@@ -101,6 +101,36 @@ def test_no_import_cycle_among_the_apps_modules():
     for name, deps in graph.items():  # ui.common is below every page: it imports only its own modules
         if name.startswith("ui.common"):
             assert all(d.startswith("ui.common.") for d in deps), (name, deps)
+    assert cross_page_imports(graph, page_modules(REPO)) == []
+
+
+def page_modules(root: Path) -> set[str]:
+    """The page modules: those whose ``render`` app.py's ``PAGES`` table draws."""
+    for node in ast.walk(ast.parse((root / "app.py").read_text())):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PAGES" for t in node.targets):
+            return {f"ui.{v.value.id}" for v in node.value.values if isinstance(v, ast.Attribute)}
+    raise AssertionError("app.py has no PAGES table")
+
+
+def cross_page_imports(graph: dict[str, set[str]], pages: set[str]) -> list[tuple[str, str]]:
+    """(page, page it imports): a page shares with another page through ui.common, never directly
+    (ui.graph took clicked_node from ui.circuit, so the Graph page loaded the Circuit page's module)."""
+    return sorted((page, dep) for page in pages for dep in graph.get(page, ()) if dep in pages)
+
+
+def test_the_page_rule_finds_a_page_importing_another_page(tmp_path):
+    (tmp_path / "ui" / "common").mkdir(parents=True)
+    (tmp_path / "app.py").write_text("from ui import circuit, common, graph, serve\n"
+                                     "PAGES = {'Circuit': circuit.render, 'Graph': graph.render}\n")
+    (tmp_path / "ui" / "__init__.py").write_text("")
+    (tmp_path / "ui" / "common" / "__init__.py").write_text("")
+    (tmp_path / "ui" / "circuit.py").write_text("from ui import common\n")
+    (tmp_path / "ui" / "graph.py").write_text("from ui import common, qk_panel\nfrom ui.circuit import clicked_node\n")
+    (tmp_path / "ui" / "qk_panel.py").write_text("from ui import common\n")
+    pages = page_modules(tmp_path)
+    assert pages == {"ui.circuit", "ui.graph"}  # a panel (qk_panel) or ui.serve is not a page
+    assert cross_page_imports(import_graph(tmp_path), pages) == [("ui.graph", "ui.circuit")]
+    assert {"ui.inspect", "ui.graph", "ui.circuit", "ui.training"} <= page_modules(REPO)
 
 
 # What the old modules offered (their public top-level names at 998a852), copied from them: each

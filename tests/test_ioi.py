@@ -171,3 +171,38 @@ def test_real_model_prompt_set_is_valid(real_model):
         last = real_model(clean)[:, -1]
     diff = last[torch.arange(24), torch.tensor(p.io)] - last[torch.arange(24), torch.tensor(p.s)]
     assert float((diff > 0).float().mean()) >= 0.8  # the model gets most prompts right
+
+
+def test_ioi_pipeline_makes_no_host_tensor_that_meets_the_data(device):
+    """Prompts, path patching, mean ablation, the head classes' evidence (experiments/real_ioi.py) and the
+    faithfulness helpers under ``HostTensorGuard`` on a RoPE GQA model: on a GPU no tensor the code makes
+    without ``device=`` meets the model's. The head evidence compared ids made on the CPU with the
+    logits' argmax; its accuracy is checked here against the logits computed outside the guard."""
+    import real_ioi
+    from device_guard import HostTensorGuard
+
+    model = tiny_model(1, n_layers=3).to(device)
+    p = ioi_prompts(model, 8, seed=0, templates=IOI_TEMPLATES[:2], names=NAMES)
+    ds = p.tokens(device)
+    metric = p.metric()
+    scores = np.random.default_rng(0).normal(size=ComputationGraph(model).n_edges)
+    with torch.no_grad(), HostTensorGuard():
+        runner = EdgeRunner(model, ds)
+        g = runner.graph
+        mean = mean_ablation_runner(runner, p.template)
+        direct = logit_diff_direct_effects(runner, p.io, p.s)
+        patched = path_patching(model, ds, metric, sender=("head", 0, 1), receivers=[("head", 2, 0, "q")])
+        behaviour, heads = real_ioi.head_evidence(model, p)
+        sinh = real_ioi.sinh_effects(runner, metric, [(0, 1), (1, 2)], [(2, 0), (2, 1)])
+        circuits = [real_ioi.node_mask(g, [(0, 1), (2, 0)]), real_ioi.top_mask(g, scores, 10)]
+        faith = [mean.metric_of(metric, keep) for keep in circuits]
+        curve = mib.faithfulness_curve(model, None, metric, scores, absolute=False, runner=runner, percentages=(0.1, 1.0))
+    with torch.no_grad():
+        last = model(ds[0])[:, -1].cpu()
+    rows = torch.arange(len(p))
+    diff = last[rows, torch.tensor(p.io)] - last[rows, torch.tensor(p.s)]
+    assert behaviour["accuracy"] == pytest.approx(float((diff > 0).float().mean()))
+    assert behaviour["top1_io"] == pytest.approx(float((last.argmax(-1) == torch.tensor(p.io)).float().mean()))
+    assert behaviour["logit_diff"] == pytest.approx(float(diff.mean()), abs=1e-5)
+    assert len(heads) == 3 * 4 and direct.shape == (len(g.senders),) and len(patched) == 1
+    assert len(sinh) == 2 and all(np.isfinite(faith)) and len(curve) == 2

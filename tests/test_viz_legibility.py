@@ -141,3 +141,23 @@ def test_a_clickable_heatmap_of_30_layers_fills_its_panel_so_clicks_land_on_thei
     fig = viz.layer_head_figure(_layer_head_table(), clickable=True)
     assert list(fig.layout.yaxis.range) == [29.5, -0.5] and list(fig.layout.xaxis.range) == [-0.5, 8.5]
     assert fig.layout.yaxis.autorange is False
+
+
+def test_a_layer_head_heatmap_sizes_itself_from_its_layers_and_heads():
+    # a 30-layer grid with its values written in had 15 px rows (the 10 px text touched) and no width:
+    # tutorial 09 set both by hand
+    from workbench.analysis.common import unit_label
+
+    small = viz.layer_head_figure(_layer_head_table(2, 4))
+    assert (small.layout.height, small.layout.width) == (450, 450)  # the minimum, plotly's default height
+    fig = viz.layer_head_figure(_layer_head_table(30, 9), text=True)
+    assert fig.layout.height > small.layout.height and _plot_height(fig) / 30 >= 20, fig.layout.height
+    plain = viz.layer_head_figure(_layer_head_table(30, 9), text=False)
+    assert small.layout.height < plain.layout.height < fig.layout.height and _plot_height(plain) / 30 >= ROW_PX
+    heatmap = fig.data[0]
+    assert list(heatmap.y) == [unit_label(l) for l in range(30)]  # a label per row, none thinned away
+    assert fig.layout.yaxis.tickvals is None and fig.layout.yaxis.dtick is None
+    wide = viz.layer_head_figure(_layer_head_table(30, 24), text=True)
+    assert wide.layout.width > fig.layout.width >= 9 * 30 and wide.layout.width - 260 >= 24 * 30
+    huge = viz.layer_head_figure(_layer_head_table(400, 200), text=False)
+    assert huge.layout.height <= 4000 and huge.layout.width <= 1600  # bounded

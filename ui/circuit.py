@@ -185,23 +185,9 @@ def _reporter(bar, label: str):
     return lambda done, total: bar.progress(done / total, text=f"{label}: {done} of {total}")
 
 
-def clicked_node(event) -> Optional[str]:
-    """The node label a click on a circuit graph selected (its point's ``customdata``), else None."""
-    points = (event or {}).get("selection", {}).get("points", [])
-    for point in points:
-        data = point.get("customdata")
-        if isinstance(data, dict):  # a typed array's row, as a browser serialises it
-            data = data.get("0")
-        if isinstance(data, (list, tuple)):
-            data = data[0] if data else None
-        if isinstance(data, str):
-            return data
-    return None
-
-
 def _select_clicked_node(key: str) -> None:
     """A click on a node of a circuit graph opens that node (before the page redraws)."""
-    node = clicked_node(st.session_state.get(key))
+    node = common.clicked_node(st.session_state.get(key))
     if node is not None:
         st.session_state["circuit_node"] = node
 

@@ -25,7 +25,8 @@ from typing import Any, Callable, Optional
 import streamlit as st
 import torch
 
-from ui import common, steer
+from ui import common
+from ui.common import steering
 from workbench import viz
 from workbench.analysis import (
     check_dictionary,
@@ -287,12 +288,12 @@ def _intervene(ckpt: common.Checkpoint, sae_ref, feature: int, ids) -> None:
             st.info(f"Cannot steer with this feature: {e}")
             return
         st.caption(f"Steering along feature {feature}'s decoder row (unit length) at `{direction.hook}`.")
-        steer.steer(ckpt, ids, direction, key="feat_steer")
+        steering.steer(ckpt, ids, direction, key="feat_steer")
         return
     st.caption(f"Feature {feature} set to 0 at every position, with the dictionary spliced in with its error term, "
                "so nothing else changes.")
-    n_new = steer.new_tokens(ckpt, ids, st, key="feat_new")
+    n_new = steering.new_tokens(ckpt, ids, st, key="feat_new")
     if n_new is None:
         return
     out = run(feature_ablation_comparison, ckpt.key, sae_ref, ("prompt", ids), feature=feature, max_new_tokens=n_new)
-    steer.side_by_side(ckpt, ids, out, "ablated", key="feat_ablate")
+    steering.side_by_side(ckpt, ids, out, "ablated", key="feat_ablate")

@@ -28,7 +28,6 @@ import torch
 
 from ui import common, qk_panel
 from ui.common import pretrained
-from ui.circuit import clicked_node
 from workbench import analysis as an
 from workbench import viz
 from workbench.analysis import max_activating_contexts, suggest_answer, task_from_meta
@@ -188,12 +187,19 @@ LINK_KEYS = ("graph_ckpt", "graph_kind", "graph_prompt", "graph_target", "graph_
              "graph_max_nodes", "graph_node_threshold", "graph_edge_threshold", "graph_node")
 
 
+# Where an empty value is a choice, not a missing one: no minus token (the token's logit alone). A link
+# carries it as ``graph_wrong=`` (Streamlit keeps a blank query value), else the suggested one came back.
+KEEP_EMPTY = ("graph_wrong",)
+# The token boxes: their defaults follow the prompt (common.follow_default), which would replace a link's.
+LINKED_TOKENS = ("graph_answer", "graph_wrong")
+
+
 def view_link(state) -> str:
     """The query string (``?page=Graph&...``) that reopens the view ``state`` (the session state) shows."""
     params = {"page": "Graph"}
     for key in LINK_KEYS:
         value = state.get(key)
-        if value is not None and value != "":
+        if value is not None and (value != "" or key in KEEP_EMPTY):
             params[key] = str(value)
     return "?" + urlencode(params, quote_via=quote)
 
@@ -232,6 +238,8 @@ def _open_link(names: list[str]) -> None:
     st.session_state["graph_link_read"] = True
     for key, value in link_state(st.query_params.to_dict(), names).items():
         st.session_state[key] = value
+        if key in LINKED_TOKENS:
+            st.session_state[f"{key}__link"] = True  # _target keeps it for the link's prompt
     if "graph_prompt" in st.query_params:  # a typed prompt: it no longer follows the checkpoint's default
         st.session_state.pop("graph_prompt__default", None)
 
@@ -273,6 +281,9 @@ def _target(ckpt: common.Checkpoint, ids: tuple[int, ...]):
     if how == "top":
         return None
     suggestion = common.analysis(suggest_answer, ckpt.key, ids, pos=len(ids) - 1, meta=ckpt.meta)
+    for key in LINKED_TOKENS:  # a link's token (an empty minus token too) holds for the prompt it opened
+        if st.session_state.pop(f"{key}__link", False):
+            st.session_state[f"{key}__context"] = ids
     common.follow_default("graph_answer", suggestion["answer_str"], ids)
     common.follow_default("graph_wrong", suggestion["wrong_str"], ids)
     answer = b.text_input("Token", key="graph_answer", help=f"Default: {suggestion['source']}.")
@@ -301,7 +312,7 @@ def _summary(full, pruned) -> None:
 
 def _select(key: str) -> None:
     """A click on a node of the graph opens it (before the page redraws)."""
-    node = clicked_node(st.session_state.get(key))
+    node = common.clicked_node(st.session_state.get(key))
     if node is not None and node.startswith("F"):
         st.session_state["graph_node"] = node
 

@@ -8,10 +8,7 @@ The folder is ``--runs DIR`` (after ``--``), else $WORKBENCH_RUNS, else ``runs/`
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -19,17 +16,11 @@ import pandas as pd
 import streamlit as st
 
 from ui import common
+from ui.common.runs import runs_root
 from workbench import viz
 
 RESULTS = "results.csv"
 MAX_FILTER_VALUES = 40  # columns with more distinct values than this get a range filter, if numeric
-
-
-def runs_root(argv: Optional[list[str]] = None) -> Path:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--runs")
-    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return Path(args.runs or os.environ.get("WORKBENCH_RUNS") or common.REPO / "runs").expanduser().resolve()
 
 
 def list_runs(root: Path) -> dict[str, Path]:

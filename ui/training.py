@@ -29,7 +29,8 @@ import streamlit as st
 import torch
 
 import workbench as wb
-from ui import common, fourier_panel, sweeps
+from ui import common, fourier_panel
+from ui.common.runs import runs_root
 from ui.common import pretrained
 from workbench import viz
 from workbench.analysis import attention_patterns, head_scores, logit_lens, over_training
@@ -122,7 +123,7 @@ def render() -> None:
         st.info(f"**{pretrained.LABEL}** is not listed: it was trained elsewhere and ships no snapshots of its "
                 "training, so there is nothing to scrub through. This page lists the checkpoints folder's models "
                 "and the runs with snapshots.")
-    runs = list_runs(common.checkpoints_root(), sweeps.runs_root())
+    runs = list_runs(common.checkpoints_root(), runs_root())
     if not runs:
         st.info("No checkpoints or runs found. Train one with snapshots: `python -m workbench train ... --snapshots log:24`.")
         return

@@ -61,14 +61,13 @@ print(f"second copy: {losses[:, HALF:].mean():.2f} nats")
 # ## Which heads attend to the token after the earlier occurrence
 # `induction_scores`: for each of the 270 heads, the mean attention from each token of the second
 # copy to the token right after its first occurrence (1.0: a perfect induction head). One row per
-# head; the figure is the layer x head grid, sized so that its 30 rows stay readable.
+# head; the figure is the layer x head grid, which sizes itself so that its 30 rows stay readable.
 
 # %%
 scores = induction_scores(model, tokens)
 print(scores.nlargest(6, "score").to_string(index=False))
-fig = viz.layer_head_figure(scores, "score", title="Induction score per head (|r| = 20, 2 sequences, seed 0)",
-                            units="induction score", text=True)
-fig.update_layout(height=24 * model.cfg.n_layers + 160, width=620)
+viz.layer_head_figure(scores, "score", title="Induction score per head (|r| = 20, 2 sequences, seed 0)",
+                      units="induction score", text=True)
 
 # %% [markdown]
 # The clearest is L18H6. Its pattern on the first sequence: from every token of the second copy, the

@@ -163,6 +163,40 @@ def test_the_graph_export_is_what_to_circuit_tracer_writes_and_a_link_round_trip
         == state.keys() - {"graph_ckpt", "graph_max_nodes"}, "values that do not fit this server are dropped"
 
 
+def test_a_link_round_trips_an_empty_minus_token():
+    """An empty minus token (the token's logit alone) was left out of the link, and the page filled in
+    its suggestion (" the"); the link now carries ``graph_wrong=``, read back as Streamlit parses it."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from ui import graph as page
+
+    state = {"graph_ckpt": "stories-2026", "graph_prompt": "Ella and Ivy", "graph_target": "token",
+             "graph_answer": " Ella", "graph_wrong": ""}
+    link = page.view_link(state)
+    assert "graph_wrong=&" in link + "&"
+    params = dict(parse_qsl(urlsplit(link).query, keep_blank_values=True))  # as st.query_params does
+    assert page.link_state(params, ["stories-2026"]) == state
+    state["graph_wrong"] = " Ivy"
+    assert page.link_state(dict(parse_qsl(urlsplit(page.view_link(state)).query, keep_blank_values=True)),
+                           ["stories-2026"]) == state
+    assert "graph_prompt" not in page.view_link({**state, "graph_prompt": ""})  # an empty prompt is no choice
+
+
+def test_a_link_with_an_empty_minus_token_opens_the_graph_page_on_the_token_alone(checkpoints_dir, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("WORKBENCH_CHECKPOINTS", str(checkpoints_dir))
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=180)
+    for key, value in {"page": "Graph", "graph_ckpt": PLANTED, "graph_target": "token", "graph_answer": "3",
+                       "graph_wrong": ""}.items():
+        at.query_params[key] = value
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert (at.text_input(key="graph_answer").value, at.text_input(key="graph_wrong").value) == ("3", "")
+    at.run()  # and it stays so on the next run
+    assert at.text_input(key="graph_wrong").value == ""
+
+
 PLANTED = "planted-hand-induction"
 
 

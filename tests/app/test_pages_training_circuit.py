@@ -14,7 +14,7 @@ import base64
 import numpy as np
 import pytest
 
-from ui import circuit, training
+from ui import circuit, common, training
 from workbench.checkpoint import read_meta
 
 
@@ -150,9 +150,9 @@ def test_circuit_node_selection_opens_attention_and_dla_without_rerunning(app, m
     assert "direct attribution (L1H1 among them)" in " ".join(figures(at))
     ring = titled(at, "ACDC")["data"][-2]
     assert ring["marker"]["size"] == 26  # the selected node is ringed
-    assert circuit.clicked_node({"selection": {"points": [{"customdata": {"0": "L0H2"}}]}}) == "L0H2"
-    assert circuit.clicked_node({"selection": {"points": [{"customdata": ["L1H1"]}]}}) == "L1H1"
-    assert circuit.clicked_node({"selection": {"points": []}}) is None
+    assert common.clicked_node({"selection": {"points": [{"customdata": {"0": "L0H2"}}]}}) == "L0H2"
+    assert common.clicked_node({"selection": {"points": [{"customdata": ["L1H1"]}]}}) == "L1H1"
+    assert common.clicked_node({"selection": {"points": []}}) is None
 
 
 def test_circuit_shows_the_shipped_circuit_of_induction_attn2l_and_refuses_eap_with_kl(app):

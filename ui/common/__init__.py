@@ -3,8 +3,10 @@
 what a page scores (``targets``), the cached call into the library that every analysis goes
 through (``analyses``), the lenses (``lenses``), drawing (``drawing``) and the model card
 (``card``, with its vocabulary browser ``vocabulary``), and what a page shares with its panel: the
-attribution graph (``graphs``) and a training run's snapshots (``runs``). The pages and panels use
-them as ``common.<name>``; a panel never imports its page.
+attribution graph (``graphs``), a training run's snapshots (``runs``), and what two pages share:
+the steering widgets (``steering``: Steer and Features) and where the runs live (``runs.runs_root``:
+Sweeps and Training). The pages and panels use
+them as ``common.<name>``; a panel never imports its page, and a page never imports another page.
 
 Models are cached with ``st.cache_resource`` keyed by the checkpoint directory and the
 modification time of its weights, so re-saving a checkpoint reloads it and nothing else
@@ -35,7 +37,7 @@ from ui.common.prompts import DEFAULT_PROMPT, default_prompt, encode_prompt, pro
 from ui.common.targets import METRICS, Target, follow_default, target_picker, token_id
 from ui.common.analyses import Ablation, TokenRows, analysis, analysis_with_progress
 from ui.common.lenses import LENSES, has_tuned_lens, lens_picker, lens_table, reference_batch, tuned_lens_of
-from ui.common.drawing import show, table
+from ui.common.drawing import clicked_node, show, table
 from ui.common.card import config_table, model_card, param_counts, training_curve
 from ui.common.graphs import cached_graph, layer_folders, load_replacement
 from ui.common.runs import snapshot_series
@@ -51,6 +53,6 @@ __all__ = [
     "remove_stale_temp_folders", "save_upload", "upload_root", "upload_widget", "DEFAULT_PROMPT", "default_prompt",
     "encode_prompt", "prompt_box", "prompt_ids", "METRICS", "Target", "follow_default", "target_picker", "token_id",
     "Ablation", "TokenRows", "analysis", "analysis_with_progress", "LENSES", "has_tuned_lens", "lens_picker",
-    "lens_table", "reference_batch", "tuned_lens_of", "show", "table", "config_table", "model_card", "param_counts",
-    "training_curve", "cached_graph", "layer_folders", "load_replacement", "snapshot_series",
+    "lens_table", "reference_batch", "tuned_lens_of", "clicked_node", "show", "table", "config_table", "model_card",
+    "param_counts", "training_curve", "cached_graph", "layer_folders", "load_replacement", "snapshot_series",
 ]

@@ -35,5 +35,19 @@ def _colorbar_titles_aside(fig) -> None:
             fig.layout[name].colorbar.title.side = "right"
 
 
+def clicked_node(event) -> Optional[str]:
+    """The node label a click on a graph of nodes (the Circuit page's, the Graph page's) selected (its point's ``customdata``), else None."""
+    points = (event or {}).get("selection", {}).get("points", [])
+    for point in points:
+        data = point.get("customdata")
+        if isinstance(data, dict):  # a typed array's row, as a browser serialises it
+            data = data.get("0")
+        if isinstance(data, (list, tuple)):
+            data = data[0] if data else None
+        if isinstance(data, str):
+            return data
+    return None
+
+
 def table(df, **kwargs) -> None:
     st.dataframe(df, hide_index=True, **kwargs)

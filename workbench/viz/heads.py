@@ -30,6 +30,27 @@ def head_scores_figure(scores: pd.DataFrame, theme: Optional[str] = "default") -
     return fig
 
 
+# A layer's row holds its 12 px tick label in 15 px, and 10 px cell text in 22 px; a head's column
+# 22 px, or 34 px for a value written in it ("-0.05" at 10 px). The rest: plotly's margins (180 px
+# tall; 160 px wide) and the colour bar with its title (about 100 px).
+ROW_PX, TEXT_ROW_PX, COLUMN_PX, TEXT_COLUMN_PX = 15, 22, 22, 34
+MIN_HEIGHT, MAX_HEIGHT, MIN_WIDTH, MAX_WIDTH = 450, 4000, 450, 1600
+
+
+def _grid_size(n_layers: int, n_heads: int, n_rows: int, per_row: int, down: float, across: float,
+               text: bool) -> dict:
+    """The height and width that give each layer a readable row and each head a readable column
+    (30 layers of 9 heads with their values written in: 840 x 566 px), within sane bounds.
+    ``down`` / ``across``: the gaps between rows / columns of panels, fractions of the plot."""
+    # many rows of panels: each keeps about 200 px instead of sharing plotly's default 450
+    height = 120 + 220 * n_rows if n_rows > 2 else MIN_HEIGHT
+    rows_px = (TEXT_ROW_PX if text else ROW_PX) * n_layers * n_rows / (1 - down * (n_rows - 1))
+    height = min(MAX_HEIGHT, max(height, int(np.ceil(180 + rows_px))))
+    columns_px = (TEXT_COLUMN_PX if text else COLUMN_PX) * n_heads * per_row / (1 - across * (per_row - 1))
+    width = min(MAX_WIDTH, max(MIN_WIDTH, int(np.ceil(260 + columns_px))))
+    return {"height": height, "width": width}
+
+
 def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = "",
                       facet: Optional[str] = None, theme: Optional[str] = "default", units: Optional[str] = None,
                       clickable: bool = False, text: Optional[bool] = None, columns: Optional[int] = None,
@@ -89,14 +110,8 @@ def layer_head_figure(frame: pd.DataFrame, value: str = "delta", title: str = ""
     axis = dict(colorscale=DIVERGING, cmid=0, cmin=-limit, cmax=limit) if diverging else dict(colorscale=SEQUENTIAL)
     fig.update_layout(coloraxis={**axis, "colorbar": dict(title=units or value)}, title=title or value,
                       template=_template(theme))
-    # many rows of panels: each keeps about 200 px instead of sharing plotly's default 450
-    height = 120 + 220 * n_rows if n_rows > 2 else 450
-    # and each layer a row of at least 15 px for its 12 px tick label (30 layers: 450 px a panel);
-    # 180 px of margins, and the gaps between rows of panels taken out
-    rows_px = 15 * frame["layer"].nunique() * n_rows / (1 - (down if n_rows > 1 else 0) * (n_rows - 1))
-    height = max(height, int(np.ceil(180 + rows_px)))
-    if height != 450:
-        fig.update_layout(height=height)
+    fig.update_layout(**_grid_size(frame["layer"].nunique(), frame["head"].nunique(), n_rows, per_row,
+                                   down if n_rows > 1 else 0.0, across if per_row > 1 else 0.0, text))
     if clickable:
         # Every click lands on the nearest cell's point, wherever in the cell it is.
         fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)

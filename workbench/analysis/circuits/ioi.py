@@ -79,11 +79,11 @@ class IOIPrompts:
         """logit(IO) - logit(S) at the last position, the batch mean (``kind``: any AnswerMetric kind)."""
         return AnswerMetric(kind, self.io, self.s if kind == "logit_diff" else None, -1)
 
-    def pos(self, name: str) -> Tensor:
-        """One position per row of ``name`` (IO, S1, S1+1, S2, END)."""
+    def pos(self, name: str, device=None) -> Tensor:
+        """One position per row of ``name`` (IO, S1, S1+1, S2, END), on ``device`` (default: the CPU)."""
         if name not in self.positions:
             raise ValueError(f"position must be one of {list(self.positions)}, got {name!r}")
-        return torch.tensor(self.positions[name])
+        return torch.tensor(self.positions[name], device=device)
 
 
 def ioi_prompts(model_or_tokenizer, n: int, seed: int = 0, templates: Sequence[str] = IOI_TEMPLATES,
@@ -171,7 +171,8 @@ def logit_diff_direct_effects(runner, io: Sequence[int], s: Sequence[int]) -> Te
     that sender's corrupted value, minus the clean value. The final norm is recomputed on the patched
     stream, so each entry equals ``path_patching(model, ds, metric, sender, "logits")``'s score."""
     model = runner.model
-    io, s = torch.as_tensor(list(io)), torch.as_tensor(list(s))
+    # the ids go to the unembedding's device once: indexing a GPU matrix by CPU ids copies them each time
+    io, s = (torch.as_tensor(list(ids), device=model.W_U.device) for ids in (io, s))
     last = runner.clean_out[:, :, -1].sum(0)  # the clean stream entering the logits at END, without biases
     last = last + runner._bias_before(runner.stages[-1])
     direction = (model.W_U[:, io] - model.W_U[:, s]).T  # [batch, d_model]

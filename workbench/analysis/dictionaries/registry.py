@@ -30,7 +30,11 @@ DICTIONARIES: dict[str, type] = {
 PER_LAYER = [kind for kind, cls in DICTIONARIES.items() if not getattr(cls, "cross_layer", False)]
 # SAELens architecture name -> our kind, for reading its files (BatchTopK and Matryoshka are saved as jumprelu).
 FROM_SAELENS = {"standard": "relu", "topk": "topk", "jumprelu": "jumprelu", "transcoder": "transcoder",
-                "skip_transcoder": "skip_transcoder"}
+                "skip_transcoder": "skip_transcoder", "topk_transcoder": "transcoder",
+                "topk_skip_transcoder": "skip_transcoder"}
+# TopK transcoders: SAELens (6.54) has no class for them, so their cfg.json names these, which it refuses
+# to load instead of reading the file as a ReLU transcoder (saelens.py says more).
+TOPK_TRANSCODER_ARCHITECTURES = {"transcoder": "topk_transcoder", "skip_transcoder": "topk_skip_transcoder"}
 
 
 def make_dictionary(cfg: DictionaryConfig) -> Union[Dictionary, CrossLayerTranscoder]:

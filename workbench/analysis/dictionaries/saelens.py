@@ -11,12 +11,22 @@ apply_b_dec_to_input normalize_activations reshape_activations metadata architec
 loader reads ``metadata.sae_lens_version`` to decide between the 6.x layout and the older flat one
 (``hook_point``/``hook_name`` at the top level, ``activation_fn_kwargs.k``). We write 6.x and read
 both. BatchTopK is written as SAELens writes it, a ``jumprelu`` with its threshold.
+
+TopK transcoders have no SAELens form: SAELens 6.x (checked to 6.54) registers ``transcoder``,
+``skip_transcoder`` and their JumpReLU twins, all without a ``k``, so a TopK (skip-)transcoder
+written as ``transcoder`` loads there as ReLU and gives other outputs (a TopK is no JumpReLU either:
+its threshold differs per token). Its cfg.json names ``topk_transcoder`` / ``topk_skip_transcoder``
+with ``k`` at the top level, as SAELens' ``topk`` keeps it: SAELens refuses an architecture it has
+not registered (a KeyError naming it) instead of misreading the file, and a class registered under
+that name (``sae_lens.register_sae_class``) loads it. Saving one warns; loading one of the
+``transcoder`` files written before warns too (it loads here as TopK, from ``sae_meta.json``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -26,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
 from workbench.analysis.dictionaries.clt import CrossLayerTranscoder
-from workbench.analysis.dictionaries.registry import DICTIONARIES, FROM_SAELENS
+from workbench.analysis.dictionaries.registry import DICTIONARIES, FROM_SAELENS, TOPK_TRANSCODER_ARCHITECTURES
 from workbench.overwrite import is_json_with, refuse_foreign
 from workbench.utils import check_path
 
@@ -74,7 +84,16 @@ def saelens_config(sae: Dictionary, context_size: Optional[int] = None) -> dict[
         cfg.update(k=int(c.k), rescale_acts_by_decoder_norm=False)
     if sae.is_transcoder:
         cfg["d_out"] = c.d_out
+        if c.k:  # no SAELens class: a name it refuses, not "transcoder", which it would read as ReLU
+            cfg.update(architecture=TOPK_TRANSCODER_ARCHITECTURES[sae.architecture], k=int(c.k))
     return cfg
+
+
+NO_SAELENS_TOPK_TRANSCODER = (
+    "SAE Lens 6.x has no TopK transcoder class: it reads a cfg.json that says 'transcoder' or 'skip_transcoder' "
+    "as a ReLU transcoder and gives other outputs. The workbench writes architecture 'topk_transcoder' / "
+    "'topk_skip_transcoder' with k in cfg.json, which SAE Lens refuses unless a class is registered under that "
+    "name (sae_lens.register_sae_class); docs/reference/dictionaries.md shows one")
 
 
 def save_dictionary(sae: Union[Dictionary, CrossLayerTranscoder], path: Union[str, Path], extra_meta: Optional[dict] = None,
@@ -100,6 +119,8 @@ def save_dictionary(sae: Union[Dictionary, CrossLayerTranscoder], path: Union[st
                    overwrite=overwrite, what=f"saving a dictionary into {path}", error=DictionaryError)
     refuse_foreign(clt_files, lambda _: is_our_clt(path), overwrite=overwrite,
                    what=f"saving a dictionary into {path} (it holds a cross-layer transcoder)", error=DictionaryError)
+    if sae.is_transcoder and sae.cfg.k:
+        warnings.warn(f"saving a TopK transcoder: {NO_SAELENS_TOPK_TRANSCODER}", stacklevel=2)
     path.mkdir(parents=True, exist_ok=True)
     dtype = _DTYPES[sae.cfg.dtype]
     tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in sae.named_parameters()}
@@ -225,6 +246,9 @@ def config_from_saelens(raw: dict, meta: Optional[dict] = None) -> DictionaryCon
                               f"supported: {sorted(FROM_SAELENS)}")
     kind = FROM_SAELENS[architecture]
     ours = (meta or {}).get("config", {})
+    if architecture in TOPK_TRANSCODER_ARCHITECTURES.values() and not isinstance(raw.get("k"), int):
+        raise DictionaryError(f"cfg.json says architecture {architecture!r} but has no integer 'k' (got "
+                              f"{raw.get('k')!r}): a TopK transcoder needs its k")
     if architecture == "jumprelu" and ours.get("kind") in ("batchtopk", "matryoshka_batchtopk"):
         kind = ours["kind"]
     norm = raw.get("normalize_activations") or "none"
@@ -238,13 +262,18 @@ def config_from_saelens(raw: dict, meta: Optional[dict] = None) -> DictionaryCon
     for key in ("d_in", "d_sae"):
         if not isinstance(raw.get(key), int) or raw[key] < 1:
             raise DictionaryError(f"cfg.json needs a positive integer {key!r}, got {raw.get(key)!r}")
+    if architecture in TOPK_TRANSCODER_ARCHITECTURES and k:
+        source = "cfg.json" if "k" in raw else "sae_meta.json"
+        warnings.warn(f"loaded a TopK transcoder from a cfg.json that says {architecture!r} (k={k} from {source}; "
+                      f"save_dictionary rewrites it as {TOPK_TRANSCODER_ARCHITECTURES[architecture]!r}): "
+                      f"{NO_SAELENS_TOPK_TRANSCODER}", stacklevel=3)
     hook = flat.get("hook_name") or flat.get("hook_point") or ""
     return DictionaryConfig(
         kind=kind, d_in=raw["d_in"], d_sae=raw["d_sae"], d_out=int(raw.get("d_out") or 0), k=k or 0,
         hook_name=hook, hook_name_out=flat.get("hook_name_out") or ours.get("hook_name_out", ""),
         hook_shape=tuple(ours.get("hook_shape") or ()), model_name=flat.get("model_name") or "",
         model_fingerprint=ours.get("model_fingerprint", ""),
-        apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", architecture not in ("transcoder", "skip_transcoder"))),
+        apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", kind not in ("transcoder", "skip_transcoder"))),
         dtype=str(raw.get("dtype", "float32")).replace("torch.", ""), extra=dict(ours.get("extra", {})),
     )
 
