@@ -240,7 +240,99 @@ class EdgeRunner:
         clean run. ``embed`` replaces the embedding node's output (integrated gradients
         interpolate it); ``collect``, a list, receives each stage's receiver inputs
         [receivers, batch, pos, d_model] in receiver order.
+
+        Without autograd (``torch.no_grad()``, as ``metric_of`` runs it) each sender's change
+        (corrupted minus this run's output) is written once, into one buffer, and each stage mixes
+        only the rows it needs from there (``_mixed``); with autograd on, the run is ``run_stacked``,
+        which builds each stage's rows afresh (differentiable, and slower on deep models).
         """
+        if torch.is_grad_enabled():
+            return self.run_stacked(keep, from_stage, embed, collect)
+        g, model = self.graph, self.model
+        keep = self._adjacency if keep is None else keep.to(self._adjacency)
+        if from_stage is None:
+            from_stage = 0 if (embed is not None or collect is not None) else self.first_stage(keep)
+        if from_stage > self.stages[-1]:
+            return self.clean_logits
+        from_stage = max(from_stage, self.stages[0])  # the embedding has no inputs: every run starts after it
+        n_before = self._n_before[from_stage] if from_stage in self._n_before else int((g.sender_stage < from_stage).sum())
+        # Senders before from_stage are clean: their change is ``delta``'s, read in place (never copied).
+        # Those this run writes go into ``fresh`` once each, as they are computed.
+        fresh = self.delta.new_empty(len(g.senders) - n_before, *self.delta.shape[1:])
+        if embed is not None:
+            if from_stage != self.stages[0]:
+                raise ValueError("a replaced embedding needs the run to start at the first stage")
+            fresh = torch.cat([(self.corrupted_out[0] - embed)[None], fresh])
+            n_before = 0
+        resid = (embed if embed is not None else self._clean_prefix[n_before]) + self._bias_before(from_stage)
+        total = None  # the sum of every change so far (resid + total: the corrupted stream), built on first use
+        n_done = n_before + (1 if embed is not None else 0)  # senders whose change is known
+        for stage in [t for t in self.stages if t >= from_stage]:
+            receivers, n_up = self._receivers_at[stage], self._n_before[stage]
+            adjacency = self._adjacency[:n_up, receivers]
+            drop = (1 - keep[:n_up, receivers]) * adjacency
+            # Each input is resid + sum_s drop[s, r] change_s. Where most edges are dropped (a small
+            # circuit), equally (resid + the sum of every change so far: the corrupted stream) less the
+            # kept edges' changes: a receiver reads every sender before its stage, so those sums agree.
+            kept = (1 - drop) * adjacency
+            n_drop, n_kept = int(drop.any(1).sum()), int(kept.any(1).sum())
+            base = resid
+            if n_kept < n_drop:
+                if total is None:
+                    total = self._mixed(torch.ones(n_done, 1, dtype=drop.dtype, device=drop.device), n_before, fresh)[0]
+                base, weights = resid + total, -kept
+            else:
+                weights = drop
+            inputs = base.unsqueeze(0).expand(len(receivers), *base.shape)
+            mixed = self._mixed(weights, n_before, fresh)
+            if mixed is not None:
+                inputs = inputs + mixed
+            if collect is not None:
+                collect.append(inputs)
+            if stage == self.stages[-1]:
+                return model.unembed(model.ln_final(inputs[0]))
+            written, bias = self._write(stage, inputs)
+            for out in written:  # each sender's change, written once
+                change = fresh[n_done - n_before]
+                torch.sub(self.corrupted_out[n_done], out, out=change)
+                if total is not None:
+                    total += change
+                n_done += 1
+            if bias is not None:
+                resid = resid + bias
+            resid = resid + sum(written)
+        raise AssertionError("the logits stage is always last")
+
+    def _mixed(self, weights: Tensor, n_before: int, fresh: Tensor) -> Optional[Tensor]:
+        """sum_s weights[s, r] change_s for each column r of ``weights`` [senders so far, receivers], as
+        [receivers, batch, pos, d_model] (None when every weight is 0). Senders below ``n_before``
+        change by ``delta``; the rest by ``fresh``'s rows. Few rows in use are gathered; many are
+        multiplied in place (a copy of every row would cost more than the multiplication saves)."""
+        rows = weights.any(1).nonzero().flatten()
+        if not len(rows):
+            return None
+        n_up, shape = weights.shape[0], self.delta.shape[1:]
+        if 2 * len(rows) < n_up:
+            below, above = rows[rows < n_before], rows[rows >= n_before] - n_before
+            parts = [part for part in (self.delta.index_select(0, below), fresh.index_select(0, above)) if len(part)]
+            changes = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return (weights[rows].T @ changes.flatten(1)).view(-1, *shape)
+        first = min(n_before, n_up)
+        out = weights[:first].T @ self.delta[:first].flatten(1)
+        if n_up > first:
+            out += weights[first:].T @ fresh[:n_up - first].flatten(1)
+        return out.view(-1, *shape)
+
+    def run_stacked(
+        self,
+        keep: Optional[Tensor] = None,
+        from_stage: Optional[int] = None,
+        embed: Optional[Tensor] = None,
+        collect: Optional[list] = None,
+    ) -> Float[Tensor, "batch pos d_vocab"]:
+        """``run``, differentiable: at each stage, the changes of every sender with a dropped edge into
+        it are stacked afresh from a list of outputs (autograd follows; the fast path's buffer,
+        written in place, would not). It is also the reference the fast path is tested against."""
         g, model = self.graph, self.model
         keep = self._adjacency if keep is None else keep.to(self._adjacency)
         if from_stage is None:
