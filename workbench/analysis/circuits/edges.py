@@ -89,18 +89,24 @@ def project(block, x: Float[Tensor, "batch pos head_index d_model"], kind: str,
     does (before the rotation). A projection-wide QK-norm (OLMo 2) normalises every head's
     projection of the stream together: here, of the stream the head reads."""
     attn, heads = block.attn, list(heads)
-    weight, bias = {"q": (attn.W_Q, attn.b_Q), "k": (attn.W_K, attn.b_K), "v": (attn.W_V, attn.b_V)}[kind]
+    weight, bias = {"q": (attn.W_Q, attn.b_Q), "k": (attn._W_K, attn._b_K), "v": (attn._W_V, attn._b_V)}[kind]
+    group = 1 if kind == "q" else attn.group  # k and v: each head reads its KV head's weights
     normed = block.ln1(x.flatten(1, 2)).view_as(x)
+    if kind != "v" and attn.cfg.qk_norm == "projection":
+        own, own_bias = (attn.W_Q, attn.b_Q) if kind == "q" else (attn._W_K, attn._b_K)  # the projection's own heads
+        every = einsum(normed, own, "b p s d, g d e -> b p s g e") + own_bias
+        every = (attn.q_norm if kind == "q" else attn.k_norm)(every.flatten(-2)).unflatten(-1, every.shape[-2:])
+        index = torch.tensor(heads) // group
+        return every[:, :, torch.arange(len(heads)), index]
+    if heads == list(range(attn.cfg.n_heads)):  # every head: the weights as they are, not gathered per head
+        grouped = normed.unflatten(2, (weight.shape[0], group))
+        projected = (einsum(grouped, weight, "b p k g d, k d e -> b p k g e") + bias[:, None]).flatten(2, 3)
+    else:
+        index = torch.tensor(heads, device=weight.device) // group
+        projected = einsum(normed, weight[index], "b p h d, h d e -> b p h e") + bias[index]
     if kind == "v" or attn.cfg.qk_norm == "none":
-        return einsum(normed, weight[heads], "b p h d, h d e -> b p h e") + bias[heads]
-    norm = attn.q_norm if kind == "q" else attn.k_norm
-    if attn.cfg.qk_norm == "head":
-        return norm(einsum(normed, weight[heads], "b p h d, h d e -> b p h e") + bias[heads])
-    own, own_bias = (attn.W_Q, attn.b_Q) if kind == "q" else (attn._W_K, attn._b_K)  # the projection's own heads
-    every = einsum(normed, own, "b p s d, g d e -> b p s g e") + own_bias
-    every = norm(every.flatten(-2)).unflatten(-1, every.shape[-2:])
-    index = torch.tensor(heads) // (1 if kind == "q" else attn.group)
-    return every[:, :, torch.arange(len(heads)), index]
+        return projected
+    return (attn.q_norm if kind == "q" else attn.k_norm)(projected)  # per-head QK-norm
 
 
 def attend(block, q: Float[Tensor, "batch pos head_index d_head"], k: Float[Tensor, "batch pos head_index d_head"],
@@ -275,16 +281,15 @@ class EdgeRunner:
             # circuit), equally (resid + the sum of every change so far: the corrupted stream) less the
             # kept edges' changes: a receiver reads every sender before its stage, so those sums agree.
             kept = (1 - drop) * adjacency
-            n_drop, n_kept = int(drop.any(1).sum()), int(kept.any(1).sum())
-            base = resid
-            if n_kept < n_drop:
+            in_use = torch.stack([drop.any(1), kept.any(1)]).cpu()  # which rows each sum reads (one sync a stage)
+            base, weights, rows = resid, drop, in_use[0].nonzero().flatten()
+            if int(in_use[1].sum()) < len(rows):
                 if total is None:
-                    total = self._mixed(torch.ones(n_done, 1, dtype=drop.dtype, device=drop.device), n_before, fresh)[0]
-                base, weights = resid + total, -kept
-            else:
-                weights = drop
+                    ones = torch.ones(n_done, 1, dtype=drop.dtype, device=drop.device)
+                    total = self._mixed(ones, torch.arange(n_done), n_before, fresh)[0]
+                base, weights, rows = resid + total, -kept, in_use[1].nonzero().flatten()
             inputs = base.unsqueeze(0).expand(len(receivers), *base.shape)
-            mixed = self._mixed(weights, n_before, fresh)
+            mixed = self._mixed(weights, rows, n_before, fresh)
             if mixed is not None:
                 inputs = inputs + mixed
             if collect is not None:
@@ -303,20 +308,21 @@ class EdgeRunner:
             resid = resid + sum(written)
         raise AssertionError("the logits stage is always last")
 
-    def _mixed(self, weights: Tensor, n_before: int, fresh: Tensor) -> Optional[Tensor]:
+    def _mixed(self, weights: Tensor, rows: Tensor, n_before: int, fresh: Tensor) -> Optional[Tensor]:
         """sum_s weights[s, r] change_s for each column r of ``weights`` [senders so far, receivers], as
-        [receivers, batch, pos, d_model] (None when every weight is 0). Senders below ``n_before``
-        change by ``delta``; the rest by ``fresh``'s rows. Few rows in use are gathered; many are
-        multiplied in place (a copy of every row would cost more than the multiplication saves)."""
-        rows = weights.any(1).nonzero().flatten()
+        [receivers, batch, pos, d_model], reading only ``rows`` (the senders with a weight that is not 0,
+        ascending, on the CPU; None when there are none). Senders below ``n_before`` change by
+        ``delta``; the rest by ``fresh``'s rows. Few rows are gathered; many are multiplied where they
+        lie (a copy of nearly every row would cost more than the rows it saves)."""
         if not len(rows):
             return None
-        n_up, shape = weights.shape[0], self.delta.shape[1:]
+        n_up, shape, device = weights.shape[0], self.delta.shape[1:], self.delta.device
         if 2 * len(rows) < n_up:
             below, above = rows[rows < n_before], rows[rows >= n_before] - n_before
-            parts = [part for part in (self.delta.index_select(0, below), fresh.index_select(0, above)) if len(part)]
+            parts = [source.index_select(0, index.to(device)) for source, index in ((self.delta, below), (fresh, above))
+                     if len(index)]
             changes = parts[0] if len(parts) == 1 else torch.cat(parts)
-            return (weights[rows].T @ changes.flatten(1)).view(-1, *shape)
+            return (weights[rows.to(device)].T @ changes.flatten(1)).view(-1, *shape)
         first = min(n_before, n_up)
         out = weights[:first].T @ self.delta[:first].flatten(1)
         if n_up > first:
@@ -457,7 +463,8 @@ class EdgeRunner:
         n = len(heads)
         xq, xk, xv = (inputs[i * n:(i + 1) * n].permute(1, 2, 0, 3) for i in range(3))
         z = head_z(block, xq, xk, xv, heads)
-        return list(einsum(z, block.attn.W_O[heads], "b p h e, h e d -> h b p d"))
+        W_O = block.attn.W_O if heads == list(range(block.attn.cfg.n_heads)) else block.attn.W_O[heads]
+        return list(einsum(z, W_O, "b p h e, h e d -> h b p d"))
 
     @staticmethod
     def _spread(resid: Tensor, n: int) -> Tensor:
