@@ -193,6 +193,8 @@ class EdgeRunner:
         self._senders_at = {t: np.nonzero(g.sender_stage == t)[0] for t in self.stages}
         self._n_before = {t: int((g.sender_stage < t).sum()) for t in self.stages}
         self._layer_at = {t: (t - 1) // 2 for t in self.stages}
+        sender_of = {node: i for i, node in enumerate(g.senders)}
+        self._sender_of_receiver = np.array([sender_of.get(g.node_of_receiver(r), -1) for r in range(len(g.receivers))])
         self._prefix: Optional[Tensor] = None  # [senders + 1, batch, pos, d_model], built on first use
         self._adjacency = g.adjacency.to(self.clean_out.device, self.clean_out.dtype)
 
@@ -262,6 +264,13 @@ class EdgeRunner:
             return self.clean_logits
         from_stage = max(from_stage, self.stages[0])  # the embedding has no inputs: every run starts after it
         n_before = self._n_before[from_stage] if from_stage in self._n_before else int((g.sender_stage < from_stage).sum())
+        # Which rows each stage reads is decided on the host, from one copy of the mask.
+        host_adjacency = g.adjacency.to(torch.float32)
+        host_keep = keep.to("cpu", torch.float32) * host_adjacency
+        # A sender none of whose edges is kept is read by every receiver as its corrupted value, whatever it
+        # computes: it is not computed, and its change is 0 (``collect`` wants every input: all are computed).
+        read = np.ones(len(g.senders), dtype=bool) if collect is not None else (host_keep != 0).any(1).numpy()
+        live = np.ones(len(g.senders), dtype=bool)  # senders whose change may not be 0
         # Senders before from_stage are clean: their change is ``delta``'s, read in place (never copied).
         # Those this run writes go into ``fresh`` once each, as they are computed.
         fresh = self.delta.new_empty(len(g.senders) - n_before, *self.delta.shape[1:])
@@ -274,49 +283,63 @@ class EdgeRunner:
         total = None  # the sum of every change so far (resid + total: the corrupted stream), built on first use
         n_done = n_before + (1 if embed is not None else 0)  # senders whose change is known
         for stage in [t for t in self.stages if t >= from_stage]:
-            receivers, n_up = self._receivers_at[stage], self._n_before[stage]
-            adjacency = self._adjacency[:n_up, receivers]
-            drop = (1 - keep[:n_up, receivers]) * adjacency
-            # Each input is resid + sum_s drop[s, r] change_s. Where most edges are dropped (a small
-            # circuit), equally (resid + the sum of every change so far: the corrupted stream) less the
-            # kept edges' changes: a receiver reads every sender before its stage, so those sums agree.
-            kept = (1 - drop) * adjacency
-            in_use = torch.stack([drop.any(1), kept.any(1)]).cpu()  # which rows each sum reads (one sync a stage)
-            base, weights, rows = resid, drop, in_use[0].nonzero().flatten()
-            if int(in_use[1].sum()) < len(rows):
-                if total is None:
-                    ones = torch.ones(n_done, 1, dtype=drop.dtype, device=drop.device)
-                    total = self._mixed(ones, torch.arange(n_done), n_before, fresh)[0]
-                base, weights, rows = resid + total, -kept, in_use[1].nonzero().flatten()
-            inputs = base.unsqueeze(0).expand(len(receivers), *base.shape)
-            mixed = self._mixed(weights, rows, n_before, fresh)
-            if mixed is not None:
-                inputs = inputs + mixed
-            if collect is not None:
-                collect.append(inputs)
-            if stage == self.stages[-1]:
-                return model.unembed(model.ln_final(inputs[0]))
-            written, bias = self._write(stage, inputs)
-            for out in written:  # each sender's change, written once
-                change = fresh[n_done - n_before]
-                torch.sub(self.corrupted_out[n_done], out, out=change)
-                if total is not None:
-                    total += change
-                n_done += 1
-            if bias is not None:
-                resid = resid + bias
+            receivers, n_up, last = self._receivers_at[stage], self._n_before[stage], stage == self.stages[-1]
+            readers = self._sender_of_receiver[receivers]
+            cols = np.nonzero((readers < 0) | read[np.maximum(readers, 0)])[0]  # receivers whose node is read
+            if len(cols):
+                adjacency = host_adjacency[:n_up, receivers[cols]]
+                drop = (1 - host_keep[:n_up, receivers[cols]]) * adjacency
+                # Each input is resid + sum_s drop[s, r] change_s. Where most edges are dropped (a small
+                # circuit), equally (resid + the sum of every change so far: the corrupted stream) less
+                # the kept edges' changes: a receiver reads every sender before its stage, so the sums agree.
+                kept = (1 - drop) * adjacency
+                alive = torch.from_numpy(live[:n_up])
+                base, weights, rows = resid, drop, (drop.any(1) & alive).nonzero().flatten()
+                kept_rows = (kept.any(1) & alive).nonzero().flatten()
+                if len(kept_rows) < len(rows):
+                    if total is None:
+                        total = self._mixed(torch.ones(n_done, 1), torch.arange(n_done), n_before, fresh)[0]
+                    base, weights, rows = resid + total, -kept, kept_rows
+                inputs = base.unsqueeze(0).expand(len(cols), *base.shape)
+                mixed = self._mixed(weights, rows, n_before, fresh)
+                if mixed is not None:
+                    inputs = inputs + mixed
+                if collect is not None:
+                    collect.append(inputs)
+                if last:
+                    return model.unembed(model.ln_final(inputs[0]))
+            # The senders of this stage, in sender order: computed where read, else their corrupted value.
+            senders = self._senders_at[stage]
+            heads = [g.senders[s][2] for s in senders if g.senders[s][0] == "head" and read[s]]
+            mlp = any(g.senders[s][0] == "mlp" and read[s] for s in senders)
+            computed, written = iter(self._write_read(stage, inputs if len(cols) else None, heads, mlp)), []
+            for s in senders:
+                change = fresh[s - n_before]
+                if read[s]:
+                    written.append(next(computed))
+                    torch.sub(self.corrupted_out[s], written[-1], out=change)
+                    if total is not None:
+                        total += change
+                else:
+                    written.append(self.corrupted_out[s])
+                    change.zero_()
+                    live[s] = False
+            n_done += len(senders)
+            if stage == 2 * self._layer_at[stage] + 1:  # the heads' b_O, then their outputs summed: the block's order
+                resid = resid + model.blocks[self._layer_at[stage]].attn.b_O
             resid = resid + sum(written)
         raise AssertionError("the logits stage is always last")
 
     def _mixed(self, weights: Tensor, rows: Tensor, n_before: int, fresh: Tensor) -> Optional[Tensor]:
-        """sum_s weights[s, r] change_s for each column r of ``weights`` [senders so far, receivers], as
-        [receivers, batch, pos, d_model], reading only ``rows`` (the senders with a weight that is not 0,
-        ascending, on the CPU; None when there are none). Senders below ``n_before`` change by
+        """sum_s weights[s, r] change_s for each column r of ``weights`` [senders so far, receivers] (on the
+        host), as [receivers, batch, pos, d_model], reading only ``rows`` (ascending; every other row's
+        weight or change is 0; None when there are none). Senders below ``n_before`` change by
         ``delta``; the rest by ``fresh``'s rows. Few rows are gathered; many are multiplied where they
         lie (a copy of nearly every row would cost more than the rows it saves)."""
         if not len(rows):
             return None
         n_up, shape, device = weights.shape[0], self.delta.shape[1:], self.delta.device
+        weights = weights.to(device, self.delta.dtype)
         if 2 * len(rows) < n_up:
             below, above = rows[rows < n_before], rows[rows >= n_before] - n_before
             parts = [source.index_select(0, index.to(device)) for source, index in ((self.delta, below), (fresh, above))
@@ -328,6 +351,16 @@ class EdgeRunner:
         if n_up > first:
             out += weights[first:].T @ fresh[:n_up - first].flatten(1)
         return out.view(-1, *shape)
+
+    def _write_read(self, stage: int, inputs: Optional[Tensor], heads: list[int], mlp: bool) -> list[Tensor]:
+        """What ``heads`` (and the MLP, when ``mlp``) of ``stage`` write, in sender order, from their
+        receivers' inputs [3 x len(heads) (+ 1), batch, pos, d_model] (q, k, v of each head, the MLP last)."""
+        written = []
+        if heads:
+            written += self._write_group(stage, inputs[:3 * len(heads)], heads)
+        if mlp:
+            written += self._write_group(stage, inputs[-1:], None)
+        return written
 
     def run_stacked(
         self,
