@@ -194,6 +194,83 @@ def test_runner_keeping_every_edge_is_clean_and_none_is_corrupted(name):
         assert runner.metric_of(metric, keep) == pytest.approx(value, abs=1e-5)
 
 
+# ---- the runner's fast path (one buffer of changes) against the stacked reference and hooked node patches ----
+def _hooked_node_patch(model, clean, corrupted_cache, nodes):
+    """Logits of the clean run with each of ``nodes`` writing its corrupted output (to every reader), by hooks."""
+    hooks = []
+    for node in nodes:
+        if node[0] == "embed":
+            names = ["hook_embed"] + (["hook_pos_embed"] if "hook_pos_embed" in corrupted_cache.cache_dict else [])
+            hooks += [(name, lambda act, hook: corrupted_cache[hook.name]) for name in names]
+        elif node[0] == "head":
+            def patch(act, hook, head=node[2]):
+                act = act.clone()
+                act[:, :, head] = corrupted_cache[hook.name][:, :, head]
+                return act
+
+            hooks.append((f"blocks.{node[1]}.attn.hook_z", patch))
+        else:
+            hooks.append((f"blocks.{node[1]}.hook_mlp_out", lambda act, hook: corrupted_cache[hook.name]))
+    with torch.no_grad():
+        return model.run_with_hooks(clean, fwd_hooks=hooks)
+
+
+def _random_masks(g, seed=0):
+    """Masks of every density the fast path treats apart: nearly none kept (the corrupted stream less the kept
+    edges), nearly all kept (the dropped rows gathered), half (every row multiplied in place), and weights
+    between 0 and 1."""
+    gen = torch.Generator().manual_seed(seed)
+    full = g.full_mask()
+    masks = [(torch.rand(full.shape, generator=gen) < p).float() * full for p in (0.02, 0.3, 0.5, 0.97)]
+    masks.append(torch.rand(full.shape, generator=gen) * full)
+    return masks
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, *ATTENTION_OPTIONS, "no-biases-batch-5"])
+def test_fast_runner_equals_the_stacked_runner_and_hooked_node_patches(name):
+    overrides = {**LAYOUTS, **ATTENTION_OPTIONS, "no-biases-batch-5": dict(bias=False)}[name]
+    model = _model(n_layers=3, **overrides)
+    clean, corrupted = _pair(batch=5 if name.endswith("batch-5") else 2)
+    runner = EdgeRunner(model, (clean, corrupted))
+    g = runner.graph
+    with torch.no_grad():
+        masks = _random_masks(g)
+        for keep in masks:
+            torch.testing.assert_close(runner.run(keep), runner.run_stacked(keep), atol=2e-5, rtol=0)
+        fast, stacked = [], []  # an explicit start, and the inputs each stage's receivers read
+        torch.testing.assert_close(runner.run(masks[2], 4, collect=fast),
+                                   runner.run_stacked(masks[2], 4, collect=stacked), atol=2e-5, rtol=0)
+        assert len(fast) == len(stacked) == len([t for t in runner.stages if t >= 4])
+        for a, b in zip(fast, stacked):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+        embed = runner.clean_out[0] + 0.3 * runner.delta[0]  # an EAP-IG point
+        torch.testing.assert_close(runner.run(masks[1], embed=embed), runner.run_stacked(masks[1], embed=embed),
+                                   atol=2e-5, rtol=0)
+        # Every edge out of a set of nodes corrupted is those nodes writing their corrupted outputs: few of
+        # them (the dropped rows gathered) and all but two (the corrupted stream less the kept rows).
+        corrupted_cache = model.run_with_cache(corrupted)[1]
+        few = [("head", 0, 1), ("mlp", 1) if g.has_mlp else ("head", 1, 3), ("head", 2, 0)]
+        for nodes in (few, [n for n in g.senders if n not in (("head", 1, 2), ("head", 0, 3))]):
+            keep = g.full_mask()
+            keep[[g.sender_index(n) for n in nodes]] = 0.0
+            torch.testing.assert_close(runner.run(keep), _hooked_node_patch(model, clean, corrupted_cache, nodes),
+                                       atol=2e-5, rtol=0)
+
+
+def test_a_mean_ablated_runner_reads_its_own_changes_on_the_fast_path():
+    # ioi.mean_ablation_runner swaps corrupted_out and delta on a shallow copy: nothing derived from them
+    # may be kept from the original.
+    from workbench.analysis.circuits.ioi import mean_ablation_runner
+
+    model = _model(n_layers=3)
+    runner = EdgeRunner(model, _pair(batch=4))
+    ablated = mean_ablation_runner(runner, [0, 1, 0, 1])
+    with torch.no_grad():
+        runner.run(_random_masks(runner.graph)[0])  # the original's lazily built state, if any, comes first
+        for keep in _random_masks(runner.graph, seed=1):
+            torch.testing.assert_close(ablated.run(keep), ablated.run_stacked(keep), atol=2e-5, rtol=0)
+
+
 def test_stacked_patches_equal_one_at_a_time():
     model = _model()
     clean, corrupted = _pair()

@@ -12,7 +12,9 @@ Two engines, one meaning (tests check they agree, and agree with a hand-written
   stream. Everything below the receiver comes from the clean run's cache.
 * ``EdgeRunner.run`` runs a forward pass node by node in which every receiver's input is
   its own sum, ``sum_s keep[s, r] * out_s + (1 - keep[s, r]) * corrupted_s``: any set of edges
-  at once (circuits, ACDC, path patching), starting at the first stage that changes. With
+  at once (circuits, ACDC, path patching), starting at the first stage that changes and
+  computing only the nodes some kept edge reads (``run_stacked`` is the older, differentiable
+  path, which computes every node and restacks the senders' changes at each stage). With
   every edge kept it is the clean run; with none, the corrupted run. Its receiver inputs can
   carry gradients, which is what edge attribution patching needs.
 
@@ -89,18 +91,24 @@ def project(block, x: Float[Tensor, "batch pos head_index d_model"], kind: str,
     does (before the rotation). A projection-wide QK-norm (OLMo 2) normalises every head's
     projection of the stream together: here, of the stream the head reads."""
     attn, heads = block.attn, list(heads)
-    weight, bias = {"q": (attn.W_Q, attn.b_Q), "k": (attn.W_K, attn.b_K), "v": (attn.W_V, attn.b_V)}[kind]
+    weight, bias = {"q": (attn.W_Q, attn.b_Q), "k": (attn._W_K, attn._b_K), "v": (attn._W_V, attn._b_V)}[kind]
+    group = 1 if kind == "q" else attn.group  # k and v: each head reads its KV head's weights
     normed = block.ln1(x.flatten(1, 2)).view_as(x)
+    if kind != "v" and attn.cfg.qk_norm == "projection":
+        own, own_bias = (attn.W_Q, attn.b_Q) if kind == "q" else (attn._W_K, attn._b_K)  # the projection's own heads
+        every = einsum(normed, own, "b p s d, g d e -> b p s g e") + own_bias
+        every = (attn.q_norm if kind == "q" else attn.k_norm)(every.flatten(-2)).unflatten(-1, every.shape[-2:])
+        index = torch.tensor(heads) // group
+        return every[:, :, torch.arange(len(heads)), index]
+    if heads == list(range(attn.cfg.n_heads)):  # every head: the weights as they are, not gathered per head
+        grouped = normed.unflatten(2, (weight.shape[0], group))
+        projected = (einsum(grouped, weight, "b p k g d, k d e -> b p k g e") + bias[:, None]).flatten(2, 3)
+    else:
+        index = torch.tensor(heads, device=weight.device) // group
+        projected = einsum(normed, weight[index], "b p h d, h d e -> b p h e") + bias[index]
     if kind == "v" or attn.cfg.qk_norm == "none":
-        return einsum(normed, weight[heads], "b p h d, h d e -> b p h e") + bias[heads]
-    norm = attn.q_norm if kind == "q" else attn.k_norm
-    if attn.cfg.qk_norm == "head":
-        return norm(einsum(normed, weight[heads], "b p h d, h d e -> b p h e") + bias[heads])
-    own, own_bias = (attn.W_Q, attn.b_Q) if kind == "q" else (attn._W_K, attn._b_K)  # the projection's own heads
-    every = einsum(normed, own, "b p s d, g d e -> b p s g e") + own_bias
-    every = norm(every.flatten(-2)).unflatten(-1, every.shape[-2:])
-    index = torch.tensor(heads) // (1 if kind == "q" else attn.group)
-    return every[:, :, torch.arange(len(heads)), index]
+        return projected
+    return (attn.q_norm if kind == "q" else attn.k_norm)(projected)  # per-head QK-norm
 
 
 def attend(block, q: Float[Tensor, "batch pos head_index d_head"], k: Float[Tensor, "batch pos head_index d_head"],
@@ -187,6 +195,8 @@ class EdgeRunner:
         self._senders_at = {t: np.nonzero(g.sender_stage == t)[0] for t in self.stages}
         self._n_before = {t: int((g.sender_stage < t).sum()) for t in self.stages}
         self._layer_at = {t: (t - 1) // 2 for t in self.stages}
+        sender_of = {node: i for i, node in enumerate(g.senders)}
+        self._sender_of_receiver = np.array([sender_of.get(g.node_of_receiver(r), -1) for r in range(len(g.receivers))])
         self._prefix: Optional[Tensor] = None  # [senders + 1, batch, pos, d_model], built on first use
         self._adjacency = g.adjacency.to(self.clean_out.device, self.clean_out.dtype)
 
@@ -240,7 +250,132 @@ class EdgeRunner:
         clean run. ``embed`` replaces the embedding node's output (integrated gradients
         interpolate it); ``collect``, a list, receives each stage's receiver inputs
         [receivers, batch, pos, d_model] in receiver order.
+
+        Without autograd (``torch.no_grad()``, as ``metric_of`` runs it) each sender's change
+        (corrupted minus this run's output) is written once, into one buffer, each stage mixes only
+        the rows it needs from there (``_mixed``), and a node none of whose edges is kept is not
+        computed (its readers all read its corrupted value). With autograd on, the run is
+        ``run_stacked``, which rebuilds each stage's rows afresh (differentiable; on SmolLM2's 30
+        layers 1.5-8.6x slower for a faithfulness run, benchmarks/edge_runner.py).
         """
+        if torch.is_grad_enabled():
+            return self.run_stacked(keep, from_stage, embed, collect)
+        g, model = self.graph, self.model
+        keep = self._adjacency if keep is None else keep.to(self._adjacency)
+        if from_stage is None:
+            from_stage = 0 if (embed is not None or collect is not None) else self.first_stage(keep)
+        if from_stage > self.stages[-1]:
+            return self.clean_logits
+        from_stage = max(from_stage, self.stages[0])  # the embedding has no inputs: every run starts after it
+        n_before = self._n_before[from_stage] if from_stage in self._n_before else int((g.sender_stage < from_stage).sum())
+        # Which rows each stage reads is decided on the host, from one copy of the mask.
+        host_adjacency = g.adjacency.to(torch.float32)
+        host_keep = keep.to("cpu", torch.float32) * host_adjacency
+        # A sender none of whose edges is kept is read by every receiver as its corrupted value, whatever it
+        # computes: it is not computed, and its change is 0 (``collect`` wants every input: all are computed).
+        read = np.ones(len(g.senders), dtype=bool) if collect is not None else (host_keep != 0).any(1).numpy()
+        live = np.ones(len(g.senders), dtype=bool)  # senders whose change may not be 0
+        # Senders before from_stage are clean: their change is ``delta``'s, read in place (never copied).
+        # Those this run writes go into ``fresh`` once each, as they are computed.
+        fresh = self.delta.new_empty(len(g.senders) - n_before, *self.delta.shape[1:])
+        if embed is not None:
+            if from_stage != self.stages[0]:
+                raise ValueError("a replaced embedding needs the run to start at the first stage")
+            fresh = torch.cat([(self.corrupted_out[0] - embed)[None], fresh])
+            n_before = 0
+        resid = (embed if embed is not None else self._clean_prefix[n_before]) + self._bias_before(from_stage)
+        total = None  # the sum of every change so far (resid + total: the corrupted stream), built on first use
+        n_done = n_before + (1 if embed is not None else 0)  # senders whose change is known
+        for stage in [t for t in self.stages if t >= from_stage]:
+            receivers, n_up, last = self._receivers_at[stage], self._n_before[stage], stage == self.stages[-1]
+            readers = self._sender_of_receiver[receivers]
+            cols = np.nonzero((readers < 0) | read[np.maximum(readers, 0)])[0]  # receivers whose node is read
+            if len(cols):
+                adjacency = host_adjacency[:n_up, receivers[cols]]
+                drop = (1 - host_keep[:n_up, receivers[cols]]) * adjacency
+                # Each input is resid + sum_s drop[s, r] change_s. Where most edges are dropped (a small
+                # circuit), equally (resid + the sum of every change so far: the corrupted stream) less
+                # the kept edges' changes: a receiver reads every sender before its stage, so the sums agree.
+                kept = (1 - drop) * adjacency
+                alive = torch.from_numpy(live[:n_up])
+                base, weights, rows = resid, drop, (drop.any(1) & alive).nonzero().flatten()
+                kept_rows = (kept.any(1) & alive).nonzero().flatten()
+                if len(kept_rows) < len(rows):
+                    if total is None:
+                        total = self._mixed(torch.ones(n_done, 1), torch.arange(n_done), n_before, fresh)[0]
+                    base, weights, rows = resid + total, -kept, kept_rows
+                inputs = base.unsqueeze(0).expand(len(cols), *base.shape)
+                mixed = self._mixed(weights, rows, n_before, fresh)
+                if mixed is not None:
+                    inputs = inputs + mixed
+                if collect is not None:
+                    collect.append(inputs)
+                if last:
+                    return model.unembed(model.ln_final(inputs[0]))
+            # The senders of this stage, in sender order: computed where read, else their corrupted value.
+            senders = self._senders_at[stage]
+            heads = [g.senders[s][2] for s in senders if g.senders[s][0] == "head" and read[s]]
+            mlp = any(g.senders[s][0] == "mlp" and read[s] for s in senders)
+            computed, written = iter(self._write_read(stage, inputs if len(cols) else None, heads, mlp)), []
+            for s in senders:
+                change = fresh[s - n_before]
+                if read[s]:
+                    written.append(next(computed))
+                    torch.sub(self.corrupted_out[s], written[-1], out=change)
+                    if total is not None:
+                        total += change
+                else:
+                    written.append(self.corrupted_out[s])
+                    change.zero_()
+                    live[s] = False
+            n_done += len(senders)
+            if stage == 2 * self._layer_at[stage] + 1:  # the heads' b_O, then their outputs summed: the block's order
+                resid = resid + model.blocks[self._layer_at[stage]].attn.b_O
+            resid = resid + sum(written)
+        raise AssertionError("the logits stage is always last")
+
+    def _mixed(self, weights: Tensor, rows: Tensor, n_before: int, fresh: Tensor) -> Optional[Tensor]:
+        """sum_s weights[s, r] change_s for each column r of ``weights`` [senders so far, receivers] (on the
+        host), as [receivers, batch, pos, d_model], reading only ``rows`` (ascending; every other row's
+        weight or change is 0; None when there are none). Senders below ``n_before`` change by
+        ``delta``; the rest by ``fresh``'s rows. Few rows are gathered; many are multiplied where they
+        lie (a copy of nearly every row would cost more than the rows it saves)."""
+        if not len(rows):
+            return None
+        n_up, shape, device = weights.shape[0], self.delta.shape[1:], self.delta.device
+        weights = weights.to(device, self.delta.dtype)
+        if 2 * len(rows) < n_up:
+            below, above = rows[rows < n_before], rows[rows >= n_before] - n_before
+            parts = [source.index_select(0, index.to(device)) for source, index in ((self.delta, below), (fresh, above))
+                     if len(index)]
+            changes = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return (weights[rows.to(device)].T @ changes.flatten(1)).view(-1, *shape)
+        first = min(n_before, n_up)
+        out = weights[:first].T @ self.delta[:first].flatten(1)
+        if n_up > first:
+            out += weights[first:].T @ fresh[:n_up - first].flatten(1)
+        return out.view(-1, *shape)
+
+    def _write_read(self, stage: int, inputs: Optional[Tensor], heads: list[int], mlp: bool) -> list[Tensor]:
+        """What ``heads`` (and the MLP, when ``mlp``) of ``stage`` write, in sender order, from their
+        receivers' inputs [3 x len(heads) (+ 1), batch, pos, d_model] (q, k, v of each head, the MLP last)."""
+        written = []
+        if heads:
+            written += self._write_group(stage, inputs[:3 * len(heads)], heads)
+        if mlp:
+            written += self._write_group(stage, inputs[-1:], None)
+        return written
+
+    def run_stacked(
+        self,
+        keep: Optional[Tensor] = None,
+        from_stage: Optional[int] = None,
+        embed: Optional[Tensor] = None,
+        collect: Optional[list] = None,
+    ) -> Float[Tensor, "batch pos d_vocab"]:
+        """``run``, differentiable: at each stage, the changes of every sender with a dropped edge into
+        it are stacked afresh from a list of outputs (autograd follows; the fast path's buffer,
+        written in place, would not). It is also the reference the fast path is tested against."""
         g, model = self.graph, self.model
         keep = self._adjacency if keep is None else keep.to(self._adjacency)
         if from_stage is None:
@@ -365,7 +500,8 @@ class EdgeRunner:
         n = len(heads)
         xq, xk, xv = (inputs[i * n:(i + 1) * n].permute(1, 2, 0, 3) for i in range(3))
         z = head_z(block, xq, xk, xv, heads)
-        return list(einsum(z, block.attn.W_O[heads], "b p h e, h e d -> h b p d"))
+        W_O = block.attn.W_O if heads == list(range(block.attn.cfg.n_heads)) else block.attn.W_O[heads]
+        return list(einsum(z, W_O, "b p h e, h e d -> h b p d"))
 
     @staticmethod
     def _spread(resid: Tensor, n: int) -> Tensor:
