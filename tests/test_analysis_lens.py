@@ -138,3 +138,44 @@ def test_shipped_story_models_tuned_lens_beats_logit_lens(name):
     kl = compare_lenses(model, held_out, lens).pivot(index="layer", columns="lens", values="kl")
     last = model.cfg.n_layers
     assert (kl.loc[: last - 1, "tuned"] < kl.loc[: last - 1, "logit"]).all(), kl
+
+
+def test_a_long_prompts_lens_is_computed_a_chunk_of_positions_at_a_time(monkeypatch):
+    """The lens over a long prompt never holds every position's [layer, pos, vocab] logits at once (the app's
+    Inspect page ran out of 24 GB on a 2,501-token prompt of the 49,152-token real model): with a chunk of 3
+    positions the projections see at most 3, and the tables (padded batch, targets, tuned lens, aggregate)
+    equal TransformerLens' recomputed-norm lens and the one-chunk run."""
+    import workbench.analysis.lens as lens_mod
+
+    model = _model(norm="rmsnorm", positional="rope")
+    tokens = torch.randint(0, 50, (2, 11))
+    mask = torch.ones_like(tokens)
+    mask[1, :4] = 0  # left padding: the second prompt is 7 tokens
+    tuned = TunedLens(model.cfg.n_layers, model.cfg.d_model)
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    whole = [logit_lens(model, tokens, attention_mask=mask), tuned_lens(model, tokens, tuned, attention_mask=mask),
+             logit_lens(model, tokens, attention_mask=mask, aggregate=True)]
+    widths = []
+    project = lens_mod._project
+    monkeypatch.setattr(lens_mod, "_project", lambda m, r: widths.append(r.shape[2]) or project(m, r))
+    per_position = (model.cfg.n_layers + 1) * 2 * model.cfg.d_vocab * 4
+    monkeypatch.setattr(lens_mod, "LENS_CHUNK_BYTES", 3 * per_position)
+    chunked = [logit_lens(model, tokens, attention_mask=mask), tuned_lens(model, tokens, tuned, attention_mask=mask),
+               logit_lens(model, tokens, attention_mask=mask, aggregate=True)]
+    assert widths and max(widths) == 3 and sum(widths) == 3 * 11
+    for a, b in zip(whole, chunked):
+        assert list(a.columns) == list(b.columns) and len(a) == len(b)
+        for col in a.columns:
+            if a[col].dtype.kind == "f":
+                np.testing.assert_allclose(a[col], b[col], rtol=1e-6, atol=1e-7, err_msg=col)
+            else:
+                assert (a[col].to_numpy() == b[col].to_numpy()).all(), col
+    # and against TransformerLens' own recomputed-norm lens, the first prompt's last position
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens[:1])
+    stack = cache.accumulated_resid(layer=None, apply_ln=False)
+    ref = (cache.apply_ln_to_stack(stack, layer=None, recompute_ln=True) @ model.W_U).softmax(-1)[:, 0, -1]
+    got = chunked[0][(chunked[0].batch == 0) & (chunked[0].pos == 10)].sort_values("layer")
+    np.testing.assert_allclose(got.top1_prob, ref.max(-1).values.detach().numpy(), rtol=1e-5)
