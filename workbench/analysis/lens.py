@@ -79,8 +79,11 @@ def residual_stack(
 
 
 def _project(model, resid: Float[Tensor, "layer batch pos d_model"]) -> Float[Tensor, "layer batch pos d_vocab"]:
-    """Final norm (its statistics recomputed per layer, as the lens needs) and unembedding."""
-    return torch.stack([model.unembed(model.ln_final(r)) for r in resid])
+    """Final norm (its statistics recomputed per layer and position, as the lens needs) and unembedding,
+    every layer in one product: one unembedding per layer read the whole [d_model, d_vocab] matrix once
+    per layer (SmolLM2's 31 streams of a 14-token prompt: 3.8 s on one thread, against 0.44 s at once)."""
+    streams = resid.flatten(0, 1)  # [layer * batch, pos, d_model]: the layers as rows of one batch
+    return model.unembed(model.ln_final(streams)).unflatten(0, resid.shape[:2])
 
 
 def _check_targets(model, data: DataLike, targets: Optional[Tensor]) -> Optional[Tensor]:
@@ -110,10 +113,11 @@ def _lens_stats(lens_logits: Tensor, final_logits: Tensor, tokens: Tensor, mask:
         targets = torch.where(after >= 0, tokens.gather(1, after.clamp(min=0)), torch.full_like(tokens, -1))
     safe = targets.clamp(min=0)[None].expand(n_layer, -1, -1)[..., None]
     target_logit = lens_logits.gather(-1, safe).squeeze(-1)
-    top_p, top_i = logp.exp().topk(k, dim=-1)
+    probs = logp.exp()
+    top_p, top_i = probs.topk(k, dim=-1)
     return {
         "kl": (final_logp.exp() * (final_logp - logp)).sum(-1),  # KL(final || lens)
-        "entropy": -(logp.exp() * logp).sum(-1),
+        "entropy": -(probs * logp).sum(-1),
         "top_p": top_p, "top_i": top_i, "targets": targets,
         "has_target": (targets >= 0)[None].expand(n_layer, -1, -1),
         "target_rank": (lens_logits > target_logit[..., None]).sum(-1) + 1,  # 1 = the top token
