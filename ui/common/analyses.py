@@ -72,7 +72,7 @@ def one_forward(key: tuple[str, int], ids: Optional[tuple[int, ...]]):
     are those of that one run, equal to each analysis' own to float32 rounding (see the library's
     module); ``st.cache_data`` keeps them under the same keys either way.
     """
-    token = _SHARED.set(_Shared(key, ids) if ids is not None and not isinstance(ids[0], tuple) else None)
+    token = _SHARED.set(_Shared(key, ids) if ids and not isinstance(ids[0], tuple) else None)
     try:
         yield
     finally:
