@@ -19,11 +19,9 @@ from ui import serve
 _plotly_warm = st.empty()
 if "_plotly_warmed" not in st.session_state:
     st.session_state["_plotly_warmed"] = True
-    _plotly_warm.plotly_chart(
-        {"data": [{"type": "scatter", "x": [0], "y": [0], "mode": "markers", "marker": {"size": 1}}],
-         "layout": {"height": 10, "width": 10, "margin": {"l": 0, "r": 0, "t": 0, "b": 0},
-                    "xaxis": {"visible": False}, "yaxis": {"visible": False}}},
-        config={"staticPlot": True, "displayModeBar": False}, width="content")
+    serve.wait_for_plotly()  # under ui.serve: plotly imported by the preload, not by two threads at once
+    _plotly_warm.plotly_chart(serve.WARM_FIGURE, config={"staticPlot": True, "displayModeBar": False},
+                              width="content")
 # Under ``python -m ui.serve`` the imports below and the default checkpoint are being preloaded on
 # a thread that started with the server: an early first session waits for it here (at once otherwise).
 serve.wait_for_preload()

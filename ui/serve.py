@@ -22,6 +22,12 @@ from pathlib import Path
 
 APP = Path(__file__).resolve().parent.parent / "app.py"
 _preload: threading.Thread | None = None
+_plotly_ready = threading.Event()  # set once the preload has imported plotly (or has ended)
+# What app.py sends first on a session's first run, so that the browser loads plotly.js early: one
+# point, nothing visible, 10 px (plotly's smallest height).
+WARM_FIGURE = {"data": [{"type": "scatter", "x": [0], "y": [0], "mode": "markers", "marker": {"size": 1}}],
+               "layout": {"height": 10, "width": 10, "margin": {"l": 0, "r": 0, "t": 0, "b": 0},
+                          "xaxis": {"visible": False}, "yaxis": {"visible": False}}}
 
 
 def mark(phase: str) -> None:
@@ -34,6 +40,16 @@ def preload(script_args: list[str]) -> str:
     """Import what app.py imports and load the default checkpoint; a line saying what was done."""
     started = time.perf_counter()
     import plotly.graph_objects
+    import plotly.io
+    import plotly.tools
+
+    # What st.plotly_chart does with app.py's first figure, here first: the session's script thread then
+    # sends that figure while this thread imports torch, and no module is imported by both threads
+    # at once (plotly imports its parts lazily; two threads importing them raced).
+    plotly.io.to_json(plotly.tools.return_figure_from_figure_or_data(WARM_FIGURE, validate_figure=True),
+                      validate=False)
+    _plotly_ready.set()
+    mark("plotly")
     import torch
 
     from ui import (ablate, build_train, circuit, common, compare, features, graph, inspect, patch,  # noqa: F401
@@ -86,10 +102,19 @@ def start_preload(script_args: list[str]) -> threading.Thread:
             print(work(script_args), flush=True)
         except Exception as error:  # the app still runs: the first session then pays for what failed here
             print(f"preload failed ({type(error).__name__}: {error}); the first page will load it", flush=True)
+        finally:
+            _plotly_ready.set()
 
     _preload = threading.Thread(target=run, name="workbench-preload", daemon=True)
     _preload.start()
     return _preload
+
+
+def wait_for_plotly() -> None:
+    """Until the preload (if this process started one) has imported plotly; at once otherwise. app.py
+    calls this before sending its first figure, which imports plotly when nothing else has."""
+    if _preload is not None and _preload is not threading.current_thread():
+        _plotly_ready.wait()
 
 
 def wait_for_preload() -> None:

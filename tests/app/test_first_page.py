@@ -4,6 +4,8 @@ run alone; the first Inspect run makes one forward where it made five. The prelo
 before the first session is checked in test_issue37_units.py (a fresh process).
 """
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -101,3 +103,21 @@ def test_the_first_inspect_run_makes_one_forward(app, checkpoints_dir):
               "lens": common.analysis(an.logit_lens, key, ids, ablation=(), reference=None, k=3)}
     for what, table in cached.items():
         assert_same_table(alone[what], table, what)
+
+
+def test_a_sessions_first_run_sends_plotly_warm_figure_first_and_takes_it_away(app):
+    """The browser loads plotly.js (4.7 MB) only when a figure arrives: a session's first run sends a
+    10-pixel figure before anything heavy (the preload wait, the imports), so Chromium loads plotly.js
+    while the server works, and removes it once the page is drawn. Later runs send none."""
+    from ui import serve
+
+    app_source = (common.REPO / "app.py").read_text()
+    head = app_source.split("serve.wait_for_preload()")[0]
+    assert "_plotly_warm.plotly_chart(serve.WARM_FIGURE" in head and "import torch" not in head
+    at = app("Inspect")
+    assert at.session_state["_plotly_warmed"] is True
+    specs = [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
+    assert len(specs) == 7 and all(spec["layout"].get("height") != 10 for spec in specs)  # Inspect's own, no more
+    assert serve.WARM_FIGURE["layout"]["height"] == 10
+    at.run()
+    assert len(at.get("plotly_chart")) == 7
