@@ -39,13 +39,17 @@ def mark(phase: str) -> None:
 def preload(script_args: list[str]) -> str:
     """Import what app.py imports and load the default checkpoint; a line saying what was done."""
     started = time.perf_counter()
+    import numpy  # noqa: F401
+    import pandas  # noqa: F401
     import plotly.graph_objects
     import plotly.io
     import plotly.tools
 
     # What st.plotly_chart does with app.py's first figure, here first: the session's script thread then
-    # sends that figure while this thread imports torch, and no module is imported by both threads
-    # at once (plotly imports its parts lazily; two threads importing them raced).
+    # sends that figure while this thread imports torch, finding every module it needs imported whole.
+    # plotly's validators look up numpy and pandas in sys.modules: when this thread was still importing
+    # pandas (for torch and TransformerLens), the script's figure found it half-initialised and failed
+    # ("partially initialized module 'pandas' has no attribute 'Series'").
     plotly.io.to_json(plotly.tools.return_figure_from_figure_or_data(WARM_FIGURE, validate_figure=True),
                       validate=False)
     _plotly_ready.set()
