@@ -103,7 +103,9 @@ class Server:
                     return
             except OSError:
                 if self.proc.poll() is not None or time.time() > deadline:
-                    raise SystemExit("streamlit did not start") from None
+                    self.log.seek(0)
+                    raise SystemExit(f"streamlit did not start (exit code {self.proc.poll()}); its output ended:\n"
+                                     + self.log.read()[-3000:]) from None
                 time.sleep(0.05)
 
     def timings(self) -> dict[str, float]:

@@ -4,8 +4,9 @@
 the script, and loads the default checkpoint then: that session waits for all of it. This
 launcher does that work in the server's own process (the imports, the default checkpoint
 through the same ``st.cache_resource`` loader the pages use, the Inspect page's analyses of the
-default prompt into the ``st.cache_data`` entries the page reads, one figure of each trace type) on a background thread, while ``streamlit run app.py`` starts in the same process and
-the browser loads the page's JavaScript. app.py calls :func:`wait_for_preload` before its first
+default prompt into the ``st.cache_data`` entries the page reads, one figure of each trace type) on
+a background thread, while ``streamlit run app.py`` starts in the same process and the browser
+loads the page's JavaScript. app.py calls :func:`wait_for_preload` before its first
 import, so a session that arrives early waits for the preload instead of racing it.
 
 With ``WORKBENCH_TIMINGS=1`` in the environment each phase prints ``timing <phase> <epoch s>``
@@ -22,12 +23,6 @@ from pathlib import Path
 
 APP = Path(__file__).resolve().parent.parent / "app.py"
 _preload: threading.Thread | None = None
-_plotly_ready = threading.Event()  # set once the preload has imported plotly (or has ended)
-# What app.py sends first on a session's first run, so that the browser loads plotly.js early: one
-# point, nothing visible, 10 px (plotly's smallest height).
-WARM_FIGURE = {"data": [{"type": "scatter", "x": [0], "y": [0], "mode": "markers", "marker": {"size": 1}}],
-               "layout": {"height": 10, "width": 10, "margin": {"l": 0, "r": 0, "t": 0, "b": 0},
-                          "xaxis": {"visible": False}, "yaxis": {"visible": False}}}
 
 
 def mark(phase: str) -> None:
@@ -39,21 +34,7 @@ def mark(phase: str) -> None:
 def preload(script_args: list[str]) -> str:
     """Import what app.py imports and load the default checkpoint; a line saying what was done."""
     started = time.perf_counter()
-    import numpy  # noqa: F401
-    import pandas  # noqa: F401
     import plotly.graph_objects
-    import plotly.io
-    import plotly.tools
-
-    # What st.plotly_chart does with app.py's first figure, here first: the session's script thread then
-    # sends that figure while this thread imports torch, finding every module it needs imported whole.
-    # plotly's validators look up numpy and pandas in sys.modules: when this thread was still importing
-    # pandas (for torch and TransformerLens), the script's figure found it half-initialised and failed
-    # ("partially initialized module 'pandas' has no attribute 'Series'").
-    plotly.io.to_json(plotly.tools.return_figure_from_figure_or_data(WARM_FIGURE, validate_figure=True),
-                      validate=False)
-    _plotly_ready.set()
-    mark("plotly")
     import torch
 
     from ui import (ablate, build_train, circuit, common, compare, features, graph, inspect, patch,  # noqa: F401
@@ -106,19 +87,15 @@ def start_preload(script_args: list[str]) -> threading.Thread:
             print(work(script_args), flush=True)
         except Exception as error:  # the app still runs: the first session then pays for what failed here
             print(f"preload failed ({type(error).__name__}: {error}); the first page will load it", flush=True)
-        finally:
-            _plotly_ready.set()
 
     _preload = threading.Thread(target=run, name="workbench-preload", daemon=True)
     _preload.start()
     return _preload
 
 
-def wait_for_plotly() -> None:
-    """Until the preload (if this process started one) has imported plotly; at once otherwise. app.py
-    calls this before sending its first figure, which imports plotly when nothing else has."""
-    if _preload is not None and _preload is not threading.current_thread():
-        _plotly_ready.wait()
+def preloading() -> bool:
+    """Whether this process started a preload (``python -m ui.serve``), ended or not."""
+    return _preload is not None
 
 
 def wait_for_preload() -> None:

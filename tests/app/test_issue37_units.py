@@ -362,13 +362,6 @@ FIRST_RUN = """
 import json, os, sys
 sys.path.insert(0, os.getcwd())
 from ui import serve
-ready = {}
-def plotly_ready(set=serve._plotly_ready.set):
-    pandas = sys.modules.get("pandas")
-    ready.update(torch="torch" in sys.modules, pandas=pandas is not None and hasattr(pandas, "Series")
-                 and not pandas.__spec__._initializing)
-    set()
-serve._plotly_ready.set = plotly_ready
 serve.preload([])
 from streamlit.testing.v1 import AppTest
 from ui import common
@@ -381,7 +374,7 @@ at = AppTest.from_file(os.path.join(os.getcwd(), "app.py"), default_timeout=300)
 at.run()
 assert not at.exception, [e.value for e in at.exception]
 print(json.dumps({"new": sorted(set(sys.modules) - before), "loads": list(common.LOADS.values()),
-                  "forwards": len(forwards), "ready": ready}))
+                  "forwards": len(forwards)}))
 """
 
 
@@ -391,9 +384,7 @@ def test_after_the_preload_the_first_page_imports_nothing_heavy_loads_the_model_
     The preload left out the Graph page (and its QK panel and vocabulary browser), which the first run
     then imported; any library, page or torch module still imported there is time the first page pays.
     The preload also computes the page's analyses of the default prompt (``inspect.precompute``), so
-    the first run makes no forward of the model (it made five, one per analysis, then one shared); and
-    it says plotly is ready (app.py then sends its warm-up figure) before importing torch, with every
-    module the figure needs imported whole."""
+    the first run makes no forward of the model (it made five, one per analysis, then one shared)."""
     import os
     import subprocess
     import sys
@@ -408,6 +399,3 @@ def test_after_the_preload_the_first_page_imports_nothing_heavy_loads_the_model_
     assert heavy == []
     assert seen["loads"] == [1]  # the default checkpoint, read once (by the preload), found by the page
     assert seen["forwards"] == 0  # every analysis of the default prompt found in the cache the page reads
-    # app.py's warm-up figure may go out once plotly is ready: before torch (so early), with pandas whole
-    # (plotly's validators found it half-imported by the preload thread, and a first page failed)
-    assert seen["ready"] == {"torch": False, "pandas": True}
