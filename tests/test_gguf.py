@@ -13,6 +13,8 @@ so their files hold random blocks with sane scales, and the reference weights ar
 dequantization of those blocks.
 """
 
+import hashlib
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,7 +34,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 import workbench as wb  # noqa: E402
-from workbench.interop.gguf import GGUFImportError, cache_dir_for, open_gguf  # noqa: E402
+from workbench.interop.gguf import HASHES_FILE, GGUFImportError, cache_dir_for, open_gguf  # noqa: E402
 
 TOL = 1e-4  # fp32, relative to the largest logit
 # d_model and d_mlp multiples of 256: K-quant blocks are 256 values long
@@ -269,8 +271,10 @@ def test_an_unwritable_cache_warns_and_opens_the_file_anyway(tmp_path):
 # ---- bad input ----------------------------------------------------------------------------------
 
 def _cache_entries(cache: Path) -> list[str]:
-    """Folders and files in the cache other than lock files (released locks are removed anyway)."""
-    return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) if cache.exists() else []
+    """Folders and files in the cache other than lock files (released locks are removed anyway) and
+    the record of the files' hashes (written when a file is first named, before it is read)."""
+    return sorted(p.name for p in cache.iterdir()
+                  if not p.name.endswith(".lock") and p.name != HASHES_FILE) if cache.exists() else []
 
 
 def test_unsupported_architecture_is_named(tmp_path):
@@ -386,3 +390,36 @@ def test_cli_open_gguf(tmp_path, capsys):
 
 def test_top_level_names():
     assert wb.open_gguf is open_gguf and issubclass(wb.GGUFImportError, ValueError)
+
+
+def test_the_content_hash_is_kept_per_file_version_and_a_changed_file_is_hashed_again(tmp_path, monkeypatch):
+    """``cache_dir_for`` hashed the whole file on every call (0.4 s for SmolLM2's 98 MB, on every
+    ``open_pretrained``); it now keeps the hash by (resolved path, size, mtime_ns), in this process and
+    in the cache's hash record, and a rewritten file gets a new hash."""
+    from workbench.interop import gguf as g
+
+    path, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    path.write_bytes(b"GGUF one version")
+    hashed = []
+    real = g._sha256
+    monkeypatch.setattr(g, "_sha256", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(g, "_HASHES", {})
+    first = cache_dir_for(path, cache)
+    assert first.name == f"m-{hashlib.sha256(b'GGUF one version').hexdigest()[:16]}-v{g.CONVERTER_VERSION}"
+    assert cache_dir_for(tmp_path / "." / "m.gguf", cache) == first and len(hashed) == 1  # this process
+    monkeypatch.setattr(g, "_HASHES", {})  # as a new process: the record in the cache answers
+    assert cache_dir_for(path, cache) == first and len(hashed) == 1
+    record = json.loads((cache / HASHES_FILE).read_text())
+    assert record[str(path.resolve())]["sha256"] == hashlib.sha256(b"GGUF one version").hexdigest()
+    stat = path.stat()
+    path.write_bytes(b"GGUF two version")  # the same size: the new modification time tells
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    second = cache_dir_for(path, cache)
+    assert len(hashed) == 2 and second.name.split("-")[1] == hashlib.sha256(b"GGUF two version").hexdigest()[:16]
+    path.write_bytes(b"GGUF three, longer")  # a new size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # even with the last mtime
+    assert cache_dir_for(path, cache) not in (first, second) and len(hashed) == 3
+    (cache / HASHES_FILE).write_text("not json")  # a damaged record is hashed over, not trusted
+    monkeypatch.setattr(g, "_HASHES", {})
+    assert cache_dir_for(path, cache).name.split("-")[1] == hashlib.sha256(b"GGUF three, longer").hexdigest()[:16]
+    assert len(hashed) == 4

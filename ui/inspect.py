@@ -52,22 +52,59 @@ def render() -> None:
         st.caption("One prompt per line to inspect several: each is computed as it is alone.")
         ids = common.prompt_ids(ckpt, text)
     if ids is not None:
-        _tokens_and_loss(ckpt, ids)
-        if ckpt.cfg.n_heads * ckpt.cfg.n_layers > WIDE_HEADS:
-            # Many heads: half the page left SmolLM2's 9-head score panels 65 px wide, their head labels
-            # on top of each other; the section takes the page's width, the norms go under it.
-            _attention(ckpt, ids)
-            _residual_norms(ckpt, ids)
-        else:
-            left, right = st.columns(2)
-            with left:
+        # The loss, the attention, the norms, the lens, the suggested answer and the attribution of
+        # this prompt: one forward for all that miss the cache (six forwards each were most of the
+        # first page on SmolLM2-135M).
+        with common.one_forward(ckpt.key, ids):
+            _tokens_and_loss(ckpt, ids)
+            if ckpt.cfg.n_heads * ckpt.cfg.n_layers > WIDE_HEADS:
+                # Many heads: half the page left SmolLM2's 9-head score panels 65 px wide, their head labels
+                # on top of each other; the section takes the page's width, the norms go under it.
                 _attention(ckpt, ids)
-            with right:
                 _residual_norms(ckpt, ids)
-        _lens(ckpt, ids)  # full width: every cell carries the lens' top token
-        _attribution(ckpt, ids)
+            else:
+                left, right = st.columns(2)
+                with left:
+                    _attention(ckpt, ids)
+                with right:
+                    _residual_norms(ckpt, ids)
+            _lens(ckpt, ids)  # full width: every cell carries the lens' top token
+            _attribution(ckpt, ids)
     st.subheader("Model card")
     common.model_card(ckpt)
+
+
+def precompute(ckpt: common.Checkpoint, ids: tuple[int, ...]) -> None:
+    """Every analysis the page's first run on prompt ``ids`` asks for, with its widgets at their
+    defaults, into the same cache entries (one forward in all): ``ui.serve`` calls it for the default
+    prompt before the first session arrives, which then only draws. The calls are the page's own
+    (``_losses``, ``_patterns``, ...); a test runs the page after this and counts no forward."""
+    with common.one_forward(ckpt.key, ids):
+        _losses(ckpt, ids)
+        _patterns(ckpt, ids)
+        common.lens_table(ckpt, ids, "logit")  # the token row's hover and the Lens section's default
+        _norms(ckpt, ids)
+        if ckpt.cfg.norm_placement == "pre":
+            target = common.default_target(ckpt, ids)
+            if target is not None:
+                _dla(ckpt, ids, target)
+
+
+def _losses(ckpt: common.Checkpoint, ids):
+    return common.analysis(token_losses, ckpt.key, ids)
+
+
+def _patterns(ckpt: common.Checkpoint, ids):
+    return common.analysis(attention_patterns, ckpt.key, ids)
+
+
+def _norms(ckpt: common.Checkpoint, ids):
+    return common.analysis(residual_norms, ckpt.key, ids)
+
+
+def _dla(ckpt: common.Checkpoint, ids, target: common.Target):
+    return common.analysis(direct_logit_attribution, ckpt.key, ids, answer=target.answer, wrong=target.wrong,
+                           pos=target.pos)
 
 
 def _several(ckpt: common.Checkpoint, lines: list[str]):
@@ -110,7 +147,7 @@ def _over_all(ckpt: common.Checkpoint, lines: list[str], prompts: list[tuple[int
 
 
 def _tokens_and_loss(ckpt: common.Checkpoint, ids) -> None:
-    losses = common.analysis(token_losses, ckpt.key, ids)
+    losses = _losses(ckpt, ids)
     st.subheader("Tokens and per-token loss")
     c1, c2, c3 = st.columns(3)
     c1.metric("Prompt length", f"{len(ids)} tokens")
@@ -125,7 +162,7 @@ def _attention(ckpt: common.Checkpoint, ids) -> None:
     st.subheader("Attention")
     # Lazy tabs: the grid of every head (one heatmap per head) is drawn only when opened.
     one, every, scores = st.tabs(["One head", "Every head", "Head scores"], key="attn_tab", on_change="rerun")
-    patterns = common.analysis(attention_patterns, ckpt.key, ids)
+    patterns = _patterns(ckpt, ids)
     if one.open:
         with one:
             a, b = st.columns(2)
@@ -185,8 +222,7 @@ def _attribution(ckpt: common.Checkpoint, ids) -> None:
     if target is None:
         return
     granularity = st.radio("Split", ["head", "layer"], horizontal=True, key="dla_granularity", persist_state="session")
-    df = common.analysis(direct_logit_attribution, ckpt.key, ids, answer=target.answer, wrong=target.wrong,
-                         pos=target.pos)
+    df = _dla(ckpt, ids, target)
     fig = viz.dla_figure(df, granularity=granularity)
     what = f"logit[{target.answer_str!r}]" + (f" − logit[{target.wrong_str!r}]" if target.wrong is not None else "")
     fig.update_layout(title=f"{what} at position {target.pos} = {df['total'].iloc[0]:.3f}: direct attribution")
@@ -195,5 +231,5 @@ def _attribution(ckpt: common.Checkpoint, ids) -> None:
 
 def _residual_norms(ckpt: common.Checkpoint, ids) -> None:
     st.subheader("Residual-stream norm per layer")
-    norms = common.analysis(residual_norms, ckpt.key, ids)
+    norms = _norms(ckpt, ids)
     common.show(viz.residual_norms_figure(norms), key="inspect_norms")

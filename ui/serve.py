@@ -3,9 +3,10 @@
 ``streamlit run app.py`` imports torch, plotly and the pages when the first browser session runs
 the script, and loads the default checkpoint then: that session waits for all of it. This
 launcher does that work in the server's own process (the imports, the default checkpoint
-through the same ``st.cache_resource`` loader the pages use, one forward, one figure of each
-trace type) on a background thread, while ``streamlit run app.py`` starts in the same process and
-the browser loads the page's JavaScript. app.py calls :func:`wait_for_preload` before its first
+through the same ``st.cache_resource`` loader the pages use, the Inspect page's analyses of the
+default prompt into the ``st.cache_data`` entries the page reads, one figure of each trace type) on
+a background thread, while ``streamlit run app.py`` starts in the same process and the browser
+loads the page's JavaScript. app.py calls :func:`wait_for_preload` before its first
 import, so a session that arrives early waits for the preload instead of racing it.
 
 With ``WORKBENCH_TIMINGS=1`` in the environment each phase prints ``timing <phase> <epoch s>``
@@ -54,9 +55,16 @@ def preload(script_args: list[str]) -> str:
         pretrained.convert()
     model, _, _, _ = common._load(str(Path(path).resolve()), common.weights_stamp(path), common.app_device())
     mark("model loaded")
-    with torch.no_grad():  # the first forward of a process pays for kernels and allocator set-up
-        model(torch.zeros(1, min(8, model.cfg.n_ctx), dtype=torch.long, device=model.device))
-    mark("first forward")
+    # The default page's analyses of the default prompt, into the cache entries the page reads: the
+    # first session then only draws (on SmolLM2-135M these were about 12 s of its first page at load 9).
+    ckpt = common.load(path, name=name)  # the Checkpoint the page builds, over the model loaded above
+    ids = common.prompt_ids(ckpt, common.default_prompt(ckpt)) if ckpt is not None else None
+    if ids is not None:
+        inspect.precompute(ckpt, ids)
+    else:
+        with torch.no_grad():  # the first forward of a process pays for kernels and allocator set-up
+            model(torch.zeros(1, min(8, model.cfg.n_ctx), dtype=torch.long, device=model.device))
+    mark("analyses")
     # plotly imports a trace type's validators when the first figure of that type is built
     from plotly.subplots import make_subplots
 
@@ -83,6 +91,11 @@ def start_preload(script_args: list[str]) -> threading.Thread:
     _preload = threading.Thread(target=run, name="workbench-preload", daemon=True)
     _preload.start()
     return _preload
+
+
+def preloading() -> bool:
+    """Whether this process started a preload (``python -m ui.serve``), ended or not."""
+    return _preload is not None
 
 
 def wait_for_preload() -> None:

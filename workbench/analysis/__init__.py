@@ -13,6 +13,7 @@
     batching.py     iter_batches: any data (texts of any lengths, tokens, TokenBatch, PromptSet) in padded
                     batches with their row numbers; the conventions of dataset-scale analyses
     tokens.py       per-position tables of a prompt: next-token losses (and their change), residual norms
+    shared.py       one_forward: several analyses of one prompt answered from one run_with_cache
     resume.py       the engine both use: replace one activation, run only what follows (Block.resume)
     per_prompt.py   what both need over a dataset: scores per prompt, positions aligned per row (from the
                     end, or named per row: IO, S2, END), clean/corrupted pairs in batches
@@ -81,6 +82,7 @@ from workbench.analysis.patching import (
 from workbench.analysis.per_prompt import END, PromptScorer
 from workbench.analysis.reference import reference_batch, task_from_meta
 from workbench.analysis.tokens import loss_summary, residual_norms, token_loss_change, token_losses
+from workbench.analysis.shared import SharedForward, inspect_hooks, one_forward
 from workbench.analysis.directions import (
     Direction,
     edit_comparison,
@@ -133,6 +135,7 @@ __all__ = [
     "END", "PromptScorer",
     "reference_batch", "task_from_meta",
     "loss_summary", "residual_norms", "token_loss_change", "token_losses",
+    "SharedForward", "inspect_hooks", "one_forward",
     "Direction", "edit_comparison", "model_fingerprint", "project", "read_activations", "steered_generate",
     "steering_comparison", "steering_hooks",
     "steering_sweep", "steering_vector",

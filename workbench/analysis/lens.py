@@ -79,8 +79,11 @@ def residual_stack(
 
 
 def _project(model, resid: Float[Tensor, "layer batch pos d_model"]) -> Float[Tensor, "layer batch pos d_vocab"]:
-    """Final norm (its statistics recomputed per layer, as the lens needs) and unembedding."""
-    return torch.stack([model.unembed(model.ln_final(r)) for r in resid])
+    """Final norm (its statistics recomputed per layer and position, as the lens needs) and unembedding,
+    every layer in one product: one unembedding per layer read the whole [d_model, d_vocab] matrix once
+    per layer (SmolLM2's 31 streams of a 14-token prompt: 3.8 s on one thread, against 0.44 s at once)."""
+    streams = resid.flatten(0, 1)  # [layer * batch, pos, d_model]: the layers as rows of one batch
+    return model.unembed(model.ln_final(streams)).unflatten(0, resid.shape[:2])
 
 
 def _check_targets(model, data: DataLike, targets: Optional[Tensor]) -> Optional[Tensor]:
@@ -98,22 +101,18 @@ def _check_targets(model, data: DataLike, targets: Optional[Tensor]) -> Optional
     return check_token_ids("targets", targets, model.cfg.d_vocab, allow=(-1,)).to(model.device)
 
 
-def _lens_stats(lens_logits: Tensor, final_logits: Tensor, tokens: Tensor, mask: Tensor,
-                targets: Optional[Tensor], k: int) -> dict:
-    """Everything a lens table reports, [layer, batch, pos] (top-k: [..., k]); targets default
-    to each token's next real token, and a target of -1 (the last real token's) is none."""
+def _lens_stats(lens_logits: Tensor, final_logits: Tensor, targets: Tensor, k: int) -> dict:
+    """Everything a lens table reports, [layer, batch, pos] (top-k: [..., k]); a target of -1 is none."""
     n_layer = lens_logits.shape[0]
     logp = lens_logits.float().log_softmax(-1)
     final_logp = final_logits.float().log_softmax(-1)
-    if targets is None:
-        after = next_real_index(mask)
-        targets = torch.where(after >= 0, tokens.gather(1, after.clamp(min=0)), torch.full_like(tokens, -1))
     safe = targets.clamp(min=0)[None].expand(n_layer, -1, -1)[..., None]
     target_logit = lens_logits.gather(-1, safe).squeeze(-1)
-    top_p, top_i = logp.exp().topk(k, dim=-1)
+    probs = logp.exp()
+    top_p, top_i = probs.topk(k, dim=-1)
     return {
         "kl": (final_logp.exp() * (final_logp - logp)).sum(-1),  # KL(final || lens)
-        "entropy": -(logp.exp() * logp).sum(-1),
+        "entropy": -(probs * logp).sum(-1),
         "top_p": top_p, "top_i": top_i, "targets": targets,
         "has_target": (targets >= 0)[None].expand(n_layer, -1, -1),
         "target_rank": (lens_logits > target_logit[..., None]).sum(-1) + 1,  # 1 = the top token
@@ -129,13 +128,11 @@ def _chunked_stats(model, resid: Tensor, final_logits: Tensor, batch, targets: O
     chunk's [layer, batch, pos, vocab] logits (and their log-softmax) exist at once. Whole, SmolLM2's
     31 streams x 2,501 positions x 49,152 tokens are 15 GB of float32 per copy."""
     n_layer, n_batch, n_pos = resid.shape[:3]
-    if targets is None:  # each token's next real token, computed over the whole row before it is cut
-        mask = batch.attention_mask
-        after = next_real_index(mask)
+    if targets is None:  # each token's next real token (none after the last real one: -1), over the whole row
+        after = next_real_index(batch.attention_mask)
         targets = torch.where(after >= 0, batch.tokens.gather(1, after.clamp(min=0)), torch.full_like(batch.tokens, -1))
     step = max(1, LENS_CHUNK_BYTES // (n_layer * n_batch * model.cfg.d_vocab * 4))
     parts = [_lens_stats(_project(model, resid[:, :, lo:lo + step]), final_logits[:, lo:lo + step],
-                         batch.tokens[:, lo:lo + step], batch.attention_mask[:, lo:lo + step],
                          targets[:, lo:lo + step], k)
              for lo in range(0, n_pos, step)]
     if len(parts) == 1:

@@ -25,8 +25,10 @@ is not a GGUF or is cut short, an architecture or a quantization the workbench c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import time
 import warnings
@@ -391,12 +393,50 @@ def cache_root() -> Path:
     return Path(xdg) / "workbench" / "models"
 
 
-def _content_hash(path: Path) -> str:
+HASHES_FILE = "gguf-hashes.json"  # in the cache root: {resolved path: {size, mtime_ns, sha256}}
+_HASHES: dict[tuple[str, int, int], str] = {}  # (resolved path, size, mtime_ns) -> sha256, this process
+
+
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _content_hash(path: Path, root: Path) -> str:
+    """The sha256 of a GGUF file, computed once per file version: kept by (resolved path, size,
+    modification time in ns) in this process and in ``gguf-hashes.json`` in the cache ``root``, so a file
+    that is rewritten (a new size or mtime) is hashed again. Hashing SmolLM2's 98 MB file took 0.4 s,
+    paid by every ``open_pretrained`` and so by every start of the app on the real model."""
+    resolved = path.resolve()
+    stat = resolved.stat()
+    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
+    if key in _HASHES:
+        return _HASHES[key]
+    record = root / HASHES_FILE
+    try:
+        known = json.loads(record.read_text())
+        entry = known.get(key[0]) if isinstance(known, dict) else None
+    except (OSError, ValueError):
+        known, entry = {}, None
+    if (isinstance(entry, dict) and entry.get("size") == key[1] and entry.get("mtime_ns") == key[2]
+            and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64):
+        _HASHES[key] = entry["sha256"]
+        return entry["sha256"]
+    digest = _HASHES[key] = _sha256(resolved)
+    known = known if isinstance(known, dict) else {}
+    known[key[0]] = {"size": key[1], "mtime_ns": key[2], "sha256": digest}
+    tmp = record.with_name(f".{HASHES_FILE}.tmp-{os.getpid()}")
+    try:  # written whole and swapped in; a cache that cannot be written only costs the next process a hash
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(known, indent=1) + "\n")
+        os.replace(tmp, record)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    return digest
 
 
 def cache_dir_for(path: Union[str, Path], cache: Union[str, Path, None] = None) -> Path:
@@ -405,7 +445,7 @@ def cache_dir_for(path: Union[str, Path], cache: Union[str, Path, None] = None) 
     if not path.is_file():
         raise GGUFImportError(f"no GGUF file at {path}")
     root = Path(cache).expanduser() if cache is not None else cache_root()
-    return root / f"{path.stem}-{_content_hash(path)[:16]}-v{CONVERTER_VERSION}"
+    return root / f"{path.stem}-{_content_hash(path, root)[:16]}-v{CONVERTER_VERSION}"
 
 
 def open_gguf(
