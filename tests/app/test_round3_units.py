@@ -67,3 +67,25 @@ def test_serve_preloads_the_default_checkpoint_into_the_loader_the_pages_use(che
     assert loads >= 1
     common.load(path, name="stories-2026")  # what the first page does: found in the cache, not read again
     assert common.LOADS[path] == loads
+
+
+def test_a_prompt_whose_attention_patterns_pass_the_budget_is_refused_with_its_limit(checkpoints_dir):
+    """A 2,501-token prompt on SmolLM2-135M (30 layers x 9 heads, context 8,192) got the server killed for
+    memory on Inspect; the app now refuses prompts whose every attention pattern would pass 1 GiB, naming
+    the limit, and the shipped models keep their whole context."""
+    from types import SimpleNamespace
+
+    import workbench as wb
+
+    cfg = SimpleNamespace(n_layers=30, n_heads=9, n_ctx=8192, d_vocab=100)
+    ckpt = SimpleNamespace(cfg=cfg, tokenizer=common.IdTokenizer(100))
+    limit = common.max_prompt_tokens(cfg)
+    assert 4 * 30 * 9 * limit**2 <= common.PATTERN_BUDGET_BYTES < 4 * 30 * 9 * (limit + 1) ** 2
+    assert limit == 997
+    assert len(common.encode_prompt(ckpt, " ".join(["7"] * limit))) == limit
+    with pytest.raises(ValueError, match=r"The prompt is 2,501 tokens; the app analyses at most 997 on this model.*"
+                                         r"30 x 9 attention patterns alone would take 6\.3 GiB"):
+        common.encode_prompt(ckpt, " ".join(["7"] * 2501))
+    for path in sorted(p for p in checkpoints_dir.iterdir() if common.is_checkpoint(p)):
+        model, _ = wb.load_checkpoint(path)
+        assert common.max_prompt_tokens(model.cfg) == model.cfg.n_ctx, path.name

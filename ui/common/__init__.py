@@ -33,7 +33,9 @@ from ui.common.loading import Checkpoint, LOADS, NOTICES, app_device, experiment
 from ui.common.uploads import (
     TEMP_PREFIXES, TempFolder, UPLOAD_LIMIT_MB, remove_stale_temp_folders, save_upload, upload_root, upload_widget,
 )
-from ui.common.prompts import DEFAULT_PROMPT, default_prompt, encode_prompt, prompt_box, prompt_ids
+from ui.common.prompts import (
+    DEFAULT_PROMPT, PATTERN_BUDGET_BYTES, default_prompt, encode_prompt, max_prompt_tokens, prompt_box, prompt_ids,
+)
 from ui.common.targets import METRICS, Target, default_target, follow_default, suggested, target_picker, token_id
 from ui.common.analyses import Ablation, TokenRows, analysis, analysis_with_progress, one_forward
 from ui.common.lenses import LENSES, has_tuned_lens, lens_picker, lens_table, reference_batch, tuned_lens_of
@@ -51,7 +53,7 @@ __all__ = [
     "list_checkpoints", "page_checkpoint", "path_refusal", "Checkpoint", "LOADS", "NOTICES", "app_device",
     "experiment_run", "load", "model_for", "weights_stamp", "TEMP_PREFIXES", "TempFolder", "UPLOAD_LIMIT_MB",
     "remove_stale_temp_folders", "save_upload", "upload_root", "upload_widget", "DEFAULT_PROMPT", "default_prompt",
-    "encode_prompt", "prompt_box", "prompt_ids", "METRICS", "Target", "default_target", "follow_default", "suggested",
+    "encode_prompt", "PATTERN_BUDGET_BYTES", "max_prompt_tokens", "prompt_box", "prompt_ids", "METRICS", "Target", "default_target", "follow_default", "suggested",
     "target_picker", "token_id", "Ablation", "TokenRows", "analysis", "analysis_with_progress", "one_forward", "LENSES",
     "has_tuned_lens", "lens_picker", "lens_table", "reference_batch", "tuned_lens_of", "clicked_node", "show", "table",
     "config_table", "model_card", "param_counts", "training_curve", "cached_graph", "layer_folders", "load_replacement",

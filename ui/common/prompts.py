@@ -17,6 +17,20 @@ DEFAULT_PROMPT = ("Once upon a time, Mary and John lived in a small town. "
                   "When Mary and John went to the store, John gave a drink to")
 
 
+# Every attention pattern of one prompt, [layers x heads x pos x pos] float32, may fill at most this: Inspect
+# caches them all in its one forward, and the server's memory is shared by every page and session. A
+# 2,501-token prompt of SmolLM2-135M (30 layers x 9 heads) asked for 6.8 GB of patterns beside 15 GB of logit
+# lens, and the kernel killed the server; 1 GiB lets SmolLM2 read 997 tokens, the shipped models their context.
+PATTERN_BUDGET_BYTES = 1 << 30
+
+
+def max_prompt_tokens(cfg) -> int:
+    """The longest prompt the app analyses on a model of config ``cfg``: its context, or fewer when every
+    attention pattern of a longer prompt would pass ``PATTERN_BUDGET_BYTES``."""
+    patterns_per_pos2 = 4 * cfg.n_layers * cfg.n_heads
+    return max(2, min(cfg.n_ctx, int((PATTERN_BUDGET_BYTES / max(1, patterns_per_pos2)) ** 0.5)))
+
+
 # ---- prompts -------------------------------------------------------------------------------------
 def default_prompt(ckpt: Optional[Checkpoint]) -> str:
     """A prompt the checkpoint can read: meta.json's ``default_prompt``, the IOI sentence for a real
@@ -81,6 +95,15 @@ def encode_prompt(ckpt: Checkpoint, text: str, min_tokens: int = 2) -> list[int]
     if len(ids) > ckpt.cfg.n_ctx:
         raise ValueError(
             f"The prompt is {len(ids)} tokens; this model's context is {ckpt.cfg.n_ctx} tokens. Shorten the prompt."
+        )
+    limit = max_prompt_tokens(ckpt.cfg)
+    if len(ids) > limit:
+        gib = 4 * ckpt.cfg.n_layers * ckpt.cfg.n_heads * len(ids) ** 2 / (1 << 30)
+        raise ValueError(
+            f"The prompt is {len(ids):,} tokens; the app analyses at most {limit:,} on this model: its "
+            f"{ckpt.cfg.n_layers} x {ckpt.cfg.n_heads} attention patterns alone would take {gib:.1f} GiB at "
+            f"{len(ids):,} tokens, in a server every page shares. Shorten the prompt, or analyse it from Python "
+            "(workbench.analysis), where you choose what is cached."
         )
     if len(ids) < min_tokens:
         raise ValueError(f"The prompt is {len(ids)} token(s); at least {min_tokens} are needed to score a prediction.")
