@@ -118,11 +118,14 @@ def render() -> None:
                 "transcoders with `python scripts/make_transcoders.py` (see docs/reference/cross-layer-transcoders.md).")
         return
     names = list(options)
-    _open_link(names)
+    _open_link(names, {**pretrained.entries(), **found})
     # First values through the session state, not as the widgets' defaults: a link sets them too, and
     # Streamlit logs a stack trace for a widget with both.
     if st.session_state.get("graph_ckpt") not in names:
         st.session_state["graph_ckpt"] = common.DEFAULT_CHECKPOINT if common.DEFAULT_CHECKPOINT in names else names[0]
+    notice = st.session_state.get("graph_link_notice")
+    if notice is not None and st.session_state.get("graph_ckpt") == notice[1]:  # until another checkpoint is picked
+        st.warning(notice[0], icon="⚠️")
     for key, value in (("graph_max_nodes", 128), ("graph_node_threshold", 0.8), ("graph_edge_threshold", 0.98)):
         st.session_state.setdefault(key, value)
     name = st.selectbox("Checkpoint (with transcoders, or attention-only)", names, key="graph_ckpt",
@@ -194,14 +197,40 @@ KEEP_EMPTY = ("graph_wrong",)
 LINKED_TOKENS = ("graph_answer", "graph_wrong")
 
 
+# A link names the pretrained model by its short name (``smollm2-135m``, what ``wb.open_pretrained`` and
+# the docs say), not by the picker's long label; the parser maps either back to the picker's entry.
+LINK_NAMES = {pretrained.NAME: pretrained.LABEL}
+
+
+def link_name(name: str) -> str:
+    """The picker's name of a link's ``graph_ckpt`` (its short name for the pretrained model)."""
+    return LINK_NAMES.get(name, name)
+
+
 def view_link(state) -> str:
     """The query string (``?page=Graph&...``) that reopens the view ``state`` (the session state) shows."""
     params = {"page": "Graph"}
+    short = {label: name for name, label in LINK_NAMES.items()}
     for key in LINK_KEYS:
         value = state.get(key)
         if value is not None and (value != "" or key in KEEP_EMPTY):
-            params[key] = str(value)
+            params[key] = short.get(value, str(value)) if key == "graph_ckpt" else str(value)
     return "?" + urlencode(params, quote_via=quote)
+
+
+def link_refusal(params, names: list[str], known: dict[str, str]):
+    """The message for a link whose ``graph_ckpt`` this page cannot open (None when it can, or names
+    none): not a checkpoint here at all, or one without transcoders; either way it names what is offered."""
+    value = params.get("graph_ckpt")
+    if value is None or link_name(value) in names:
+        return None
+    offered = ", ".join(f"`{n}`" for n in names)
+    if link_name(value) in known:
+        why = (f"checkpoint `{value}`, which has no transcoder set or CLT under `saes/` (and is not "
+               "attention-only), so this page cannot draw its graph")
+    else:
+        why = f"checkpoint `{value}`, and there is none of that name here"
+    return f"The link asks for {why}. This page offers: {offered}."
 
 
 def link_state(params, names: list[str]) -> dict:
@@ -213,8 +242,10 @@ def link_state(params, names: list[str]) -> dict:
         if value is None:
             continue
         try:
-            if key == "graph_ckpt" and value not in names:
-                continue
+            if key == "graph_ckpt":
+                value = link_name(value)
+                if value not in names:
+                    continue
             if key == "graph_max_nodes":
                 value = int(value)
                 if value not in MAX_NODES:
@@ -231,11 +262,17 @@ def link_state(params, names: list[str]) -> dict:
     return found
 
 
-def _open_link(names: list[str]) -> None:
-    """On a session's first run of this page, a link's values (``view_link``) set the widgets."""
+def _open_link(names: list[str], known: dict[str, str]) -> None:
+    """On a session's first run of this page, a link's values (``view_link``) set the widgets; a link
+    naming a checkpoint this page cannot open leaves a notice (``link_refusal``), shown while the
+    checkpoint the page opened instead stays picked."""
     if st.session_state.get("graph_link_read") or st.query_params.get("page") != "Graph":
         return
     st.session_state["graph_link_read"] = True
+    refusal = link_refusal(st.query_params.to_dict(), names, known)
+    if refusal is not None:
+        fallback = common.DEFAULT_CHECKPOINT if common.DEFAULT_CHECKPOINT in names else names[0]
+        st.session_state["graph_link_notice"] = (f"{refusal} Showing `{fallback}` instead.", fallback)
     for key, value in link_state(st.query_params.to_dict(), names).items():
         st.session_state[key] = value
         if key in LINKED_TOKENS:
