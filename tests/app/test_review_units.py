@@ -49,3 +49,82 @@ def test_the_graph_page_opened_by_a_link_to_a_missing_checkpoint_says_so(checkpo
     assert len(said) == 1 and "stories-2026" in said[0], [w.value for w in at.warning]
     at.run()  # still there on the next run, while the fallback stays picked
     assert any("no-such-model" in w.value for w in at.warning)
+
+
+# ---- 2. the Graph page's held positions and its edge count ------------------------------------------
+def test_a_pretrained_tokenizer_without_bos_holds_position_0_and_one_with_bos_does_not():
+    """SmolLM2's tokenizer adds no BOS: its first token is the attention sink, and the default graph had a
+    cluster of features there. The same tokenizer file given a BOS post-processor keeps position 0."""
+    from tokenizers.processors import TemplateProcessing
+
+    from ui import graph as page
+    from ui.common import pretrained
+    from workbench.tokenizer import WordTokenizer, load_tokenizer
+
+    folder = pretrained.cache_dir()
+    if folder is None or not pretrained.converted(folder):
+        import pytest
+
+        pytest.skip("the pretrained model is not converted here (its tokenizer.json is what is read)")
+    tok = load_tokenizer(folder)
+    assert tok.encode("a")[0] != tok.token_id("bos_token")  # independently: no BOS in front
+    assert page.adds_bos(tok) is False and page.default_held(tok) == 1
+    bos = tok.special_tokens["bos_token"]
+    tok.hf.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_id("bos_token"))])
+    assert tok.encode("a")[0] == tok.token_id("bos_token")
+    assert page.adds_bos(tok) is True and page.default_held(tok) == 0
+    assert page.default_held(WordTokenizer(["a", "b"])) == 0  # the workbench's own models: unchanged
+
+
+def test_the_edge_count_fits_its_metric():
+    from ui import graph as page
+
+    assert [page.compact(n) for n in (7, 999, 2709, 27130, 1_234_567)] == ["7", "999", "2.7k", "27.1k", "1.2M"]
+
+
+def test_the_graph_page_holds_the_positions_it_is_told_and_writes_them_in_its_link(app, checkpoints_dir):
+    """stories-2026 (a word tokenizer, no BOS of its own) keeps every position by default, as before; held
+    positions set on the page are the graph's (``held_positions``), counted against the library's graph."""
+    import torch
+
+    import workbench as wb
+    from ui.graph import IOI_PROMPT
+    from workbench import analysis as an
+
+    at = app("Graph")
+    assert at.number_input(key="graph_held").value == 0
+    assert not [c for c in at.caption if "attention sink" in c.value]
+    model, _ = wb.load_checkpoint(checkpoints_dir / "stories-2026")
+    tcs = [an.load_dictionary(str(checkpoints_dir / "stories-2026" / "saes" / "transcoders" / f"layer{layer}"))
+           for layer in range(model.cfg.n_layers)]
+    graph = an.attribution_graph(model, tcs, torch.tensor([model.tokenizer.encode(IOI_PROMPT)]), max_feature_nodes=128,
+                                 held_positions=2)
+    at.number_input(key="graph_held").set_value(2).run()
+    assert not at.exception, [e.value for e in at.exception]
+    metrics = {m.label: m.value for m in at.metric}
+    pruned = graph.prune(0.8, 0.98)
+    assert metrics["Nodes kept"] == f"{pruned.n_nodes} of {graph.n_nodes}"
+    assert metrics["Edges kept"] == f"{page_compact(pruned.n_edges)} of {page_compact(graph.n_edges)}"
+    assert any("graph_held=2" in m.value for m in at.markdown)
+
+
+def page_compact(n: int) -> str:
+    from ui.graph import compact
+
+    return compact(n)
+
+
+# ---- 3. the Features page on a checkpoint with transcoders but no SAE --------------------------------
+def test_the_features_page_says_what_saes_holds_when_it_holds_no_sae(tmp_path):
+    """SmolLM2's ``saes/`` holds transcoders/layer0..29 and no SAE: the page said it "holds no dictionary"."""
+    import shutil
+
+    from ui import features as page
+
+    shipped = REPO / "checkpoints" / "stories-2026" / "saes"
+    for layer in (0, 1):
+        shutil.copytree(shipped / "transcoders" / f"layer{layer}", tmp_path / "saes" / "transcoders" / f"layer{layer}")
+    shutil.copytree(shipped / "clt", tmp_path / "saes" / "clt")
+    assert page.dictionaries(str(tmp_path)) == {}
+    assert page.other_dictionaries(str(tmp_path)) == ["a cross-layer transcoder in `clt/`", "2 transcoders in `transcoders/`"]
+    assert page.other_dictionaries(str(tmp_path / "nowhere")) == []
