@@ -128,3 +128,35 @@ def test_the_features_page_says_what_saes_holds_when_it_holds_no_sae(tmp_path):
     assert page.dictionaries(str(tmp_path)) == {}
     assert page.other_dictionaries(str(tmp_path)) == ["a cross-layer transcoder in `clt/`", "2 transcoders in `transcoders/`"]
     assert page.other_dictionaries(str(tmp_path / "nowhere")) == []
+
+
+# ---- 4. a spinner saying what the long first computations are ----------------------------------------
+def _spinner_texts(monkeypatch) -> list[str]:
+    """Record what every ``st.spinner`` on a page says (the pages call ``streamlit.spinner``)."""
+    import streamlit
+
+    said, real = [], streamlit.spinner
+
+    def spinner(text="", *args, **kwargs):
+        said.append(text)
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(streamlit, "spinner", spinner)
+    return said
+
+
+def test_patch_ablate_and_compare_say_what_they_compute_while_they_compute(app, monkeypatch):
+    """SmolLM2's Patch page took 28.5 s to open under Streamlit's small "Running" icon alone."""
+    said = _spinner_texts(monkeypatch)
+    app("Patch")
+    assert any(t.startswith("Exact activation patching") for t in said), said
+    assert any(t.startswith("Attribution patching") for t in said), said
+    said.clear()
+    at = app("Ablate")
+    at.multiselect(key="ablate_units").set_value(["L0H0"]).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("clean and ablated" in t for t in said), said
+    said.clear()
+    app("Compare")
+    assert any("per-token losses" in t for t in said), said
+
