@@ -160,3 +160,46 @@ def test_patch_ablate_and_compare_say_what_they_compute_while_they_compute(app, 
     app("Compare")
     assert any("per-token losses" in t for t in said), said
 
+
+# ---- 5. the Steer page's default scale, relative to the stream -----------------------------------------
+def _median_norm(model, ids, hook: str) -> float:
+    import torch
+
+    with torch.no_grad():
+        _, cache = model.run_with_cache(torch.tensor([ids]), names_filter=hook)
+    return float(cache[hook][0].norm(dim=-1).median())
+
+
+def test_add_scale_puts_a_share_of_the_stream_on_a_round_step():
+    from ui.common import steering
+
+    lo, hi, default, step = steering.add_scale(74.0, 0.169)  # SmolLM2's blocks.1 stream and default direction
+    assert step == 10 and default == 330 and (lo, hi) == (-1320, 1320)
+    assert abs(default * 0.169 - steering.STREAM_SHARE * 74.0) < step * 0.169
+    lo, hi, default, step = steering.add_scale(39.0, 6.0)  # stories-2026's
+    assert step == 0.1 and default == 4.9 and (lo, hi) == (-20.0, 20.0)
+    assert steering.add_scale(float("nan"), 1.0) == (-20.0, 20.0, 8.0, 0.5)
+
+
+def test_the_default_steering_changes_the_real_models_text(real_model):
+    """SmolLM2-135M at the Steer page's defaults (layer 1, the IOI contrastive direction): s = 8 left the
+    steered text equal to the clean one; the stream-relative default changes it."""
+    import torch
+
+    from ui.common import steering
+    from ui.common.pretrained import PROMPT
+    from ui.steer import DEFAULT_NEGATIVE, DEFAULT_POSITIVE
+    from workbench import analysis as an
+
+    tok = real_model.tokenizer
+    lines = lambda text: [tok.encode(line) for line in text.splitlines()]  # noqa: E731
+    direction = an.steering_vector(real_model, lines(DEFAULT_POSITIVE), lines(DEFAULT_NEGATIVE),
+                                   "blocks.1.hook_resid_post")
+    ids = tok.encode(PROMPT)
+    _, _, default, _ = steering.add_scale(_median_norm(real_model, ids, direction.hook), float(direction.vector.norm()))
+    prompt = torch.tensor([ids])
+    clean = real_model.generate(prompt, max_new_tokens=12)[0, len(ids):].tolist()
+    with real_model.steer(direction, 8.0):
+        assert real_model.generate(prompt, max_new_tokens=12)[0, len(ids):].tolist() == clean  # the old default
+    with real_model.steer(direction, default):
+        assert real_model.generate(prompt, max_new_tokens=12)[0, len(ids):].tolist() != clean
