@@ -203,3 +203,19 @@ def test_the_default_steering_changes_the_real_models_text(real_model):
         assert real_model.generate(prompt, max_new_tokens=12)[0, len(ids):].tolist() == clean  # the old default
     with real_model.steer(direction, default):
         assert real_model.generate(prompt, max_new_tokens=12)[0, len(ids):].tolist() != clean
+
+
+# ---- 6. the Circuit page's prompt set for a pretrained text model -------------------------------------
+def test_the_circuit_pages_english_ioi_pairs_are_ioi_prompts(real_model):
+    """SmolLM2 records no task, and the page said it had no prompt set; it now offers ``ioi_prompts``."""
+    from ui import circuit as page
+    from workbench.analysis.circuits.ioi import ioi_prompts
+    from workbench.tokenizer import CharTokenizer
+
+    assert page.text_ioi_offered(real_model.tokenizer)
+    assert not page.text_ioi_offered(CharTokenizer.from_text("abc MaryJohn"))
+    prompts = page.text_ioi(real_model, 4, seed=3)
+    reference = ioi_prompts(real_model, 4, seed=3)  # SmolLM2's five templates are of one length
+    assert (prompts.clean, prompts.corrupted, prompts.answer, prompts.wrong) == \
+        (reference.clean, reference.corrupted, reference.io, reference.s)
+    assert prompts.target(0) == (len(reference.clean[0]) - 1, reference.io[0], reference.s[0])
