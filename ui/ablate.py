@@ -58,7 +58,8 @@ def render() -> None:
     if ids is None:
         return
     kind = KINDS[st.radio("Kind", list(KINDS), horizontal=True, key="ablate_kind", persist_state="session")]
-    reference = common.reference_batch(ckpt.key, ids) if kind != "zero" else None
+    with st.spinner("Drawing the reference batch that mean and resample ablations read…"):
+        reference = common.reference_batch(ckpt.key, ids) if kind != "zero" else None
     ablation = _choose_units(ckpt, ids, kind)
     st.subheader("What to measure")
     target = common.target_picker(ckpt, ids, key="ablate_target")
@@ -130,11 +131,12 @@ def _choose_units(ckpt: common.Checkpoint, ids, kind: str):
 
 
 def _compare(ckpt: common.Checkpoint, ids, ablation, reference, target: common.Target) -> None:
-    clean = common.analysis(token_losses, ckpt.key, ids)
-    ablated = common.analysis(token_losses, ckpt.key, ids, ablation=ablation, reference=reference)
-    answers = {name: common.analysis(answer_table, ckpt.key, ids, ablation=abl, reference=ref, answer=target.answer,
-                                     wrong=target.wrong, pos=target.pos)
-               for name, abl, ref in (("clean", (), None), ("ablated", ablation, reference))}
+    with st.spinner("Running the prompt clean and ablated: per-token losses and answer metrics…"):
+        clean = common.analysis(token_losses, ckpt.key, ids)
+        ablated = common.analysis(token_losses, ckpt.key, ids, ablation=ablation, reference=reference)
+        answers = {name: common.analysis(answer_table, ckpt.key, ids, ablation=abl, reference=ref,
+                                         answer=target.answer, wrong=target.wrong, pos=target.pos)
+                   for name, abl, ref in (("clean", (), None), ("ablated", ablation, reference))}
     change = answer_change(answers["clean"], answers["ablated"])
     a, b, c = st.columns(3)
     if target.kind == "loss":
@@ -163,8 +165,9 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference, target: common.T
         which = common.lens_picker(ckpt, key="ablate_lens_kind")
     view = b.radio("Show", ["clean − ablated", "side by side"], horizontal=True, key="ablate_lens_view",
                    persist_state="session")
-    lens_clean = common.lens_table(ckpt, ids, which)
-    lens_ablated = common.lens_table(ckpt, ids, which, ablation=ablation, reference=reference)
+    with st.spinner(f"The {which} lens at every layer, clean and ablated…"):
+        lens_clean = common.lens_table(ckpt, ids, which)
+        lens_ablated = common.lens_table(ckpt, ids, which, ablation=ablation, reference=reference)
     if view == "side by side":
         fig = viz.side_by_side(viz.logit_lens_figure(lens_clean), viz.logit_lens_figure(lens_ablated),
                                titles=("clean", "ablated"))
@@ -174,8 +177,9 @@ def _compare(ckpt: common.Checkpoint, ids, ablation, reference, target: common.T
     common.show(fig, key="ablate_lens")
 
     st.subheader("Attention where it changes")
-    pat_clean = common.analysis(attention_patterns, ckpt.key, ids)
-    pat_ablated = common.analysis(attention_patterns, ckpt.key, ids, ablation=ablation, reference=reference)
+    with st.spinner("Every head's attention pattern, clean and ablated…"):
+        pat_clean = common.analysis(attention_patterns, ckpt.key, ids)
+        pat_ablated = common.analysis(attention_patterns, ckpt.key, ids, ablation=ablation, reference=reference)
     per_head = attention_change(pat_clean, pat_ablated)
     if per_head.empty:
         st.info("No attention pattern changes: the ablated units are in the last layers, or write nothing "
@@ -247,8 +251,9 @@ def _over_prompt_set(ckpt: common.Checkpoint, ablation) -> None:
             st.info("Type one prompt per line.")
             return
     try:
-        per_prompt = common.analysis(sweep_over_prompts, ckpt.key, None, prompts=prompts, specs=ablation,
-                                     answer=answer, wrong=wrong)
+        with st.spinner(f"Ablating over {len(prompts)} prompts…"):
+            per_prompt = common.analysis(sweep_over_prompts, ckpt.key, None, prompts=prompts, specs=ablation,
+                                         answer=answer, wrong=wrong)
     except ValueError as e:
         st.warning(str(e))
         return
@@ -263,7 +268,8 @@ def _over_prompt_set(ckpt: common.Checkpoint, ablation) -> None:
 
 def _ioi(ckpt: common.Checkpoint, n: int):
     try:
-        return common.analysis(task_pairs, ckpt.key, None, meta=ckpt.meta, n=n, kind="ioi")
+        with st.spinner("Building the task's IOI prompts…"):
+            return common.analysis(task_pairs, ckpt.key, None, meta=ckpt.meta, n=n, kind="ioi")
     except ValueError:
         return None
 

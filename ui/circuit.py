@@ -37,6 +37,8 @@ from workbench.analysis.circuits import (
     prompt_sources,
     run_method,
 )
+from workbench.analysis.circuits.ioi import IOI_TEMPLATES, ioi_prompts, single_token_names
+from workbench.analysis.circuits.tasks import CircuitPrompts
 from workbench.planted import known_circuit
 
 METHODS = {"exact": "exact edge patching", "eap": "EAP (edge attribution patching)",
@@ -46,6 +48,14 @@ DEFAULT = "planted-iit-induction"
 # How the scoring methods (exact, EAP, EAP-IG) choose their edges; ACDC prunes at the threshold either way.
 KEEP = {"top_k": "top k edges", "threshold": "score threshold"}
 TOP_K = 20
+# A pretrained text model records no task: it gets the English IOI pairs of ``analysis.circuits.ioi``
+# (tutorial 11, experiments/real_ioi.py) when its tokenizer makes enough of the names one token each.
+TEXT_IOI = "ioi-text"
+TEXT_IOI_LABEL = ("IOI pairs in English (ioi_prompts: 5 templates, single-token names), corrupted by a third "
+                  "name in place of the subject's second mention")
+# Few pairs by default: on SmolLM2-135M (123,211 edges) EAP over 4 pairs of 15 tokens took 105 s on a
+# busy 2-core machine, and it runs only on the button.
+TEXT_IOI_PAIRS = 4
 
 # Kept when the user visits another page and comes back (app.py re-sets them every run).
 PERSISTENT = ("circuit_ckpt", "circuit_ckpt_dir", "circuit_metric", "circuit_source", "circuit_n", "circuit_seed",
@@ -64,9 +74,13 @@ def render() -> None:
         st.error(f"**{ckpt.name}** has no circuit graph: {e}")
         return
     sources = prompt_sources(ckpt.meta, ckpt.cfg, ckpt.path)
+    if not sources and text_ioi_offered(ckpt.tokenizer):
+        sources = {TEXT_IOI: TEXT_IOI_LABEL}
     if not sources:
         st.info(f"**{ckpt.name}**'s task ({ckpt.meta.get('task', 'none recorded')}) has no prompt set for circuits: "
-                "they need clean/corrupted pairs of one length (induction, planted and stories models have them).")
+                "they need clean/corrupted pairs of one length (induction, planted and stories models have them), "
+                "and its tokenizer does not make three of the IOI names one token each (a pretrained text model's "
+                "does: see docs/tutorials/11-real-model-ioi.py for IOI on one).")
         return
     prompts = _prompts(ckpt, sources)
     if prompts is None:
@@ -83,13 +97,18 @@ def render() -> None:
 
 def _prompts(ckpt: common.Checkpoint, sources: dict[str, str]):
     a, b, c = st.columns([3, 2, 1])
+    if st.session_state.get("circuit_source") not in sources:
+        st.session_state.pop("circuit_source", None)
     source = a.selectbox("Prompt set", list(sources), key="circuit_source", format_func=sources.get)
-    _defaults(circuit_n=8, circuit_seed=0)
+    _defaults(circuit_n=TEXT_IOI_PAIRS if source == TEXT_IOI else 8, circuit_seed=0)
     n = b.slider("Prompt pairs", 2, 64, key="circuit_n")
     seed = c.number_input("Seed", 0, 10_000, key="circuit_seed")
     try:
-        prompts = common.analysis(circuit_prompts, ckpt.key, None, meta=ckpt.meta, source=source, n=n,
-                                  seed=int(seed), path=ckpt.path)
+        if source == TEXT_IOI:
+            prompts = common.analysis(text_ioi, ckpt.key, None, n=n, seed=int(seed))
+        else:
+            prompts = common.analysis(circuit_prompts, ckpt.key, None, meta=ckpt.meta, source=source, n=n,
+                                      seed=int(seed), path=ckpt.path)
     except ValueError as e:
         st.warning(f"Cannot make these prompts: {e}")
         return None
@@ -99,6 +118,26 @@ def _prompts(ckpt: common.Checkpoint, sources: dict[str, str]):
         common.table({"clean": [decode(list(r)) for r in prompts.clean],
                       "corrupted": [decode(list(r)) for r in prompts.corrupted]})
     return prompts
+
+
+def text_ioi_offered(tokenizer) -> bool:
+    """Whether ``tokenizer`` makes at least three of the IOI names one token each (IOI needs IO, S and C)."""
+    return tokenizer is not None and hasattr(tokenizer, "encode") and len(single_token_names(tokenizer)) >= 3
+
+
+def text_ioi(model, n: int, seed: int = 0) -> CircuitPrompts:
+    """``n`` English IOI pairs (``ioi_prompts``) as the page's prompt set: the answer is the indirect object,
+    the wrong answer the subject. Templates of another token length under this tokenizer are left out (a
+    ValueError when none is left of one length)."""
+    tok = model.tokenizer
+    a, b = single_token_names(tok)[:2]
+    lengths = [len(tok.encode(t.format(A=a, B=b, S=b))) for t in IOI_TEMPLATES]
+    templates = tuple(t for t, k in zip(IOI_TEMPLATES, lengths) if k == max(set(lengths), key=lengths.count))
+    pairs = ioi_prompts(model, n, seed=seed, templates=templates)
+    return CircuitPrompts(TEXT_IOI, f"{TEXT_IOI_LABEL} ({n} pairs of {len(pairs.clean[0])} tokens, {len(templates)} "
+                                    f"template(s), seed {seed}). Exact patching and ACDC are slow on a model this size: "
+                                    "EAP first.",
+                          pairs.clean, pairs.corrupted, answer=pairs.io, wrong=pairs.s)
 
 
 def _known(ckpt: common.Checkpoint) -> Optional[Circuit]:

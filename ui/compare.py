@@ -57,9 +57,10 @@ def render() -> None:
     if ids_b is None:
         return
     _answers(a, b, ids_a, ids_b)
+    with st.spinner(f"Running the prompt on {a.name} and on {b.name}: per-token losses…"):
+        loss_a = common.analysis(token_losses, a.key, ids_a)
+        loss_b = common.analysis(token_losses, b.key, ids_b)
     colours = {a.name: viz.PAIR[0], b.name: viz.PAIR[1]}
-    loss_a = common.analysis(token_losses, a.key, ids_a)
-    loss_b = common.analysis(token_losses, b.key, ids_b)
     c1, c2 = st.columns(2)
     c1.metric(f"Mean loss, {a.name}", f"{loss_a['loss'].mean():.3f} nats")
     c2.metric(f"Mean loss, {b.name}", f"{loss_b['loss'].mean():.3f} nats",
@@ -79,13 +80,17 @@ def render() -> None:
             st.caption("Head scores on repeated random tokens (where induction and duplicate-token heads show).")
             # Keys name the side, not the checkpoint: A and B can be the same checkpoint.
             for side, c in (("a", a), ("b", b)):
-                fig = viz.head_scores_figure(common.analysis(head_scores, c.key, None))
+                with st.spinner(f"Scoring every head of {c.name} on repeated random tokens…"):
+                    scores = common.analysis(head_scores, c.key, None)
+                fig = viz.head_scores_figure(scores)
                 fig.update_layout(title=f"Head scores of {c.name}")
                 common.show(fig, key=f"compare_scores_{side}")
     if tabs[1].open:
         with tabs[1]:
             for side, c, ids in (("a", a, ids_a), ("b", b, ids_b)):
-                fig = viz.attention_grid(common.analysis(attention_patterns, c.key, ids))
+                with st.spinner(f"Every head's attention pattern on {c.name}…"):
+                    patterns = common.analysis(attention_patterns, c.key, ids)
+                fig = viz.attention_grid(patterns)
                 fig.update_layout(title=f"Every head of {c.name}")
                 common.show(fig, key=f"compare_grid_{side}")
     if tabs[2].open:

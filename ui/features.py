@@ -58,7 +58,10 @@ def render() -> None:
         return
     folders = dictionaries(ckpt.path)
     if not folders:
-        st.info(f"`{Path(ckpt.path).name}/saes/` holds no dictionary. Train one with `python -m workbench train-sae "
+        others = other_dictionaries(ckpt.path)
+        held = (f"holds no SAE (a one-hook dictionary, what this page reads), only {' and '.join(others)}, used by "
+                "the Graph page" if others else "holds no dictionary")
+        st.info(f"`{Path(ckpt.path).name}/saes/` {held}. Train an SAE with `python -m workbench train-sae "
                 f"{ckpt.path} --hook blocks.0.hook_resid_post --d-sae 512`; it lands there.")
         return
     name = st.selectbox("Dictionary", list(folders), key="feat_dict", persist_state="session")
@@ -87,6 +90,25 @@ def dictionaries(checkpoint: str) -> dict[str, str]:
         return {}
     return {p.name: str(p) for p in sorted(root.iterdir())
             if p.is_dir() and (p / CFG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()}
+
+
+def other_dictionaries(checkpoint: str) -> list[str]:
+    """What else ``<checkpoint>/saes/`` holds, in words: transcoder sets (``<set>/layer{l}``, counted)
+    and cross-layer transcoders, which the Graph page reads and this page does not."""
+    from workbench.analysis.dictionaries.clt import is_clt_folder
+
+    root = Path(checkpoint) / "saes"
+    found = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else ():
+        if not folder.is_dir():
+            continue
+        layers = [p for p in folder.glob("layer*") if p.name[5:].isdigit() and (p / CFG_FILE).is_file()
+                  and (p / WEIGHTS_FILE).is_file()]
+        if layers:
+            found.append(f"{len(layers)} transcoder{'s' * (len(layers) != 1)} in `{folder.name}/`")
+        elif is_clt_folder(folder):
+            found.append(f"a cross-layer transcoder in `{folder.name}/`")
+    return found
 
 
 def dictionary_stamp(path: str) -> int:

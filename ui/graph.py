@@ -92,9 +92,9 @@ def _layer_dictionary(replacement, layer: int):
 
 
 @st.cache_resource(max_entries=64, show_spinner=False)
-def _pruned(key, ref, ids, target, max_nodes: int, node_threshold: float, edge_threshold: float):
+def _pruned(key, ref, ids, target, max_nodes: int, held: int, node_threshold: float, edge_threshold: float):
     """(pruned graph, nodes, edges) at these thresholds."""
-    pruned = common.cached_graph(key, ref, ids, target, max_nodes).prune(node_threshold, edge_threshold)
+    pruned = common.cached_graph(key, ref, ids, target, max_nodes, held).prune(node_threshold, edge_threshold)
     nodes, edges = pruned.to_frame()
     return pruned, nodes, edges
 
@@ -118,11 +118,14 @@ def render() -> None:
                 "transcoders with `python scripts/make_transcoders.py` (see docs/reference/cross-layer-transcoders.md).")
         return
     names = list(options)
-    _open_link(names)
+    _open_link(names, {**pretrained.entries(), **found})
     # First values through the session state, not as the widgets' defaults: a link sets them too, and
     # Streamlit logs a stack trace for a widget with both.
     if st.session_state.get("graph_ckpt") not in names:
         st.session_state["graph_ckpt"] = common.DEFAULT_CHECKPOINT if common.DEFAULT_CHECKPOINT in names else names[0]
+    notice = st.session_state.get("graph_link_notice")
+    if notice is not None and st.session_state.get("graph_ckpt") == notice[1]:  # until another checkpoint is picked
+        st.warning(notice[0], icon="⚠️")
     for key, value in (("graph_max_nodes", 128), ("graph_node_threshold", 0.8), ("graph_edge_threshold", 0.98)):
         st.session_state.setdefault(key, value)
     name = st.selectbox("Checkpoint (with transcoders, or attention-only)", names, key="graph_ckpt",
@@ -140,6 +143,7 @@ def render() -> None:
     target = _target(ckpt, ids)
     if target is False:
         return
+    held = _held(ckpt, ids)
     a, b, c = st.columns(3)
     max_nodes = a.select_slider("Feature rows (max)", MAX_NODES, key="graph_max_nodes",
                                 persist_state="session",
@@ -149,8 +153,8 @@ def render() -> None:
     edge_threshold = c.slider("Edge threshold", 0.5, 1.0, step=0.01, key="graph_edge_threshold",
                               persist_state="session", help="Keep the edges holding this share of the edge influence.")
     try:
-        full = common.cached_graph(ckpt.key, ref, ids, target, max_nodes)
-        pruned, nodes, edges = _pruned(ckpt.key, ref, ids, target, max_nodes, node_threshold, edge_threshold)
+        full = common.cached_graph(ckpt.key, ref, ids, target, max_nodes, held)
+        pruned, nodes, edges = _pruned(ckpt.key, ref, ids, target, max_nodes, held, node_threshold, edge_threshold)
     except ValueError as e:
         st.error(f"Cannot build this graph: {e}")
         return
@@ -171,7 +175,7 @@ def render() -> None:
     with st.expander("Nodes"):
         common.table(nodes.sort_values("influence", ascending=False)[
             ["id", "kind", "layer", "pos", "feature", "label", "activation", "influence"]].round(4), height=260)
-    qk_panel.render(ckpt, (ckpt.key, ref, ids, target, max_nodes), ids, full.str_tokens)
+    qk_panel.render(ckpt, (ckpt.key, ref, ids, target, max_nodes, held), ids, full.str_tokens)
     features = nodes.loc[nodes["kind"] == "feature", "id"].tolist()
     if not features:
         if ref[0]:
@@ -184,7 +188,7 @@ def render() -> None:
 # ---- export and a link to this view -------------------------------------------------------------------
 # What a link keeps: the page's widgets, in the URL (?page=Graph&graph_ckpt=...), read on a session's first run.
 LINK_KEYS = ("graph_ckpt", "graph_kind", "graph_prompt", "graph_target", "graph_answer", "graph_wrong",
-             "graph_max_nodes", "graph_node_threshold", "graph_edge_threshold", "graph_node")
+             "graph_max_nodes", "graph_node_threshold", "graph_edge_threshold", "graph_node", "graph_held")
 
 
 # Where an empty value is a choice, not a missing one: no minus token (the token's logit alone). A link
@@ -194,14 +198,40 @@ KEEP_EMPTY = ("graph_wrong",)
 LINKED_TOKENS = ("graph_answer", "graph_wrong")
 
 
+# A link names the pretrained model by its short name (``smollm2-135m``, what ``wb.open_pretrained`` and
+# the docs say), not by the picker's long label; the parser maps either back to the picker's entry.
+LINK_NAMES = {pretrained.NAME: pretrained.LABEL}
+
+
+def link_name(name: str) -> str:
+    """The picker's name of a link's ``graph_ckpt`` (its short name for the pretrained model)."""
+    return LINK_NAMES.get(name, name)
+
+
 def view_link(state) -> str:
     """The query string (``?page=Graph&...``) that reopens the view ``state`` (the session state) shows."""
     params = {"page": "Graph"}
+    short = {label: name for name, label in LINK_NAMES.items()}
     for key in LINK_KEYS:
         value = state.get(key)
         if value is not None and (value != "" or key in KEEP_EMPTY):
-            params[key] = str(value)
+            params[key] = short.get(value, str(value)) if key == "graph_ckpt" else str(value)
     return "?" + urlencode(params, quote_via=quote)
+
+
+def link_refusal(params, names: list[str], known: dict[str, str]):
+    """The message for a link whose ``graph_ckpt`` this page cannot open (None when it can, or names
+    none): not a checkpoint here at all, or one without transcoders; either way it names what is offered."""
+    value = params.get("graph_ckpt")
+    if value is None or link_name(value) in names:
+        return None
+    offered = ", ".join(f"`{n}`" for n in names)
+    if link_name(value) in known:
+        why = (f"checkpoint `{value}`, which has no transcoder set or CLT under `saes/` (and is not "
+               "attention-only), so this page cannot draw its graph")
+    else:
+        why = f"checkpoint `{value}`, and there is none of that name here"
+    return f"The link asks for {why}. This page offers: {offered}."
 
 
 def link_state(params, names: list[str]) -> dict:
@@ -213,8 +243,10 @@ def link_state(params, names: list[str]) -> dict:
         if value is None:
             continue
         try:
-            if key == "graph_ckpt" and value not in names:
-                continue
+            if key == "graph_ckpt":
+                value = link_name(value)
+                if value not in names:
+                    continue
             if key == "graph_max_nodes":
                 value = int(value)
                 if value not in MAX_NODES:
@@ -225,21 +257,31 @@ def link_state(params, names: list[str]) -> dict:
                     continue
             elif key == "graph_target" and value not in TARGETS:
                 continue
+            elif key == "graph_held":
+                value = int(value)
+                if value < 0:
+                    continue
         except ValueError:
             continue
         found[key] = value
     return found
 
 
-def _open_link(names: list[str]) -> None:
-    """On a session's first run of this page, a link's values (``view_link``) set the widgets."""
+def _open_link(names: list[str], known: dict[str, str]) -> None:
+    """On a session's first run of this page, a link's values (``view_link``) set the widgets; a link
+    naming a checkpoint this page cannot open leaves a notice (``link_refusal``), shown while the
+    checkpoint the page opened instead stays picked."""
     if st.session_state.get("graph_link_read") or st.query_params.get("page") != "Graph":
         return
     st.session_state["graph_link_read"] = True
+    refusal = link_refusal(st.query_params.to_dict(), names, known)
+    if refusal is not None:
+        fallback = common.DEFAULT_CHECKPOINT if common.DEFAULT_CHECKPOINT in names else names[0]
+        st.session_state["graph_link_notice"] = (f"{refusal} Showing `{fallback}` instead.", fallback)
     for key, value in link_state(st.query_params.to_dict(), names).items():
         st.session_state[key] = value
-        if key in LINKED_TOKENS:
-            st.session_state[f"{key}__link"] = True  # _target keeps it for the link's prompt
+        if key in LINKED_TOKENS or key == "graph_held":
+            st.session_state[f"{key}__link"] = True  # _target (_held) keeps it for the link's prompt
     if "graph_prompt" in st.query_params:  # a typed prompt: it no longer follows the checkpoint's default
         st.session_state.pop("graph_prompt__default", None)
 
@@ -296,11 +338,56 @@ def _target(ckpt: common.Checkpoint, ids: tuple[int, ...]):
         return False
 
 
+def adds_bos(tokenizer):
+    """Whether ``tokenizer`` puts a BOS token first in what it encodes: True or False for a tokenizer
+    with special tokens (a pretrained model's), None for the workbench's own (word, character, byte,
+    BPE, ids), which have no BOS."""
+    token_id = getattr(tokenizer, "token_id", None)
+    if token_id is None:
+        return None
+    bos = token_id("bos_token")
+    return bos is not None and tokenizer.encode("a")[:1] == [bos]
+
+
+def default_held(tokenizer) -> int:
+    """The graph's held positions by default: 1 for a pretrained model whose tokenizer adds no BOS (its
+    first token is the attention sink: SmolLM2-135M's default graph put a cluster of features at position
+    0, and circuit-tracer's graphs hold position 0 out), else 0 (a BOS is a position of its own; the
+    workbench's own tokenizers have none, and its models keep every position, as before)."""
+    return 1 if adds_bos(tokenizer) is False else 0
+
+
+def _held(ckpt: common.Checkpoint, ids: tuple[int, ...]) -> int:
+    """The held positions widget: its default follows the checkpoint (``default_held``); a link's holds."""
+    default = default_held(ckpt.tokenizer)
+    if st.session_state.pop("graph_held__link", False):
+        st.session_state["graph_held__context"] = ckpt.key
+    common.follow_default("graph_held", default, ckpt.key)
+    st.session_state["graph_held"] = min(int(st.session_state["graph_held"]), len(ids) - 1)
+    held = st.number_input("Held positions", 0, len(ids) - 1, step=1, key="graph_held",
+                           help="The first this many positions get no feature and no error nodes (their features "
+                                "held at zero, their MLP outputs constants): circuit-tracer holds position 0.")
+    if held and default:
+        st.caption(f"This model's tokenizer adds no BOS token, so its first token ({ckpt.tokenizer.token_str(ids[0])!r}) "
+                   f"acts as the attention sink: the first {held} position(s) are held out of the graph by default "
+                   "(circuit-tracer's convention). Set 0 to keep them.")
+    return int(held)
+
+
+def compact(n: int) -> str:
+    """A count short enough for a metric in a quarter of the page: 2,709 -> 2.7k, 27,130 -> 27.1k."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
 def _summary(full, pruned) -> None:
     scores = full.scores()
     cols = st.columns(4)
     cols[0].metric("Nodes kept", f"{pruned.n_nodes} of {full.n_nodes}")
-    cols[1].metric("Edges kept", f"{pruned.n_edges:,} of {full.n_edges:,}")
+    cols[1].metric("Edges kept", f"{compact(pruned.n_edges)} of {compact(full.n_edges)}",
+                   help=f"{pruned.n_edges:,} of {full.n_edges:,} edges.")  # "2,709 of 27,130" did not fit
     cols[2].metric("Replacement score", f"{scores['replacement']:.2f}",
                    help="circuit-tracer's: the share of influence from tokens rather than error nodes.")
     cols[3].metric("Completeness", f"{scores['completeness']:.2f}",

@@ -60,7 +60,8 @@ def render() -> None:
     value = VALUES[b.radio("Show", list(VALUES), key="patch_value", persist_state="session")]
     sites_run = tuple(chosen) + ("head",)
     patched = _exact(ckpt, clean, corrupted, metric, sites_run, len(labels))
-    scores = common.analysis(pair_scores, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric)
+    with st.spinner(f"Scoring the {len(clean)} clean and corrupted prompt(s)…"):
+        scores = common.analysis(pair_scores, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric)
     gaps = [c - r for c, r in zip(scores["clean"], scores["corrupted"])]
     gap, noise = gap_and_noise(gaps, metric.kind)
     c1, c2, c3 = st.columns(3)
@@ -104,8 +105,9 @@ def _exact(ckpt: common.Checkpoint, clean, corrupted, metric: AnswerMetric, site
     """The exact patching table at ``sites``; None (with a button that runs it) when it is long."""
     patches, cost = exact_cost(ckpt.model, n_pos, len(clean), sites)
     if cost <= EXACT_BUDGET:
-        return common.analysis(patch_pairs, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric,
-                               sites=sites)
+        with st.spinner(f"Exact activation patching: {patches:,} patched forward passes over {len(clean)} pair(s)…"):
+            return common.analysis(patch_pairs, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric,
+                                   sites=sites)
     run = (ckpt.key, clean, corrupted, metric, sites)
     if st.session_state.get("patch_exact") != run:
         st.info(f"Exact patching of this model is {patches:,} patched forward passes over {len(clean)} pair(s) "
@@ -230,7 +232,8 @@ def attribute_pairs(model, clean, corrupted, metric):
 
 def _task_pairs(ckpt: common.Checkpoint, kind: str, n: int):
     try:
-        return common.analysis(task_pairs, ckpt.key, None, meta=ckpt.meta, n=n, kind=kind)
+        with st.spinner(f"Building the task's {kind} prompt pairs…"):
+            return common.analysis(task_pairs, ckpt.key, None, meta=ckpt.meta, n=n, kind=kind)
     except ValueError:
         return None
 
@@ -247,7 +250,9 @@ def _heads(ckpt: common.Checkpoint, clean, corrupted, metric: AnswerMetric, patc
         if not metric.differentiable:
             st.info("Attribution patching follows the metric's gradient; a rank has none. Pick another metric.")
             return
-        attribution = common.analysis(attribute_pairs, ckpt.key, None, clean=clean, corrupted=corrupted, metric=metric)
+        with st.spinner(f"Attribution patching: one forward and backward pass over {len(clean)} pair(s)…"):
+            attribution = common.analysis(attribute_pairs, ckpt.key, None, clean=clean, corrupted=corrupted,
+                                          metric=metric)
         fig = viz.layer_head_figure(attribution, value="attribution", units=f"estimated Δ {metric.units}",
                                     title="Attribution patching: each head's estimated effect")
         common.show(fig, key="patch_attribution")

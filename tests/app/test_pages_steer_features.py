@@ -74,8 +74,13 @@ def test_steer_shows_clean_and_steered_continuations_of_the_library(app, shipped
     direction = an.steering_vector(model, _ids(tok, DEFAULT_POSITIVE), _ids(tok, DEFAULT_NEGATIVE),
                                    "blocks.1.hook_resid_post")
     n = at.slider(key="steer_new").value
+    # the default scale puts 0.75 x the stream's median norm at the hook on the prompt (s = 8 moved nothing
+    # on SmolLM2-135M): read independently, within the slider's step
+    _, cache = model.run_with_cache(prompt, names_filter=direction.hook)
+    share = at.slider(key="steer_scale_add").value * direction.vector.norm() / cache[direction.hook][0].norm(dim=-1).median()
+    assert abs(float(share) - 0.75) < 0.02, float(share)
     clean = model.generate(prompt, max_new_tokens=n)[0, prompt.shape[1]:]
-    with model.steer(direction, 8.0):
+    with model.steer(direction, at.slider(key="steer_scale_add").value):
         steered = model.generate(prompt, max_new_tokens=n)[0, prompt.shape[1]:]
     assert continuations(at) == [tok.decode(clean.tolist()), tok.decode(steered.tolist())]
     assert continuations(at)[0] != continuations(at)[1], "the default steering should change the continuation"

@@ -35,9 +35,11 @@ def load_replacement(folder: str, stamp: int):
 
 # ---- the graph, cached --------------------------------------------------------------------------------
 @st.cache_resource(max_entries=16, show_spinner="Computing the attribution graph…")
-def cached_graph(key: tuple[str, int], ref: tuple[str, int], ids: tuple[int, ...], target: Any, max_nodes: int):
-    """The (bound) attribution graph of ``ids``; keyed by value."""
+def cached_graph(key: tuple[str, int], ref: tuple[str, int], ids: tuple[int, ...], target: Any, max_nodes: int,
+                 held_positions: int = 0):
+    """The (bound) attribution graph of ``ids``, its first ``held_positions`` positions held; keyed by value."""
     model, lock = model_for(key)
     with lock:
         return an.attribution_graph(model, load_replacement(*ref) if ref[0] else None,
-                                    torch.tensor([ids], device=model.device), target=target, max_feature_nodes=max_nodes)
+                                    torch.tensor([ids], device=model.device), target=target, max_feature_nodes=max_nodes,
+                                    held_positions=held_positions)
