@@ -116,6 +116,15 @@ def main(argv: list[str]) -> None:
     # The preload runs beside the server's start (Streamlit's runtime, its component scan, tornado)
     # and the browser's loading of the page: from launch, the first page waits for the longer of
     # the two, not their sum.
+    # pandas and plotly, whole, before the preload's thread starts: app.py sends a session's first run a
+    # small figure while that thread imports torch, so the browser fetches and compiles plotly.js (4.7 MB)
+    # meanwhile instead of after the page's script. Built while the thread was importing pandas, that
+    # figure found pandas half-imported (plotly looks it up in sys.modules) and failed the first page.
+    # About 0.6 s here, before the server's start.
+    import pandas  # noqa: F401
+    import plotly.graph_objects  # noqa: F401
+    import plotly.io  # noqa: F401
+
     start_preload(script_args)
     from streamlit.web import cli
 

@@ -108,11 +108,17 @@ def test_the_first_inspect_run_makes_one_forward(app, checkpoints_dir):
 def test_a_sessions_first_run_sends_plotly_warm_figure_first_and_takes_it_away(app):
     """The browser loads plotly.js (4.7 MB) only when a figure arrives: under ``streamlit run`` a
     session's first run sends a 10-pixel figure before anything heavy (the imports), so Chromium loads
-    plotly.js while the script works, and removes it once the page is drawn. Later runs send none, and
-    neither does a server whose preload imports plotly on another thread (ui.serve)."""
+    plotly.js while the script works, and removes it once the page is drawn. Later runs send none. Under
+    ui.serve too: its main() imports pandas and plotly whole before the preload thread starts (a figure
+    built while that thread imported pandas found it half-imported)."""
+    import inspect as pyinspect
+
+    from ui import serve
+
     head = (common.REPO / "app.py").read_text().split("serve.wait_for_preload()")[0]
     assert "_plotly_warm.plotly_chart(WARM_FIGURE" in head and "import torch" not in head
-    assert "not serve.preloading()" in head
+    main = pyinspect.getsource(serve.main)
+    assert -1 < main.index("import pandas") < main.index("import plotly.io") < main.index("start_preload(")
     at = app("Inspect")
     assert at.session_state["_plotly_warmed"] is True
     specs = [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
