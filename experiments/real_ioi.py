@@ -140,11 +140,11 @@ def sinh_effects(runner, metric, candidates, nm_heads) -> dict:
 def node_mask(graph, heads) -> torch.Tensor:
     """MIB's node circuit (``apply_topn(level="node")``): the ``heads``, every node not a head (the
     embedding, each MLP, the logits), and every edge between kept nodes."""
-    from workbench.analysis.circuits.mib import _node_keep
+    from workbench.analysis.circuits.mib import node_keep
 
     scores = {label(l, h): 0.0 for l in range(graph.n_layers) for h in range(graph.n_heads)}
     scores.update({label(l, h): 1.0 for l, h in heads})
-    return _node_keep(graph, scores, len(heads), absolute=False)
+    return node_keep(graph, scores, len(heads), absolute=False)
 
 
 def top_mask(graph, scores: np.ndarray, k: int) -> torch.Tensor:

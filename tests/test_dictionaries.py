@@ -798,3 +798,35 @@ def test_a_cfg_json_width_the_weights_do_not_have_is_refused_before_anything_is_
         (folder / "cfg.json").write_text(json.dumps(cfg))
         with pytest.raises(DictionaryError, match="W_enc has shape"):
             load_dictionary(folder)
+
+
+def test_saelens_prepend_bos_is_the_models_own(tmp_path):
+    """SAE Lens' ``metadata.prepend_bos`` says whether the training text began with a BOS. It was always
+    True; it is now what the model's tokenizer does, compared with its own ``encode``: a tokenizer that
+    declares a BOS but does not add it (SmolLM2's GGUF) gives False, one whose post-processor adds it
+    (Llama's) True, activations handed in as tensors the workbench's default, False."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from workbench.analysis.store import LiveActivations
+    from workbench.interop.hf_tokenizer import HFTokenizer
+
+    def model_with(adds_bos: bool):
+        backend = Tokenizer(models.WordLevel({"<s>": 0, "a": 1, "b": 2, "<unk>": 3}, unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        if adds_bos:
+            backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        tok = HFTokenizer(backend, {"bos_token": "<s>"})
+        assert (tok.encode("a b")[0] == 0) == adds_bos  # the reference: the tokenizer's own encoding
+        return wb.HookedDecoder(wb.ModelConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=4, n_ctx=8, seed=0), tokenizer=tok)
+
+    for adds_bos in (False, True):
+        model = model_with(adds_bos)
+        store = ActivationStore.collect(model, "a b a b b a a b " * 40, "blocks.0.hook_resid_post", 256,
+                                        tmp_path / f"acts{adds_bos}", batch_size=8, seq_len=8, progress=False)
+        assert LiveActivations(model, "a b", "blocks.0.hook_resid_post", seq_len=2).model_info["prepend_bos"] is adds_bos
+        sae = train_sae(store, kind="relu", d_sae=8, steps=2, batch_size=8, progress=False, threads=1)
+        cfg = json.loads((save_dictionary(sae, tmp_path / f"bos{adds_bos}") / "cfg.json").read_text())
+        assert cfg["metadata"]["prepend_bos"] is adds_bos
+    sae = train_sae(TensorActivations({"x": torch.randn(64, 8)}), kind="relu", d_sae=8, steps=2, batch_size=8,
+                    progress=False, threads=1)
+    assert json.loads((save_dictionary(sae, tmp_path / "tensors") / "cfg.json").read_text())["metadata"]["prepend_bos"] is False

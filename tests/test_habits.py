@@ -90,3 +90,36 @@ def test_nnsight_trace_save_and_intervene_equal_tl_hooks(model):
         out = wrapped.output.save()
     ref = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_resid_post", scale)])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_to_str_tokens_takes_prepend_bos_as_transformer_lens_does(tmp_path):
+    """A tokenizer that declares a BOS but does not add one (SmolLM2's GGUF: BOS id 1, add_bos_token
+    false): to_tokens and to_str_tokens with prepend_bos None / True / False, on one text and on a
+    list of texts, against TransformerLens' own TransformerBridge holding the same tokenizer."""
+    pytest.importorskip("transformer_lens.model_bridge.sources.native", reason="TL native source missing")
+    import os
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformer_lens import TransformerBridge
+    from transformers import PreTrainedTokenizerFast
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    backend = Tokenizer(models.WordLevel({"<s>": 0, "a": 1, "b": 2, "<unk>": 3}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    ours = wb.HookedDecoder(wb.ModelConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=4, n_ctx=8),
+                            tokenizer=HFTokenizer(backend, {"bos_token": "<s>"}))
+    # TL's bridge reloads the tokenizer from its folder while it boots
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", unk_token="<unk>").save_pretrained(tmp_path)
+    hf = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    theirs = TransformerBridge.boot_native(
+        dict(d_model=8, n_layers=1, n_heads=2, d_head=4, d_vocab=4, n_ctx=8, d_mlp=16, normalization_type="LN",
+             positional_embedding_type="standard", act_fn="gelu", seed=0, default_prepend_bos=False), tokenizer=hf)
+    for bos in (None, True, False):
+        assert ours.to_tokens("a b", prepend_bos=bos).tolist() == theirs.to_tokens("a b", prepend_bos=bos).tolist()
+        for text in ("a b", ["a b", "b"]):
+            assert ours.to_str_tokens(text, prepend_bos=bos) == theirs.to_str_tokens(text, prepend_bos=bos), (text, bos)
+    assert ours.to_str_tokens("a b", prepend_bos=True) == ["<s>", "a", "b"]  # not vacuous: the BOS shows
+    ids = torch.tensor([0, 1])  # token ids are shown as they are, whatever prepend_bos says (TL's too)
+    assert ours.to_str_tokens(ids, prepend_bos=False) == theirs.to_str_tokens(ids, prepend_bos=False) == ["<s>", "a"]
+    with pytest.raises(ValueError, match="prepend_bos=True"):
+        ours.to_str_tokens("a b", True)  # TL's positional prepend_bos lands on our attention_mask

@@ -66,3 +66,25 @@ def test_a_user_method_and_the_registry(hand):
         mib.score_method(model, ds, metric, "nope")
     with pytest.raises(ValueError, match="edges"):
         mib.faithfulness_curve(model, ds, metric, np.ones(3))
+
+
+def test_node_keep_is_public_and_keeps_the_edges_between_kept_nodes():
+    """``mib.node_keep`` (tutorial 11 and experiments/real_ioi.py use it; ``_node_keep`` stays as an
+    alias): MIB's node circuit. Every head scored, the best one kept: its edges and those of every
+    unscored node (embedding, MLPs, logits) stay, as the graph's own adjacency has them; every edge
+    into or out of a dropped head goes."""
+    graph = ComputationGraph(build_hand_induction())
+    heads = [(s[1], s[2]) for s in graph.senders if s[0] == "head"]
+    assert len(heads) >= 2
+    best = heads[-1]
+    scores = {f"L{l}H{h}": float((l, h) == best) for l, h in heads}
+    keep = mib.node_keep(graph, scores, 1)
+    assert mib._node_keep is mib.node_keep and "node_keep" in mib.__all__
+    dropped = lambda node: node[0] == "head" and tuple(node[1:3]) != best  # noqa: E731
+    for s, sender in enumerate(graph.senders):
+        for r in range(len(graph.receivers)):
+            expected = 0.0 if dropped(sender) or dropped(graph.node_of_receiver(r)) else float(graph.adjacency[s, r])
+            assert float(keep[s, r]) == expected, (sender, graph.receivers[r])
+    assert 0 < keep.sum() < graph.adjacency.sum()
+    full = mib.node_keep(graph, scores, len(heads))  # every head kept: the whole graph
+    assert full.equal(graph.adjacency.to(full.dtype))

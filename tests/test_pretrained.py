@@ -68,6 +68,12 @@ def test_tokens_and_bos_match_transformers(ours, theirs):
         assert ours.to_tokens(text)[0].tolist() == tokenizer(text)["input_ids"], text
     # SmolLM2 adds no BOS (the file's add_bos_token is false, as in the HF repo's tokenizer)
     assert ours.to_str_tokens(IOI)[:3] == ["When", " Mary", " and"]
+    # prepend_bos=True (TL's habit) adds the BOS the file declares, <|im_start|> (id 1), as
+    # transformers' tokenizer of the file names it and TL would prepend it: the model was not trained so
+    plain = tokenizer(IOI)["input_ids"]
+    assert tokenizer.bos_token == "<|im_start|>" and plain[0] != tokenizer.bos_token_id
+    assert ours.to_tokens(IOI, prepend_bos=True)[0].tolist() == [tokenizer.bos_token_id, *plain]
+    assert ours.to_str_tokens(IOI, prepend_bos=True)[:2] == ["<|im_start|>", "When"]
 
 
 @pytest.mark.parametrize("text", TEXTS)

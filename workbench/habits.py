@@ -51,6 +51,15 @@ def bos_id(tokenizer: Any) -> Optional[int]:
     return lookup("bos_token") if callable(lookup) else None
 
 
+def tokenizer_prepends_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer.encode`` puts a BOS first: the model's own default, what its text was encoded
+    with. A BOS that is only declared (SmolLM2's GGUF names ``<|im_start|>`` but does not add it) is not."""
+    if tokenizer is None:
+        return False
+    bos = bos_id(tokenizer)
+    return bos is not None and tokenizer.encode("a")[:1] == [bos]
+
+
 def apply_prepend_bos(tokenizer: Any, ids: list[int], prepend_bos: Any) -> list[int]:
     """``ids`` as ``to_tokens(..., prepend_bos=)`` returns them: None keeps the tokenizer's own
     choice, True makes the BOS the first id (never twice), False takes a leading BOS off."""

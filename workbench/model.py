@@ -608,13 +608,26 @@ class HookedDecoder(HookedRootModule):
         return self._need_tokenizer().decode(ids)
 
     def to_str_tokens(
-        self, input: Union[str, Tensor, Sequence[int], TokenBatch], attention_mask: Optional[Tensor] = None
+        self, input: Union[str, Sequence[str], Tensor, Sequence[int], TokenBatch],
+        attention_mask: Optional[Union[Tensor, bool]] = None,  # a bool only to refuse it, naming prepend_bos
+        prepend_bos: Optional[bool] = None,
     ) -> Union[list[str], list[list[str]]]:
         """Readable tokens. With a mask (or a ``TokenBatch``) pads show as "<pad>", and a batch
-        of several rows gives one list per row."""
+        of several rows gives one list per row; a list of texts gives one list per text.
+
+        ``prepend_bos`` (TL's) applies to text as in ``to_tokens``: None keeps the tokenizer's own
+        choice, True puts its BOS first, False takes it off; token ids are shown as they are
+        (TransformerLens ignores it for tokens too)."""
+        from workbench.habits import apply_prepend_bos
+
         tok = self._need_tokenizer()
+        if isinstance(attention_mask, bool):  # TL's second positional argument is prepend_bos, ours the mask
+            raise ValueError(f"to_str_tokens' second argument is attention_mask (a tensor), got {attention_mask!r}: "
+                             f"pass TransformerLens' prepend_bos by name, to_str_tokens(text, prepend_bos={attention_mask!r})")
+        if isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input):
+            return [self.to_str_tokens(t, prepend_bos=prepend_bos) for t in input]  # TL's: one list per text
         input, attention_mask = unpack(input, attention_mask)
-        ids = tok.encode(input) if isinstance(input, str) else input
+        ids = apply_prepend_bos(tok, tok.encode(input), prepend_bos) if isinstance(input, str) else input
         if attention_mask is None:
             ids = ids.flatten().tolist() if isinstance(ids, Tensor) else list(ids)
             return [tok.token_str(i) for i in ids]

@@ -25,8 +25,9 @@
 # 3 of them (48 tokens) and both lenses are compared on 2 other sequences (32 tokens). Each tuned-lens
 # step projects 30 layers onto the 49,152-token vocabulary, forward and backward, which is what makes it
 # slow on a CPU. The full study (`docs/reference/real-model-lenses.md`, made by
-# `experiments/real_lenses.py`) uses the docstrings of 24 standard-library modules, trains on 512
-# tokens per seed and gives every layer's KL, agreement and accuracy with 95% intervals over 3 seeds.
+# `experiments/real_lenses.py`) uses the docstrings of 24 standard-library modules, trains for 8 steps
+# of one 32-token sequence drawn from a 512-token training set (256 tokens seen per seed) and gives
+# every layer's KL, agreement and accuracy with 95% intervals over 3 seeds.
 
 # %%
 import inspect

@@ -95,13 +95,13 @@ for layer, head in top:
 # of 270 with every MLP is a small circuit: expect it to keep part of the behaviour, not all of it.
 
 # %%
-from workbench.analysis.circuits.mib import _node_keep
+from workbench.analysis.circuits.mib import node_keep
 
 mean = mean_ablation_runner(runner, prompts.template)
 metric = prompts.metric()
 scores = {f"L{l}H{h}": float(f"L{l}H{h}" in {f"L{a}H{b}" for a, b in top})
           for l in range(graph.n_layers) for h in range(graph.n_heads)}
-keep = _node_keep(graph, scores, len(top), absolute=False)
+keep = node_keep(graph, scores, len(top), absolute=False)
 full, empty = runner.endpoints(metric)[0], mean.metric_of(metric, torch.zeros_like(graph.adjacency))
 kept = mean.metric_of(metric, keep)
 print(f"model {full:.2f}, everything mean-ablated {empty:.2f}, the 3 heads + MLPs {kept:.2f}: "

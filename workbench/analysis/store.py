@@ -50,6 +50,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from workbench.checkpoint import model_fingerprint  # noqa: F401  (re-exported: its historical home)
+from workbench.habits import tokenizer_prepends_bos
 from workbench.utils import jsonable
 
 MANIFEST = "manifest.json"
@@ -427,7 +428,8 @@ class ActivationStore(ShardedActivations):
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "model": {"name": model.cfg.name, "fingerprint": model_fingerprint(model), "d_model": model.cfg.d_model,
-                      "d_vocab": model.cfg.d_vocab, "n_layers": model.cfg.n_layers},
+                      "d_vocab": model.cfg.d_vocab, "n_layers": model.cfg.n_layers,
+                      "prepend_bos": tokenizer_prepends_bos(getattr(model, "tokenizer", None))},
             "hooks": {h: {"shape": list(shapes[h])} for h in hooks},
             "dtype": dtype,
             "source": src.identity,
@@ -610,7 +612,9 @@ class LiveActivations(ShardedActivations):
         self.shapes = hook_shapes(model, self.hooks)
         self.rows: dict[int, int] = {}  # row counts of the batches seen so far (a resumed trainer restores them)
         self.manifest = {"model": {"name": model.cfg.name, "fingerprint": model_fingerprint(model),
-                                   "d_model": model.cfg.d_model}, "source": self.src.identity,
+                                   "d_model": model.cfg.d_model,
+                                   "prepend_bos": tokenizer_prepends_bos(getattr(model, "tokenizer", None))},
+                         "source": self.src.identity,
                          "rule": self.rule.to_dict(), "hooks": {h: {"shape": list(s)} for h, s in self.shapes.items()}}
 
     n_shards = None

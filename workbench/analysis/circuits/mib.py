@@ -105,8 +105,12 @@ def _top(values: np.ndarray, n: int, absolute: bool) -> np.ndarray:
     return np.argsort(-key, kind="stable")[:n]
 
 
-def _node_keep(graph: ComputationGraph, node_scores: dict, n: int, absolute: bool) -> torch.Tensor:
-    """MIB's ``apply_topn(level="node")``: the top-n scored nodes and every unscored one; the edges between them."""
+def node_keep(graph: ComputationGraph, node_scores: dict, n: int, absolute: bool = False) -> torch.Tensor:
+    """MIB's ``apply_topn(level="node")``: a node circuit as an edge mask [senders, receivers].
+
+    ``node_scores`` maps node labels (``"L3H1"``, ``"L3 mlp"``) to scores; the ``n`` best (by value,
+    or by |value| with ``absolute``) are kept, and so is every node with no score (the embedding,
+    the logits, any MLP left out); every edge between two kept nodes is kept."""
     names = list(node_scores)
     values = np.array([node_scores[k] for k in names], dtype=float)
     kept = {names[i] for i in _top(values, n, absolute)}
@@ -123,6 +127,9 @@ def _node_keep(graph: ComputationGraph, node_scores: dict, n: int, absolute: boo
             if graph.adjacency[s, r] and on(graph.node_of_receiver(r)):
                 keep[s, r] = 1.0
     return keep
+
+
+_node_keep = node_keep  # the old private name, kept for code that imported it
 
 
 def _node_label(node) -> str:
@@ -170,7 +177,7 @@ def faithfulness_curve(
             raise ValueError(f"percentages are fractions in (0, 1], got {p}")
         n = int(p * total)  # MIB's int(pct * n_scored_items)
         if by_node:
-            keep = _node_keep(g, scores, n, absolute)
+            keep = node_keep(g, scores, n, absolute)
         else:
             chosen = torch.zeros(g.n_edges)
             chosen[torch.from_numpy(_top(scores, n, absolute).copy())] = 1.0
@@ -311,4 +318,4 @@ def score_method(model, ds, metric, method: Union[str, Callable], truth: Optiona
 
 
 __all__ = ["PERCENTAGES", "METHODS", "NODE_LEVEL", "area_under", "cpr", "cmd", "roc_area", "roc_points",
-           "faithfulness_curve", "mib_auroc", "method_scores", "score_method"]
+           "faithfulness_curve", "node_keep", "mib_auroc", "method_scores", "score_method"]

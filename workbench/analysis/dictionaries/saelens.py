@@ -64,7 +64,9 @@ def saelens_config(sae: Dictionary, context_size: Optional[int] = None) -> dict[
         "model_name": c.model_name or None,
         "hook_name": c.hook_name or None,
         "hook_head_index": None,
-        "prepend_bos": True,
+        # whether the training text began with a BOS: the model's tokenizer's own choice, recorded by the
+        # activation source; False when unknown, the workbench's default (ModelConfig.default_prepend_bos)
+        "prepend_bos": bool(c.extra.get("prepend_bos", False)),
         "context_size": context_size,
     }
     if sae.is_transcoder:

@@ -478,7 +478,15 @@ def _dictionary_config(config: SAETrainConfig, layout: _Layout, source) -> Dicti
     return DictionaryConfig(kind=config.kind, d_in=d_in, d_sae=config.d_sae, d_out=d_out if transcoder else 0,
                             k=config.k if config.kind in AUX_K_KINDS or config.topk_transcoder else 0, hook_name=layout.ins[0],
                             hook_name_out=layout.outs[0] if transcoder else "",
-                            hook_shape=tuple(source.hook_shape(layout.ins[0])), extra=_extra(config), **model)
+                            hook_shape=tuple(source.hook_shape(layout.ins[0])),
+                            extra=_extra(config) | _bos(source), **model)
+
+
+def _bos(source) -> dict:
+    """Whether the activations' text began with a BOS (the model's tokenizer's own choice), for SAE Lens'
+    ``prepend_bos``; nothing when the source does not say (tensors handed in)."""
+    flag = source.model_info.get("prepend_bos")
+    return {} if flag is None else {"prepend_bos": bool(flag)}
 
 
 def _extra(config: SAETrainConfig) -> dict:
