@@ -6,7 +6,10 @@
 1. **Text.** The docstrings of 24 Python standard-library modules (``real_lenses.TEXT_MODULES``,
    read with ``inspect.getdoc`` from the Python running the script; the Python Software Foundation
    License, an open licence), tokenized without BOS and cut into sequences of ``--seq-len`` tokens,
-   shuffled with ``--seed``. The first ``--train-seqs`` train, the next ``--eval-seqs`` are held out.
+   shuffled with ``--seed``. The ``--eval-seqs`` from index ``--held-out-at`` (320) on are held out;
+   the others train. ``--more-text`` adds, for training only, the docstrings of 113 more stdlib
+   modules (``MORE_MODULES``; those the 24 modules already have left out): the held-out sequences
+   stay the same, whatever ``--train-seqs`` is.
 2. **Activations.** One forward per batch over the train and held-out sequences records every
    layer's MLP input (``blocks.{l}.ln2.hook_normalized``) and output (``blocks.{l}.hook_mlp_out``)
    into a temporary float16 ``ActivationStore`` (the first position of each sequence dropped; the
@@ -32,6 +35,13 @@
    (``graph.intervene(..., direct_only=True)``; a token source: its embedding zeroed): the target
    moves by minus the edge. Each feature on the path is also zeroed in the live replacement
    model (attention and norms recomputed, other features re-encoded) to see what it does there.
+
+6. **A comparison** (``--compare DIR``): another set this script wrote, under ``DIR/saes/transcoders``,
+   read only, measured on the same held-out rows (``compare_layers.csv``), and both sets' spliced
+   loss and loss recovered per loss sequence and (``--ioi-prompts N``) graph replacement and
+   completeness per IOI prompt (``ioi_prompts``, the indirect object's logit as the target): each
+   set's mean with its 95% t-interval and the paired difference (``compare.csv``, printed as a
+   markdown table).
 
 Prints every table and writes them under ``--run-dir`` (default ``runs/real_transcoders``):
 ``layers.csv`` (results.csv), ``loss.csv``, ``path.csv``, ``edges.csv``, ``config.json``, and the
