@@ -143,6 +143,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--ioi-prompts", type=int, default=0,
                    help="graph replacement and completeness over this many IOI prompts (ioi_prompts, seed --seed; "
                         "target: the indirect object's name), mean and 95%% t-interval (0: none)")
+    p.add_argument("--page-check", action="store_true",
+                   help="only the Graph page check: the app (streamlit) on a checkpoint folder of links to the model "
+                        "with --out's transcoders, the page opened in Chromium by a link for --prompt and --answer, "
+                        "its numbers read and set beside the same graph built here (page.csv)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--answer", default=ANSWER, help="the target token (the indirect object's name)")
     args = p.parse_args(argv)
@@ -436,6 +440,98 @@ def markdown(frame: pd.DataFrame, digits: int = 3) -> str:
     return "\n".join(lines)
 
 
+def page_folder(folder: Path, model_folder: Path, out: Path) -> Path:
+    """A checkpoint ``folder`` (new) of links: to each entry of ``model_folder`` but its ``saes``, and
+    ``saes`` to ``out/saes``: the model with another transcoder set, nothing copied or written there."""
+    folder.mkdir(parents=True)
+    for entry in model_folder.iterdir():
+        if entry.name != "saes":
+            (folder / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    (folder / "saes").symlink_to((out / "saes").resolve(), target_is_directory=True)
+    return folder
+
+
+def page_check(model, tcs, out: Path, model_folder: Path, args) -> pd.DataFrame:
+    """The Graph page on the set under ``out``: a checkpoint folder ``smollm2-135m`` of links to the
+    converted model's files (``model_folder``) and to ``out/saes``; ``streamlit run app.py`` on it;
+    Chromium (the app tests' browser kit) opens the page's link for ``--prompt``, target ``--answer``
+    (the minus token the page pre-fills is kept), ``--graph-nodes`` rows, node 0.8, edge 0.98. The page's
+    numbers (nodes and edges kept, features, scores, as it prints them) beside those of the same graph
+    built here with the target it shows."""
+    import subprocess
+    import urllib.request
+    from urllib.parse import quote
+
+    sys.path.insert(0, str(_common.REPO / "tests" / "app"))
+    from browser_kit import CHROMIUM, CHROMIUM_ARGS, _free_port, assert_drawn, figure, no_exception, wait_idle, widget
+    from playwright import sync_api
+
+    from workbench import analysis as an
+
+    tmp = Path(tempfile.mkdtemp(prefix="graph-page-"))
+    page_folder(tmp / "checkpoints" / "smollm2-135m", model_folder, out)
+    (tmp / "runs").mkdir()
+    port = _free_port()
+    env = {**os.environ, "WORKBENCH_CHECKPOINTS": str(tmp / "checkpoints"), "WORKBENCH_RUNS": str(tmp / "runs")}
+    log = open(tmp / "streamlit.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+                             "--server.port", str(port), "--server.address", "127.0.0.1",
+                             "--browser.gatherUsageStats", "false"], cwd=_common.REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    link = (f"{url}/?page=Graph&graph_ckpt=smollm2-135m&graph_prompt={quote(args.prompt)}&graph_target=token"
+            f"&graph_answer={quote(args.answer)}&graph_max_nodes={args.graph_nodes}")
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise SystemExit(f"streamlit did not start; see {tmp / 'streamlit.log'}") from None
+                time.sleep(0.5)
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            tab = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+            tab.set_default_timeout(600_000)
+            started = time.perf_counter()
+            tab.goto(link, wait_until="domcontentloaded")
+            title = tab.locator(".gtitle", has_text="features,").first
+            title.wait_for(timeout=900_000)
+            wait_idle(tab, timeout=900_000)
+            seconds = time.perf_counter() - started
+            no_exception(tab)
+            assert_drawn(figure(tab, "features,"), "the attribution graph")
+            metrics = {m.locator("[data-testid=stMetricLabel]").inner_text().strip():
+                       m.locator("[data-testid=stMetricValue]").inner_text().strip()
+                       for m in tab.locator("[data-testid=stMetric]").all()}
+            wrong = widget(tab, "stTextInput", "minus token").locator("input").first.input_value()
+            drawn_title = title.inner_text()
+            browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    tokens = model.to_tokens(args.prompt, prepend_bos=False)
+    answer = model.to_single_token(args.answer)
+    target = (answer, model.to_single_token(wrong)) if wrong.strip() else answer
+    full = an.attribution_graph(model, tcs, tokens, target=target, max_feature_nodes=args.graph_nodes)
+    pruned, scores = full.prune(0.8, 0.98), full.scores()
+    here = {"Nodes kept": f"{pruned.n_nodes} of {full.n_nodes}", "Edges kept": f"{pruned.n_edges:,} of {full.n_edges:,}",
+            "Replacement score": f"{scores['replacement']:.2f}", "Completeness": f"{scores['completeness']:.2f}",
+            "features": f"{len(pruned.nodes_of('feature'))} features, {pruned.n_edges} edges"}
+    metrics["features"] = drawn_title.split(" (")[0]
+    shown = {k: next((v for label, v in metrics.items() if label.startswith(k)), "") for k in here}
+    rows = [{"measure": k, "page": shown[k], "built here": v, "same": shown[k] == v} for k, v in here.items()]
+    rows += [{"measure": "target", "page": f"{args.answer!r} - {wrong!r}" if wrong.strip() else repr(args.answer),
+              "built here": str(target), "same": True},
+             {"measure": "page seconds (link opened to the page settled)", "page": f"{seconds:.0f}", "built here": "",
+              "same": True}]
+    return pd.DataFrame(rows)
+
+
 def widest_path(graph, source: int, target: int, through_features: bool = False) -> list[int]:
     """The path from ``source`` to ``target`` of largest product of normalised |edge| weights
     (each node's incoming weights sum to one, as in the influence computation): Dijkstra on -log.
@@ -632,6 +728,15 @@ def main(argv=None) -> dict:
         install(layer_folders(args.install_from, model.cfg.n_layers), folders)
         print(f"installed {args.install_from / 'saes' / 'transcoders'} -> {out / 'saes' / 'transcoders'}")
         return dict(installed=folders)
+    if args.page_check:
+        tcs = reuse(folders)[0]
+        page = page_check(model, tcs, out, default_out, args)
+        print(markdown(page))
+        config = {"experiment": NAME, **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                  "model": source, "transcoders": str(out / "saes" / "transcoders"), "total_s": time.perf_counter() - t0}
+        _common.write_run(args.run_dir, config, page, {}, title=f"{source}: the Graph page on {out / 'saes'}",
+                          tables={"page": page})
+        return dict(page=page, config=config)
     if args.qk_only:
         tcs = reuse(folders)[0]
         started = time.perf_counter()

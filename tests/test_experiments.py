@@ -371,3 +371,22 @@ def test_real_transcoders_more_text_adds_sequences_the_first_text_does_not_have(
     first = {tuple(r) for r in module.cut(tokenize(model, stdlib_text(TEXT_MODULES[:2]), True), 16, 0).tolist()}
     added = {tuple(r) for r in more[info["sequences_available"] - 8: n].tolist()}
     assert info["more_text_tokens"] > 0 and len(added - first) >= 0.9 * len(added)  # (16 bytes may recur by chance)
+
+
+def test_real_transcoders_page_folder_is_the_model_with_another_set_by_links_only(tmp_path):
+    """--page-check's checkpoint folder: the model folder's entries linked, its saes replaced by a
+    link to the other set's; the model folder is left as it was."""
+    module = importlib.import_module("real_transcoders")
+    model_folder, out = tmp_path / "model", tmp_path / "new"
+    (model_folder / "saes" / "transcoders" / "layer0").mkdir(parents=True)
+    (out / "saes" / "transcoders" / "layer0").mkdir(parents=True)
+    for name, text in (("config.json", "{}"), ("model.safetensors", "w"), ("tokenizer.json", "t")):
+        (model_folder / name).write_text(text)
+    (out / "saes" / "transcoders" / "layer0" / "cfg.json").write_text("new")
+    (model_folder / "saes" / "transcoders" / "layer0" / "cfg.json").write_text("old")
+    folder = module.page_folder(tmp_path / "ckpts" / "m", model_folder, out)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "saes", "tokenizer.json"]
+    assert all(p.is_symlink() for p in folder.iterdir())
+    assert (folder / "model.safetensors").read_text() == "w"
+    assert (folder / "saes" / "transcoders" / "layer0" / "cfg.json").read_text() == "new"
+    assert (model_folder / "saes" / "transcoders" / "layer0" / "cfg.json").read_text() == "old"
