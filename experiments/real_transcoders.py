@@ -507,7 +507,7 @@ def page_check(model, tcs, out: Path, model_folder: Path, args) -> pd.DataFrame:
                        m.locator("[data-testid=stMetricValue]").inner_text().strip()
                        for m in tab.locator("[data-testid=stMetric]").all()}
             wrong = widget(tab, "stTextInput", "minus token").locator("input").first.input_value()
-            drawn_title = title.inner_text()
+            drawn_title = title.text_content()
             browser.close()
     finally:
         proc.terminate()
