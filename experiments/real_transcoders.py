@@ -305,14 +305,14 @@ def train(model, store, folders: list[Path], args) -> tuple[list, list[float], l
     return tcs, seconds, steps
 
 
-def reuse(folders: list[Path]) -> tuple[list, list[float], list[int]]:
+def reuse(folders: list[Path], flag: str = "--reuse") -> tuple[list, list[float], list[int]]:
     """The transcoders this script wrote into ``folders`` (and their recorded training time and steps)."""
     from workbench import analysis as an
     from workbench.overwrite import read_json_dict
 
     missing = [f for f in folders if not ours(f)]
     if missing:
-        raise SystemExit(f"--reuse: {missing[0]} does not hold a transcoder this script wrote ({len(missing)} such folders)")
+        raise SystemExit(f"{flag}: {missing[0]} does not hold a transcoder this script wrote ({len(missing)} such folders)")
     tcs, seconds, steps = [], [], []
     for folder in folders:
         tc = an.load_dictionary(folder).eval()
@@ -748,7 +748,7 @@ def main(argv=None) -> dict:
                   "total_s": time.perf_counter() - t0}
         _common.write_run(args.run_dir, config, qk, {}, title=f"{source}: QK attribution of {qk_info['qk_head']}")
         return dict(qk=qk, config=config)
-    compared = reuse(layer_folders(args.compare, model.cfg.n_layers))[0] if args.compare else None  # refused before any work
+    compared = reuse(layer_folders(args.compare, model.cfg.n_layers), "--compare")[0] if args.compare else None  # refused before any work
     sequences, text_info = text_sequences(model, args)
     print(f"{source}; transcoders -> {out / 'saes' / 'transcoders'}; {text_info}", flush=True)
     kept = args.seq_len - 1

@@ -347,7 +347,7 @@ def test_real_transcoders_quick_more_text_keeps_the_held_out_set_and_compare_mea
     assert abs(row.diff_mean - diff.mean()) < 1e-9 and row.diff_low <= row.diff_mean <= row.diff_high
     assert abs(compare.loc["loss, all MLPs spliced, no error terms"].diff_mean
                - (seq.spliced_this - seq.spliced_compared).mean()) < 1e-9
-    with pytest.raises(SystemExit, match="does not hold a transcoder this script wrote"):
+    with pytest.raises(SystemExit, match="--compare: .* does not hold a transcoder this script wrote"):
         module.main(first + ["--out", str(tmp_path / "c"), "--run-dir", str(tmp_path / "rc"), "--compare", str(tmp_path)])
     with pytest.raises(SystemExit, match="--ioi-prompts"):
         module.parse(["--quick", "--ioi-prompts", "1"])
