@@ -47,6 +47,11 @@ TEXT_MODULES = ("argparse", "collections", "functools", "itertools", "json", "pa
 
 def stdlib_text(modules=TEXT_MODULES) -> str:
     """The docstrings of ``modules`` and of their public classes, functions and methods, joined by blank lines."""
+    return "\n\n".join(stdlib_docs(modules))
+
+
+def stdlib_docs(modules=TEXT_MODULES) -> list[str]:
+    """Each distinct docstring of ``modules`` and of their public classes, functions and methods, in order."""
     docs = []
     for name in modules:
         module = importlib.import_module(name)
@@ -64,7 +69,7 @@ def stdlib_text(modules=TEXT_MODULES) -> str:
     for doc in docs:  # inherited docstrings repeat: keep each once
         if doc and doc not in seen:
             seen.add(doc), out.append(doc)
-    return "\n\n".join(out)
+    return out
 
 
 def tokenize(model, text: str, quick: bool) -> torch.Tensor:

@@ -311,3 +311,82 @@ def test_real_transcoders_quick_topk_replaces_its_own_set_with_k_features_per_to
         module.parse(["--quick", "--kind", "topk", "--k", "0"])
     edges = r["edges"]
     assert len(edges) > 0 and (edges.abs_diff <= 1e-4 * edges.edge.abs().clip(lower=1)).all()
+
+
+def test_real_transcoders_quick_more_text_keeps_the_held_out_set_and_compare_measures_both_sets_alike(tmp_path):
+    """--more-text trains on more sequences (the extra stdlib modules' docstrings) while the held-out
+    sequences stay those of the plain run; --compare measures another set on those rows: its
+    explained variances, spliced loss and IOI graph scores equal the ones its own run measured, and
+    the paired differences are the means of the per-sequence and per-prompt differences."""
+    import numpy as np
+
+    module = importlib.import_module("real_transcoders")
+    first = ["--quick", "--kind", "topk", "--k", "8", "--qk-head", "", "--ioi-prompts", "3", "--threads", "1"]
+    a = module.main(first + ["--out", str(tmp_path / "a"), "--run-dir", str(tmp_path / "ra")])
+    b = module.main(first + ["--more-text", "--out", str(tmp_path / "b"), "--run-dir", str(tmp_path / "rb"),
+                             "--compare", str(tmp_path / "a")])
+    assert torch.equal(a["eval_tokens"], b["eval_tokens"])
+    assert b["config"]["train_tokens"] == 2 * a["config"]["train_tokens"] and b["config"]["more_text_tokens"] > 0
+    assert b["config"]["train_seqs"] == 32 and a["config"]["train_seqs"] == 16
+    held = {tuple(row) for row in b["eval_tokens"].tolist()}
+    assert len(b["train_tokens"]) == 32 and torch.equal(b["train_tokens"][:16], a["train_tokens"])
+    assert not held & {tuple(row) for row in b["train_tokens"].tolist()}  # disjoint
+    layers = b["compare_layers"]
+    assert np.allclose(layers.ev_compared, a["layers"].explained_variance, atol=1e-6)
+    assert np.allclose(layers.ev_this, b["layers"].explained_variance, atol=1e-6)
+    seq = b["sequences"]
+    assert abs(seq.spliced_compared.mean() - a["loss"]["ce_loss_spliced"]) < 1e-4
+    assert abs(seq.spliced_this.mean() - b["loss"]["ce_loss_spliced"]) < 1e-4
+    assert abs(seq.clean.mean() - b["loss"]["ce_loss_clean"]) < 1e-4
+    ioi_a, ioi_b = a["ioi"], b["ioi"]
+    assert list(ioi_a.text) == list(ioi_b[ioi_b.set == "this"].text)
+    assert np.allclose(ioi_b[ioi_b.set == "compared"].replacement, ioi_a.replacement, atol=1e-5)
+    compare = b["compare"].set_index("measure")
+    diff = ioi_b[ioi_b.set == "this"].completeness.to_numpy() - ioi_b[ioi_b.set == "compared"].completeness.to_numpy()
+    row = compare.loc["IOI graph completeness"]
+    assert abs(row.diff_mean - diff.mean()) < 1e-9 and row.diff_low <= row.diff_mean <= row.diff_high
+    assert abs(compare.loc["loss, all MLPs spliced, no error terms"].diff_mean
+               - (seq.spliced_this - seq.spliced_compared).mean()) < 1e-9
+    with pytest.raises(SystemExit, match="--compare: .* does not hold a transcoder this script wrote"):
+        module.main(first + ["--out", str(tmp_path / "c"), "--run-dir", str(tmp_path / "rc"), "--compare", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--ioi-prompts"):
+        module.parse(["--quick", "--ioi-prompts", "1"])
+
+
+def test_real_transcoders_more_text_adds_sequences_the_first_text_does_not_have():
+    """--more-text: past the 24-module text's own training sequences come the MORE_MODULES docstrings'
+    (not the first text's sequences); without it that many sequences are refused."""
+    from real_lenses import tiny_model
+
+    module = importlib.import_module("real_transcoders")
+    model = tiny_model(0)
+    base, info = module.text_sequences(model, module.parse(["--quick"]))
+    n = (info["sequences_available"] - 8) // 8 * 8 + 40  # (multiples of the 8 held out) the first text's and 40 more
+    with pytest.raises(SystemExit, match="--more-text adds more"):
+        module.text_sequences(model, module.parse(["--quick", "--train-seqs", str(n)]))
+    more, info = module.text_sequences(model, module.parse(["--quick", "--more-text", "--train-seqs", str(n)]))
+    assert torch.equal(more[-8:], base[-8:]) and torch.equal(more[:16], base[:16])  # held out; the first training rows
+    from real_lenses import TEXT_MODULES, stdlib_text, tokenize
+
+    first = {tuple(r) for r in module.cut(tokenize(model, stdlib_text(TEXT_MODULES[:2]), True), 16, 0).tolist()}
+    added = {tuple(r) for r in more[info["sequences_available"] - 8: n].tolist()}
+    assert info["more_text_tokens"] > 0 and len(added - first) >= 0.9 * len(added)  # (16 bytes may recur by chance)
+
+
+def test_real_transcoders_page_folder_is_the_model_with_another_set_by_links_only(tmp_path):
+    """--page-check's checkpoint folder: the model folder's entries linked, its saes replaced by a
+    link to the other set's; the model folder is left as it was."""
+    module = importlib.import_module("real_transcoders")
+    model_folder, out = tmp_path / "model", tmp_path / "new"
+    (model_folder / "saes" / "transcoders" / "layer0").mkdir(parents=True)
+    (out / "saes" / "transcoders" / "layer0").mkdir(parents=True)
+    for name, text in (("config.json", "{}"), ("model.safetensors", "w"), ("tokenizer.json", "t")):
+        (model_folder / name).write_text(text)
+    (out / "saes" / "transcoders" / "layer0" / "cfg.json").write_text("new")
+    (model_folder / "saes" / "transcoders" / "layer0" / "cfg.json").write_text("old")
+    folder = module.page_folder(tmp_path / "ckpts" / "m", model_folder, out)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "saes", "tokenizer.json"]
+    assert all(p.is_symlink() for p in folder.iterdir())
+    assert (folder / "model.safetensors").read_text() == "w"
+    assert (folder / "saes" / "transcoders" / "layer0" / "cfg.json").read_text() == "new"
+    assert (model_folder / "saes" / "transcoders" / "layer0" / "cfg.json").read_text() == "old"
