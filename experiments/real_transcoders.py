@@ -459,11 +459,11 @@ def page_check(model, tcs, out: Path, model_folder: Path, args) -> pd.DataFrame:
     numbers (nodes and edges kept, features, scores, as it prints them) beside those of the same graph
     built here with the target it shows."""
     import subprocess
-    import urllib.request
     from urllib.parse import quote
 
     sys.path.insert(0, str(_common.REPO / "tests" / "app"))
-    from browser_kit import CHROMIUM, CHROMIUM_ARGS, _free_port, assert_drawn, figure, no_exception, wait_idle, widget
+    from browser_kit import (CHROMIUM, CHROMIUM_ARGS, _free_port, assert_drawn, figure, no_exception, wait_healthy,
+                             wait_idle, widget)
     from playwright import sync_api
 
     from workbench import analysis as an
@@ -482,15 +482,7 @@ def page_check(model, tcs, out: Path, model_folder: Path, args) -> pd.DataFrame:
     link = (f"{url}/?page=Graph&graph_ckpt=smollm2-135m&graph_prompt={quote(args.prompt)}&graph_target=token"
             f"&graph_answer={quote(args.answer)}&graph_max_nodes={args.graph_nodes}")
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise SystemExit(f"streamlit did not start; see {tmp / 'streamlit.log'}") from None
-                time.sleep(0.5)
+        wait_healthy(url, proc, 120, tmp / "streamlit.log", SystemExit, poll=0.5)
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
             tab = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()

@@ -46,6 +46,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path, error=RuntimeError,
+                 poll: float = 0.3) -> None:
+    """Until the Streamlit server at ``url`` answers its health check; ``error`` naming ``log`` when the
+    process ends first or ``timeout`` seconds pass."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
+                return
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise error(f"streamlit did not start; see {log}") from None
+            time.sleep(poll)
+
+
 def _make_runs(root: Path) -> Path:
     """A runs folder as the experiments write it: results.csv, config.json, and figures as HTML
     that load plotly.min.js by a relative path (one plotly figure, and one page with two)."""
@@ -85,15 +100,7 @@ def server(checkpoints_dir, tmp_path_factory):
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"streamlit did not start; see {ARTIFACTS / 'streamlit.log'}") from None
-                time.sleep(0.3)
+        wait_healthy(url, proc, 60, ARTIFACTS / "streamlit.log", RuntimeError, poll=0.3)
         yield {"url": url, "checkpoints": ckpts, "runs": runs}
     finally:
         proc.terminate()
