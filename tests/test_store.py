@@ -236,3 +236,15 @@ def test_a_folder_another_collection_is_writing_is_refused_and_left_alone(model,
         assert json.loads((out / "manifest.json").read_text()) == before  # nothing written
     store = collect(model, task, out, tokens=600, tokens_per_shard=100)  # free again: it continues
     assert store.n_rows >= 600
+
+
+def test_live_activations_of_a_short_token_source_say_it_ran_out(model):
+    """Live activations of a text or token tensor are finite: reading past them was a reshape RuntimeError on
+    an empty batch (training an SAE straight on a short text); it is one StoreError saying what to do."""
+    ids = torch.randint(0, model.cfg.d_vocab, (3, 8))
+    live = LiveActivations(model, ids, HOOKS[0], batch_size=2)  # 3 sequences: batches 0 (2) and 1 (1)
+    assert len(live.load_shard(1)[HOOKS[0]]) == live.known_rows(1)
+    with pytest.raises(StoreError, match=r"ran out: its 3 sequences of 8 tokens are 2 batch\(es\) of 2, and batch 2"):
+        live.load_shard(2)
+    with pytest.raises(StoreError, match="ActivationStore.collect"):
+        list(live.batches(64))

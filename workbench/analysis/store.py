@@ -636,6 +636,13 @@ class LiveActivations(ShardedActivations):
         return self.rows.get(i)
 
     def load_shard(self, i: int, hooks: Optional[Sequence[str]] = None, with_tokens: bool = False) -> dict[str, Tensor]:
+        n = self.src.n_batches
+        if n is not None and i >= n:  # a text or tensor source is finite: no empty batch for the forward
+            raise StoreError(
+                f"the token source ran out: its {len(self.src.stream)} sequences of {self.src.seq_len} tokens are "
+                f"{n} batch(es) of {self.src.batch_size}, and batch {i} was asked for. Live activations do not "
+                "repeat a text: give a longer one or train fewer steps, or collect an ActivationStore from it "
+                "(ActivationStore.collect), which training reads epoch after epoch")
         tokens = self.src.batch(i)
         got, rows = forward_rows(self.model, tokens, self.hooks, self.rule)
         self.rows[i] = len(rows)
