@@ -55,7 +55,9 @@ def render() -> None:
         # The loss, the attention, the norms, the lens, the suggested answer and the attribution of
         # this prompt: one forward for all that miss the cache (six forwards each were most of the
         # first page on SmolLM2-135M).
-        with common.one_forward(ckpt.key, ids):
+        # Streamlit shows the spinner only when the block takes over half a second: the cached runs stay quiet
+        with st.spinner(f"Running {ckpt.name} on the prompt ({len(ids)} tokens, {ckpt.cfg.n_layers} layers) "
+                        "and drawing what it computes…"), common.one_forward(ckpt.key, ids):
             _tokens_and_loss(ckpt, ids)
             if ckpt.cfg.n_heads * ckpt.cfg.n_layers > WIDE_HEADS:
                 # Many heads: half the page left SmolLM2's 9-head score panels 65 px wide, their head labels

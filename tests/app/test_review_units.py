@@ -159,6 +159,10 @@ def test_patch_ablate_and_compare_say_what_they_compute_while_they_compute(app, 
     said.clear()
     app("Compare")
     assert any("per-token losses" in t for t in said), said
+    said.clear()
+    at = app("Inspect")  # re-picking SmolLM2 on Inspect took 12.5 s with no word of what ran
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(t.startswith("Running ") and "on the prompt (" in t and "layers)" in t for t in said), said
 
 
 # ---- 5. the Steer page's default scale, relative to the stream -----------------------------------------
