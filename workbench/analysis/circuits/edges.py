@@ -237,6 +237,20 @@ class EdgeRunner:
         changed = drop.any(0).nonzero().flatten().cpu().numpy()
         return int(self.graph.receiver_stage[changed].min()) if len(changed) else self.stages[-1] + 1
 
+    def _span(self, keep: Optional[Tensor], from_stage: Optional[int], embed: Optional[Tensor],
+              collect: Optional[list]) -> tuple[Tensor, Optional[int], int]:
+        """What ``run`` and ``run_stacked`` start from: the mask on the graph's device, the first stage to
+        run (None: no stage changes, the clean logits are the answer) and how many senders come before it."""
+        g = self.graph
+        keep = self._adjacency if keep is None else keep.to(self._adjacency)
+        if from_stage is None:
+            from_stage = 0 if (embed is not None or collect is not None) else self.first_stage(keep)
+        if from_stage > self.stages[-1]:
+            return keep, None, 0
+        from_stage = max(from_stage, self.stages[0])  # the embedding has no inputs: every run starts after it
+        n_before = self._n_before[from_stage] if from_stage in self._n_before else int((g.sender_stage < from_stage).sum())
+        return keep, from_stage, n_before
+
     def run(
         self,
         keep: Optional[Tensor] = None,
@@ -261,13 +275,9 @@ class EdgeRunner:
         if torch.is_grad_enabled():
             return self.run_stacked(keep, from_stage, embed, collect)
         g, model = self.graph, self.model
-        keep = self._adjacency if keep is None else keep.to(self._adjacency)
+        keep, from_stage, n_before = self._span(keep, from_stage, embed, collect)
         if from_stage is None:
-            from_stage = 0 if (embed is not None or collect is not None) else self.first_stage(keep)
-        if from_stage > self.stages[-1]:
             return self.clean_logits
-        from_stage = max(from_stage, self.stages[0])  # the embedding has no inputs: every run starts after it
-        n_before = self._n_before[from_stage] if from_stage in self._n_before else int((g.sender_stage < from_stage).sum())
         # Which rows each stage reads is decided on the host, from one copy of the mask.
         host_adjacency = g.adjacency.to(torch.float32)
         host_keep = keep.to("cpu", torch.float32) * host_adjacency
@@ -376,15 +386,10 @@ class EdgeRunner:
         """``run``, differentiable: at each stage, the changes of every sender with a dropped edge into
         it are stacked afresh from a list of outputs (autograd follows; the fast path's buffer,
         written in place, would not). It is also the reference the fast path is tested against."""
-        g, model = self.graph, self.model
-        keep = self._adjacency if keep is None else keep.to(self._adjacency)
+        model = self.model
+        keep, from_stage, n_before = self._span(keep, from_stage, embed, collect)
         if from_stage is None:
-            from_stage = 0 if (embed is not None or collect is not None) else self.first_stage(keep)
-        if from_stage > self.stages[-1]:
             return self.clean_logits
-        # The embedding has no inputs: it is clean unless replaced, so every run starts after it.
-        from_stage = max(from_stage, self.stages[0])
-        n_before = self._n_before[from_stage] if from_stage in self._n_before else int((g.sender_stage < from_stage).sum())
         outs = list(self.clean_out[:n_before])
         if embed is not None:
             if from_stage != self.stages[0]:
