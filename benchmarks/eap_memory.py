@@ -23,25 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere, no install needed
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _memory import status_bytes  # noqa: E402
 
 SHAPE = dict(d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, d_mlp=704, d_vocab=8192,
              norm="rmsnorm", positional="rope", ffn="swiglu", bias=False, tie_embeddings=False)
 WHAT = ("fwd+bwd", "eap", "eap (old)")
-
-
-def _rss() -> int:
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]) * 1024
 
 
 def child(what: str, context: int, threads: int) -> None:
@@ -63,7 +56,7 @@ def child(what: str, context: int, threads: int) -> None:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the resident memory now
-    before = _rss()
+    before = status_bytes("VmRSS")
     if what == "fwd+bwd":
         metric(model(clean)).backward()
     elif what == "eap":
@@ -76,7 +69,7 @@ def child(what: str, context: int, threads: int) -> None:
         grads = runner.receiver_grads(fn)
         full = runner.delta.flatten(1) @ grads.flatten(1).T
         full[runner.graph.edge_sender, runner.graph.edge_receiver].float().cpu()
-    print(json.dumps({"bytes": _hwm() - before}))
+    print(json.dumps({"bytes": status_bytes("VmHWM") - before}))
 
 
 def measure(what: str, context: int, args) -> float | None:

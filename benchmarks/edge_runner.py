@@ -26,8 +26,6 @@ kept as ``EdgeRunner.run_stacked`` (autograd runs use it). On IOI prompts (``ioi
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import subprocess
 import sys
@@ -42,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere, no install needed
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _memory import peak_growth  # noqa: E402
 from _timing import interleaved  # noqa: E402
 
 
@@ -83,18 +82,10 @@ def peak_child(args) -> None:
     model = open_model(args.quick)
     runner, metric = build(model, args.prompts)
     path = runner if args.path == "fast" else stacked(runner)
-    trim = ctypes.CDLL("libc.so.6").malloc_trim
     path.metric_of(metric, masks[next(iter(masks))])  # first calls allocate for good (thread pools)
     peaks = {}
     for name, keep in masks.items():
-        gc.collect()
-        trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the resident memory now
-        before = int(open("/proc/self/statm").read().split()[1]) * 4096
-        path.metric_of(metric, keep)
-        hwm = int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) * 1024
-        peaks[name] = (hwm - before) / 2**20
+        peaks[name] = peak_growth(lambda keep=keep: path.metric_of(metric, keep)) / 2**20
     print(json.dumps(peaks))
 
 

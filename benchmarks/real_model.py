@@ -226,7 +226,7 @@ def contender_fns(who: str, model, tokens, sweep_in, metric, n_layers: int, n_he
 
 
 # ---- memory: one fresh process per contender ------------------------------------------------------------
-from _memory import peak_mb  # noqa: E402  (the benchmarks' folder is on sys.path: the script's own)
+from _memory import peak_mb, status_bytes  # noqa: E402  (the benchmarks' folder is on sys.path: the script's own)
 from contenders import _rss, peak_rss_growth  # noqa: E402
 from graphs_ct import DEFAULT_CT_PYTHON  # noqa: E402  (one path to circuit-tracer's venv)
 
@@ -414,16 +414,6 @@ class MemoryCapExceeded(RuntimeError):
     """A child's resident memory passed ``--memory-cap-mb``: it was stopped (the machine has no more)."""
 
 
-def _child_rss_mb(pid: int) -> Optional[float]:
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def run_child(cmd: list[str], timeout: int, env: Optional[dict] = None, memory_cap_mb: Optional[float] = None) -> dict:
     """Run one child to its JSON line. With ``memory_cap_mb`` its resident memory is read twice a second and
     the child is stopped (``MemoryCapExceeded``, naming the highest reading and when) once it passes the cap,
@@ -433,7 +423,7 @@ def run_child(cmd: list[str], timeout: int, env: Optional[dict] = None, memory_c
                                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         start, high = time.perf_counter(), 0.0
         while proc.poll() is None:
-            rss = _child_rss_mb(proc.pid) or 0.0
+            rss = (status_bytes("VmRSS", proc.pid) or 0) / 2**20
             high = max(high, rss)
             elapsed = time.perf_counter() - start
             if memory_cap_mb is not None and rss > memory_cap_mb:
