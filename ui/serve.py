@@ -93,11 +93,6 @@ def start_preload(script_args: list[str]) -> threading.Thread:
     return _preload
 
 
-def preloading() -> bool:
-    """Whether this process started a preload (``python -m ui.serve``), ended or not."""
-    return _preload is not None
-
-
 def wait_for_preload() -> None:
     """Until the preload (if this process started one) has ended; at once otherwise.
 

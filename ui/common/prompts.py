@@ -24,11 +24,15 @@ DEFAULT_PROMPT = ("Once upon a time, Mary and John lived in a small town. "
 PATTERN_BUDGET_BYTES = 1 << 30
 
 
+def _pattern_bytes(cfg, n_tokens: int) -> int:
+    """Every attention pattern of one prompt of ``n_tokens``: layers x heads x n_tokens^2 float32s."""
+    return 4 * cfg.n_layers * cfg.n_heads * n_tokens**2
+
+
 def max_prompt_tokens(cfg) -> int:
     """The longest prompt the app analyses on a model of config ``cfg``: its context, or fewer when every
     attention pattern of a longer prompt would pass ``PATTERN_BUDGET_BYTES``."""
-    patterns_per_pos2 = 4 * cfg.n_layers * cfg.n_heads
-    return max(2, min(cfg.n_ctx, int((PATTERN_BUDGET_BYTES / max(1, patterns_per_pos2)) ** 0.5)))
+    return max(2, min(cfg.n_ctx, int((PATTERN_BUDGET_BYTES / max(1, _pattern_bytes(cfg, 1))) ** 0.5)))
 
 
 # ---- prompts -------------------------------------------------------------------------------------
@@ -98,7 +102,7 @@ def encode_prompt(ckpt: Checkpoint, text: str, min_tokens: int = 2) -> list[int]
         )
     limit = max_prompt_tokens(ckpt.cfg)
     if len(ids) > limit:
-        gib = 4 * ckpt.cfg.n_layers * ckpt.cfg.n_heads * len(ids) ** 2 / (1 << 30)
+        gib = _pattern_bytes(ckpt.cfg, len(ids)) / (1 << 30)
         raise ValueError(
             f"The prompt is {len(ids):,} tokens; the app analyses at most {limit:,} on this model: its "
             f"{ckpt.cfg.n_layers} x {ckpt.cfg.n_heads} attention patterns alone would take {gib:.1f} GiB at "
