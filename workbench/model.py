@@ -403,6 +403,19 @@ class HookedDecoder(HookedRootModule):
         cache.attention_mask = self._mask_of(args, kwargs)  # bool [batch, pos], True = real; None: unpadded
         return out, cache
 
+    def hook_names_of(self, names_filter: Any) -> list[str]:
+        """The hook points a ``run_with_cache`` ``names_filter`` selects, in the model's order: None (all), one
+        name, a collection of names (names that are not hook points select nothing) or a predicate."""
+        if names_filter is None:
+            return list(self.hook_dict)
+        if isinstance(names_filter, str):
+            return [names_filter] if names_filter in self.hook_dict else []
+        if isinstance(names_filter, (list, tuple, set, frozenset)):
+            return [n for n in self.hook_dict if n in names_filter]
+        if callable(names_filter):
+            return [n for n in self.hook_dict if names_filter(n)]
+        raise ValueError("names_filter must be a string, list of strings, or function")
+
     def _run_with_plain_cache(self, args: tuple, names_filter: Any, kwargs: dict) -> tuple[Any, dict]:
         """``run_with_cache`` without a device move, position slice, batch-dim removal or backward pass:
         what TransformerLens' caching hooks store (each activation, detached), from a plain
@@ -410,16 +423,7 @@ class HookedDecoder(HookedRootModule):
         the end. TL's ``add_hook`` wraps each hook in a closure of its own, files a handle and, at the
         end, walks every hook point; with every hook point cached that bookkeeping cost more than a
         tenth of a small model's forward."""
-        if names_filter is None:
-            names = list(self.hook_dict)
-        elif isinstance(names_filter, str):
-            names = [names_filter] if names_filter in self.hook_dict else []
-        elif isinstance(names_filter, (list, tuple, set)):
-            names = [n for n in self.hook_dict if n in names_filter]
-        elif callable(names_filter):
-            names = [n for n in self.hook_dict if names_filter(n)]
-        else:
-            raise ValueError("names_filter must be a string, list of strings, or function")
+        names = self.hook_names_of(names_filter)
         cache: dict = {}
         added = []
         try:

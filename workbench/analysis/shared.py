@@ -90,12 +90,7 @@ class SharedForward:
         for are in it (``names_filter`` as the model takes it); a ``WorkbenchCache`` either way."""
         if names_filter is None or not self._is_ours(input, kwargs):
             return self.model.run_with_cache(input, names_filter=names_filter, **kwargs)
-        if isinstance(names_filter, str):
-            wanted = {names_filter} & set(self.model.hook_dict)
-        elif isinstance(names_filter, (list, tuple, set, frozenset)):
-            wanted = set(names_filter) & set(self.model.hook_dict)
-        else:
-            wanted = {name for name in self.model.hook_dict if names_filter(name)}
+        wanted = set(self.model.hook_names_of(names_filter))
         if not wanted <= self.names:
             return self.model.run_with_cache(input, names_filter=names_filter, **kwargs)
         logits, stored = self._the_run()
