@@ -25,7 +25,6 @@ is not a GGUF or is cut short, an architecture or a quantization the workbench c
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -38,6 +37,8 @@ from typing import Any, Union
 
 import numpy as np
 import torch
+
+from workbench.overwrite import read_json_dict, write_atomic
 
 CONVERTER_VERSION = 1  # bump when a conversion would differ: old cache entries are then not reused
 CACHE_FORMAT = "workbench.gguf_cache"
@@ -416,26 +417,19 @@ def _content_hash(path: Path, root: Path) -> str:
     if key in _HASHES:
         return _HASHES[key]
     record = root / HASHES_FILE
-    try:
-        known = json.loads(record.read_text())
-        entry = known.get(key[0]) if isinstance(known, dict) else None
-    except (OSError, ValueError):
-        known, entry = {}, None
+    known = read_json_dict(record) or {}
+    entry = known.get(key[0])
     if (isinstance(entry, dict) and entry.get("size") == key[1] and entry.get("mtime_ns") == key[2]
             and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64):
         _HASHES[key] = entry["sha256"]
         return entry["sha256"]
     digest = _HASHES[key] = _sha256(resolved)
-    known = known if isinstance(known, dict) else {}
     known[key[0]] = {"size": key[1], "mtime_ns": key[2], "sha256": digest}
-    tmp = record.with_name(f".{HASHES_FILE}.tmp-{os.getpid()}")
-    try:  # written whole and swapped in; a cache that cannot be written only costs the next process a hash
+    try:  # swapped in whole; a cache that cannot be written only costs the next process a hash
         record.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(known, indent=1) + "\n")
-        os.replace(tmp, record)
+        write_atomic(record, json.dumps(known, indent=1) + "\n")
     except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        pass
     return digest
 
 
