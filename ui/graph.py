@@ -34,6 +34,7 @@ from workbench.analysis import max_activating_contexts, suggest_answer, task_fro
 from workbench.analysis.dictionaries.clt import is_clt_folder
 from workbench.analysis.dictionaries.saelens import CFG_FILE, WEIGHTS_FILE
 from workbench.analysis.features import dataset_tokens
+from workbench.habits import tokenizer_prepends_bos
 
 IOI_PROMPT = "Once Ella and Ivy went to the beach, Ivy gave a hat to"
 TARGETS = {"top": "top logits", "token": "a token, or a logit difference"}
@@ -342,11 +343,9 @@ def adds_bos(tokenizer):
     """Whether ``tokenizer`` puts a BOS token first in what it encodes: True or False for a tokenizer
     with special tokens (a pretrained model's), None for the workbench's own (word, character, byte,
     BPE, ids), which have no BOS."""
-    token_id = getattr(tokenizer, "token_id", None)
-    if token_id is None:
+    if getattr(tokenizer, "token_id", None) is None:
         return None
-    bos = token_id("bos_token")
-    return bos is not None and tokenizer.encode("a")[:1] == [bos]
+    return tokenizer_prepends_bos(tokenizer)
 
 
 def default_held(tokenizer) -> int:
