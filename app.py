@@ -13,13 +13,15 @@ from ui import serve
 
 # The browser fetches and compiles plotly.js (Streamlit's 4.7 MB PlotlyChart chunk) only when a page's
 # first figure arrives. A session's first run sends a 10-pixel figure with nothing visible before
-# importing torch and the pages (or waiting for ``python -m ui.serve``'s preload of them; that launcher
-# imports pandas and plotly whole before its preload thread starts), taken away once the page is drawn,
-# so the browser does that while the server imports, instead of after. The placeholder is there on
-# every run, so the page's elements keep their places.
+# importing torch and the pages (or waiting for ``python -m ui.serve``'s preload of them), taken away
+# once the page is drawn, so the browser does that while the server imports, instead of after. The
+# placeholder is there on every run, so the page's elements keep their places. Under ``python -m
+# ui.serve`` the preload thread imports pandas and plotly first: the figure waits for those two
+# (serve.wait_for_light), not for torch.
 WARM_FIGURE = {"data": [{"type": "scatter", "x": [0], "y": [0], "mode": "markers", "marker": {"size": 1}}],
                "layout": {"height": 10, "width": 10, "margin": {"l": 0, "r": 0, "t": 0, "b": 0},
                           "xaxis": {"visible": False}, "yaxis": {"visible": False}}}
+serve.wait_for_light()
 _plotly_warm = st.empty()
 if "_plotly_warmed" not in st.session_state:
     st.session_state["_plotly_warmed"] = True

@@ -23,6 +23,7 @@ from pathlib import Path
 
 APP = Path(__file__).resolve().parent.parent / "app.py"
 _preload: threading.Thread | None = None
+_light = threading.Event()  # the preload has imported pandas and plotly
 
 
 def mark(phase: str) -> None:
@@ -32,9 +33,19 @@ def mark(phase: str) -> None:
 
 
 def preload(script_args: list[str]) -> str:
-    """Import what app.py imports and load the default checkpoint; a line saying what was done."""
+    """Import what app.py imports and load the default checkpoint; a line saying what was done.
+
+    pandas and plotly come first, whole: app.py's first run builds a small figure once
+    :func:`wait_for_light` says they are in (built while this thread was importing pandas, that
+    figure once found it half-imported, since plotly looks pandas up in ``sys.modules``)."""
     started = time.perf_counter()
-    import plotly.graph_objects
+    try:
+        import pandas  # noqa: F401
+        import plotly.graph_objects
+        import plotly.io  # noqa: F401
+    finally:
+        _light.set()  # also on a failed import: app.py then imports them itself, and says what failed
+    mark("pandas and plotly")
     import torch
 
     from ui import (ablate, build_train, circuit, common, compare, features, graph, inspect, patch,  # noqa: F401
@@ -93,6 +104,14 @@ def start_preload(script_args: list[str]) -> threading.Thread:
     return _preload
 
 
+def wait_for_light() -> None:
+    """Until the preload (if this process started one) has imported pandas and plotly; at once otherwise.
+
+    app.py calls this before its small first figure, which needs both whole."""
+    if _preload is not None and _preload is not threading.current_thread():
+        _light.wait()
+
+
 def wait_for_preload() -> None:
     """Until the preload (if this process started one) has ended; at once otherwise.
 
@@ -104,29 +123,44 @@ def wait_for_preload() -> None:
         _preload.join()
 
 
+# Streamlit options this launcher sets unless the command line gives them: .streamlit/config.toml says
+# the same, but Streamlit reads that file only from the folder it is started in.
+DEFAULTS = {
+    # Only this machine can reach the app: it runs models and reads folders on this machine.
+    "--server.address": "127.0.0.1",
+    # No watching of the app's source for edits (rerun on save). Streamlit's watcher walks the app's
+    # whole folder, the .venv/ of the README's setup included (tens of thousands of files), when the
+    # first session starts, on the thread that serves the page: that held the first page back until the
+    # preload had ended, 1.5-2 s from launch at load 2. Someone editing the pages passes
+    # --server.fileWatcherType auto.
+    "--server.fileWatcherType": "none",
+}
+
+
+def with_defaults(streamlit_args: list[str]) -> list[str]:
+    """``streamlit_args`` with each of :data:`DEFAULTS` it does not set (``--opt value`` or ``--opt=value``)."""
+    added = []
+    for option, value in DEFAULTS.items():
+        if not any(arg == option or arg.startswith(option + "=") for arg in streamlit_args):
+            added += [option, value]
+    return [*added, *streamlit_args]
+
+
 def main(argv: list[str]) -> None:
     streamlit_args, script_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     sys.path.insert(0, str(APP.parent))
     mark("python started")
     # The preload runs beside the server's start (Streamlit's runtime, its component scan, tornado)
     # and the browser's loading of the page: from launch, the first page waits for the longer of
-    # the two, not their sum.
-    # pandas and plotly, whole, before the preload's thread starts: app.py sends a session's first run a
-    # small figure while that thread imports torch, so the browser fetches and compiles plotly.js (4.7 MB)
-    # meanwhile instead of after the page's script. Built while the thread was importing pandas, that
-    # figure found pandas half-imported (plotly looks it up in sys.modules) and failed the first page.
-    # About 0.6 s here, before the server's start.
-    import pandas  # noqa: F401
-    import plotly.graph_objects  # noqa: F401
-    import plotly.io  # noqa: F401
-
+    # the two, not their sum. Both are Python in one interpreter, so they take turns; the server
+    # still answers its first request about 0.4 s sooner than when pandas and plotly were imported
+    # here before it (0.6 s at load 2). app.py's first run sends a small figure as soon as the
+    # preload has those two (wait_for_light), so the browser fetches and compiles plotly.js (4.7 MB)
+    # while the preload imports torch, instead of after the page's script.
     start_preload(script_args)
     from streamlit.web import cli
 
-    # 127.0.0.1 unless told otherwise, also when started from another folder (where .streamlit/config.toml,
-    # which says the same, is not read): the app runs models and reads folders on this machine.
-    if not any(arg.startswith("--server.address") for arg in streamlit_args):
-        streamlit_args = ["--server.address", "127.0.0.1", *streamlit_args]
+    streamlit_args = with_defaults(streamlit_args)
     sys.argv = ["streamlit", "run", str(APP), "--browser.gatherUsageStats", "false", *streamlit_args,
                 *(["--", *script_args] if script_args else [])]
     sys.exit(cli.main())

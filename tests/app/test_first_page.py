@@ -109,16 +109,11 @@ def test_a_sessions_first_run_sends_plotly_warm_figure_first_and_takes_it_away(a
     """The browser loads plotly.js (4.7 MB) only when a figure arrives: under ``streamlit run`` a
     session's first run sends a 10-pixel figure before anything heavy (the imports), so Chromium loads
     plotly.js while the script works, and removes it once the page is drawn. Later runs send none. Under
-    ui.serve too: its main() imports pandas and plotly whole before the preload thread starts (a figure
-    built while that thread imported pandas found it half-imported)."""
-    import inspect as pyinspect
-
-    from ui import serve
-
+    ui.serve too: there the figure waits for the preload's pandas and plotly (``serve.wait_for_light``; a
+    figure built while that thread imported pandas found it half-imported), not for torch."""
     head = (common.REPO / "app.py").read_text().split("serve.wait_for_preload()")[0]
     assert "_plotly_warm.plotly_chart(WARM_FIGURE" in head and "import torch" not in head
-    main = pyinspect.getsource(serve.main)
-    assert -1 < main.index("import pandas") < main.index("import plotly.io") < main.index("start_preload(")
+    assert -1 < head.index("serve.wait_for_light()") < head.index("_plotly_warm.plotly_chart(")
     at = app("Inspect")
     assert at.session_state["_plotly_warmed"] is True
     specs = [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]

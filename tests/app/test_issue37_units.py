@@ -15,6 +15,8 @@ checks are in test_browser_issue37.py.
 
 import json
 import math
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -339,9 +341,10 @@ def test_compare_opens_with_the_same_checkpoint_as_a_and_b(app):
     assert not at.exception, [e.value for e in at.exception]
 
 
-@pytest.mark.parametrize("args,address", [([], "127.0.0.1"), (["--server.address", "0.0.0.0"], "0.0.0.0")])
-def test_workbench_sh_app_binds_to_localhost_unless_told(monkeypatch, args, address):
-    import sys
+@pytest.mark.parametrize("args,address,watcher", [
+    ([], "127.0.0.1", "none"), (["--server.address", "0.0.0.0"], "0.0.0.0", "none"),
+    (["--server.fileWatcherType=auto"], "127.0.0.1", None), (["--server.fileWatcherType", "poll"], "127.0.0.1", "poll")])
+def test_workbench_sh_app_binds_to_localhost_and_watches_no_files_unless_told(monkeypatch, args, address, watcher):
 
     from streamlit.web import cli
 
@@ -355,12 +358,36 @@ def test_workbench_sh_app_binds_to_localhost_unless_told(monkeypatch, args, addr
         serve.main([*args, "--", "--checkpoints", "x"])
     argv = seen["argv"]
     assert argv[argv.index("--server.address") + 1] == address and argv.count("--server.address") == 1
+    watching = [arg for arg in argv if arg.startswith("--server.fileWatcherType")]
+    assert len(watching) == 1
+    if watcher is not None:  # given as two words (or set by the launcher)
+        assert argv[argv.index("--server.fileWatcherType") + 1] == watcher
     assert argv[-3:] == ["--", "--checkpoints", "x"]
+
+
+def test_the_apps_config_watches_no_files():
+    """Plain ``streamlit run app.py`` from the repository reads .streamlit/config.toml: no file watcher,
+    whose walk of the app's folder (.venv/ included) held the first session back 1.5-2 s."""
+    config = tomllib.loads((REPO / ".streamlit" / "config.toml").read_text())
+    assert config["server"]["fileWatcherType"] == "none" and config["server"]["address"] == "127.0.0.1"
+
+
+def test_the_preload_has_pandas_and_plotly_whole_before_torch():
+    """app.py's first figure waits only for these two (``serve.wait_for_light``): in a fresh process, when
+    that wait returns, both are whole (not half-imported), and the preload is still at work."""
+    code = ("import sys; sys.path.insert(0, '.'); from ui import serve\n"
+            "serve.start_preload(['--checkpoints', 'checkpoints'])\n"
+            "serve.wait_for_light()\n"
+            "whole = [not getattr(sys.modules[m].__spec__, '_initializing', False) for m in ('pandas', 'plotly.io')]\n"
+            "print(whole, serve._preload.is_alive())\n"
+            "serve.wait_for_preload()\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[0] == "[True, True] True", out.stdout
 
 
 # ---- 6. the first page: preloaded while the server starts, nothing heavy left for it --------------
 def test_serve_starts_the_server_while_preloading_and_the_first_run_waits_for_the_preload(monkeypatch):
-    import sys
     import threading
 
     from streamlit.web import cli
@@ -420,8 +447,6 @@ def test_after_the_preload_the_first_page_imports_nothing_heavy_loads_the_model_
     The preload also computes the page's analyses of the default prompt (``inspect.precompute``), so
     the first run makes no forward of the model (it made five, one per analysis, then one shared)."""
     import os
-    import subprocess
-    import sys
 
     env = {**os.environ, "WORKBENCH_CHECKPOINTS": str(checkpoints_dir)}
     out = subprocess.run([sys.executable, "-c", FIRST_RUN], cwd=REPO, env=env, capture_output=True, text=True,
