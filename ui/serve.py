@@ -150,16 +150,19 @@ def main(argv: list[str]) -> None:
     streamlit_args, script_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     sys.path.insert(0, str(APP.parent))
     mark("python started")
-    # The preload runs beside the server's start (Streamlit's runtime, its component scan, tornado)
-    # and the browser's loading of the page: from launch, the first page waits for the longer of
-    # the two, not their sum. Both are Python in one interpreter, so they take turns; the server
-    # still answers its first request about 0.4 s sooner than when pandas and plotly were imported
-    # here before it (0.6 s at load 2). app.py's first run sends a small figure as soon as the
-    # preload has those two (wait_for_light), so the browser fetches and compiles plotly.js (4.7 MB)
-    # while the preload imports torch, instead of after the page's script.
-    start_preload(script_args)
+    # Streamlit first, whole, on this thread (about 0.3 s): importing it sets up its plotly theme, which
+    # builds plotly objects, and plotly looks pandas up in sys.modules without importing it. With the
+    # preload thread halfway through importing pandas, that raised AttributeError ("partially initialized
+    # module 'pandas'") and the server never came up. Nothing in the server's own start builds a figure.
     from streamlit.web import cli
 
+    # The preload then runs beside the server's start (Streamlit's runtime, its component scan) and the
+    # browser's loading of the page: from launch, the first page waits for the longer of the two, not
+    # their sum. Both are Python in one interpreter, so they take turns. app.py's first run sends a
+    # small figure as soon as the preload has pandas and plotly (wait_for_light), so the browser
+    # fetches and compiles plotly.js (4.7 MB) while the preload imports torch, instead of after the
+    # page's script.
+    start_preload(script_args)
     streamlit_args = with_defaults(streamlit_args)
     sys.argv = ["streamlit", "run", str(APP), "--browser.gatherUsageStats", "false", *streamlit_args,
                 *(["--", *script_args] if script_args else [])]

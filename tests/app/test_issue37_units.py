@@ -372,6 +372,21 @@ def test_the_apps_config_watches_no_files():
     assert config["server"]["fileWatcherType"] == "none" and config["server"]["address"] == "127.0.0.1"
 
 
+def test_serve_imports_streamlit_whole_before_the_preload_thread_starts():
+    """Importing Streamlit sets up its plotly theme, and plotly looks pandas up in sys.modules: with the
+    preload thread halfway through importing pandas, the server's start raised AttributeError (a
+    partially initialized pandas) and never came up. In a fresh process, when ``main`` starts the
+    preload, Streamlit (its plotly element, the theme) must already be in."""
+    code = ("import sys; sys.path.insert(0, '.'); from ui import serve\n"
+            "seen = []\n"
+            "serve.start_preload = lambda args: seen.append('streamlit.elements.plotly_chart' in sys.modules)\n"
+            "try:\n    serve.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(seen)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "[True]", out.stdout[-2000:]
+
+
 def test_the_preload_has_pandas_and_plotly_whole_before_torch():
     """app.py's first figure waits only for these two (``serve.wait_for_light``): in a fresh process, when
     that wait returns, both are whole (not half-imported), and the preload is still at work."""
