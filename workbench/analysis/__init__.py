@@ -153,10 +153,10 @@ __all__ = [
 ]
 
 from workbench.analysis.graphs import (Graph, Supernode, attention_entries, attribution_graph,  # noqa: E402
-                                       collapse_frames, head_loadings, qk_attribution)
+                                       collapse_frames, head_loadings, measured_edge, qk_attribution, widest_path)
 
 __all__ += ["Graph", "Supernode", "attribution_graph", "collapse_frames", "qk_attribution", "attention_entries",
-            "head_loadings"]
+            "head_loadings", "widest_path", "measured_edge"]
 
 
 from workbench.analysis.graphs.qk_training import induction_qk_prompts, loss_drop, qk_pairs, qk_summary  # noqa: E402
