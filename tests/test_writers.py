@@ -238,6 +238,9 @@ def test_a_dictionary_saved_twice_at_once_is_one_whole_dictionary(tmp_path, monk
     torch.testing.assert_close(loaded.W_enc, first.W_enc)
     assert all(n.startswith(".") and f".tmp-{os.getpid()}-" in n for n in renamed[1:]) and len(renamed) == 4
     assert not [p.name for p in folder.iterdir() if ".tmp" in p.name]
+    umask = os.umask(0)
+    os.umask(umask)  # safetensors' save_file makes 0o600: the weights get an ordinary file's mode, as before
+    assert (folder / "sae_weights.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_a_training_runs_state_is_written_through_temporary_files_of_its_own(tmp_path, monkeypatch):
