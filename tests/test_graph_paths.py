@@ -9,10 +9,9 @@ import math
 import pytest
 import torch
 from factories import tiny
+from test_graphs import _transcoders  # random skip-transcoders at a realistic scale, about a third firing
 
 import workbench as wb
-from workbench.analysis.dictionaries import DictionaryConfig
-from workbench.analysis.dictionaries.registry import make_dictionary
 from workbench.analysis.graphs import Graph, attribution_graph, measured_edge, widest_path
 from workbench.analysis.graphs.graph import NODE_KINDS
 
@@ -94,29 +93,11 @@ def test_widest_path_refuses_a_node_the_graph_does_not_have():
         widest_path(graph, -1, 5)
 
 
-def _transcoders(model, d_sae: int = 24, seed: int = 0) -> list:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    d = model.cfg.d_model
-    for layer in range(model.cfg.n_layers):
-        tc = make_dictionary(DictionaryConfig(kind="skip_transcoder", d_in=d, d_sae=d_sae, d_out=d,
-                                              hook_name=f"blocks.{layer}.ln2.hook_normalized",
-                                              hook_name_out=f"blocks.{layer}.hook_mlp_out"))
-        tc.init_weights(g)
-        with torch.no_grad():
-            tc.W_enc.mul_(1.5)
-            tc.b_enc.copy_(-0.4 * torch.rand(d_sae, generator=g))
-            tc.W_dec.mul_(0.3)
-            tc.W_skip.copy_(0.1 * torch.randn(d, d, generator=g))
-        out.append(tc.eval())
-    return out
-
-
 @pytest.fixture(scope="module")
 def built():
     torch.manual_seed(0)
     model = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=40)).eval()  # LayerNorm, learned positions, GELU
-    tcs = _transcoders(model)
+    tcs = _transcoders(model, d_sae=24)
     tokens = torch.randint(0, 40, (1, 7), generator=torch.Generator().manual_seed(1))
     return model, tcs, tokens
 
