@@ -31,47 +31,14 @@ tokens of training buy, not as what a tuned lens can do.
 
 from __future__ import annotations
 
-import importlib
-import inspect
-
 import _common
 import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from workbench.data.stdlib import TEXT_MODULES, stdlib_text
+
 NAME = "real_lenses"
-TEXT_MODULES = ("argparse", "collections", "functools", "itertools", "json", "pathlib", "re", "shutil",
-                "statistics", "string", "textwrap", "typing", "unittest", "urllib.parse", "zipfile", "csv",
-                "datetime", "decimal", "fractions", "heapq", "logging", "random", "subprocess", "tarfile")
-
-
-def stdlib_text(modules=TEXT_MODULES) -> str:
-    """The docstrings of ``modules`` and of their public classes, functions and methods, joined by blank lines."""
-    return "\n\n".join(stdlib_docs(modules))
-
-
-def stdlib_docs(modules=TEXT_MODULES) -> list[str]:
-    """Each distinct docstring of ``modules`` and of their public classes, functions and methods, in order."""
-    docs = []
-    for name in modules:
-        module = importlib.import_module(name)
-        docs.append(inspect.getdoc(module) or "")
-        for attr, obj in sorted(vars(module).items()):
-            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-                continue
-            if inspect.isclass(obj) or inspect.isfunction(obj):
-                docs.append(inspect.getdoc(obj) or "")
-            if inspect.isclass(obj):
-                for meth, fn in sorted(vars(obj).items()):
-                    if not meth.startswith("_") and inspect.isfunction(fn) and fn.__doc__:
-                        docs.append(inspect.getdoc(fn))
-    seen, out = set(), []
-    for doc in docs:  # inherited docstrings repeat: keep each once
-        if doc and doc not in seen:
-            seen.add(doc), out.append(doc)
-    return out
-
-
 def tokenize(model, text: str, quick: bool) -> torch.Tensor:
     """1-d token ids of the whole text (no BOS). The --quick model has no tokenizer: its ids are the text's bytes."""
     if quick:

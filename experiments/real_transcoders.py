@@ -3,7 +3,7 @@
     python experiments/real_transcoders.py              # the real model, about 30 minutes on 2 cores
     python experiments/real_transcoders.py --quick      # a tiny random RoPE model, seconds (the CI test)
 
-1. **Text.** The docstrings of 24 Python standard-library modules (``real_lenses.TEXT_MODULES``,
+1. **Text.** The docstrings of 24 Python standard-library modules (``workbench.data.stdlib.TEXT_MODULES``,
    read with ``inspect.getdoc`` from the Python running the script; the Python Software Foundation
    License, an open licence), tokenized without BOS and cut into sequences of ``--seq-len`` tokens,
    shuffled with ``--seed``. The ``--eval-seqs`` from index ``--held-out-at`` (320) on are held out;
@@ -51,9 +51,7 @@ pruned graph ``ioi-graph.json`` (``Graph.load``).
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
-import math
 import os
 import random
 import shutil
@@ -236,7 +234,9 @@ def text_sequences(model, args) -> tuple[torch.Tensor, dict]:
     The 24-module stdlib text is cut and shuffled with the seed; its sequences ``--held-out-at`` to
     ``--held-out-at + --eval-seqs`` are held out, its others train (those before first), then, with
     ``--more-text``, the sequences of the MORE_MODULES docstrings (shuffled with the seed too)."""
-    from real_lenses import TEXT_MODULES, stdlib_docs, tokenize
+    from real_lenses import tokenize
+
+    from workbench.data.stdlib import TEXT_MODULES, stdlib_docs
 
     modules = TEXT_MODULES[:2] if args.quick else TEXT_MODULES
     docs = stdlib_docs(modules)
@@ -524,80 +524,9 @@ def page_check(model, tcs, out: Path, model_folder: Path, args) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def widest_path(graph, source: int, target: int, through_features: bool = False) -> list[int]:
-    """The path from ``source`` to ``target`` of largest product of normalised |edge| weights
-    (each node's incoming weights sum to one, as in the influence computation): Dijkstra on -log.
-    ``through_features``: every node between the two is a feature (no error node, no direct edge)."""
-    A = graph.adjacency().abs().double()
-    A = A / A.sum(1, keepdim=True).clamp_min(1e-30)
-    feature = (graph.kind == 0).tolist()
-    best, prev, heap = {source: 0.0}, {}, [(0.0, source)]
-    while heap:
-        cost, node = heapq.heappop(heap)
-        if node == target:
-            break
-        if cost > best.get(node, math.inf):
-            continue
-        for nxt in torch.nonzero(A[:, node]).flatten().tolist():  # edges out of node: column node
-            if through_features and not (feature[nxt] or (nxt == target and node != source)):
-                continue
-            c = cost - math.log(float(A[nxt, node]))
-            if c < best.get(nxt, math.inf):
-                best[nxt], prev[nxt] = c, node
-                heapq.heappush(heap, (c, nxt))
-    if target not in best:
-        return []
-    path = [target]
-    while path[-1] != source:
-        path.append(prev[path[-1]])
-    return path[::-1]
-
-
-@torch.no_grad()
-def measured_edge(full, model, source: int, target: int, answer: int) -> float:
-    """Minus the change of ``target`` when ``source`` is zeroed in the graph's frozen replacement
-    model (every other node held: feature activations, error vectors, token embeddings): equal to
-    the edge, as that model is linear in them. A token source: its embedding (the residual stream
-    entering block 0 at its position) zeroed; an error source: its error vector zeroed."""
-    from workbench.analysis.graphs.replacement import frozen_forward
-
-    _, rs, cap = full._bound()
-    kinds = ("feature", "error", "token", "logit")
-    seen = {}
-    hooks = []
-    if kinds[int(full.kind[target])] == "feature":
-        t_layer, t_pos, feat = int(full.layer[target]), int(full.pos[target]), int(full.feature[target])
-        W = rs.encoder(t_layer)[0]
-
-        def read(x, hook):  # the target's names are its own: the source's below must not shadow them
-            seen["pre"] = float(x[0, t_pos].to(W.dtype) @ W[:, feat])
-        hooks.append((rs.hook_in(t_layer), read))
-
-    def value(acts=None, errors=None, embed=None) -> float:
-        logits = frozen_forward(model, rs, cap, acts=acts, errors=errors, embed=embed)(1, extra_hooks=hooks)[0]
-        return seen["pre"] if hooks else float(logits[-1, answer] - logits[-1].mean())  # the graph's target
-
-    kind, layer, pos = kinds[int(full.kind[source])], int(full.layer[source]), int(full.pos[source])
-    before = value()
-    if kind == "feature":
-        acts = list(cap.acts)
-        acts[layer] = acts[layer].clone()
-        acts[layer][..., pos, int(full.feature[source])] = 0
-        after = value(acts=acts)
-    elif kind == "error":
-        errors = list(cap.errors)
-        errors[layer] = errors[layer].clone()
-        errors[layer][..., pos, :] = 0
-        after = value(errors=errors)
-    else:
-        embed = cap.embed.clone()
-        embed[..., pos, :] = 0
-        after = value(embed=embed)
-    return before - after
-
-
 def graph_study(model, tcs, args, run_dir: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     from workbench import analysis as an
+    from workbench.analysis.graphs import measured_edge, widest_path
 
     if args.quick:
         tokens = torch.tensor([list(args.prompt.encode())]) % model.cfg.d_vocab
@@ -663,7 +592,7 @@ def graph_study(model, tcs, args, run_dir: Path) -> tuple[dict, pd.DataFrame, pd
     for s, t in pairs:
         fs, ft = full_ids[pids[s]], full_ids[pids[t]]
         edge = full.edge(ft, fs)
-        measured = measured_edge(full, model, fs, ft, answer)
+        measured = measured_edge(full, fs, ft)
         checks.append({"source": pids[s], "source_token": strs[int(pruned.pos[s])], "target": pids[t],
                        "edge": edge, "intervention": measured, "abs_diff": abs(edge - measured),
                        "on_path": (s, t) in on_path})

@@ -11,10 +11,14 @@ so it runs in .ci/run, not here.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import linecache
+import os
 import re
 import runpy
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -121,3 +125,45 @@ def test_tutorial_runs_top_to_bottom(path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runpy.run_path(str(path), run_name="__main__")
+
+
+def _moves_the_reader(code: str) -> list[str]:
+    """The calls of ``code`` that change the reader's session: ``os.chdir`` (their working folder) or
+    ``sys.path`` edits (imports from a checkout's folders, such as experiments/, that an installed
+    workbench does not have)."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        target = node.func if isinstance(node, ast.Call) else node.targets[0] if isinstance(node, ast.Assign) else None
+        text = ast.unparse(target) if target is not None else ""
+        if text in ("os.chdir", "chdir") or text.startswith("sys.path"):
+            found.append((node.lineno, f"line {node.lineno}: {text}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_the_session_check_finds_a_chdir_and_a_sys_path_edit():
+    code = "import os, sys\nos.chdir('/')\nsys.path.insert(0, 'experiments')\nsys.path = []\nprint(sys.path)\n"
+    assert _moves_the_reader(code) == ["line 2: os.chdir", "line 3: sys.path.insert", "line 4: sys.path"]
+
+
+def test_no_example_changes_the_readers_folder_or_import_path():
+    """A tutorial or a page's example imports what it needs from workbench: it neither moves the
+    reader's working folder nor adds a checkout's folder (experiments/) to the import path."""
+    found = {p.name: _moves_the_reader(p.read_text()) for p in TUTORIALS}
+    for page in pages():
+        found |= {f"{page.relative_to(ROOT)}:{line}": _moves_the_reader(code) for line, code, _ in python_blocks(page)}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_the_tutorials_imports_work_from_any_folder(tmp_path):
+    """Every module-level import of every tutorial, run by a fresh Python in an empty folder: only this
+    checkout's package is on its path (PYTHONPATH), not the checkout's other folders."""
+    lines = []
+    for path in TUTORIALS:
+        tree = ast.parse(path.read_text())
+        lines += [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    code = "\n".join(dict.fromkeys(lines))
+    assert "import workbench as wb" in code
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

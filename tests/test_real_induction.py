@@ -1,5 +1,5 @@
-"""The machinery of experiments/real_induction.py on small models, against independent references:
-its key-side K-composition split against ``an.qk_attribution`` on the hand-written induction model,
+"""The machinery of experiments/real_induction.py on small models, against independent references
+(``k_composition`` and ``copying_scores`` live in workbench.analysis.composition): the key-side K-composition split against ``an.qk_attribution`` on the hand-written induction model,
 its OV copying score against the eigenvalues of the full vocabulary-sized OV circuit, and its
 second-copy loss metric against the model's own per-token loss."""
 
@@ -19,7 +19,7 @@ import real_induction as ri  # noqa: E402
 def test_k_composition_matches_qk_attribution_summed_over_the_query_side():
     model = build_hand_induction()  # attention-only: L0 H0 is its previous-token head, L1 H0 its induction head
     tokens = torch.tensor([[BOS, 3, 9, 4, 7, 3, 9, 4, 7]])  # [BOS, r, r], |r| = 4
-    ours = ri.k_composition(model, tokens, half=4, heads=[(1, 0)], prefix=1).set_index("source")
+    ours = an.k_composition(model, tokens, half=4, heads=[(1, 0)], prefix=1).set_index("source")
     graph = an.attribution_graph(model, None, tokens)
     entries = [(key + 3, key) for key in range(2, 5)]  # query n + j attends key j + 1 (after the BOS)
     frames = [an.qk_attribution(graph, 1, 0, q, k, top=None) for q, k in entries]
@@ -36,7 +36,7 @@ def test_k_composition_matches_qk_attribution_summed_over_the_query_side():
 def test_k_composition_parts_sum_to_the_score_with_rope_gqa_and_mlps():
     model = ri.tiny_model(0)
     tokens = an.repeated_random_tokens(model, 10, 3, seed=1)
-    frame = ri.k_composition(model, tokens, half=10, heads=[(1, 3), (0, 1)])
+    frame = an.k_composition(model, tokens, half=10, heads=[(1, 3), (0, 1)])
     assert frame["residual"].max() < 1e-5
     for (_, _), part in frame.groupby(["layer", "head"]):
         assert part["contribution"].sum() == pytest.approx(part["score"].iloc[0], abs=1e-5)
@@ -46,7 +46,7 @@ def test_k_composition_parts_sum_to_the_score_with_rope_gqa_and_mlps():
 @torch.no_grad()
 def test_copying_score_is_that_of_the_full_ov_circuit():
     model = ri.tiny_model(2)
-    ours = ri.copying_scores(model).set_index(["layer", "head"])
+    ours = an.copying_scores(model).set_index(["layer", "head"])
     W_E, W_U = model.W_E.double(), model.W_U.double()
     for layer, block in enumerate(model.blocks):
         for head in range(model.cfg.n_heads):
@@ -101,6 +101,15 @@ def test_qk_pairs_are_qk_attribution_averaged_over_the_designed_entries(which):
         i, j = divmod(int(pairs.abs().argmax()), pairs.shape[1])
         assert (labels[i], labels[j]) == ("embed", "L0H0")
     # the key-side marginal is the K-composition split
-    kcomp = ri.k_composition(model, tokens, half, [head], prefix=prefix).set_index("source")["contribution"]
+    kcomp = an.k_composition(model, tokens, half, [head], prefix=prefix).set_index("source")["contribution"]
     for label, value in zip(labels, pairs.sum(0).tolist()):
         assert value == pytest.approx(kcomp[label], abs=1e-4 * scale)
+
+
+def test_k_composition_refuses_tokens_too_short_and_heads_the_model_lacks():
+    model = ri.tiny_model(0)
+    tokens = an.repeated_random_tokens(model, 6, 1, seed=0)
+    with pytest.raises(ValueError, match=r"tokens \[batch, prefix \+ 2 \* half\]"):
+        an.k_composition(model, tokens, half=7, heads=[(1, 0)])
+    with pytest.raises(ValueError, match=r"head \(2, 0\) is not in this model \(2 layers x 4 heads\)"):
+        an.k_composition(model, tokens, half=6, heads=[(2, 0)])

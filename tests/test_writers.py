@@ -189,3 +189,68 @@ def test_a_resumed_store_deletes_only_its_own_temp_files(tmp_path):
     assert store.manifest["tokens"] == 64
     assert (out / ".my-draft.tmp").read_text() == "a user's draft"
     assert not (out / ".shard_00001.safetensors.tmp").exists()
+
+
+def _interleaved(monkeypatch, other) -> list:
+    """Patch ``os.replace`` so that just before the first rename, ``other()`` (a second writer of the same
+    files) runs to its end: the second writer's temporary files are made, written and renamed while
+    the first writer's are waiting. Returns the names the first writer renamed from."""
+    real, renamed = os.replace, []
+
+    def replace(src, dst):
+        if not renamed:
+            renamed.append(None)
+            monkeypatch.setattr(os, "replace", real)
+            other()
+            monkeypatch.setattr(os, "replace", replace)
+        renamed.append(Path(src).name)
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    return renamed
+
+
+def test_two_writers_of_one_file_keep_to_their_own_temporary_files(tmp_path, monkeypatch):
+    """write_atomic's temporary name carries the process id and a random part: a second writer of the
+    same file (another thread, or a process that got this pid) no longer wrote into the first one's
+    temporary file and renamed it away under it (FileNotFoundError, and the first one's bytes lost)."""
+    from workbench.overwrite import write_atomic
+
+    target = tmp_path / "f.json"
+    target.write_text("old")  # an existing file: the write goes by rename
+    renamed = _interleaved(monkeypatch, lambda: write_atomic(target, "second"))
+    write_atomic(target, "first")
+    assert target.read_text() == "first" and renamed[1].startswith(f".f.json.tmp-{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
+
+
+def test_a_dictionary_saved_twice_at_once_is_one_whole_dictionary(tmp_path, monkeypatch):
+    """Two saves of a dictionary into one folder at once (here: the second runs while the first waits
+    to rename its weights): save_dictionary wrote every save's files through the same ``.<name>.tmp``
+    names, so the second renamed the first's temporary files away and the first failed."""
+    folder = tmp_path / "sae"
+    first, second = _sae(0), _sae(1)
+    save_dictionary(first, folder)
+    renamed = _interleaved(monkeypatch, lambda: save_dictionary(second, folder))
+    save_dictionary(first, folder)
+    monkeypatch.undo()
+    loaded = load_dictionary(folder)
+    torch.testing.assert_close(loaded.W_enc, first.W_enc)
+    assert all(n.startswith(".") and f".tmp-{os.getpid()}-" in n for n in renamed[1:]) and len(renamed) == 4
+    assert not [p.name for p in folder.iterdir() if ".tmp" in p.name]
+    umask = os.umask(0)
+    os.umask(umask)  # safetensors' save_file makes 0o600: the weights get an ordinary file's mode, as before
+    assert (folder / "sae_weights.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_training_runs_state_is_written_through_temporary_files_of_its_own(tmp_path, monkeypatch):
+    """The resumable state (train_state.*) went through ``.<name>.tmp``, the same name in every process
+    saving the run; now through write_atomic's (process id and a random part)."""
+    data = {"blocks.0.hook_resid_post": torch.randn(64, 8, generator=torch.Generator().manual_seed(0))}
+    real, renamed = os.replace, []
+    monkeypatch.setattr(os, "replace", lambda src, dst: (renamed.append(Path(src).name), real(src, dst))[1])
+    train_sae(TensorActivations(data), kind="relu", d_sae=16, steps=4, save_every=2, out=tmp_path / "run",
+              progress=False, batch_size=16)
+    state = [n for n in renamed if n.startswith(".train_state")]
+    assert len(state) == 2  # the second save replaced both files of the first
+    assert all(f".tmp-{os.getpid()}-" in n for n in state) and len(set(state)) == 2

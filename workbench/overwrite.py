@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Type, Union
 
@@ -56,22 +57,37 @@ def read_json_dict(path: Path) -> Optional[dict]:
     return data if isinstance(data, dict) else None
 
 
-def write_atomic(target: Union[str, Path], data: Union[str, bytes], mode: Optional[int] = None) -> Path:
+def write_atomic(target: Union[str, Path], data: Union[str, bytes, Callable[[Path], Any]],
+                 mode: Optional[int] = None) -> Path:
     """Write ``data`` to ``target``: a new file directly, an existing one by rename (a reader sees the old
-    file or the new one; a symbolic link at ``target`` is replaced, never written through)."""
+    file or the new one; a symbolic link at ``target`` is replaced, never written through). The
+    temporary file's name carries the process id and a random part, so two writers of one target
+    (two processes, or two threads of one) never write into, or rename away, each other's.
+
+    ``data``: text, bytes, or a function that writes the file at the path it is given (``lambda tmp:
+    save_file(tensors, str(tmp))``: a large file is never held in memory whole); such a file always
+    goes by rename and gets an ordinary file's mode (``0o666`` less the umask, unless ``mode``)
+    whatever mode the function gave it (safetensors' ``save_file`` makes ``0o600``)."""
     target = Path(target)
-    try:  # "x": fails if anything (a file, a link) is there, or appeared since a check
-        with open(target, "xb" if isinstance(data, bytes) else "x", **({} if isinstance(data, bytes) else
-                                                                      {"encoding": "utf-8"})) as f:
-            f.write(data)
-        if mode is not None:
-            target.chmod(mode)
-        return target
-    except FileExistsError:
-        pass
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if not callable(data):
+        try:  # "x": fails if anything (a file, a link) is there, or appeared since a check
+            with open(target, "xb" if isinstance(data, bytes) else "x", **({} if isinstance(data, bytes) else
+                                                                          {"encoding": "utf-8"})) as f:
+                f.write(data)
+            if mode is not None:
+                target.chmod(mode)
+            return target
+        except FileExistsError:
+            pass
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        if isinstance(data, bytes):
+        if callable(data):
+            data(tmp)
+            if mode is None:
+                umask = os.umask(0)
+                os.umask(umask)
+                mode = 0o666 & ~umask  # ordinary shared data, like checkpoints
+        elif isinstance(data, bytes):
             tmp.write_bytes(data)
         else:
             tmp.write_text(data, encoding="utf-8")

@@ -20,7 +20,6 @@
 # heads attend, which components write the answer (direct logit attribution).
 
 # %%
-import os
 from pathlib import Path
 
 import plotly.io as pio
@@ -28,10 +27,10 @@ import plotly.io as pio
 import workbench as wb
 from workbench import analysis as an, viz
 
-os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root: checkpoints/ lies there
+CHECKPOINTS = Path(wb.__file__).resolve().parents[1] / "checkpoints"  # the repository's shipped models
 pio.renderers.default = "notebook_connected"       # in a notebook (and on the docs site) figures load plotly.js once
 
-model, tok = wb.load_checkpoint("checkpoints/stories-2026")
+model, tok = wb.load_checkpoint(CHECKPOINTS / "stories-2026")
 prompt = "When Mary and John went to the store , John gave a drink to"
 logits, cache = model.run_with_cache(prompt)
 print(model.to_str_tokens(prompt))

@@ -19,7 +19,6 @@
 # reports the mean, with a spread.
 
 # %%
-import os
 from pathlib import Path
 
 import plotly.io as pio
@@ -27,11 +26,11 @@ import plotly.io as pio
 import workbench as wb
 from workbench import analysis as an, viz
 
-os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root: checkpoints/ lies there
+CHECKPOINTS = Path(wb.__file__).resolve().parents[1] / "checkpoints"  # the repository's shipped models
 pio.renderers.default = "notebook_connected"       # in a notebook (and on the docs site) figures load plotly.js once
 from workbench.data import get_task
 
-model, tok = wb.load_checkpoint("checkpoints/stories-2026")
+model, tok = wb.load_checkpoint(CHECKPOINTS / "stories-2026")
 ds = wb.PromptSet.from_task(get_task("stories"), n=48, seed=0)   # held-out IOI prompts, corrupted = ABC
 print(len(ds), "prompts; first:", ds.clean[0], "->", ds.answers[0], "(not", ds.wrong[0] + "); corrupted:", ds.corrupted[0])
 print("mean logit difference (answer - wrong):", round(float(an.logit_diff(model, ds).logit_diff.mean()), 2))

@@ -19,20 +19,19 @@
 # stories model with `wb.to_hf`, loads it with transformers as any HF checkpoint, and imports it back.
 
 # %%
-import os
 from pathlib import Path
 
 import plotly.io as pio
 
 import workbench as wb
-os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root: checkpoints/ lies there
+CHECKPOINTS = Path(wb.__file__).resolve().parents[1] / "checkpoints"  # the repository's shipped models
 pio.renderers.default = "notebook_connected"       # in a notebook (and on the docs site) figures load plotly.js once
 import tempfile
 
 import torch
 from transformers import AutoModelForCausalLM
 
-model, tok = wb.load_checkpoint("checkpoints/stories-2026")
+model, tok = wb.load_checkpoint(CHECKPOINTS / "stories-2026")
 hf_dir = Path(tempfile.mkdtemp()) / "stories-2026-hf"
 wb.to_hf(model, hf_dir)                             # our config picks the family: RMSNorm + SwiGLU + RoPE -> Llama
 print(sorted(p.name for p in hf_dir.iterdir()))

@@ -19,7 +19,6 @@
 # can be watched without waiting for it.
 
 # %%
-import os
 from pathlib import Path
 
 import plotly.io as pio
@@ -27,7 +26,7 @@ import plotly.io as pio
 import workbench as wb
 from workbench import analysis as an, viz
 
-os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root: checkpoints/ lies there
+CHECKPOINTS = Path(wb.__file__).resolve().parents[1] / "checkpoints"  # the repository's shipped models
 pio.renderers.default = "notebook_connected"       # in a notebook (and on the docs site) figures load plotly.js once
 import functools
 import tempfile
@@ -50,7 +49,7 @@ print(sorted(p.name for p in (run / "snapshots").iterdir()))
 # `induction_score_max` counts only the designed offset of `[r, r]` (key = query - |r| + 1).
 
 # %%
-series = wb.load_series("checkpoints/induction-attn2l")
+series = wb.load_series(CHECKPOINTS / "induction-attn2l")
 task = get_task("induction")
 scores = functools.partial(an.head_scores, kinds=("previous_token", "induction"), seq_len=32, batch=8)
 both = an.over_training(series, {"heads": scores, "task": functools.partial(task.evaluate, half_len=32)},

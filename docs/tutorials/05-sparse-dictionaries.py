@@ -19,7 +19,6 @@
 # model's logits do not change, and every feature is a hook.
 
 # %%
-import os
 from pathlib import Path
 
 import plotly.io as pio
@@ -27,14 +26,14 @@ import plotly.io as pio
 import workbench as wb
 from workbench import analysis as an, viz
 
-os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root: checkpoints/ lies there
+CHECKPOINTS = Path(wb.__file__).resolve().parents[1] / "checkpoints"  # the repository's shipped models
 pio.renderers.default = "notebook_connected"       # in a notebook (and on the docs site) figures load plotly.js once
 import torch
 
 from workbench.data import get_task
 
-model, tok = wb.load_checkpoint("checkpoints/stories-2026")
-sae = an.load_dictionary("checkpoints/stories-2026/saes/resid-post-1")
+model, tok = wb.load_checkpoint(CHECKPOINTS / "stories-2026")
+sae = an.load_dictionary(CHECKPOINTS / "stories-2026/saes/resid-post-1")
 task = get_task("stories")
 tokens = task.batch(16, 64, split="val")
 ioi = task.ioi_prompts(64)

@@ -20,15 +20,10 @@
 # head is L0H2 and induction head L1H1.
 
 # %%
-import os
-from pathlib import Path
-
 import plotly.io as pio
 
-import workbench as wb
 from workbench import analysis as an, viz
 
-os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root: checkpoints/ lies there
 pio.renderers.default = "notebook_connected"       # in a notebook (and on the docs site) figures load plotly.js once
 from workbench.planted import load_planted
 

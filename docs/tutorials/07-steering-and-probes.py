@@ -19,7 +19,6 @@
 # ABBA prompts, it should push the model's answer from the indirect object towards the subject.
 
 # %%
-import os
 from pathlib import Path
 
 import plotly.io as pio
@@ -27,13 +26,13 @@ import plotly.io as pio
 import workbench as wb
 from workbench import analysis as an
 
-os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root: checkpoints/ lies there
+CHECKPOINTS = Path(wb.__file__).resolve().parents[1] / "checkpoints"  # the repository's shipped models
 pio.renderers.default = "notebook_connected"       # in a notebook (and on the docs site) figures load plotly.js once
 import torch
 
 from workbench.data import get_task
 
-model, tok = wb.load_checkpoint("checkpoints/stories-2026")
+model, tok = wb.load_checkpoint(CHECKPOINTS / "stories-2026")
 task = get_task("stories")
 build = task.ioi_prompts(128, split="train", seed=1000)
 first = torch.tensor([t == "BABA" for t in build.templates])

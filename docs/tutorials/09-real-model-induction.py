@@ -27,9 +27,6 @@
 # attention score of the best ones over the heads that write their queries and keys.
 
 # %%
-import os
-from pathlib import Path
-
 import plotly.io as pio
 import torch
 
@@ -37,7 +34,6 @@ import workbench as wb
 from workbench import analysis as an, viz
 from workbench.data.induction import induction_scores
 
-os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root
 pio.renderers.default = "notebook_connected"
 
 model = wb.open_pretrained("smollm2-135m")     # converted once from the wheel's GGUF file, then cached

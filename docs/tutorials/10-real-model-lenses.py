@@ -32,8 +32,6 @@
 # %%
 import inspect
 import json
-import os
-from pathlib import Path
 from tempfile import TemporaryDirectory
 
 import plotly.graph_objects as go
@@ -43,7 +41,6 @@ import torch
 import workbench as wb
 from workbench import analysis as an, viz
 
-os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root
 pio.renderers.default = "notebook_connected"
 torch.manual_seed(0)
 

@@ -23,19 +23,11 @@
 # most of this graph's weight sits in error nodes; the machinery, and how to read it, are the same.
 
 # %%
-import os
-import sys
-from pathlib import Path
-
 import torch
 
 import workbench as wb
 from workbench import analysis as an
-
-os.chdir(Path(wb.__file__).resolve().parents[1])  # the repository root: experiments/ lies there
-sys.path.insert(0, "experiments")
-import real_transcoders  # noqa: E402  (the study: its text, its path search, its edge check)
-from real_lenses import stdlib_text  # noqa: E402
+from workbench.data.stdlib import stdlib_text  # real text with no download: the standard library's docstrings
 
 torch.manual_seed(0)
 model = wb.open_pretrained("smollm2-135m")  # about 8 s from the converted cache
@@ -84,21 +76,21 @@ print(pruned)
 # %% [markdown]
 # ## From the indirect object to the answer
 #
-# `widest_path` follows the edges of largest normalised weight from the token node of " Mary"
+# `an.widest_path` follows the edges of largest normalised weight from the token node of " Mary"
 # (position 1) to the logit. Every edge is a direct effect in the graph's frozen replacement
 # model, so zeroing its source there moves its target by exactly minus the edge:
-# `measured_edge` does that intervention and the two columns agree.
+# `an.measured_edge` does that intervention (on the model the graph was built from: a pruned
+# graph keeps it) and the two columns agree.
 
 # %%
 io = int((tokens[0] == mary).nonzero()[0])
 source = [i for i in pruned.nodes_of("token").tolist() if int(pruned.pos[i]) == io][0]
 logit = int(pruned.nodes_of("logit")[0])
-path = real_transcoders.widest_path(pruned, source, logit)
-ids_full = {n: i for i, n in enumerate(graph.node_ids())}
+path = an.widest_path(pruned, source, logit)
 names = pruned.node_ids()
 for s, t in zip(path, path[1:]):
     edge = pruned.edge(t, s)
-    measured = real_transcoders.measured_edge(graph, model, ids_full[names[s]], ids_full[names[t]], mary)
+    measured = an.measured_edge(pruned, s, t)
     print(f"{names[s]:>10} -> {names[t]:<10} edge {edge:+.4f}   intervention {measured:+.4f}")
     assert abs(edge - measured) < 1e-3 * max(1.0, abs(edge))
 

@@ -3,6 +3,8 @@
     lens.py         logit lens and tuned lens, per layer x position
     heads.py        attention patterns and how they change; previous-token / induction / duplicate /
                     first-token scores
+    composition.py  copying_scores (each head's OV copying score), k_composition (an induction head's
+                    attention score split over what wrote its keys)
     attribution.py  direct logit attribution to heads, layers and embeddings
     ablation.py     AblationSpec, ablate, ablation_sweep (resumes from cached activations)
     reference.py    the reference batch mean and resample ablation draw from
@@ -46,6 +48,7 @@ from workbench.analysis.common import (
     unique_labels,
     unit_label,
 )
+from workbench.analysis.composition import copying_scores, k_composition
 from workbench.analysis.heads import (
     SCORE_KINDS,
     attention_change,
@@ -126,6 +129,7 @@ __all__ = [
     "direct_logit_attribution",
     "logit_diff_metric", "loss_metric", "str_tokens", "unique_labels",
     "unit_label", "head_label", "parse_unit", "parse_head",
+    "copying_scores", "k_composition",
     "SCORE_KINDS", "attention_change", "attention_patterns", "detection_mask", "head_scores", "repeated_random_tokens",
     "TunedLens", "compare_lenses", "logit_lens", "residual_stack", "train_tuned_lens", "tuned_lens",
     "METRIC_KINDS", "AnswerMetric", "answer_change", "answer_table", "dla_difference", "lens_difference", "logit_diff",
@@ -153,10 +157,10 @@ __all__ = [
 ]
 
 from workbench.analysis.graphs import (Graph, Supernode, attention_entries, attribution_graph,  # noqa: E402
-                                       collapse_frames, head_loadings, qk_attribution)
+                                       collapse_frames, head_loadings, measured_edge, qk_attribution, widest_path)
 
 __all__ += ["Graph", "Supernode", "attribution_graph", "collapse_frames", "qk_attribution", "attention_entries",
-            "head_loadings"]
+            "head_loadings", "widest_path", "measured_edge"]
 
 
 from workbench.analysis.graphs.qk_training import induction_qk_prompts, loss_drop, qk_pairs, qk_summary  # noqa: E402

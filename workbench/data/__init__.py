@@ -13,6 +13,9 @@ Task-specific helpers for analysis:
     get_task("stories").possession_prompts(n)
     workbench.data.stories.answer_metrics(model, batch)        # accuracy, logit_diff, top1
 
+Real text with no download: the standard library's docstrings
+    workbench.data.stdlib.stdlib_text(["argparse"])  # TEXT_MODULES: the 24 modules of the real-model studies
+
 Prompt datasets (prompts of any length, known answers, metadata), batched with padding:
     PromptSet.from_csv(path) / from_jsonl / from_records / from_dataframe / from_task(task)
 """
@@ -25,6 +28,7 @@ from workbench.data.base import Task, make_generator
 from workbench.data.induction import InductionTask, induction_scores
 from workbench.data.modular import ModularTask
 from workbench.data.prompts import PromptSet, PromptSetBatch
+from workbench.data.stdlib import TEXT_MODULES, stdlib_docs, stdlib_text
 from workbench.data.stories import PromptBatch, StoriesTask, answer_metrics
 from workbench.data.text import TextTask
 
@@ -65,4 +69,5 @@ def describe_tasks() -> dict[str, str]:
 __all__ = [
     "TASKS", "get_task", "checkpoint_task", "describe_tasks", "Task", "make_generator", "InductionTask", "StoriesTask",
     "ModularTask", "TextTask", "PromptBatch", "answer_metrics", "induction_scores", "PromptSet", "PromptSetBatch",
+    "TEXT_MODULES", "stdlib_docs", "stdlib_text",
 ]

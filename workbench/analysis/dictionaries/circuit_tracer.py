@@ -42,8 +42,9 @@ from torch import Tensor
 
 from workbench.analysis.dictionaries.base import DictionaryConfig
 from workbench.analysis.dictionaries.clt import HOOK_IN, HOOK_OUT, CrossLayerTranscoder, clt_config
-from workbench.analysis.dictionaries.saelens import DictionaryError, _atomic
+from workbench.analysis.dictionaries.saelens import DictionaryError
 from workbench.analysis.dictionaries.transcoder import SkipTranscoder, Transcoder
+from workbench.overwrite import write_atomic
 
 CONFIG_FILE = "config.yaml"
 INPUT_HOOK, OUTPUT_HOOK = "mlp.hook_in", "mlp.hook_out"  # circuit-tracer's names, relative to blocks.{l}
@@ -71,7 +72,7 @@ def save_circuit_tracer(dictionaries: Union[CrossLayerTranscoder, Sequence[Trans
     user's ``config.yaml``) raises DictionaryError, nothing written, unless ``overwrite=True``."""
     from workbench.analysis.dictionaries.saelens import _folder
     from workbench.checkpoint import MANIFEST_FILE, owned_files
-    from workbench.overwrite import refuse_foreign, write_atomic
+    from workbench.overwrite import refuse_foreign
 
     path = _folder(path)
     if isinstance(dictionaries, CrossLayerTranscoder):
@@ -90,7 +91,7 @@ def save_circuit_tracer(dictionaries: Union[CrossLayerTranscoder, Sequence[Trans
         config = _save_set(dictionaries, path, model, dtype)
     config.update(feature_input_hook=INPUT_HOOK, feature_output_hook=OUTPUT_HOOK, scan=scan or path.name)
     # JSON is YAML: circuit-tracer's yaml.safe_load reads it, and nothing here needs a YAML writer.
-    _atomic(path / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=1)))
+    write_atomic(path / CONFIG_FILE, json.dumps(config, indent=1))
     files = sorted({*names, *(n for n in owned if n != MANIFEST_FILE and (path / n).is_file())})
     write_atomic(path / MANIFEST_FILE, json.dumps({"format": "workbench.circuit_tracer", "files": files}, indent=1))
     return path
@@ -114,8 +115,8 @@ def _save_set(transcoders: list, path: Path, model, dtype: torch.dtype) -> dict:
         if hasattr(tc, "W_skip"):
             tensors["W_skip"] = tc.W_skip.detach().float().cpu() / w[layer]
         name = f"layer_{layer}.safetensors"
-        _atomic(path / name, lambda tmp, t=tensors: save_file({k: v.to(dtype).contiguous() for k, v in t.items()},
-                                                              str(tmp)))
+        write_atomic(path / name, lambda tmp, t=tensors: save_file({k: v.to(dtype).contiguous() for k, v in t.items()},
+                                                                   str(tmp)))
         names.append(name)
     config = {"model_kind": "transcoder_set", "transcoders": [str((path / n).resolve()) for n in names]}
     ks = {int(tc.cfg.k) for tc in transcoders}
@@ -142,8 +143,8 @@ def _save_clt(clt: CrossLayerTranscoder, path: Path, model, dtype: torch.dtype) 
                f"threshold_{layer}": clt.threshold[layer].detach().float().cpu().relu()}
         dec = {f"W_dec_{layer}": clt.W_dec[layer].detach().float().cpu()}
         for name, tensors in ((f"W_enc_{layer}.safetensors", enc), (f"W_dec_{layer}.safetensors", dec)):
-            _atomic(path / name, lambda tmp, t=tensors: save_file({k: v.to(dtype).contiguous() for k, v in t.items()},
-                                                                  str(tmp)))
+            write_atomic(path / name, lambda tmp, t=tensors: save_file({k: v.to(dtype).contiguous()
+                                                                        for k, v in t.items()}, str(tmp)))
     return {"model_kind": "cross_layer_transcoder"}
 
 

@@ -297,13 +297,13 @@ class CLTLayerEncoder(nn.Module):
 
 def save_clt(clt: CrossLayerTranscoder, path: Union[str, Path], extra_meta: Optional[dict] = None, *,
              overwrite: bool = False) -> Path:
-    """Write ``clt.json`` and ``clt.safetensors`` into the folder ``path`` (each by rename). A folder
+    """Write ``clt.json`` and ``clt.safetensors`` into the folder ``path`` (``write_atomic``). A folder
     inside a checkpoint (``<checkpoint>/saes/NAME``) is recorded in its meta.json, as a dictionary is.
     Files of those names are replaced only when they are a CLT the workbench saved (``clt.json``'s
     format); any other raises DictionaryError, nothing written, unless ``overwrite=True``."""
-    from workbench.analysis.dictionaries.saelens import (DictionaryError, _atomic, _DTYPES, _folder, _json_default,
+    from workbench.analysis.dictionaries.saelens import (DictionaryError, _DTYPES, _folder, _json_default,
                                                          _record_in_checkpoint)
-    from workbench.overwrite import refuse_foreign
+    from workbench.overwrite import refuse_foreign, write_atomic
 
     path = _folder(path)
     refuse_foreign([path / WEIGHTS_FILE, path / CONFIG_FILE], lambda _: is_our_clt(path), overwrite=overwrite,
@@ -313,8 +313,8 @@ def save_clt(clt: CrossLayerTranscoder, path: Union[str, Path], extra_meta: Opti
     tensors = {_file_name(name): p.detach().to("cpu", dtype).contiguous() for name, p in clt.named_parameters()}
     meta = {"format": CLT_FORMAT, "version": 1, "config": clt.cfg.to_dict(), "metrics": clt.metrics,
             **(extra_meta or {})}
-    _atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp)))
-    _atomic(path / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=_json_default)))
+    write_atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp)))
+    write_atomic(path / CONFIG_FILE, json.dumps(meta, indent=1, default=_json_default))
     _record_in_checkpoint(path)  # inside a checkpoint: a save of new weights there drops it, as an SAE's
     return path
 

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from workbench.analysis.dictionaries.base import Dictionary, DictionaryConfig
 from workbench.analysis.dictionaries.clt import CrossLayerTranscoder
 from workbench.analysis.dictionaries.registry import DICTIONARIES, FROM_SAELENS, TOPK_TRANSCODER_ARCHITECTURES
-from workbench.overwrite import is_json_with, refuse_foreign
+from workbench.overwrite import is_json_with, refuse_foreign, write_atomic
 from workbench.utils import check_path
 
 CFG_FILE = "cfg.json"
@@ -100,7 +100,8 @@ NO_SAELENS_TOPK_TRANSCODER = (
 
 def save_dictionary(sae: Union[Dictionary, CrossLayerTranscoder], path: Union[str, Path], extra_meta: Optional[dict] = None,
                     context_size: Optional[int] = None, *, overwrite: bool = False) -> Path:
-    """Write ``cfg.json``, ``sae_weights.safetensors`` and ``sae_meta.json`` into ``path`` (each by rename).
+    """Write ``cfg.json``, ``sae_weights.safetensors`` and ``sae_meta.json`` into ``path`` (``write_atomic``: a file
+    already there is replaced by rename).
 
     A cross-layer transcoder has no SAELens form: it is written as ``clt.json`` + ``clt.safetensors``.
     Files of those names are replaced only when they are a dictionary the workbench wrote (its
@@ -133,9 +134,9 @@ def save_dictionary(sae: Union[Dictionary, CrossLayerTranscoder], path: Union[st
     # What the weights were trained on, inside the weights file itself: cfg.json (SAELens') is plain
     # text a hand can edit to another hook of the same width, and load_dictionary compares the two.
     identity = {"format": "pt", IDENTITY_KEY: json.dumps(_identity(sae.cfg), sort_keys=True)}
-    _atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata=identity))
-    _atomic(path / CFG_FILE, lambda tmp: tmp.write_text(json.dumps(saelens_config(sae, context_size), indent=1)))
-    _atomic(path / META_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=_json_default)))
+    write_atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata=identity))
+    write_atomic(path / CFG_FILE, json.dumps(saelens_config(sae, context_size), indent=1))
+    write_atomic(path / META_FILE, json.dumps(meta, indent=1, default=_json_default))
     for stale in clt_files:  # the folder now holds this dictionary, not the CLT saved there before
         stale.unlink(missing_ok=True)
     _record_in_checkpoint(path)
@@ -303,15 +304,6 @@ def _load_state(sae: Dictionary, state: dict, raw: dict, path: Path) -> None:
             state["W_dec"] = state["W_dec"] / norms[:, None]
         for name in expected:
             dict(list(sae.named_parameters()) + list(sae.named_buffers()))[name].copy_(state[name])
-
-
-def _atomic(target: Path, write) -> None:
-    tmp = target.parent / f".{target.name}.tmp"
-    write(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o666 & ~umask)  # ordinary shared data, like checkpoints (safetensors writes 0600)
-    os.replace(tmp, target)
 
 
 def _json_default(value: Any) -> Any:

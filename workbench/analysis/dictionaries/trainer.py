@@ -57,6 +57,7 @@ from workbench.analysis.dictionaries.registry import DICTIONARIES, make_dictiona
 from workbench.analysis.dictionaries.saelens import is_our_dictionary, save_dictionary
 from workbench.analysis.dictionaries.topk import aux_k_loss
 from workbench.analysis.store import ActivationStore, LiveActivations, TensorActivations, hook_layer
+from workbench.overwrite import write_atomic
 from workbench.training import (METRICS_FILE, TrainingDiverged, _restore_train_state, _train_state, history_csv,
                                 option, read_history)
 
@@ -283,8 +284,8 @@ def _train(source, config: SAETrainConfig, layout: "_Layout", dist_info, device,
             tensors["since_fired"] = since_fired.cpu()
             info.update(scales=list(scales), config=config.to_dict(),
                         live_rows={str(i): r for i, r in getattr(train_src, "rows", {}).items()})
-            _atomic_bytes(out / STATE_TENSORS_FILE, save(tensors))
-            _atomic_bytes(out / STATE_JSON_FILE, json.dumps(info, indent=1).encode())
+            write_atomic(out / STATE_TENSORS_FILE, save(tensors))
+            write_atomic(out / STATE_JSON_FILE, json.dumps(info, indent=1))
 
     stream = train_src.batches(config.batch_size, hooks, seed=config.seed, buffer_shards=config.buffer_shards,
                                start_batch=step, device=device)
@@ -595,9 +596,3 @@ def _restore(sae: AnyDictionary, optimizer, since_fired, source, state: dict) ->
     _restore_train_state(optimizer, state)
     if isinstance(source, LiveActivations):
         source.rows.update({int(i): r for i, r in info.get("live_rows", {}).items()})
-
-
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
