@@ -108,7 +108,7 @@ def _graph_grid(nodes: pd.DataFrame, n_layers: int, width: int = GRAPH_PLOT_WIDT
         across = int(cell / gap) + 1
         return np.maximum(1, -(-most // across)), across, cell
 
-    room = max_height - sum(_GRAPH_MARGIN)
+    room = float(max_height - sum(_GRAPH_MARGIN))
     gap = _GRAPH_GAP
     n_rows, across, cell = rows(gap)
     uniform = max(_GRAPH_BAND, int(n_rows.max()) * gap)
@@ -134,10 +134,13 @@ def _graph_grid(nodes: pd.DataFrame, n_layers: int, width: int = GRAPH_PLOT_WIDT
         cols = min(len(order), across)
         r = -(-len(order) // cols)
         pitch = max(gap, _CELL_HEIGHT * heights[b] / r)  # px between rows; rows/band px >= gap keeps it <= band/rows
-        x[order] += cell / per_position * _spread(cols)[k % cols]
+        across_px = cell * _spread(cols)[k % cols]
+        x[order] += across_px / per_position
         y[order] += _spread(r)[k // cols] * (r - 1) * pitch / unit
         spacing = min(cell / (cols - 1) if cols > 1 else np.inf, pitch if r > 1 else np.inf)
-        cap[order] = np.minimum(cap[order], spacing - 2)
+        # none covers a neighbour in its cell, nor the centre of the nearest the next cell can have
+        clear = 2 * (per_position - np.abs(across_px) - cell / 2)
+        cap[order] = np.minimum(cap[order], np.minimum(spacing, clear) - 2)
     return _GraphGrid(x, y, cap, edges, gap, int(round(heights.sum() + sum(_GRAPH_MARGIN))))
 
 
