@@ -158,7 +158,10 @@ def test_a_smollm2_sized_graph_fits_one_screen_with_every_node_apart(features):
     assert np.all((low < y) & (y < high))
     inner = (row["kind"] != "logit").to_numpy()
     assert np.all(np.abs(x[inner] - row["pos"].to_numpy()[inner]) < 0.5)
-    assert list(fig.layout.yaxis.ticktext) == list(bands) and fig.layout.dragmode == "zoom"
+    # each band's tick names its layer (a band too thin for a label: every other one)
+    named = [(tick, band) for tick, band in zip(fig.layout.yaxis.ticktext, bands) if tick]
+    assert all(tick == band for tick, band in named) and len(named) >= len(bands) // 2 + 1
+    assert fig.layout.dragmode == "zoom"
 
 
 def test_a_graph_too_crowded_for_the_screen_grows_rather_than_pile_its_nodes_up():

@@ -22,7 +22,7 @@ GRAPH_COLOURS = {"token": "#7f7f7f", "feature": "#ff7f0e", "error": "#2ca02c", "
 _WIDTH_BINS = 4  # edges are drawn in this many widths per sign: one trace each, not one per edge
 
 
-GRAPH_PLOT_WIDTH = 1100  # px: about the plot area of a figure across a wide page (the app's)
+GRAPH_PLOT_WIDTH = 860  # px: the plot area of a figure across the app's wide page in a 1400 px window (measured in Chromium; it was taken as 1100)
 # The figure fits one screen (a window 1000 px tall, less the page's own header), whatever the model's
 # depth: circuit-tracer's and Neuronpedia's viewers draw into a canvas of fixed height too, and leave
 # the detail to zooming (here plotly's: drag a box, double-click back). SmolLM2-135M's default graph (30
@@ -223,9 +223,14 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
     # A fixed y range and margins: each band is then as many px tall as the layout planned its rows for.
     names = ["embed", *(f"L{layer}" for layer in range(n_layers)), "logits"]
     middles = (grid.edges[:-1] + grid.edges[1:]) / 2
-    thin = np.diff(grid.edges).min() * (grid.height - sum(_GRAPH_MARGIN)) / len(names) < 14  # px: a tick label's
-    fig.update_yaxes(tickvals=middles.tolist(), ticktext=names, title_text="layer", zeroline=False, showgrid=False,
-                     range=[float(grid.edges[0]), float(grid.edges[-1])], tickfont=dict(size=10) if thin else None)
+    # A band thinner than a tick label (14 px) names its layer only when it is even, as circuit-tracer's
+    # viewer names every other layer: two thin bands in a row are then labelled 24 px apart or more.
+    band_px = np.diff(grid.edges) * (grid.height - sum(_GRAPH_MARGIN)) / len(names)
+    labels = [name if px >= 14 or i in (0, len(names) - 1) or i % 2 else "" for i, (name, px) in
+              enumerate(zip(names, band_px))]  # band i is layer i - 1: odd i, even layer
+    fig.update_yaxes(tickvals=middles.tolist(), ticktext=labels, title_text="layer", zeroline=False, showgrid=False,
+                     range=[float(grid.edges[0]), float(grid.edges[-1])],
+                     tickfont=dict(size=10) if band_px.min() < 14 else None)
     # Every other layer's band shaded (named after its layer), as circuit-tracer's viewer shades its rows.
     bands = [dict(type="rect", xref="paper", x0=0, x1=1, y0=float(low), y1=float(high), layer="below", name=name,
                   line_width=0, fillcolor="rgba(128,128,128,0.09)" if i % 2 else "rgba(0,0,0,0)")
