@@ -22,11 +22,14 @@ GRAPH_COLOURS = {"token": "#7f7f7f", "feature": "#ff7f0e", "error": "#2ca02c", "
 _WIDTH_BINS = 4  # edges are drawn in this many widths per sign: one trace each, not one per edge
 
 
-GRAPH_PLOT_WIDTH = 860  # px: the plot area of a figure across the app's wide page in a 1400 px window (measured in Chromium; it was taken as 1100)
+# px: the plot area of a figure across the app's wide page in a 1400 px window (measured in Chromium: 862;
+# it was taken as 1100, so the grid's gaps came out a fifth narrower on the page than planned)
+GRAPH_PLOT_WIDTH = 860
 # The figure fits one screen (a window 1000 px tall, less the page's own header), whatever the model's
 # depth: circuit-tracer's and Neuronpedia's viewers draw into a canvas of fixed height too, and leave
 # the detail to zooming (here plotly's: drag a box, double-click back). SmolLM2-135M's default graph (30
-# layers, 128 feature rows) drew 4,400 to 6,300 px tall when every layer got the crowdest layer's height.
+# layers, 128 feature rows) drew 4,446 px tall (7,006 at 512 rows and node threshold 0.95) when every
+# layer got the crowdest layer's height.
 GRAPH_MAX_HEIGHT = 900  # px
 _GRAPH_MARGIN = (60, 120)  # px above the plot (the title) and below it (the token ticks and the legend)
 _GRAPH_BAND = 90  # px per layer while every layer fits at that height (a shallow model's figure)
@@ -34,7 +37,7 @@ _GRAPH_GAP = 16  # px between the centres of two nodes of one cell, so each stay
 # px: the nearest two nodes get (a deep model's crowded graph) before the figure grows past
 # GRAPH_MAX_HEIGHT instead; the Chromium check at 512 feature rows asks for 0.9 x 12 px on the page.
 _GRAPH_MIN_GAP = 12
-_CELL_WIDTH, _CELL_HEIGHT = 0.9, 0.6  # the most of a position's width, and of a layer's row pitch, a cell's nodes use
+_CELL_WIDTH, _CELL_HEIGHT = 0.9, 0.6  # the most of a position's width a cell's nodes use; the share of a roomy band its rows spread over
 
 
 class _GraphGrid(NamedTuple):
