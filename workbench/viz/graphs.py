@@ -229,9 +229,9 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
     # A band thinner than a tick label (14 px) names its layer only when it is even, as circuit-tracer's
     # viewer names every other layer: two thin bands in a row are then labelled 24 px apart or more.
     band_px = np.diff(grid.edges) * (grid.height - sum(_GRAPH_MARGIN)) / len(names)
-    labels = [name if px >= 14 or i in (0, len(names) - 1) or i % 2 else "" for i, (name, px) in
+    tick_labels = [name if px >= 14 or i in (0, len(names) - 1) or i % 2 else "" for i, (name, px) in
               enumerate(zip(names, band_px))]  # band i is layer i - 1: odd i, even layer
-    fig.update_yaxes(tickvals=middles.tolist(), ticktext=labels, title_text="layer", zeroline=False, showgrid=False,
+    fig.update_yaxes(tickvals=middles.tolist(), ticktext=tick_labels, title_text="layer", zeroline=False, showgrid=False,
                      range=[float(grid.edges[0]), float(grid.edges[-1])],
                      tickfont=dict(size=10) if band_px.min() < 14 else None)
     # Every other layer's band shaded (named after its layer), as circuit-tracer's viewer shades its rows.
