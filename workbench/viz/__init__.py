@@ -48,7 +48,7 @@ from workbench.viz.export import figure_from_html, self_contained_html
 from workbench.viz.vocab import direct_path_figure, neighbours_figure
 from workbench.viz.fourier import PHASE_LABELS, fourier_norms_figure, grokking_figure
 from workbench.viz.graphs import (
-    GRAPH_COLOURS, GRAPH_PLOT_WIDTH, GRAPH_SYMBOLS, attribution_graph_figure, qk_heatmap_figure,
+    GRAPH_COLOURS, GRAPH_MAX_HEIGHT, GRAPH_PLOT_WIDTH, GRAPH_SYMBOLS, attribution_graph_figure, qk_heatmap_figure,
     qk_over_training_figure,
 )
 from workbench.viz._common import _history_of  # noqa: F401  (the tests read it as viz._history_of)
@@ -65,5 +65,5 @@ __all__ = [
     "runs_over_training_figure", "INPUT_COLOURS", "EDGE_BEND", "circuit_figure", "circuit_benchmark_figure",
     "circuit_graph_figure", "self_contained_html", "figure_from_html", "direct_path_figure", "neighbours_figure",
     "PHASE_LABELS", "grokking_figure", "fourier_norms_figure", "GRAPH_SYMBOLS", "GRAPH_COLOURS", "GRAPH_PLOT_WIDTH",
-    "attribution_graph_figure", "qk_over_training_figure", "qk_heatmap_figure",
+    "GRAPH_MAX_HEIGHT", "attribution_graph_figure", "qk_over_training_figure", "qk_heatmap_figure",
 ]

@@ -3,7 +3,7 @@ as a heatmap."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import pandas as pd
@@ -22,10 +22,34 @@ GRAPH_COLOURS = {"token": "#7f7f7f", "feature": "#ff7f0e", "error": "#2ca02c", "
 _WIDTH_BINS = 4  # edges are drawn in this many widths per sign: one trace each, not one per edge
 
 
-GRAPH_PLOT_WIDTH = 1100  # px: about the plot area of a figure across a wide page (the app's)
+# px: the plot area of a figure across the app's wide page in a 1400 px window (measured in Chromium: 862;
+# it was taken as 1100, so the grid's gaps came out a fifth narrower on the page than planned)
+GRAPH_PLOT_WIDTH = 860
+# The figure fits one screen (a window 1000 px tall, less the page's own header), whatever the model's
+# depth: circuit-tracer's and Neuronpedia's viewers draw into a canvas of fixed height too, and leave
+# the detail to zooming (here plotly's: drag a box, double-click back). SmolLM2-135M's default graph (30
+# layers, 128 feature rows) drew 4,446 px tall (7,006 at 512 rows and node threshold 0.95) when every
+# layer got the crowdest layer's height.
+GRAPH_MAX_HEIGHT = 900  # px
+_GRAPH_MARGIN = (60, 120)  # px above the plot (the title) and below it (the token ticks and the legend)
+_GRAPH_BAND = 90  # px per layer while every layer fits at that height (a shallow model's figure)
 _GRAPH_GAP = 16  # px between the centres of two nodes of one cell, so each stays a target of its own
-_GRAPH_CROWDED_SIZE = 12  # px: the largest node of a cell that needs its nodes in a grid
-_CELL_WIDTH, _CELL_HEIGHT = 0.76, 0.6  # of a position's width and a layer's height: where a cell's nodes go
+# px: the nearest two nodes get (a deep model's crowded graph) before the figure grows past
+# GRAPH_MAX_HEIGHT instead; the Chromium check at 512 feature rows asks for 0.9 x 12 px on the page.
+_GRAPH_MIN_GAP = 12
+_CELL_WIDTH, _CELL_HEIGHT = 0.9, 0.6  # the most of a position's width a cell's nodes use; the share of a roomy band its rows spread over
+
+
+class _GraphGrid(NamedTuple):
+    """Where ``_graph_grid`` puts the nodes: centres in data units (x = position, y = the layer's band),
+    the largest marker each node may have without covering a neighbour (px), the bands' edges in y
+    (embeddings, layer 0, ..., the logits), the gap kept between neighbours (px) and the figure's height."""
+    x: np.ndarray
+    y: np.ndarray
+    cap: np.ndarray
+    edges: np.ndarray
+    gap: int
+    height: int
 
 
 def _spread(n: int) -> np.ndarray:
@@ -34,51 +58,101 @@ def _spread(n: int) -> np.ndarray:
     return offsets[np.argsort(np.abs(offsets), kind="stable")]
 
 
-def _graph_grid(nodes: pd.DataFrame, n_layers: int, width: int = GRAPH_PLOT_WIDTH):
-    """(x, y, crowded, px per layer) of ``_graph_layout``: the nodes of one (layer, position) cell
-    are spread across the cell, a row of them at most as many as stay ``_GRAPH_GAP`` px apart, then
-    more rows within the layer's band (``crowded`` marks those nodes; the figure grows taller so the
-    rows stay ``_GRAPH_GAP`` px apart too). The logits, in a row of their own, sit a position (or
-    a node's width) apart leftwards from their position, the largest weight at it."""
-    y = nodes["layer"].to_numpy(dtype=float).copy()
-    y[(nodes["kind"] == "token").to_numpy()] = -1.0
-    logit = (nodes["kind"] == "logit").to_numpy()
-    y[logit] = float(n_layers)
+def _fill(need: np.ndarray, room: float) -> np.ndarray:
+    """Band heights of at least ``need`` that fill ``room``: the bands below a level t are raised to
+    it (the roomiest layers share what the crowded ones leave), t at most ``_GRAPH_BAND``; ``need``
+    itself when it does not fit (the figure then grows past the room)."""
+    if need.sum() >= room:
+        return need.astype(float)
+    if np.maximum(need, _GRAPH_BAND).sum() <= room:
+        return np.maximum(need, _GRAPH_BAND).astype(float)
+    low, high = 0.0, float(_GRAPH_BAND)
+    for _ in range(50):
+        level = (low + high) / 2
+        low, high = (level, high) if np.maximum(need, level).sum() <= room else (low, level)
+    return np.maximum(need, low).astype(float)
+
+
+def _graph_grid(nodes: pd.DataFrame, n_layers: int, width: int = GRAPH_PLOT_WIDTH,
+                max_height: int = GRAPH_MAX_HEIGHT) -> _GraphGrid:
+    """The layout of ``attribution_graph_figure``: one band per layer (the embeddings below layer 0,
+    the logits above the last), one column per position.
+
+    The nodes of one (layer, position) cell are spread across the cell, a row of them at most as many
+    as stay ``gap`` px apart, then more rows, ``gap`` px apart or more, in the layer's band. A shallow
+    model's bands are all as tall (``_GRAPH_BAND`` px, or its crowdest layer's rows). When that is
+    taller than ``max_height``, each band is as tall as its own rows need (rows packed by layer, the
+    spare height shared by the sparsest layers), the gap narrowed from ``_GRAPH_GAP`` down to
+    ``_GRAPH_MIN_GAP`` px until they fit; past that the figure grows, so nodes never pile onto one spot.
+    (circuit-tracer widens a crowded position's column instead; here a column stays a position, and the
+    token ticks stay evenly spaced.) The logits, in a row of their own, sit a position (or two gaps)
+    apart leftwards from their position, the largest weight at it."""
+    kind = nodes["kind"].to_numpy()
+    logit = kind == "logit"
+    band = nodes["layer"].to_numpy(dtype=int) + 1
+    band[kind == "token"] = 0
+    band[logit] = n_layers + 1
+    n_bands = n_layers + 2
     x = nodes["pos"].to_numpy(dtype=float).copy()
     positions = max(int(nodes["pos"].max()) + 1, 1) if len(nodes) else 1
     per_position = width / positions  # px
-    across = max(1, int(_CELL_WIDTH * per_position / _GRAPH_GAP) + 1)
     weight = nodes["influence"].to_numpy(dtype=float).copy()
     if "logit_weight" in nodes:
         weight[logit] = nodes["logit_weight"].to_numpy(dtype=float)[logit]
-    crowded = np.zeros(len(nodes), dtype=bool)
-    rows_needed = 1
-    for (row_y, _), index in nodes.groupby([y, x]).groups.items():
-        rows = np.asarray([nodes.index.get_loc(i) for i in index])
-        if len(rows) < 2:
-            continue
-        order = rows[np.argsort(-weight[rows], kind="stable")]
-        if row_y == n_layers and logit[rows].all():  # the targets: their own row, a position apart
+    cells = [(b, index[np.argsort(-weight[index], kind="stable")])
+             for (b, _), index in nodes.groupby([band, x]).indices.items()]
+    most = np.zeros(n_bands, dtype=int)  # the most nodes in one cell of each band (the logits: one row)
+    for b, order in cells:
+        if b != n_layers + 1:
+            most[b] = max(most[b], len(order))
+
+    def rows(gap: int):  # (rows of each band, nodes across a cell, a cell's width in px) at this gap
+        cell = max(0.0, min(_CELL_WIDTH * per_position, per_position - gap))  # neighbouring cells' nodes gap px apart
+        across = int(cell / gap) + 1
+        return np.maximum(1, -(-most // across)), across, cell
+
+    room = float(max_height - sum(_GRAPH_MARGIN))
+    gap = _GRAPH_GAP
+    n_rows, across, cell = rows(gap)
+    uniform = max(_GRAPH_BAND, int(n_rows.max()) * gap)
+    if uniform * n_bands <= room:
+        heights = np.full(n_bands, float(uniform))
+    else:
+        while gap > _GRAPH_MIN_GAP and (n_rows * gap).sum() > room:
+            gap -= 1
+            n_rows, across, cell = rows(gap)
+        heights = _fill(n_rows * gap, room)
+    unit = heights.sum() / n_bands  # px per unit of y: the axis spans n_bands units, as when bands are even
+    edges = -1.5 + np.concatenate([[0.0], np.cumsum(heights)]) / unit
+    y = ((edges[:-1] + edges[1:]) / 2)[band]
+    cap = heights[band] - 2  # px: a lone node stays inside its band (its neighbours' too)
+    for b, order in cells:
+        k = np.arange(len(order))
+        if b == n_layers + 1:  # the targets: their own row, a position apart
             step = max(1.0, 2 * _GRAPH_GAP / per_position)
-            x[order] = x[order] - step * np.arange(len(order))
+            x[order] = x[order] - step * k
+            continue
+        if len(order) < 2:
             continue
         cols = min(len(order), across)
-        n_rows = -(-len(order) // cols)
-        rows_needed = max(rows_needed, n_rows)
-        x[order] += _CELL_WIDTH * _spread(cols)[np.arange(len(order)) % cols]
-        if n_rows > 1:
-            y[order] += _CELL_HEIGHT * _spread(n_rows)[np.arange(len(order)) // cols]
-            crowded[order] = True
-    per_layer = max(90.0, rows_needed * _GRAPH_GAP / _CELL_HEIGHT)
-    return x, y, crowded, per_layer
+        r = -(-len(order) // cols)
+        pitch = max(gap, _CELL_HEIGHT * heights[b] / r)  # px between rows; rows/band px >= gap keeps it <= band/rows
+        across_px = cell * _spread(cols)[k % cols]
+        x[order] += across_px / per_position
+        y[order] += _spread(r)[k // cols] * (r - 1) * pitch / unit
+        spacing = min(cell / (cols - 1) if cols > 1 else np.inf, pitch if r > 1 else np.inf)
+        # none covers a neighbour in its cell, nor the centre of the nearest the next cell can have
+        clear = 2 * (per_position - np.abs(across_px) - cell / 2)
+        cap[order] = np.minimum(cap[order], np.minimum(spacing, clear) - 2)
+    return _GraphGrid(x, y, cap, edges, gap, int(round(heights.sum() + sum(_GRAPH_MARGIN))))
 
 
 def _graph_layout(nodes: pd.DataFrame, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
     """x = position (the nodes of one layer and position spread across its cell, in rows when they
-    are many), y = layer (token embeddings below layer 0, the logits above the last layer, spread
-    along their row)."""
-    x, y, _, _ = _graph_grid(nodes, n_layers)
-    return x, y
+    are many), y = the layer's band (token embeddings below layer 0, the logits above the last layer,
+    spread along their row)."""
+    grid = _graph_grid(nodes, n_layers)
+    return grid.x, grid.y
 
 
 def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: str = "Attribution graph",
@@ -86,10 +160,14 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
                              theme: Optional[str] = "default") -> go.Figure:
     """An attribution graph as circuit-tracer draws it, from ``Graph.to_frame()`` (usually of a pruned graph).
 
-    x is the token position and y the layer (embeddings at the bottom, the logits at the top);
-    a node's size follows its influence on the logits (a logit's: its weight), an edge's width
-    |weight| and its colour the sign (blue excites, red inhibits). Each node point carries its id
-    as ``customdata`` (what a page's selection event returns); ``selected`` is ringed.
+    x is the token position and y the layer (embeddings at the bottom, the logits at the top), each
+    layer a band shaded every other one; a node's size follows its influence on the logits (a logit's:
+    its weight), at most its spacing to its neighbours, an edge's width |weight| and its colour the
+    sign (blue excites, red inhibits). The figure is at most ``GRAPH_MAX_HEIGHT`` px tall for any
+    depth (``_graph_grid``: a deep model's layers get the height their own nodes need), and opens in
+    plotly's box zoom (drag a box to zoom in, double-click to zoom out; a redraw with the same title
+    keeps the zoom). Each node point carries its id as ``customdata`` (what a page's selection event
+    returns); ``selected`` is ringed.
     """
     missing = [c for c in ("id", "kind", "layer", "pos", "influence") if c not in nodes]
     missing += [c for c in ("source", "target", "weight") if c not in edges]
@@ -99,7 +177,8 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
     inner = nodes["kind"].isin(["feature", "error", "supernode"])
     n_layers = int(nodes.loc[nodes["kind"] == "logit", "layer"].max()) if (nodes["kind"] == "logit").any() else \
         int(nodes.loc[inner, "layer"].max(initial=0)) + 1
-    x, y, crowded, per_layer = _graph_grid(nodes, n_layers)
+    grid = _graph_grid(nodes, n_layers)
+    x, y = grid.x, grid.y
     fig = go.Figure()
     weight = edges["weight"].to_numpy(dtype=float)
     top = float(np.abs(weight).max()) if len(weight) else 1.0
@@ -124,7 +203,7 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
         influence[logit] = nodes["logit_weight"].to_numpy(dtype=float)[logit]
     scale = float(influence.max()) if len(influence) and influence.max() > 0 else 1.0
     size = 7 + 23 * np.sqrt(np.clip(influence, 0, None) / scale)
-    size[crowded] = np.minimum(size[crowded], _GRAPH_CROWDED_SIZE)  # a grid of nodes: none covers its neighbour
+    size = np.minimum(size, grid.cap)  # a grid of nodes, or a thin band: none covers its neighbour
     labels = nodes["label"].astype(str) if "label" in nodes else pd.Series([""] * len(nodes))
     for kind, symbol in GRAPH_SYMBOLS.items():
         part = np.nonzero((nodes["kind"] == kind).to_numpy())[0]
@@ -144,13 +223,26 @@ def attribution_graph_figure(nodes: pd.DataFrame, edges: pd.DataFrame, title: st
     positions = sorted(set(nodes["pos"].tolist()))
     ticktext = [f"{p}: {str_tokens[p]!r}" if str_tokens is not None and p < len(str_tokens) else str(p) for p in positions]
     fig.update_xaxes(tickvals=positions, ticktext=ticktext, title_text="position", showgrid=False, zeroline=False)
-    # A fixed y range and margins: a layer is then ``per_layer`` px tall, as the layout planned its rows.
-    fig.update_yaxes(tickvals=list(range(-1, n_layers + 1)),
-                     ticktext=["embed", *(f"L{layer}" for layer in range(n_layers)), "logits"], title_text="layer",
-                     zeroline=False, range=[-1.5, n_layers + 0.5])
-    fig.update_layout(title=title, template=_template(theme), height=int(180 + per_layer * (n_layers + 2)),
-                      margin=dict(t=60, b=120), clickmode="event+select",
-                      dragmode=False, hovermode="closest", legend=dict(orientation="h", yref="container", y=0.0, yanchor="bottom"))
+    # A fixed y range and margins: each band is then as many px tall as the layout planned its rows for.
+    names = ["embed", *(f"L{layer}" for layer in range(n_layers)), "logits"]
+    middles = (grid.edges[:-1] + grid.edges[1:]) / 2
+    # A band thinner than a tick label (14 px) names its layer only when it is even, as circuit-tracer's
+    # viewer names every other layer: two thin bands in a row are then labelled 24 px apart or more.
+    band_px = np.diff(grid.edges) * (grid.height - sum(_GRAPH_MARGIN)) / len(names)
+    tick_labels = [name if px >= 14 or i in (0, len(names) - 1) or i % 2 else "" for i, (name, px) in
+              enumerate(zip(names, band_px))]  # band i is layer i - 1: odd i, even layer
+    fig.update_yaxes(tickvals=middles.tolist(), ticktext=tick_labels, title_text="layer", zeroline=False, showgrid=False,
+                     range=[float(grid.edges[0]), float(grid.edges[-1])],
+                     tickfont=dict(size=10) if band_px.min() < 14 else None)
+    # Every other layer's band shaded (named after its layer), as circuit-tracer's viewer shades its rows.
+    bands = [dict(type="rect", xref="paper", x0=0, x1=1, y0=float(low), y1=float(high), layer="below", name=name,
+                  line_width=0, fillcolor="rgba(128,128,128,0.09)" if i % 2 else "rgba(0,0,0,0)")
+             for i, (name, low, high) in enumerate(zip(names, grid.edges[:-1], grid.edges[1:]))]
+    top_margin, bottom_margin = _GRAPH_MARGIN
+    fig.update_layout(title=title, template=_template(theme), height=grid.height, shapes=bands,
+                      margin=dict(t=top_margin, b=bottom_margin), clickmode="event+select", dragmode="zoom",
+                      uirevision=title, hovermode="closest",
+                      legend=dict(orientation="h", yref="container", y=0.0, yanchor="bottom"))
     return fig
 
 
