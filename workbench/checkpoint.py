@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from workbench.config import FORMAT_VERSION, ModelConfig
+from workbench.overwrite import write_atomic
 
 try:
     import fcntl
@@ -264,6 +265,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def writer_gone(pid: int, mtime: float) -> bool:
+    """Whether the writer (process ``pid``) of a temporary file or folder named ``.<name>.tmp-<pid>-*``,
+    last changed at ``mtime``, is gone, so that what it left is a leftover to remove.
+
+    Ask only with the target's lock held: then no live writer of this library owns it, and one of this
+    process's pid is a dead process's (the pid reused). The pid and age tests spare a live writer of an
+    older version that takes no lock; after ``STALE_AFTER_S`` its pid is taken to be reused."""
+    return pid == os.getpid() or not _alive(pid) or time.time() - mtime >= STALE_AFTER_S
+
+
 def _clean_leftovers(path: Path) -> None:
     """Remove the ``.<name>.tmp-*`` / ``.<name>.old-*`` folders of writers that died mid-save.
 
@@ -273,16 +284,15 @@ def _clean_leftovers(path: Path) -> None:
     """
     pattern = re.compile(rf"^\.{re.escape(path.name)}\.(tmp|old)-(\d+)-(\w+)$")
     stale: list[tuple[str, Path]] = []
-    now = time.time()
     for entry in path.parent.iterdir():
         match = pattern.match(entry.name)
         if not match or entry.is_symlink() or not entry.is_dir():
             continue
         try:
-            age = now - entry.stat().st_mtime
+            mtime = entry.stat().st_mtime
         except FileNotFoundError:
             continue
-        if _alive(int(match[2])) and age < STALE_AFTER_S and int(match[2]) != os.getpid():
+        if not writer_gone(int(match[2]), mtime):
             continue
         stale.append((match[1], entry))
     if not path.exists():
@@ -401,13 +411,7 @@ def record_files(directory: Union[str, Path], names: list[str]) -> None:
     if meta is None or meta.get("format") != CHECKPOINT_FORMAT or not _is_str_list(meta.get("files")):
         return
     meta["files"] = sorted(set(meta["files"]) | set(names))
-    tmp = directory / f".{META_FILE}.tmp-{os.getpid()}"
-    try:
-        tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
-        os.replace(tmp, directory / META_FILE)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    write_atomic(directory / META_FILE, json.dumps(meta, indent=2, default=str) + "\n")
 
 
 def save_checkpoint(

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ from workbench.checkpoint import (
     record_files,
 )
 from workbench.config import ModelConfig
+from workbench.overwrite import write_atomic
 
 SNAPSHOT_DIR = "snapshots"
 INDEX_FILE = "snapshots.json"
@@ -160,13 +160,8 @@ class SnapshotWriter:
                     "config": json.dumps(model.cfg.to_dict(), sort_keys=True)}
         with locked(self.out_dir):
             self.dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.dir / f".{name}.tmp-{os.getpid()}"
-            try:  # an interrupt mid-write leaves the previous file (if any), never half of one
-                save_file(state, str(tmp), metadata=metadata)
-                os.replace(tmp, self.dir / name)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
+            # an interrupt mid-write leaves the previous file (if any), never half of one
+            write_atomic(self.dir / name, lambda tmp: save_file(state, str(tmp), metadata=metadata))
             entry = {"step": step, "file": name, **{k: _plain(v) for k, v in metrics.items() if k != "step"}}
             self.entries = sorted([e for e in self.entries if e["step"] != step] + [entry], key=lambda e: e["step"])
             self._write_index()
@@ -207,9 +202,8 @@ class SnapshotWriter:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             return
-        tmp = self.dir / f".{INDEX_FILE}.tmp-{os.getpid()}"
-        tmp.write_text(self._index_json())
-        os.replace(tmp, path)
+        text = self._index_json()
+        write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))  # by rename: never half an index
 
     def _own(self, names: list[str]) -> None:
         """List ``names`` in the folder's marker, so saves carry them and a fresh run replaces them."""
@@ -221,9 +215,8 @@ class SnapshotWriter:
             return
         manifest = _read_json(self.out_dir / MANIFEST_FILE) or {"format": SNAPSHOTS_MANIFEST_FORMAT, "files": []}
         manifest["files"] = sorted(set(manifest.get("files", [])) | set(names))
-        tmp = self.out_dir / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(tmp, self.out_dir / MANIFEST_FILE)
+        text = json.dumps(manifest, indent=2) + "\n"
+        write_atomic(self.out_dir / MANIFEST_FILE, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def _step_of(path: Path) -> Optional[int]:

@@ -33,7 +33,6 @@ import itertools
 import json
 import numbers
 import zipfile
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,7 +217,7 @@ class Direction:
         ``.json``); any other raises ValueError, nothing written, unless ``overwrite=True``."""
         from safetensors.torch import save_file
 
-        from workbench.overwrite import refuse_foreign
+        from workbench.overwrite import refuse_foreign, write_atomic
 
         stem = _stem(path)
         files = [stem.with_name(stem.name + s) for s in (".safetensors", ".json")]
@@ -227,10 +226,8 @@ class Direction:
         stem.parent.mkdir(parents=True, exist_ok=True)
         text = self._meta_text()
         for suffix, write in ((".safetensors", lambda p: save_file({"vector": self.vector}, str(p))),
-                              (".json", lambda p: p.write_text(text))):
-            tmp = stem.with_name(f".{stem.name}{suffix}.tmp-{os.getpid()}")
-            write(tmp)
-            os.replace(tmp, stem.with_name(stem.name + suffix))
+                              (".json", lambda p: p.write_text(text, encoding="utf-8"))):
+            write_atomic(stem.with_name(stem.name + suffix), write)  # by rename: never half a file
         return stem
 
     @classmethod

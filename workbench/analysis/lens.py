@@ -303,6 +303,7 @@ class TunedLens(nn.Module):
         weights) removes the lens that was trained for the old ones.
         """
         from workbench.checkpoint import locked, record_files
+        from workbench.overwrite import write_atomic
 
         directory = Path(checkpoint_dir)
         if not directory.is_dir():
@@ -318,15 +319,10 @@ class TunedLens(nn.Module):
                     f"{directory} already holds {', '.join(present)}, which is not a tuned lens the workbench "
                     "wrote; move it away first (nothing was written)"
                 )
-            tmps = [directory / f".{n}.tmp-{os.getpid()}" for n in names]
-            try:  # each file replaced atomically, so a reader never sees half a lens file
-                save_file(weights, str(tmps[0]))
-                os.replace(tmps[0], directory / TUNED_LENS_WEIGHTS)
-                tmps[1].write_text(json.dumps(meta, indent=2) + "\n")
-                os.replace(tmps[1], directory / TUNED_LENS_META)
-            finally:
-                for tmp in tmps:
-                    tmp.unlink(missing_ok=True)
+            # each file replaced atomically (always by rename), so a reader never sees half a lens file
+            text = json.dumps(meta, indent=2) + "\n"
+            write_atomic(directory / TUNED_LENS_WEIGHTS, lambda tmp: save_file(weights, str(tmp)))
+            write_atomic(directory / TUNED_LENS_META, lambda tmp: tmp.write_text(text, encoding="utf-8"))
             record_files(directory, list(names))
         return directory / TUNED_LENS_WEIGHTS
 

@@ -35,7 +35,6 @@ import difflib
 import hashlib
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,7 @@ from tqdm.auto import tqdm
 
 from workbench.checkpoint import model_fingerprint  # noqa: F401  (re-exported: its historical home)
 from workbench.habits import tokenizer_prepends_bos
+from workbench.overwrite import write_atomic
 from workbench.utils import jsonable
 
 MANIFEST = "manifest.json"
@@ -453,8 +453,7 @@ class ActivationStore(ShardedActivations):
             out.mkdir(parents=True, exist_ok=True)
             if manifest["tokens"] >= tokens:
                 return cls(out)  # already collected: read it, write nothing
-            for stray in [out / f".{MANIFEST}.tmp", *out.glob(".shard_*.safetensors.tmp")]:
-                stray.unlink(missing_ok=True)  # a shard or manifest half-written when the last run was killed (only ours)
+            _remove_strays(out)
             _write_manifest(out, manifest)
             bar = tqdm(total=tokens, initial=min(manifest["tokens"], tokens), unit="tok", desc="collect", disable=not progress)
             try:
@@ -487,6 +486,32 @@ def _owned(out: Path):
                                                "each collection its own folder (nothing was written)"))
 
 
+# What a shard or manifest write leaves when its process is killed: write_atomic's temporary file
+# (``.<name>.tmp-<pid>-<hex>``) or, from a version before it, ``.<name>.tmp`` (one name for every writer).
+_STRAY = re.compile(r"^\.(?:manifest\.json|shard_\d{5,}\.safetensors)\.tmp(?:-(\d+)-[0-9a-f]+)?$")
+
+
+def _remove_strays(out: Path) -> None:
+    """Remove the half-written shards and manifests of dead collections in ``out`` (call with its lock held).
+
+    Only files of the names the store writes: a user's own ``.*.tmp`` stays. A temporary file whose
+    process is alive and which is not an hour old is another writer's (one of an older version, which
+    takes no lock) and stays too; a name without a pid (an older version's) is taken as a killed run's,
+    as it always was."""
+    from workbench.checkpoint import writer_gone
+
+    for entry in out.iterdir():
+        match = _STRAY.match(entry.name)
+        if not match or entry.is_symlink() or not entry.is_file():
+            continue
+        try:
+            gone = match[1] is None or writer_gone(int(match[1]), entry.stat().st_mtime)
+        except FileNotFoundError:  # renamed into place as we looked
+            continue
+        if gone:
+            entry.unlink(missing_ok=True)
+
+
 def _collect_shard(model, src: TokenSource, hooks, rule, dtype, out: Path, k: int, first: int, n_batches: int,
                    needed: int) -> dict:
     """Run source batches ``first .. first + n_batches`` and write shard ``k`` (at most ``needed`` rows)."""
@@ -513,12 +538,8 @@ def _collect_shard(model, src: TokenSource, hooks, rule, dtype, out: Path, k: in
     tensors["token_ids"] = torch.cat(token_parts).contiguous()
     tensors["rows"] = torch.cat(row_parts).to(torch.int64).contiguous()
     name = _SHARD.format(k)
-    tmp = out / f".{name}.tmp"
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "shard": str(k)})
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o666 & ~umask)  # safetensors writes 0600; a store is ordinary shared data
-    os.replace(tmp, out / name)
+    # write_atomic gives the file an ordinary mode (safetensors writes 0600; a store is ordinary shared data)
+    write_atomic(out / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT, "shard": str(k)}))
     return {"file": name, "rows": n_rows, "sequences": n_seq, "first_batch": first,
             "bytes": (out / name).stat().st_size, "sha256": _sha256(out / name)}
 
@@ -739,9 +760,9 @@ def _sha256(path: Path) -> str:
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:
-    tmp = out / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / MANIFEST)
+    text = json.dumps(manifest, indent=1)
+    # always by rename (a function, not text): a reader of the store never sees half of a new manifest
+    write_atomic(out / MANIFEST, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def _read_manifest(path: Path) -> dict:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
+
+from workbench.overwrite import write_atomic
 
 GRAPH_FORMAT = "workbench-attribution-graph"
 GRAPH_VERSION = 1
@@ -513,14 +514,8 @@ def write_circuit_tracer(d: dict, folder: Union[str, Path], overwrite: bool = Fa
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` by a temporary file beside it and ``os.replace``: a reader sees the old file or
-    the new one, never half of one; a link at ``path`` is replaced, not followed."""
+    """``text`` into ``path`` by a temporary file beside it and a rename (a function, not text, to
+    ``write_atomic``: a new file too): a reader sees the old file or the new one, never half of one; a
+    link at ``path`` is replaced, not followed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".graph-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
