@@ -98,6 +98,8 @@ def start_preload(script_args: list[str]) -> threading.Thread:
             print(work(script_args), flush=True)
         except Exception as error:  # the app still runs: the first session then pays for what failed here
             print(f"preload failed ({type(error).__name__}: {error}); the first page will load it", flush=True)
+        finally:  # however it ended (a stand-in for preload that never got to pandas too): nothing to wait for
+            _light.set()
 
     _preload = threading.Thread(target=run, name="workbench-preload", daemon=True)
     _preload.start()

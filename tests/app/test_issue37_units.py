@@ -353,6 +353,7 @@ def test_workbench_sh_app_binds_to_localhost_and_watches_no_files_unless_told(mo
     from ui import serve
 
     seen = {}
+    monkeypatch.setattr(serve, "_preload", None)  # main starts a thread: not left behind for other tests
     monkeypatch.setattr(serve, "preload", lambda argv: "preloaded")
     monkeypatch.setattr(cli, "main", lambda: seen.setdefault("argv", list(sys.argv)) and 0)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
@@ -387,6 +388,23 @@ def test_serve_imports_streamlit_whole_before_the_preload_thread_starts():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[-1] == "[True]", out.stdout[-2000:]
+
+
+def test_wait_for_light_returns_once_a_preload_ends_however_it_ended(monkeypatch):
+    """A preload that ends without importing pandas (it failed first, or a stand-in replaced it) must not
+    leave app.py's first run waiting for ever: a later AppTest run in the same process hung there."""
+    import threading
+
+    from ui import serve
+
+    monkeypatch.setattr(serve, "_preload", None)
+    monkeypatch.setattr(serve, "_light", threading.Event())
+    monkeypatch.setattr(serve, "preload", lambda argv: "preloaded, nothing imported")
+    serve.start_preload([]).join(timeout=30)
+    waiter = threading.Thread(target=serve.wait_for_light, daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
 
 
 def test_the_preload_has_pandas_and_plotly_whole_before_torch():
