@@ -88,6 +88,18 @@ def preload(script_args: list[str]) -> str:
     return f"preloaded the app's imports and {name} in {time.perf_counter() - started:.1f} s"
 
 
+class _PreloadContextFilter:
+    """Drops Streamlit's "missing ScriptRunContext! ... bare mode" warning for the preload thread only:
+    it fills the pages' caches outside a script run on purpose, and the warning printed on every launch
+    (any other thread's warning still shows)."""
+
+    def filter(self, record) -> bool:
+        return not (record.getMessage().startswith(f"Thread '{PRELOAD_THREAD}': missing ScriptRunContext"))
+
+
+PRELOAD_THREAD = "workbench-preload"
+
+
 def start_preload(script_args: list[str]) -> threading.Thread:
     """:func:`preload` on a daemon thread; its line (or its error) is printed when it ends."""
     global _preload
@@ -101,7 +113,14 @@ def start_preload(script_args: list[str]) -> threading.Thread:
         finally:  # however it ended (a stand-in for preload that never got to pandas too): nothing to wait for
             _light.set()
 
-    _preload = threading.Thread(target=run, name="workbench-preload", daemon=True)
+    import logging
+
+    from streamlit.runtime.scriptrunner_utils import script_run_context
+
+    logger = logging.getLogger(script_run_context.__name__)
+    if not any(isinstance(f, _PreloadContextFilter) for f in logger.filters):
+        logger.addFilter(_PreloadContextFilter())
+    _preload = threading.Thread(target=run, name=PRELOAD_THREAD, daemon=True)
     _preload.start()
     return _preload
 

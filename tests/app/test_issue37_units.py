@@ -390,6 +390,33 @@ def test_serve_imports_streamlit_whole_before_the_preload_thread_starts():
     assert out.stdout.splitlines()[-1] == "[True]", out.stdout[-2000:]
 
 
+def test_workbench_sh_apps_launcher_starts_with_a_clean_terminal(tmp_path):
+    """``python -m ui.serve`` (what ./workbench.sh app runs) up to its preload's line: the server comes up,
+    and its output has no warning and no stack trace. The preload fills the pages' caches outside a
+    script run on purpose; Streamlit's "missing ScriptRunContext! ... bare mode" warning printed on
+    every launch."""
+    import time
+
+    from browser_kit import _free_port
+
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "ui.serve", "--server.headless", "true", "--server.port", str(_free_port()),
+           "--", "--checkpoints", str(REPO / "checkpoints")]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 240
+            while "preload" not in log_path.read_text() and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.2)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    out = log_path.read_text()
+    assert "preloaded the app's imports and stories-2026" in out, out[-3000:]
+    assert "Uvicorn server started" in out or "You can now view" in out, out[-3000:]
+    assert "WARNING" not in out and "Traceback" not in out and "missing ScriptRunContext" not in out, out[-3000:]
+
+
 def test_wait_for_light_returns_once_a_preload_ends_however_it_ended(monkeypatch):
     """A preload that ends without importing pandas (it failed first, or a stand-in replaced it) must not
     leave app.py's first run waiting for ever: a later AppTest run in the same process hung there."""
