@@ -58,9 +58,13 @@ viz.set_default_theme(None)
 st.set_page_config(page_title="Transformer workbench", page_icon="🔬", layout="wide")
 st.sidebar.title("Workbench")
 # A link can open a page: ?page=Patch (on a session's first run only; the radio rules after that).
-if "page" not in st.session_state and st.query_params.get("page") in PAGES:
-    st.session_state["page"] = st.query_params["page"]
+asked = st.query_params.get("page") if "page" not in st.session_state else None
+if asked in PAGES:
+    st.session_state["page"] = asked
 page = st.sidebar.radio("Page", list(PAGES), key="page")
+if asked is not None and asked not in PAGES:  # a mistyped or stale link: say so rather than open Inspect silently
+    st.warning(f"The link asks for a page named {asked!r}, which the app does not have; it opened {page}. "
+               f"The pages: {', '.join(PAGES)}.")
 # Streamlit forgets a widget's value on a run that does not draw it; re-setting these keys
 # keeps the checkpoint and the prompt when the user goes to another page and comes back (the
 # other pages' widgets say persist_state="session", which does the same).

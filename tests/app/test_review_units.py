@@ -223,3 +223,20 @@ def test_the_circuit_pages_english_ioi_pairs_are_ioi_prompts(real_model):
     assert (prompts.clean, prompts.corrupted, prompts.answer, prompts.wrong) == \
         (reference.clean, reference.corrupted, reference.io, reference.s)
     assert prompts.target(0) == (len(reference.clean[0]) - 1, reference.io[0], reference.s[0])
+
+
+def test_a_link_to_a_page_the_app_does_not_have_says_so(checkpoints_dir, monkeypatch):
+    """``?page=Nowhere`` opened Inspect with no word; a known page opens as before, with no warning."""
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("WORKBENCH_CHECKPOINTS", str(checkpoints_dir))
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=180)
+    at.query_params["page"] = "Nowhere"
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    said = [w.value for w in at.warning if "'Nowhere'" in w.value]
+    assert len(said) == 1 and "Inspect" in said[0] and "Graph" in said[0], [w.value for w in at.warning]
+    known = AppTest.from_file(str(REPO / "app.py"), default_timeout=180)
+    known.query_params["page"] = "Ablate"
+    known.run()
+    assert known.session_state["page"] == "Ablate" and not any("link asks" in w.value for w in known.warning)
