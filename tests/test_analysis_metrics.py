@@ -152,6 +152,34 @@ def test_the_task_answer_of_an_ioi_prompt(stories_model):
     assert task_answer(model, {}, ids) is None
 
 
+def test_an_ioi_sentence_of_a_model_without_a_task_scores_the_indirect_object_against_the_subject():
+    """A pretrained model's checkpoint names no task, so its IOI prompt got the model's top two predictions
+    (SmolLM2-135M: ' Mary' against ' the'). In byte-level BPE the answer after "to" is the spaced name."""
+    from workbench.analysis import ioi_answer
+    from workbench.tokenizer import BPETokenizer
+
+    text = ["When Mary and John went to the store, John gave a drink to Mary.",
+            "Then Alice and Bob walked to the park, and Bob handed a book to Alice."] * 50
+    tok = BPETokenizer.train(text, vocab_size=400)
+    torch.manual_seed(0)
+    model = wb.HookedDecoder(tiny(d_vocab=tok.vocab_size, n_ctx=32), tokenizer=tok).eval()
+    ids = tok.encode("When Mary and John went to the store, John gave a drink to")
+    answer, wrong, why = ioi_answer(model, ids)
+    assert (tok.token_str(answer), tok.token_str(wrong)) == (" Mary", " John") and "indirect object" in why
+    suggested = suggest_answer(model, torch.tensor([ids]), meta={})
+    assert (suggested["answer_str"], suggested["wrong_str"]) == (" Mary", " John")
+    assert "IOI sentence" in suggested["source"]
+    # the other names, the other way round
+    ids = tok.encode("Then Alice and Bob walked to the park, and Bob handed a book to")
+    assert [tok.token_str(i) for i in ioi_answer(model, ids)[:2]] == [" Alice", " Bob"]
+    # not of that shape (no "to" at the end, or one name only): the model's own top two, as before
+    for other in ("When Mary and John went to the store", "John gave a drink to"):
+        ids = tok.encode(other)
+        assert ioi_answer(model, ids) is None
+        top = suggest_answer(model, torch.tensor([ids]), meta={})
+        assert [top["answer"], top["wrong"]] == model(torch.tensor([ids]))[0, -1].topk(2).indices.tolist()
+
+
 def test_the_task_answer_of_an_induction_prompt(model):
     meta = {"task": "induction", "task_options": {"vocab": 50}}
     ids = [5, 9, 13, 2, 7, 5, 9, 13]

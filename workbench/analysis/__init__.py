@@ -70,6 +70,7 @@ from workbench.analysis.metrics import (
     logit_diff,
     lens_difference,
     pattern_difference,
+    ioi_answer,
     suggest_answer,
     task_answer,
 )
@@ -133,7 +134,7 @@ __all__ = [
     "SCORE_KINDS", "attention_change", "attention_patterns", "detection_mask", "head_scores", "repeated_random_tokens",
     "TunedLens", "compare_lenses", "logit_lens", "residual_stack", "train_tuned_lens", "tuned_lens",
     "METRIC_KINDS", "AnswerMetric", "answer_change", "answer_table", "dla_difference", "lens_difference", "logit_diff",
-    "pattern_difference", "suggest_answer", "task_answer",
+    "pattern_difference", "suggest_answer", "task_answer", "ioi_answer",
     "PATCH_SITES", "TASK_PAIRS", "PatchingPairs", "activation_patching", "attribution_patching",
     "patching_agreement", "task_pairs",
     "END", "PromptScorer",

@@ -315,21 +315,52 @@ def task_answer(model, meta: Any, ids: Sequence[int]) -> Optional[tuple[int, int
     return None
 
 
+def ioi_answer(model, ids: Sequence[int]) -> Optional[tuple[int, int, str]]:
+    """The answer of an IOI sentence in any model's own tokens: (indirect object, subject, why), or None.
+
+    For a model whose checkpoint names no task (a pretrained model): the last sentence ends with
+    "to" and names two people of the IOI name lists, one once and one twice. Each name is scored as
+    the token it would be after "to": with a leading space when the tokenizer has that single token
+    (``" Mary"`` in byte-level BPE), else as it is written in the prompt. None when a name is not one
+    token, or the prompt is not of that shape."""
+    if getattr(model, "tokenizer", None) is None:
+        return None
+    from workbench.analysis.circuits.ioi import IOI_NAMES
+    from workbench.data.stories import NAMES
+
+    ids = [int(i) for i in ids]
+    words = str_tokens(model, ids)
+    found = _ioi_names(words, set(IOI_NAMES) | set(NAMES))
+    if found is None:
+        return None
+    picked = []
+    for name in found:
+        written = ids[max(i for i, w in enumerate(words) if w.strip() == name)]  # its last token in the prompt
+        spaced = model.tokenizer.encode(" " + name)
+        picked.append(spaced[0] if len(spaced) == 1 else written)
+    labels = str_tokens(model, picked)
+    return picked[0], picked[1], f"an IOI sentence: the indirect object {labels[0]!r} against the subject {labels[1]!r}"
+
+
 @torch.no_grad()
 def suggest_answer(model, tokens: Union[str, Int[Tensor, "batch pos"]], pos: int = -1,
                    meta: Any = None) -> dict:
     """A default answer and rival for scoring position ``pos`` of a single prompt.
 
-    At the last position of a task prompt, the task's answer (``task_answer``); otherwise
-    the model's own top prediction against its second. Returns a dict: answer, wrong
-    (token ids), answer_str, wrong_str, source (one line saying where they came from).
+    At the last position of a task prompt, the task's answer (``task_answer``); at the last
+    position of an IOI sentence, the indirect object against the subject (``ioi_answer``: a
+    pretrained model's IOI prompt, which names no task); otherwise the model's own top prediction
+    against its second. Returns a dict: answer, wrong (token ids), answer_str, wrong_str, source
+    (one line saying where they came from).
     """
     tokens = as_tokens(model, tokens)
     if tokens.shape[0] != 1:
         raise ValueError(f"suggest_answer takes one prompt, got a batch of {tokens.shape[0]}")
     n_pos = tokens.shape[1]
     pos = check_index("pos", pos, n_pos, negative=True, of=f"a prompt of {n_pos} tokens")
-    found = task_answer(model, meta, tokens[0].tolist()) if pos == n_pos - 1 else None
+    found = None
+    if pos == n_pos - 1:
+        found = task_answer(model, meta, tokens[0].tolist()) or ioi_answer(model, tokens[0].tolist())
     if found is not None:
         answer, wrong, source = found
     else:
