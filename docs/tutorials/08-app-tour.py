@@ -14,7 +14,9 @@
 # %% [markdown]
 # # 8. A tour of the app
 #
-# `./workbench.sh app` is `streamlit run app.py` on the shipped checkpoints. Every page reads
+# `./workbench.sh app` runs `python -m ui.serve`: `streamlit run app.py` on the shipped checkpoints,
+# with the imports, the default checkpoint and its first page's analyses loaded while the server
+# starts (plain `.venv/bin/streamlit run app.py` works too, and pays those on the first page). Every page reads
 # widgets, calls the library and draws its tables; nothing is computed in the page. This tutorial
 # starts the app headless, opens four pages in Chromium (Debian's `/usr/bin/chromium`, driven by
 # Playwright, as the app's browser tests do) and shows what they draw on first load. Without a
@@ -55,8 +57,7 @@ url = f"http://127.0.0.1:{port}"
 server = None
 if can_drive:
     server = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
-         "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+        [sys.executable, "-m", "ui.serve", "--server.headless", "true", "--server.port", str(port)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while True:
@@ -124,5 +125,6 @@ if can_drive:
 # %% [markdown]
 # The other pages: **Steer** (directions, steering and probes), **Features** (a dictionary's
 # features), **Compare** (two checkpoints side by side), **Build & train** (every component as a
-# widget, training in the background), **Sweeps** (what `experiments/` wrote) and **Training** (a run's
-# snapshots under a step slider). `docs/reference/app.md` describes each.
+# widget, training in the background), **Sweeps** (what `experiments/` wrote), **Training** (a run's
+# snapshots under a step slider) and **Graph** (a prompt's attribution graph through a checkpoint's
+# transcoders, with QK attribution of a chosen head). `docs/reference/app.md` describes each.
