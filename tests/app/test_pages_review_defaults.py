@@ -16,6 +16,16 @@ def captions(at) -> str:
     return " | ".join(c.value for c in at.caption)
 
 
+def sidebar_then(app, name: str, page: str):
+    """The app after picking ``name`` in the sidebar (on Inspect) and then going to ``page``."""
+    at = app("Inspect")
+    at.selectbox(key="ckpt").set_value(name).run()
+    at.session_state["page"] = page
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
 def test_circuit_pairs_follow_the_checkpoint_and_remember_the_users_value_per_checkpoint(app):
     at = app("Circuit")
     assert at.selectbox(key="circuit_ckpt").value == PLANTED
@@ -38,11 +48,7 @@ def test_circuit_method_labels_are_short_and_the_help_names_each_method(app):
 
 
 def test_circuit_and_graph_open_on_the_sidebars_checkpoint_and_say_which_they_show(app):
-    at = app("Inspect")
-    at.selectbox(key="ckpt").set_value("induction-attn2l").run()
-    at.session_state["page"] = "Circuit"
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
+    at = sidebar_then(app, "induction-attn2l", "Circuit")
     assert at.selectbox(key="circuit_ckpt").value == "induction-attn2l"
     assert "own checkpoint picker" not in captions(at)
     at.selectbox(key="circuit_ckpt").set_value(PLANTED).run()  # now it differs from the sidebar's: said
@@ -54,11 +60,7 @@ def test_circuit_and_graph_open_on_the_sidebars_checkpoint_and_say_which_they_sh
 
 
 def test_graph_says_why_it_does_not_show_the_sidebars_checkpoint(app):
-    at = app("Inspect")
-    at.selectbox(key="ckpt").set_value("modular-grokking").run()
-    at.session_state["page"] = "Graph"
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
+    at = sidebar_then(app, "modular-grokking", "Graph")
     if "modular-grokking" in at.selectbox(key="graph_ckpt").options:
         pytest.skip("modular-grokking has a graph here")
     shown = at.selectbox(key="graph_ckpt").value
