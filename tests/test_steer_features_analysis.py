@@ -238,3 +238,20 @@ def test_features_behind_an_output_norm_have_no_fixed_direction(placement):
     W = per_head.W_dec.detach().view(8, 4, 8)
     expected = torch.einsum("fhd,hdm->fm", W, plain.blocks[0].attn.W_O.detach())
     assert torch.allclose(decoder_directions(plain, per_head), expected, atol=1e-6)
+
+
+def test_features_on_token_says_a_token_outside_the_vocabulary_is_not_in_it():
+    from workbench.tokenizer import CharTokenizer, WordTokenizer
+
+    words = WordTokenizer(["the", "cat", "sat", "on", "mat", "."])
+    model = wb.HookedDecoder(tiny(d_vocab=words.vocab_size), tokenizer=words).eval()
+    sae = dictionary()
+    tokens = torch.tensor([words.encode("the cat sat on the mat .")] * 3)
+    with pytest.raises(ValueError, match=r"'zzqqx' is not in this tokenizer's vocabulary \(7 tokens"):
+        an.features_on_token(model, sae, tokens, "zzqqx")
+    with pytest.raises(ValueError, match="does not occur in these 3 sequences"):  # in the vocabulary, not here
+        an.features_on_token(model, sae, tokens[:, :3], "mat")
+    chars = CharTokenizer("abc ")
+    model = wb.HookedDecoder(tiny(d_vocab=chars.vocab_size), tokenizer=chars).eval()
+    with pytest.raises(ValueError, match="'ab' is not one token of this tokenizer"):  # each character is known
+        an.features_on_token(model, sae, torch.tensor([chars.encode("abc abc")]), "ab")

@@ -132,11 +132,22 @@ def _config_widgets(d_vocab: int):
     try:
         cfg = wb.ModelConfig(d_vocab=d_vocab, seed=0, **sizes, **choices, **flags, **gemma)
     except ValueError as e:
-        st.warning(f"This combination is not a valid model: {e}")
+        st.warning(f"This combination is not a valid model: {_page_reason(e, sizes)}")
         return None
     st.caption(f"d_vocab = {d_vocab} (the task's vocabulary), d_head = {cfg.d_head}"
                + (" · attention-only: the FFN widgets are unused." if attn_only else "."))
     return cfg
+
+
+def _page_reason(error: ValueError, sizes: dict) -> str:
+    """The library's reason, in terms of this page's widgets: it has no d_head box, so the library's
+    "set d_head explicitly" (meant for library users) becomes the n_heads that divide d_model."""
+    if "set d_head explicitly" not in str(error):
+        return str(error)
+    d_model, n_heads = int(sizes["d_model"]), int(sizes["n_heads"])
+    valid = [h for h in range(1, d_model + 1) if d_model % h == 0]
+    return (f"d_model={d_model} is not divisible by n_heads={n_heads}: choose n_heads dividing d_model "
+            f"({', '.join(map(str, valid))}), or another d_model.")
 
 
 def _mla_widgets(sizes: dict) -> dict:

@@ -43,6 +43,10 @@ from workbench.planted import known_circuit
 
 METHODS = {"exact": "exact edge patching", "eap": "EAP (edge attribution patching)",
            "eap-ig": "EAP-IG (integrated gradients)", "acdc": "ACDC (greedy pruning)"}
+# The Method boxes' labels: short enough for their narrow columns (the full names above cut off there);
+# the full names are in the boxes' help and in the figures' titles.
+METHOD_LABELS = {"exact": "exact patching", "eap": "EAP", "eap-ig": "EAP-IG", "acdc": "ACDC"}
+METHOD_HELP = "; ".join(f"**{METHOD_LABELS[m]}**: {name}" for m, name in METHODS.items()) + "."
 NONE = "(none)"
 DEFAULT = "planted-iit-induction"
 # How the scoring methods (exact, EAP, EAP-IG) choose their edges; ACDC prunes at the threshold either way.
@@ -65,9 +69,15 @@ PERSISTENT = ("circuit_ckpt", "circuit_ckpt_dir", "circuit_metric", "circuit_sou
 
 def render() -> None:
     st.header("Circuit")
-    ckpt = common.checkpoint_picker("Checkpoint", key="circuit_ckpt", where=st, default=DEFAULT)
+    sidebar = common.sidebar_choice()
+    ckpt = common.checkpoint_picker("Checkpoint", key="circuit_ckpt", where=st, default=sidebar or DEFAULT)
     if ckpt is None:
         return
+    if st.session_state.get("ckpt") not in (None, ckpt.name):
+        st.caption(f"This page has its own checkpoint picker (above): it shows **{ckpt.name}**, not the sidebar's "
+                   f"**{st.session_state['ckpt']}**. It opens on the sidebar's checkpoint when one other than "
+                   f"{common.DEFAULT_CHECKPOINT} was picked there, else on {DEFAULT}, whose known circuit scores "
+                   "each method.")
     try:
         n_edges = ComputationGraph(ckpt.model).n_edges
     except ValueError as e:
@@ -95,13 +105,29 @@ def render() -> None:
         _known_circuit(ckpt, known)
 
 
+def _pairs_default(context: tuple, default: int) -> None:
+    """The Prompt pairs slider's value for this (checkpoint, prompt set): what the user set for it before,
+    else ``default``. A setdefault would keep the value of the checkpoint seen first (8 pairs of a
+    planted model on SmolLM2-135M, where 4 already take minutes)."""
+    chosen = st.session_state.setdefault("circuit_n_chosen", {})
+    if st.session_state.get("circuit_n_context") != context or "circuit_n" not in st.session_state:
+        st.session_state["circuit_n"] = chosen.get(context, default)
+        st.session_state["circuit_n_context"] = context
+
+
 def _prompts(ckpt: common.Checkpoint, sources: dict[str, str]):
     a, b, c = st.columns([3, 2, 1])
     if st.session_state.get("circuit_source") not in sources:
         st.session_state.pop("circuit_source", None)
     source = a.selectbox("Prompt set", list(sources), key="circuit_source", format_func=sources.get)
-    _defaults(circuit_n=TEXT_IOI_PAIRS if source == TEXT_IOI else 8, circuit_seed=0)
+    default = TEXT_IOI_PAIRS if source == TEXT_IOI else 8
+    _pairs_default((ckpt.key, source), default)
+    _defaults(circuit_seed=0)
     n = b.slider("Prompt pairs", 2, 64, key="circuit_n")
+    if n == default:
+        st.session_state["circuit_n_chosen"].pop((ckpt.key, source), None)
+    else:  # the user's own value for this checkpoint and prompt set
+        st.session_state["circuit_n_chosen"][(ckpt.key, source)] = n
     seed = c.number_input("Seed", 0, 10_000, key="circuit_seed")
     try:
         if source == TEXT_IOI:
@@ -165,9 +191,10 @@ def _settings(n_edges: int) -> dict:
     a, b, c, d, e, f = st.columns([3, 3, 2, 2, 3, 2])
     # EAP by default: one pass, and it keeps the top k edges (ACDC prunes at a threshold and has no k).
     _defaults(circuit_method="eap", circuit_top_k=min(TOP_K, n_edges), circuit_threshold=0.05, circuit_steps=8)
-    method = a.selectbox("Method", list(METHODS), key="circuit_method", format_func=METHODS.get)
+    method = a.selectbox("Method", list(METHODS), key="circuit_method", format_func=METHOD_LABELS.get,
+                         help=METHOD_HELP)
     other = b.selectbox("Compare with", [NONE, *METHODS], key="circuit_method_b",
-                        format_func=lambda m: METHODS.get(m, m))
+                        format_func=lambda m: METHOD_LABELS.get(m, m), help=METHOD_HELP)
     methods = [method] + ([other] if other not in (NONE, method) else [])
     top_k = None
     if methods == ["acdc"]:  # nothing to choose: ACDC keeps what survives pruning at the threshold

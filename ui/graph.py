@@ -124,7 +124,9 @@ def render() -> None:
     # First values through the session state, not as the widgets' defaults: a link sets them too, and
     # Streamlit logs a stack trace for a widget with both.
     if st.session_state.get("graph_ckpt") not in names:
-        st.session_state["graph_ckpt"] = common.DEFAULT_CHECKPOINT if common.DEFAULT_CHECKPOINT in names else names[0]
+        sidebar = common.sidebar_choice()  # the sidebar's pick, when it has a graph here
+        st.session_state["graph_ckpt"] = (sidebar if sidebar in names else common.DEFAULT_CHECKPOINT
+                                          if common.DEFAULT_CHECKPOINT in names else names[0])
     notice = st.session_state.get("graph_link_notice")
     if notice is not None and st.session_state.get("graph_ckpt") == notice[1]:  # until another checkpoint is picked
         st.warning(notice[0], icon="⚠️")
@@ -132,6 +134,11 @@ def render() -> None:
         st.session_state.setdefault(key, value)
     name = st.selectbox("Checkpoint (with transcoders, or attention-only)", names, key="graph_ckpt",
                         persist_state="session")
+    sidebar = st.session_state.get("ckpt")
+    if sidebar not in (None, name):
+        why = ("is not offered here (it has no transcoders or CLT, and is not attention-only)" if sidebar not in names
+               else "is another choice than this page's own picker")
+        st.caption(f"This page shows **{name}**: the sidebar's **{sidebar}** {why}.")
     ckpt = common.load(options[name], name=name)
     if ckpt is None:
         return

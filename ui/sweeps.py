@@ -43,7 +43,7 @@ def render() -> None:
     if not runs:
         st.info(f"No runs under `{root}` yet. Each script in `experiments/` writes one, e.g. "
                 "`python experiments/head_ablation_sweep.py --quick`; or point the app at another folder "
-                "with `streamlit run app.py -- --runs DIR` or $WORKBENCH_RUNS.")
+                "with `./workbench.sh app -- --runs DIR` or $WORKBENCH_RUNS.")
         return
     chosen = st.multiselect("Runs", list(runs), default=list(runs)[:1], key="sweeps_runs", persist_state="session")
     if not chosen:

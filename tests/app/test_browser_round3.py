@@ -143,7 +143,7 @@ def test_default_prompts_fit_the_context_and_circuit_opens_on_a_method_that_uses
     assert "Shorten the prompt" not in page_text(page)
     go_to(page, "Circuit")
     assert "ACDC" not in _value(page, "Method")
-    choose(page, "Method", "ACDC (greedy pruning)")  # ACDC alone: no "top k" to pick
+    choose(page, "Method", "ACDC")  # ACDC alone: no "top k" to pick
     assert page.locator("[data-testid=stNumberInput]", has=page.locator("label", has_text="Top k")).count() == 0
     no_exception(page)
 

@@ -27,7 +27,7 @@ from workbench.tokenizer import IdTokenizer  # noqa: F401  (pages and tests use 
 from ui.common.checkpoints import (
     ALLOW_ANY_PATH_ENV, DEFAULT_CHECKPOINT, ENV_VAR, OTHER_DIR, PERSISTENT, REPO, all_checkpoints, allow_any_path,
     checkpoint_picker, checkpoints_root, default_checkpoint, is_checkpoint, list_checkpoints, page_checkpoint,
-    path_refusal,
+    path_refusal, sidebar_choice,
 )
 from ui.common.loading import Checkpoint, LOADS, NOTICES, app_device, experiment_run, load, model_for, weights_stamp
 from ui.common.uploads import (
@@ -50,7 +50,7 @@ from ui.common.analyses import _qualified_name  # noqa: F401  (ui.training hashe
 __all__ = [
     "ALLOW_ANY_PATH_ENV", "DEFAULT_CHECKPOINT", "ENV_VAR", "OTHER_DIR", "PERSISTENT", "REPO", "all_checkpoints",
     "allow_any_path", "checkpoint_picker", "checkpoints_root", "default_checkpoint", "is_checkpoint",
-    "list_checkpoints", "page_checkpoint", "path_refusal", "Checkpoint", "LOADS", "NOTICES", "app_device",
+    "list_checkpoints", "page_checkpoint", "path_refusal", "sidebar_choice", "Checkpoint", "LOADS", "NOTICES", "app_device",
     "experiment_run", "load", "model_for", "weights_stamp", "TEMP_PREFIXES", "TempFolder", "UPLOAD_LIMIT_MB",
     "remove_stale_temp_folders", "save_upload", "upload_root", "upload_widget", "DEFAULT_PROMPT", "default_prompt",
     "encode_prompt", "PATTERN_BUDGET_BYTES", "max_prompt_tokens", "prompt_box", "prompt_ids", "METRICS", "Target", "default_target", "follow_default", "suggested",

@@ -76,7 +76,7 @@ def path_refusal(path: str, root: Optional[Path] = None, uploads: Optional[Path]
     if pretrained.is_pretrained(str(real)):  # the app's own converted folder: that one, not the cache around it
         return None
     return (f"`{path}` is outside the checkpoints folder `{root}`: this server opens only folders under it, or "
-            "an upload. To open any folder, start the app with `streamlit run app.py -- --allow-any-path` "
+            "an upload. To open any folder, start the app with `./workbench.sh app -- --allow-any-path` "
             f"(or ${ALLOW_ANY_PATH_ENV}=1), on a machine only you can reach.")
 
 
@@ -106,6 +106,13 @@ def default_checkpoint(options: list[str]) -> Optional[str]:
     if DEFAULT_CHECKPOINT in options:
         return DEFAULT_CHECKPOINT
     return options[0] if options else None
+
+
+def sidebar_choice() -> Optional[str]:
+    """The sidebar's checkpoint when the user picked one there other than the shipped default (and not
+    "Another directory…"), else None. Circuit and Graph, which have their own pickers, open on it."""
+    chosen = st.session_state.get("ckpt")
+    return chosen if chosen not in (None, DEFAULT_CHECKPOINT, OTHER_DIR) else None
 
 
 def page_checkpoint(title: str) -> Optional[Checkpoint]:

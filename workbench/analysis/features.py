@@ -310,7 +310,7 @@ def features_on_token(model, sae, dataset: Dataset, token: str, n_sequences: int
         where[:, 0] = False
     occurrences = int(where.sum())
     if occurrences == 0:
-        raise ValueError(f"the token {want!r} does not occur in these {len(tokens)} sequences")
+        raise ValueError(_absent_token(getattr(model, "tokenizer", None), want, len(tokens)))
     acts = feature_activations(model, sae, tokens)[where]  # [occurrences, d_sae]
     fires = (acts > 0).sum(0)
     mean = acts.sum(0) / fires.clamp_min(1)
@@ -318,6 +318,26 @@ def features_on_token(model, sae, dataset: Dataset, token: str, n_sequences: int
                           "fraction": (fires.float() / occurrences).numpy(), "mean_activation": mean.numpy()})
     frame = frame[frame["fires"] > 0]
     return frame.sort_values(["fraction", "mean_activation"], ascending=False).reset_index(drop=True)
+
+
+def _absent_token(tokenizer, want: str, n_sequences: int) -> str:
+    """Why ``want`` was found nowhere: outside the tokenizer's vocabulary (its ``unknown_pieces``: a word
+    tokenizer's unseen word), more than one token under it, or one token these sequences lack."""
+    from workbench.tokenizer import unknown_pieces
+
+    if tokenizer is not None:
+        unknown = unknown_pieces(tokenizer, want)
+        size = getattr(tokenizer, "vocab_size", "?")
+        if unknown:
+            return (f"the token {want!r} is not in this tokenizer's vocabulary ({size} tokens; "
+                    f"{', '.join(map(repr, unknown))} would encode as its unknown token)")
+        encode = getattr(tokenizer, "encode", None)
+        if encode is not None:
+            lengths = {len(encode(text)) for text in (want, " " + want)}
+            if 1 not in lengths:  # neither alone nor after a space is it one token
+                return (f"{want!r} is not one token of this tokenizer ({size} tokens): it encodes as "
+                        f"{min(lengths)} or more; type one token as the Inspect page labels it")
+    return f"the token {want!r} does not occur in these {n_sequences} sequences"
 
 
 def feature_direction(model, sae, feature: int):
