@@ -56,11 +56,11 @@ def test_exact_patching_note_estimates_from_a_timed_forward_and_is_replaced_afte
     at.slider(key="patch_n").set_value(3).run()
     note = messages(at)
     patches = int(re.search(r"is ([\d,]+) patched forward passes", note).group(1).replace(",", ""))
-    assert f"about {patch._duration(patches * 0.25)}, an estimate from one forward" in note, note
+    assert f"up to about {patch._duration(patches * 0.25)}, an estimate from one full forward" in note, note
     assert "took 0.250 s" in note and "a minute" not in note
     at.button(key="patch_run").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert "below meanwhile" not in messages(at) and "estimate from one forward" not in messages(at)
+    assert "below meanwhile" not in messages(at) and "estimate from one full forward" not in messages(at)
     assert f"Exact patching ran {patches:,} patched forward passes" in captions(at)
 
 
