@@ -60,6 +60,11 @@ def render() -> None:
     kind = KINDS[st.radio("Kind", list(KINDS), horizontal=True, key="ablate_kind", persist_state="session")]
     with st.spinner("Drawing the reference batch that mean and resample ablations read…"):
         reference = common.reference_batch(ckpt.key, ids) if kind != "zero" else None
+    if reference is not None:
+        # a model without a task (a pretrained one) averages over shuffles of the prompt itself: say so
+        verb = "averages over" if kind == "mean" else "draws from"
+        st.caption(f"The reference text: {common.reference_source(ckpt.key, ids)}. "
+                   f"{kind.capitalize()} ablation {verb} it.")
     ablation = _choose_units(ckpt, ids, kind)
     st.subheader("What to measure")
     target = common.target_picker(ckpt, ids, key="ablate_target")

@@ -63,10 +63,17 @@ def render() -> None:
     colours = {a.name: viz.PAIR[0], b.name: viz.PAIR[1]}
     c1, c2 = st.columns(2)
     c1.metric(f"Mean loss, {a.name}", f"{loss_a['loss'].mean():.3f} nats")
+    # B minus A only when both read the same token ids: across two prompts (or two vocabularies) the
+    # difference of the losses measures the prompts as much as the models.
+    same = ids_a == ids_b
     c2.metric(f"Mean loss, {b.name}", f"{loss_b['loss'].mean():.3f} nats",
-              delta=f"{loss_b['loss'].mean() - loss_a['loss'].mean():+.3f} nats", delta_color="inverse")
+              delta=f"{loss_b['loss'].mean() - loss_a['loss'].mean():+.3f} nats" if same else None,
+              delta_color="inverse")
+    if not same:
+        st.caption(f"No difference of the losses is shown: {a.name} and {b.name} read different token ids, "
+                   "so each loss is of its own prompt.")
     st.subheader("Per-token loss")
-    if ids_a == ids_b:
+    if same:
         common.show(viz.token_loss_figure({a.name: loss_a, b.name: loss_b}, colours=colours), key="compare_loss")
     else:
         st.caption("The two models read different prompts (or split them differently), so each gets its own plot.")

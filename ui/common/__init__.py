@@ -38,7 +38,8 @@ from ui.common.prompts import (
 )
 from ui.common.targets import METRICS, Target, default_target, follow_default, suggested, target_picker, token_id
 from ui.common.analyses import Ablation, TokenRows, analysis, analysis_with_progress, one_forward
-from ui.common.lenses import LENSES, has_tuned_lens, lens_picker, lens_table, reference_batch, tuned_lens_of
+from ui.common.lenses import (LENSES, has_tuned_lens, lens_picker, lens_table, reference_batch,
+                              reference_source, tuned_lens_of)
 from ui.common.drawing import clicked_node, show, table
 from ui.common.card import config_table, model_card, param_counts, training_curve
 from ui.common.graphs import cached_graph, layer_folders, load_replacement
@@ -55,7 +56,7 @@ __all__ = [
     "remove_stale_temp_folders", "save_upload", "upload_root", "upload_widget", "DEFAULT_PROMPT", "default_prompt",
     "encode_prompt", "PATTERN_BUDGET_BYTES", "max_prompt_tokens", "prompt_box", "prompt_ids", "METRICS", "Target", "default_target", "follow_default", "suggested",
     "target_picker", "token_id", "Ablation", "TokenRows", "analysis", "analysis_with_progress", "one_forward", "LENSES",
-    "has_tuned_lens", "lens_picker", "lens_table", "reference_batch", "tuned_lens_of", "clicked_node", "show", "table",
+    "has_tuned_lens", "lens_picker", "lens_table", "reference_batch", "reference_source", "tuned_lens_of", "clicked_node", "show", "table",
     "config_table", "model_card", "param_counts", "training_curve", "cached_graph", "layer_folders", "load_replacement",
     "snapshot_series",
 ]

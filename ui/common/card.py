@@ -11,7 +11,7 @@ import streamlit as st
 import workbench as wb
 from workbench.accounting import count_model_params
 from workbench.training import read_metrics
-from ui.common import vocabulary
+from ui.common import pretrained, vocabulary
 from ui.common.drawing import show, table
 from ui.common.loading import Checkpoint
 
@@ -55,6 +55,13 @@ def config_table(cfg: wb.ModelConfig) -> pd.DataFrame:
     return pd.DataFrame({"field": list(cfg.to_dict()), "value": [str(v) for v in cfg.to_dict().values()]})
 
 
+def no_curve_message(ckpt: Checkpoint) -> str:
+    """Why the card draws no training curve, in the reader's terms (not the file that is missing)."""
+    if pretrained.is_text_model(ckpt.path, ckpt.meta if isinstance(ckpt.meta, dict) else None):
+        return f"{ckpt.name} is a pretrained model that was not trained here, so there is no training curve."
+    return "No training log was saved with this checkpoint, so there is no training curve."
+
+
 def model_card(ckpt: Checkpoint) -> None:
     """Config, parameter counts, what meta.json says, and the training curve."""
     from workbench import viz
@@ -73,7 +80,7 @@ def model_card(ckpt: Checkpoint) -> None:
         if metrics is not None:
             show(viz.loss_curves(metrics, title=f"Training curve of {ckpt.name}"), key=f"curve_{ckpt.path}")
         else:
-            st.info("This checkpoint has no metrics.csv, so there is no training curve.")
+            st.info(no_curve_message(ckpt))
     shown = {k: v for k, v in ckpt.meta.items() if k not in ("metrics",)}
     with st.expander("meta.json"):
         st.json(shown, expanded=False)

@@ -9,6 +9,7 @@ import streamlit as st
 from workbench.analysis import logit_lens, tuned_lens
 from workbench.analysis.lens import TUNED_LENS_WEIGHTS, TunedLens
 from workbench.analysis.reference import reference_batch as library_reference_batch
+from workbench.analysis.reference import reference_source as library_reference_source
 from ui.common.analyses import Ablation, analysis
 from ui.common.loading import Checkpoint, _load, app_device, weights_stamp
 
@@ -59,3 +60,10 @@ def reference_batch(key: tuple[str, int], ids: tuple[int, ...], rows: int = 16) 
     task), as tuples so it can key ``analysis``."""
     model, _, meta, _ = _load(*key, app_device())
     return tuple(tuple(row) for row in library_reference_batch(model, meta, ids, rows=rows).tolist())
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def reference_source(key: tuple[str, int], ids: tuple[int, ...], rows: int = 16) -> str:
+    """What ``reference_batch`` (same arguments) draws, in words (``workbench.analysis.reference_source``)."""
+    model, _, meta, _ = _load(*key, app_device())
+    return library_reference_source(model, meta, ids, rows=rows)

@@ -84,7 +84,7 @@ from workbench.analysis.patching import (
     task_pairs,
 )
 from workbench.analysis.per_prompt import END, PromptScorer
-from workbench.analysis.reference import reference_batch, task_from_meta
+from workbench.analysis.reference import reference_batch, reference_source, task_from_meta
 from workbench.analysis.tokens import loss_summary, residual_norms, token_loss_change, token_losses
 from workbench.analysis.shared import SharedForward, inspect_hooks, one_forward
 from workbench.analysis.directions import (
@@ -138,7 +138,7 @@ __all__ = [
     "PATCH_SITES", "TASK_PAIRS", "PatchingPairs", "activation_patching", "attribution_patching",
     "patching_agreement", "task_pairs",
     "END", "PromptScorer",
-    "reference_batch", "task_from_meta",
+    "reference_batch", "reference_source", "task_from_meta",
     "loss_summary", "residual_norms", "token_loss_change", "token_losses",
     "SharedForward", "inspect_hooks", "one_forward",
     "Direction", "edit_comparison", "model_fingerprint", "project", "read_activations", "steered_generate",

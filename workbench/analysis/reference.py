@@ -48,14 +48,30 @@ def reference_batch(model, meta: Any, ids: Sequence[int], rows: int = 16, seed: 
     if rows < 1 or n_pos < 1:
         raise ValueError(f"rows={rows} and len(ids)={n_pos} must both be at least 1")
     try:
-        task = task_from_meta(meta)
-        if task.fixed_seq_len and task.default_seq_len != n_pos:
-            raise ValueError("the task's sequences have another length")
-        batch = task.batch(rows, n_pos, step=0, split="val")
-        if tuple(batch.shape) != (rows, n_pos) or batch.min() < 0 or batch.max() >= model.cfg.d_vocab:
-            raise ValueError("the task's tokens do not fit this model")
-        return batch.long().cpu()
+        return _task_batch(model, meta, n_pos, rows)
     except (KeyError, TypeError, ValueError, OSError):  # OSError: a task's own files missing or unreadable
         gen = torch.Generator().manual_seed(seed)
         base = torch.tensor(list(ids), dtype=torch.long)
         return torch.stack([base[torch.randperm(n_pos, generator=gen)] for _ in range(rows)])
+
+
+def reference_source(model, meta: Any, ids: Sequence[int], rows: int = 16) -> str:
+    """What ``reference_batch`` (same arguments) draws, in words: the task's validation text, or
+    ``rows`` shuffles of the prompt."""
+    try:
+        _task_batch(model, meta, len(ids), rows)
+        return f"{rows} sequences of the {meta['task']!r} task's validation text"
+    except (KeyError, TypeError, ValueError, OSError):
+        return f"{rows} shuffles of the prompt itself (this model names no task whose text could be rebuilt)"
+
+
+def _task_batch(model, meta: Any, n_pos: int, rows: int) -> Int[Tensor, "rows pos"]:
+    """``rows`` validation sequences of the task ``meta`` names; ValueError (or the task's own error) when
+    it cannot be used."""
+    task = task_from_meta(meta)
+    if task.fixed_seq_len and task.default_seq_len != n_pos:
+        raise ValueError("the task's sequences have another length")
+    batch = task.batch(rows, n_pos, step=0, split="val")
+    if tuple(batch.shape) != (rows, n_pos) or batch.min() < 0 or batch.max() >= model.cfg.d_vocab:
+        raise ValueError("the task's tokens do not fit this model")
+    return batch.long().cpu()
