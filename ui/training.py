@@ -236,7 +236,7 @@ def _at_step(name: str, series, path: str, stamp: int, scores, step: int, compar
     with left:
         history = series.history
         if history.empty or "train_loss" not in history:
-            st.info(f"`{name}` has no metrics.csv, so there is no loss curve to mark the step on.")
+            st.info(f"No training log (train loss) was saved with `{name}`, so there is no loss curve to mark the step on.")
         else:
             fig = viz.loss_curves(history, title=f"Loss, step {step} marked")
             common.show(viz.mark_step(fig, step), key="training_loss")
