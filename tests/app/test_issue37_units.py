@@ -375,6 +375,13 @@ def test_the_apps_config_watches_no_files():
     assert config["server"]["fileWatcherType"] == "none" and config["server"]["address"] == "127.0.0.1"
 
 
+def _fresh_python(code: str) -> str:
+    """What ``code`` prints in a fresh interpreter started in the repository (it must exit cleanly)."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def test_serve_imports_streamlit_whole_before_the_preload_thread_starts():
     """Importing Streamlit sets up its plotly theme, and plotly looks pandas up in sys.modules: with the
     preload thread halfway through importing pandas, the server's start raised AttributeError (a
@@ -385,9 +392,7 @@ def test_serve_imports_streamlit_whole_before_the_preload_thread_starts():
             "serve.start_preload = lambda args: seen.append('streamlit.elements.plotly_chart' in sys.modules)\n"
             "try:\n    serve.main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print(seen)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines()[-1] == "[True]", out.stdout[-2000:]
+    assert _fresh_python(code).splitlines()[-1] == "[True]"
 
 
 def test_workbench_sh_apps_launcher_starts_with_a_clean_terminal(tmp_path):
@@ -443,9 +448,7 @@ def test_the_preload_has_pandas_and_plotly_whole_before_torch():
             "whole = [not getattr(sys.modules[m].__spec__, '_initializing', False) for m in ('pandas', 'plotly.io')]\n"
             "print(whole, serve._preload.is_alive())\n"
             "serve.wait_for_preload()\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines()[0] == "[True, True] True", out.stdout
+    assert _fresh_python(code).splitlines()[0] == "[True, True] True"
 
 
 # ---- 6. the first page: preloaded while the server starts, nothing heavy left for it --------------
