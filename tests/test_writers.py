@@ -254,3 +254,25 @@ def test_a_training_runs_state_is_written_through_temporary_files_of_its_own(tmp
     state = [n for n in renamed if n.startswith(".train_state")]
     assert len(state) == 2  # the second save replaced both files of the first
     assert all(f".tmp-{os.getpid()}-" in n for n in state) and len(set(state)) == 2
+
+
+def test_the_umask_is_read_without_being_set(monkeypatch, tmp_path):
+    """The mode of a file written through a function (safetensors' 0600) comes from the umask. Reading it
+    by setting it to 0 and back is process-wide: a file another thread created in that instant was
+    world-writable. On Linux it is read from /proc/self/status, never set."""
+    import sys
+
+    from workbench.overwrite import current_umask, write_atomic
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc/self/status is Linux's; elsewhere the set-and-restore fallback is used")
+    before = os.umask(0o027)
+    try:
+        calls = []
+        real = os.umask
+        monkeypatch.setattr(os, "umask", lambda mask: calls.append(mask) or real(mask))
+        assert current_umask() == 0o027
+        target = write_atomic(tmp_path / "w.bin", lambda tmp: tmp.write_bytes(b"x") and os.chmod(tmp, 0o600))
+        assert (target.stat().st_mode & 0o777) == 0o640 and calls == []
+    finally:
+        os.umask(before)

@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from workbench.config import FORMAT_VERSION, ModelConfig
-from workbench.overwrite import write_atomic
+from workbench.overwrite import current_umask, write_atomic
 
 try:
     import fcntl
@@ -341,8 +341,7 @@ def atomic_write_dir(path: Union[str, Path], write: Any, *, marker: Optional[str
             if owned_files(tmp) is None:
                 raise RuntimeError(f"internal error: the write of {path} left no {META_FILE} or {MANIFEST_FILE} marker")
             # mkdtemp makes a private (0700) directory; a checkpoint is ordinary shared data.
-            umask = os.umask(0)
-            os.umask(umask)
+            umask = current_umask()
             tmp.chmod(0o777 & ~umask)
             for f in tmp.rglob("*"):
                 f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)

@@ -57,6 +57,23 @@ def read_json_dict(path: Path) -> Optional[dict]:
     return data if isinstance(data, dict) else None
 
 
+def current_umask() -> int:
+    """The process's umask, read without setting it: ``/proc/self/status`` on Linux. ``os.umask`` can
+    only be read by setting it (to 0, then back), and the umask is the whole process's: a file another
+    thread created in that instant (the app's preload, a background training run) would be
+    world-writable. Elsewhere that set-and-restore is the fallback."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(target: Union[str, Path], data: Union[str, bytes, Callable[[Path], Any]],
                  mode: Optional[int] = None) -> Path:
     """Write ``data`` to ``target``: a new file directly, an existing one by rename (a reader sees the old
@@ -84,9 +101,7 @@ def write_atomic(target: Union[str, Path], data: Union[str, bytes, Callable[[Pat
         if callable(data):
             data(tmp)
             if mode is None:
-                umask = os.umask(0)
-                os.umask(umask)
-                mode = 0o666 & ~umask  # ordinary shared data, like checkpoints
+                mode = 0o666 & ~current_umask()  # ordinary shared data, like checkpoints
         elif isinstance(data, bytes):
             tmp.write_bytes(data)
         else:
