@@ -453,7 +453,8 @@ def _card(ckpt: common.Checkpoint, ref, nodes: pd.DataFrame, features: list[str]
     try:
         task_from_meta(ckpt.meta)
     except ValueError:
-        st.info("meta.json names no task, so there is no text to find this feature's contexts in.")
+        st.info(f"{ckpt.name} was not trained on a task of the workbench's (a pretrained model has none), so "
+                "the card has no text of its own to search for this feature's max-activating contexts.")
         return chosen
     contexts = _contexts(ckpt.key, ref, int(row["layer"]), int(row["feature"]), 64)
     if contexts.empty:
