@@ -294,14 +294,11 @@ def task_answer(model, meta: Any, ids: Sequence[int]) -> Optional[tuple[int, int
     if getattr(task, "name", None) == "stories" and getattr(model, "tokenizer", None) is not None:
         from workbench.data.stories import NAMES
 
-        found = _ioi_names(str_tokens(model, ids), set(NAMES))
+        found = _ioi_tokens(model, ids, set(NAMES))
         if found is None:
             return None
-        try:
-            io, s = (model.to_single_token(n) for n in found)
-        except ValueError:  # a vocabulary without the names: not this task's prompt after all
-            return None
-        return io, s, f"the task's answer: the indirect object {found[0]!r} against the subject {found[1]!r}"
+        io, s, labels = found
+        return io, s, f"the task's answer: the indirect object {labels[0]!r} against the subject {labels[1]!r}"
     if getattr(task, "name", None) == "induction" and len(ids) >= 2:
         last = ids[-1]
         earlier = [i for i in range(len(ids) - 1) if ids[i] == last]
@@ -328,9 +325,20 @@ def ioi_answer(model, ids: Sequence[int]) -> Optional[tuple[int, int, str]]:
     from workbench.analysis.circuits.ioi import IOI_NAMES
     from workbench.data.stories import NAMES
 
+    found = _ioi_tokens(model, ids, set(IOI_NAMES) | set(NAMES))
+    if found is None:
+        return None
+    io, s, labels = found
+    return io, s, f"an IOI sentence: the indirect object {labels[0]!r} against the subject {labels[1]!r}"
+
+
+def _ioi_tokens(model, ids: Sequence[int], names: set[str]) -> Optional[tuple[int, int, list[str]]]:
+    """(indirect object, subject, their labels) of the IOI sentence ``ids`` over ``names``, each as the token
+    it would be after "to": the spaced name when the tokenizer has it as one token, else the name's token
+    as written in the prompt; None when ``ids`` is not such a sentence."""
     ids = [int(i) for i in ids]
     words = str_tokens(model, ids)
-    found = _ioi_names(words, set(IOI_NAMES) | set(NAMES))
+    found = _ioi_names(words, names)
     if found is None:
         return None
     picked = []
@@ -338,8 +346,7 @@ def ioi_answer(model, ids: Sequence[int]) -> Optional[tuple[int, int, str]]:
         written = ids[max(i for i, w in enumerate(words) if w.strip() == name)]  # its last token in the prompt
         spaced = model.tokenizer.encode(" " + name)
         picked.append(spaced[0] if len(spaced) == 1 else written)
-    labels = str_tokens(model, picked)
-    return picked[0], picked[1], f"an IOI sentence: the indirect object {labels[0]!r} against the subject {labels[1]!r}"
+    return picked[0], picked[1], str_tokens(model, picked)
 
 
 @torch.no_grad()
