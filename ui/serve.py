@@ -46,6 +46,11 @@ def preload(script_args: list[str]) -> str:
     finally:
         _light.set()  # also on a failed import: app.py then imports them itself, and says what failed
     mark("pandas and plotly")
+    from ui import tl_import
+
+    # TransformerLens's hook points without its package's imports of datasets and transformers (1.1 s
+    # here, none of it used by the workbench): see ui/tl_import.py
+    tl_import.import_core()
     import torch
 
     from ui import (ablate, build_train, circuit, common, compare, features, graph, inspect, patch,  # noqa: F401

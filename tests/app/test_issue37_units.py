@@ -500,7 +500,7 @@ at = AppTest.from_file(os.path.join(os.getcwd(), "app.py"), default_timeout=300)
 at.run()
 assert not at.exception, [e.value for e in at.exception]
 print(json.dumps({"new": sorted(set(sys.modules) - before), "loads": list(common.LOADS.values()),
-                  "forwards": len(forwards)}))
+                  "forwards": len(forwards), "all": sorted(sys.modules)}))
 """
 
 
@@ -523,6 +523,8 @@ def test_after_the_preload_the_first_page_imports_nothing_heavy_loads_the_model_
     assert heavy == []
     assert seen["loads"] == [1]  # the default checkpoint, read once (by the preload), found by the page
     assert seen["forwards"] == 0  # every analysis of the default prompt found in the cache the page reads
+    # TransformerLens's hook points came without the package's datasets and transformers (ui/tl_import.py)
+    assert [m for m in ("datasets", "transformers", "pytest") if m in seen["all"]] == []
 
 
 def test_workbench_sh_app_byte_compiles_the_apps_modules_before_starting(tmp_path):
