@@ -105,12 +105,40 @@ class _PreloadContextFilter:
 PRELOAD_THREAD = "workbench-preload"
 
 
-def start_preload(script_args: list[str]) -> threading.Thread:
-    """:func:`preload` on a daemon thread; its line (or its error) is printed when it ends."""
+# How long the preload waits for the server to listen before it starts anyway (a start slower than this
+# is a loaded machine, where the two then share the interpreter).
+SERVER_START_WAIT = 10.0
+
+
+def server_listening() -> threading.Event:
+    """An event set once Streamlit's server listens (by its bootstrap's ``_on_server_start``, which this
+    wraps); set at once where a Streamlit version has no such hook."""
+    listening = threading.Event()
+    from streamlit.web import bootstrap
+
+    original = getattr(bootstrap, "_on_server_start", None)
+    if not callable(original):
+        listening.set()
+        return listening
+
+    def on_server_start(*args, **kwargs):
+        mark("server listening")
+        listening.set()
+        return original(*args, **kwargs)
+
+    bootstrap._on_server_start = on_server_start
+    return listening
+
+
+def start_preload(script_args: list[str], after: threading.Event | None = None) -> threading.Thread:
+    """:func:`preload` on a daemon thread, once ``after`` is set (or :data:`SERVER_START_WAIT` has passed);
+    its line (or its error) is printed when it ends."""
     global _preload
     work = preload  # bound now: the thread calls what was asked for, even if the name is rebound later
 
     def run() -> None:
+        if after is not None:
+            after.wait(SERVER_START_WAIT)
         try:
             print(work(script_args), flush=True)
         except Exception as error:  # the app still runs: the first session then pays for what failed here
@@ -182,13 +210,14 @@ def main(argv: list[str]) -> None:
     # module 'pandas'") and the server never came up. Nothing in the server's own start builds a figure.
     from streamlit.web import cli
 
-    # The preload then runs beside the server's start (Streamlit's runtime, its component scan) and the
-    # browser's loading of the page: from launch, the first page waits for the longer of the two, not
-    # their sum. Both are Python in one interpreter, so they take turns. app.py's first run sends a
-    # small figure as soon as the preload has pandas and plotly (wait_for_light), so the browser
-    # fetches and compiles plotly.js (4.7 MB) while the preload imports torch, instead of after the
-    # page's script.
-    start_preload(script_args)
+    # The preload then runs beside the browser's loading of the page: from launch, the first page waits
+    # for the longer of the two, not their sum. It starts once the server listens: beside the server's
+    # own start (both are Python in one interpreter, so they take turns) the server answered at 0.8-0.9 s
+    # instead of 0.5 s, and the page settled 0.1-0.3 s later (three starts each, 2026-12-05). app.py's
+    # first run sends a small figure as soon as the preload has pandas and plotly (wait_for_light), so
+    # the browser fetches and compiles plotly.js (4.7 MB) while the preload imports torch, instead of
+    # after the page's script.
+    start_preload(script_args, after=server_listening())
     streamlit_args = with_defaults(streamlit_args)
     sys.argv = ["streamlit", "run", str(APP), "--browser.gatherUsageStats", "false", *streamlit_args,
                 *(["--", *script_args] if script_args else [])]

@@ -14,10 +14,12 @@ checks are in test_browser_issue37.py.
 """
 
 import json
+import os
 import math
 import subprocess
 import sys
 import tomllib
+import time
 from pathlib import Path
 
 import numpy as np
@@ -389,7 +391,7 @@ def test_serve_imports_streamlit_whole_before_the_preload_thread_starts():
     preload, Streamlit (its plotly element, the theme) must already be in."""
     code = ("import sys; sys.path.insert(0, '.'); from ui import serve\n"
             "seen = []\n"
-            "serve.start_preload = lambda args: seen.append('streamlit.elements.plotly_chart' in sys.modules)\n"
+            "serve.start_preload = lambda args, after=None: seen.append('streamlit.elements.plotly_chart' in sys.modules)\n"
             "try:\n    serve.main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print(seen)\n")
     assert _fresh_python(code).splitlines()[-1] == "[True]"
@@ -408,7 +410,8 @@ def test_workbench_sh_apps_launcher_starts_with_a_clean_terminal(tmp_path):
     cmd = [sys.executable, "-m", "ui.serve", "--server.headless", "true", "--server.port", str(_free_port()),
            "--", "--checkpoints", str(REPO / "checkpoints")]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "WORKBENCH_TIMINGS": "1"})
         try:
             deadline = time.time() + 240
             while "preload" not in log_path.read_text() and proc.poll() is None and time.time() < deadline:
@@ -420,6 +423,10 @@ def test_workbench_sh_apps_launcher_starts_with_a_clean_terminal(tmp_path):
     assert "preloaded the app's imports and stories-2026" in out, out[-3000:]
     assert "Uvicorn server started" in out or "You can now view" in out, out[-3000:]
     assert "WARNING" not in out and "Traceback" not in out and "missing ScriptRunContext" not in out, out[-3000:]
+    # The preload began once the server listened: beside the server's own start, both took turns at the
+    # interpreter and the server answered later.
+    phases = [line.split()[1] for line in out.splitlines() if line.startswith("timing ")]
+    assert phases.index("server") < phases.index("pandas"), out[-3000:]
 
 
 def test_wait_for_light_returns_once_a_preload_ends_however_it_ended(monkeypatch):
@@ -459,14 +466,20 @@ def test_serve_starts_the_server_while_preloading_and_the_first_run_waits_for_th
 
     from ui import serve
 
-    release, seen = threading.Event(), {}
+    from streamlit.web import bootstrap
+
+    release, seen, listening = threading.Event(), {}, threading.Event()
 
     def slow_preload(argv):
+        seen["the server listened before the preload began"] = listening.is_set()
         release.wait(timeout=2)  # the server must start before this ends (it waited for all of it before)
         seen["preloaded"] = argv
         return "preloaded"
 
     def fake_cli():
+        time.sleep(0.3)  # the server's start: the preload waits for it
+        listening.set()
+        bootstrap._on_server_start(None)  # what Streamlit's bootstrap calls once the server listens
         seen["server started before the preload ended"] = "preloaded" not in seen
         release.set()
         serve.wait_for_preload()  # what app.py does first
@@ -476,9 +489,11 @@ def test_serve_starts_the_server_while_preloading_and_the_first_run_waits_for_th
     monkeypatch.setattr(serve, "_preload", None)
     monkeypatch.setattr(serve, "preload", slow_preload)
     monkeypatch.setattr(cli, "main", fake_cli)
+    monkeypatch.setattr(bootstrap, "_on_server_start", lambda server: None)  # serve.main wraps this
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     with pytest.raises(SystemExit):
         serve.main(["--", "--checkpoints", "x"])
+    assert seen["the server listened before the preload began"] is True
     assert seen["server started before the preload ended"] is True
     assert seen["preloaded before the script went on"] == ["--checkpoints", "x"]
     assert "serve.wait_for_preload()" in (REPO / "app.py").read_text().split("import torch")[0]
