@@ -30,6 +30,11 @@ if "_plotly_warmed" not in st.session_state:
 # a thread that started with the server: an early first session waits for it here (at once otherwise).
 serve.wait_for_preload()
 serve.mark("script start")
+from ui import tl_import  # noqa: E402
+
+# TransformerLens's hook points without its package's imports of datasets and transformers (1.1 s of a
+# first page under plain ``streamlit run``); after ui.serve's preload, or on a later run, this does nothing.
+tl_import.import_core()
 
 import torch  # noqa: E402
 

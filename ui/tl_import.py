@@ -18,8 +18,9 @@ running its ``__init__``, and a module ``__getattr__`` (PEP 562) answers a missi
   (``from transformer_lens import utils`` then raises TransformerLens' own message, as usual).
 
 So every name resolves to the same object a plain import gives (a test compares the namespaces);
-only when each is imported changes. ``python -m ui.serve`` calls it before the workbench's first
-import; the library itself imports TransformerLens the plain way.
+only when each is imported changes. ``python -m ui.serve``'s preload and app.py call it before the
+workbench's first import (the second call does nothing); the library itself imports TransformerLens the
+plain way.
 """
 
 from __future__ import annotations
@@ -118,6 +119,14 @@ def import_core() -> bool:
 
     False, with nothing changed, when TransformerLens is already imported; False after a plain
     ``import transformer_lens`` when its layout is not what this expects (a new version, say)."""
+    with _IMPORTING:  # two sessions' first runs under plain ``streamlit run``: the second waits for the first
+        return _import_core()
+
+
+_IMPORTING = threading.Lock()
+
+
+def _import_core() -> bool:
     if any(name in sys.modules for name in PACKAGES):
         return False
     before = set(sys.modules)

@@ -136,3 +136,22 @@ print(json.dumps(dict(done=done, lazy=tl_import.lazy(transformer_lens), datasets
                       bridge=transformer_lens.TransformerBridge.__name__)))
 """)
     assert out == {"done": False, "lazy": False, "datasets": True, "bridge": "TransformerBridge"}
+
+
+def test_a_first_page_under_plain_streamlit_run_leaves_out_datasets_and_transformers(checkpoints_dir):
+    """app.py makes the same core import before its pages' (plain ``streamlit run``, no preload): the first
+    Inspect run in a fresh process draws without datasets or transformers imported."""
+    code = f"""
+import json, os
+from streamlit.testing.v1 import AppTest
+os.environ["WORKBENCH_CHECKPOINTS"] = {str(checkpoints_dir)!r}
+at = AppTest.from_file(os.path.join(os.getcwd(), "app.py"), default_timeout=300)
+at.run()
+assert not at.exception, [e.value for e in at.exception]
+import transformer_lens
+print(json.dumps(dict(heavy=[m for m in {HEAVY!r} if m in sys.modules], figures=len(at.get("plotly_chart")),
+                      lazy=__import__("ui.tl_import").tl_import.lazy(transformer_lens))))
+"""
+    out = _run(code)
+    assert out["heavy"] == [] and out["lazy"]
+    assert out["figures"] >= 5  # the page drew its figures
