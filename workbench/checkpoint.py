@@ -617,9 +617,10 @@ def _load_once(path: Path, device: torch.device, dtype: torch.dtype, *, fold_ln:
     load_dtype = torch.float32 if processing else dtype
     # On the CPU a tensor already in the file's dtype is the file's mapped pages, not a new allocation.
     mapped = frozenset(k for k in source.names() if device.type == "cpu" and source.dtype(k) == load_dtype)
+    shaped = []  # the model the check builds on the meta device, made the loaded one below
     expected = check_config_matches_weights(path, cfg, {k: source.shape(k) for k in source.names()},
-                                            load_dtype, device, mapped)
-    model = unfilled_model(cfg)  # only now: the sizes are those of the file, and they fit
+                                            load_dtype, device, mapped, shaped)
+    model = unfilled_model(cfg, shaped[0])  # only now: the sizes are those of the file, and they fit
     not_finite: list[str] = []
 
     wide = float32_weights(model)  # DeepSeek's router: float32 whatever the dtype
@@ -648,10 +649,12 @@ def _load_once(path: Path, device: torch.device, dtype: torch.dtype, *, fold_ln:
 
 def check_config_matches_weights(path: Path, cfg: ModelConfig, got: dict[str, tuple[int, ...]],
                                  dtype: torch.dtype, device: torch.device,
-                                 mapped: frozenset[str] = frozenset()) -> dict[str, tuple[int, ...]]:
+                                 mapped: frozenset[str] = frozenset(),
+                                 shaped: Optional[list] = None) -> dict[str, tuple[int, ...]]:
     """The state-dict shapes ``cfg`` implies, checked against the safetensors header ``got``
     (name -> shape) and against the memory free on ``device``, before anything is allocated
-    (``mapped``: tensors that will be the file's pages, not new memory).
+    (``mapped``: tensors that will be the file's pages, not new memory). ``shaped``: a list the
+    meta-device model is appended to once the checks pass, for the caller to fill (no second build).
 
     A config.json that lies about its sizes (n_layers = 10^6 beside a 2-layer file) must fail
     here with a message naming the field, not build the model it describes: the layer count and
@@ -697,6 +700,8 @@ def check_config_matches_weights(path: Path, cfg: ModelConfig, got: dict[str, tu
             f"({largest} alone {size[largest] / 2**30:.1f} GiB{', from ' + ', '.join(fields) if fields else ''}), "
             f"and {device} has {free / 2**30:.1f} GiB free: load it in a smaller dtype or on a larger machine, "
             "or fix the config if those sizes are wrong")
+    if shaped is not None:
+        shaped.append(model)
     return expected
 
 

@@ -290,7 +290,10 @@ def encode_checked(tokenizer, text: str, strict: bool = False) -> list[int]:
     return tokenizer.encode(text)
 
 
-def tokenizer_from_dict(data: dict) -> Tokenizer:
+def tokenizer_from_dict(data: dict, backend=None) -> Tokenizer:
+    """The tokenizer ``data`` (a parsed ``tokenizer.json``) describes. ``backend``: the
+    ``tokenizers.Tokenizer`` of a ``"bpe"`` or ``"hf"`` one, already parsed from the file (then
+    ``data`` need not hold its ``"tokenizer"``)."""
     kind = data.get("kind")
     if kind == "word":
         return WordTokenizer(data["words"], unk=data.get("unk", "<unk>"))
@@ -303,11 +306,11 @@ def tokenizer_from_dict(data: dict) -> Tokenizer:
     if kind == "bpe":
         from tokenizers import Tokenizer as HFTokenizer
 
-        return BPETokenizer(HFTokenizer.from_str(json.dumps(data["tokenizer"])))
+        return BPETokenizer(backend if backend is not None else HFTokenizer.from_str(json.dumps(data["tokenizer"])))
     if kind == "hf":  # the Hugging Face tokenizer of an imported model (workbench.interop)
         from workbench.interop.hf_tokenizer import HFTokenizer as ImportedTokenizer
 
-        return ImportedTokenizer.from_dict(data)
+        return ImportedTokenizer.from_dict(data, backend)
     raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds are ['bpe', 'byte', 'char', 'hf', 'ids', 'word']")
 
 
@@ -317,10 +320,57 @@ def load_tokenizer(directory: Union[str, Path]) -> Optional[Tokenizer]:
     if not path.exists():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        wrapped = _wrapped_backend(text)
+        if wrapped is not None:
+            return tokenizer_from_dict(*wrapped)
+        data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"it holds a JSON {type(data).__name__}, not an object")
         return tokenizer_from_dict(data)
     except Exception as e:  # noqa: BLE001 - a damaged file: wrong types, missing keys, an HF parse error
         raise ValueError(f"{path} is not a usable tokenizer file ({type(e).__name__}: {e}); restore the "
                          f"{TOKENIZER_FILE} saved with the model") from None
+
+
+# How save() writes a "bpe" or "hf" tokenizer.json: the kind, then the tokenizers library's own JSON
+# (1.7 MB for SmolLM2's 49,152 tokens), then the small fields of HFTokenizer.to_dict, if any.
+_WRAPPED_HEAD = re.compile(r'\{"kind": "(bpe|hf)", "tokenizer": ')
+_WRAPPED_FIELDS = frozenset({"special_tokens", "add_special_tokens"})
+_WRAPPED_TAIL = 1 << 16  # the small fields are searched for in this many characters at the end
+
+
+def _wrapped_backend(text: str):
+    """``(data, backend)`` for ``tokenizer_from_dict`` of a ``"bpe"``/``"hf"`` ``tokenizer.json`` as
+    ``save`` writes it, or None for any other text (which the caller then parses whole, as before).
+
+    The tokenizers library parses its own part straight from the file's text: parsing the whole
+    file into Python and dumping that part back to a string for the library (what loading did
+    before) took 0.1-0.3 s of opening SmolLM2, for the same tokenizer. The library's object ends at
+    a ``}, "`` that starts the small fields (or at the closing brace when there are none): the
+    first such cut whose remainder parses as those fields alone. A cut inside the library's object
+    cannot (its remainder closes more brackets than it opens), and the library's parser is strict
+    JSON and refuses trailing text, so the pieces are those ``json.loads`` of the whole file finds.
+    Anything unexpected returns None, so an odd or damaged file fails with the same message as before.
+    """
+    head = _WRAPPED_HEAD.match(text)
+    body = text.rstrip()
+    if head is None or not body.endswith("}"):
+        return None
+    inner, rest = body[head.end():-1], {}
+    start = max(head.end(), len(body) - _WRAPPED_TAIL)
+    for cut in (m.start() for m in re.finditer(r'\}, "', body[start:])):
+        try:
+            fields = json.loads("{" + body[start + cut + 3:])
+        except ValueError:
+            continue
+        if isinstance(fields, dict) and set(fields) <= _WRAPPED_FIELDS:
+            inner, rest = body[head.end():start + cut + 1], fields
+            break
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        backend = HFTokenizer.from_str(inner)
+    except Exception:  # noqa: BLE001 - not this layout after all: the whole-file parse reports what is wrong
+        return None
+    return {"kind": head.group(1), **rest}, backend

@@ -87,11 +87,13 @@ class HFTokenizer(BPETokenizer):
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "HFTokenizer":
+    def from_dict(cls, data: dict, backend: Any = None) -> "HFTokenizer":
+        """The tokenizer a ``to_dict`` describes; ``backend``: its ``tokenizers.Tokenizer``, already
+        parsed from the file (``workbench.tokenizer.load_tokenizer``), instead of ``data["tokenizer"]``."""
         from tokenizers import Tokenizer
 
         return cls(
-            Tokenizer.from_str(json.dumps(data["tokenizer"])),
+            backend if backend is not None else Tokenizer.from_str(json.dumps(data["tokenizer"])),
             data.get("special_tokens", {}),
             data.get("add_special_tokens", True),
         )
