@@ -109,3 +109,35 @@ def test_a_meta_model_computes_rope_frequencies_off_the_meta_device(scaling):
     assert meta_pows == []
     freqs = [b for n, b in model.named_buffers() if n.endswith("inv_freq")]
     assert freqs and all(f.is_meta and f.shape == rope_inv_freq(cfg)[0].shape for f in freqs)
+
+
+def test_a_meta_model_computes_the_sinusoidal_table_off_the_meta_device():
+    """As RoPE's frequencies: the table of a sinusoidal model built on the meta device (every checkpoint
+    load checks the file against one) is computed on the CPU, and only ``.to('meta')`` makes a meta table
+    (a meta-device ``arange`` first in a process imported torch's meta kernels: 2-3 s of a load). The CPU
+    table is Vaswani et al.'s formula, computed here with numpy."""
+    import numpy as np
+    from torch.overrides import TorchFunctionMode
+
+    from workbench.components.positional import SinusoidalPositions
+
+    cfg = wb.ModelConfig(d_vocab=50, d_model=10, n_layers=1, n_heads=2, n_ctx=12, positional="sinusoidal")
+    meta_ops = []
+
+    class MetaOps(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.is_meta:
+                meta_ops.append(getattr(func, "__name__", str(func)))
+            return out
+
+    with torch.device("meta"), MetaOps():
+        meta = SinusoidalPositions(cfg)
+    # torch.get_default_device() makes an empty tensor to read the device: the only other meta output
+    assert [op for op in meta_ops if op != "tensor"] == ["to"]
+    assert meta.W_pos.is_meta and meta.W_pos.shape == (12, 10)
+    pos, i = np.arange(12)[:, None], np.arange(0, 10, 2)[None, :]
+    angle = pos / 10000 ** (i / 10)
+    expected = np.zeros((12, 10))
+    expected[:, 0::2], expected[:, 1::2] = np.sin(angle), np.cos(angle)
+    assert np.allclose(SinusoidalPositions(cfg).W_pos.numpy(), expected, atol=1e-6)

@@ -37,6 +37,23 @@ class LearnedPositions(nn.Module):
         return pos.unsqueeze(0).expand(tokens.shape[0], -1, -1)
 
 
+def sinusoidal_table(n_ctx: int, d_model: int) -> Tensor:
+    """[n_ctx, d_model]: sin of each position times each frequency on even dims, cos on odd dims.
+
+    On the meta device (a model built for its shapes: every checkpoint load checks the file against
+    one) the table is computed on the CPU and only its shape goes there, as ``rope_inv_freq`` does:
+    the first meta-device ``arange`` of a process imports torch's meta kernels, 2-3 s of a load."""
+    if torch.get_default_device().type == "meta":
+        with torch.device("cpu"):
+            return sinusoidal_table(n_ctx, d_model).to("meta")
+    pos = torch.arange(n_ctx, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(n_ctx, d_model)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)[:, : d_model // 2]
+    return table
+
+
 class SinusoidalPositions(nn.Module):
     """Vaswani et al. (2017): sin on even dims, cos on odd dims; nothing learned."""
 
@@ -44,12 +61,7 @@ class SinusoidalPositions(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        pos = torch.arange(cfg.n_ctx, dtype=torch.float32)[:, None]
-        freq = torch.exp(torch.arange(0, cfg.d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / cfg.d_model))
-        table = torch.zeros(cfg.n_ctx, cfg.d_model)
-        table[:, 0::2] = torch.sin(pos * freq)
-        table[:, 1::2] = torch.cos(pos * freq)[:, : cfg.d_model // 2]
-        self.register_buffer("W_pos", table, persistent=False)
+        self.register_buffer("W_pos", sinusoidal_table(cfg.n_ctx, cfg.d_model), persistent=False)
 
     forward = LearnedPositions.forward
 
