@@ -209,3 +209,28 @@ def test_a_qk_context_answers_again_once_the_old_weights_are_back():
     again = wb.analysis.qk_attribution(graph, 1, 0, 7, 3, exact=1, context=ctx)
     torch.testing.assert_close(torch.tensor(again["contribution"].to_numpy()),
                                torch.tensor(before["contribution"].to_numpy()), atol=0, rtol=0)
+
+
+def test_the_weights_check_does_not_depend_on_the_thread_count():
+    """The weights' signature summed each parameter in float64 across threads: with another
+    torch.set_num_threads its last bits moved, and an untouched graph refused to run ("weights
+    changed"). Its partial sums are now one thread's each, added exactly."""
+    threads = torch.get_num_threads()
+    from factories import tiny
+
+    model = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=4000, d_model=256, norm="rmsnorm", positional="rope")).eval()
+    tcs = _transcoders(model)
+    try:
+        torch.set_num_threads(1)
+        graph = attribution_graph(model, tcs, _tokens(8), max_n_logits=1, max_feature_nodes=6)
+        ctx = QKContext(graph)
+        for n in (2, 3, 4):
+            torch.set_num_threads(n)
+            graph.intervene([])
+            wb.analysis.qk_attribution(graph, 1, 0, 6, 2, exact=0, context=ctx)
+        with torch.no_grad():
+            model.embed.W_E.data[3999, 255] += 1e-3  # one value of the largest tensor (1M values), under 4 threads
+        with pytest.raises(ValueError, match="weights changed"):
+            graph.intervene([])
+    finally:
+        torch.set_num_threads(threads)
