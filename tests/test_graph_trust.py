@@ -218,11 +218,11 @@ def test_the_weights_check_does_not_depend_on_the_thread_count():
     threads = torch.get_num_threads()
     from factories import tiny
 
-    model = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=4000, d_model=256, norm="rmsnorm", positional="rope")).eval()
+    model = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=8000, d_model=128, norm="rmsnorm", positional="rope")).eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # ids the prompt never reads, of magnitudes 2^-60 to 2^0: a float64 sum's rounding shows
-        spread = torch.randint(-60, 1, (3960, 256), generator=g).float()
-        model.embed.W_E[40:] = torch.randn(3960, 256, generator=g) * torch.exp2(spread)
+        spread = torch.randint(-60, 1, (7960, 128), generator=g).float()
+        model.embed.W_E[40:] = torch.randn(7960, 128, generator=g) * torch.exp2(spread)
     tcs = _transcoders(model)
     try:
         torch.set_num_threads(1)
@@ -233,7 +233,7 @@ def test_the_weights_check_does_not_depend_on_the_thread_count():
             graph.intervene([])
             wb.analysis.qk_attribution(graph, 1, 0, 6, 2, exact=0, context=ctx)
         with torch.no_grad():
-            model.embed.W_E.data[20, 255] += 1e-3  # one value of the largest tensor (1M values), under 4 threads
+            model.embed.W_E.data[20, 127] += 1e-3  # one value of the largest tensor (1M values), under 4 threads
         with pytest.raises(ValueError, match="weights changed"):
             graph.intervene([])
     finally:
