@@ -19,10 +19,19 @@ an unhooked forward takes, so a result can differ from the same analysis run alo
 bits of float32 (well under 1e-5 on the shipped checkpoints and on SmolLM2; the tests compare).
 Hooks attached to the model (ablations, steering) act on the one run as on any; do not attach
 or remove any between two analyses that share it.
+
+Weights changed between two analyses are seen where a cheap check can see them: before answering,
+the stand-in compares every parameter's and buffer's identity, dtype, device, shape, storage
+address and version counter with the run's, and runs again when any differs (a
+``load_state_dict``, a cast such as ``model.double()``, a move, ``param.data = ...``, an in-place
+op on a parameter, an optimizer step). An in-place edit through ``.data`` (``p.data.mul_(2)``) bumps
+no version counter and is not seen: only a pass over every weight would see it, as long as the
+forward this saves. After such an edit, make a new ``one_forward``.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterable, Optional
 
 import torch
@@ -51,6 +60,7 @@ class SharedForward:
         self.names = frozenset(names)
         self.forwards = 0
         self._run: Optional[tuple[Tensor, dict]] = None
+        self._stamp: Optional[tuple] = None  # _weights_stamp(model) right after the run
 
     def __getattr__(self, name: str) -> Any:  # only what this object lacks: everything but the forwards
         return getattr(self.model, name)
@@ -71,9 +81,10 @@ class SharedForward:
                 and input.device == self.tokens.device and torch.equal(input, self.tokens))
 
     def _the_run(self) -> tuple[Tensor, dict]:
-        if self._run is None:
+        if self._run is None or _weights_stamp(self.model) != self._stamp:
             logits, cache = self.model.run_with_cache(self.tokens, names_filter=lambda name: name in self.names)
             self._run = (logits, dict(cache.cache_dict))
+            self._stamp = _weights_stamp(self.model)  # after the run: a buffer it fills lazily is not an edit
             self.forwards += 1
         return self._run
 
@@ -97,6 +108,14 @@ class SharedForward:
         cache = WorkbenchCache({name: stored[name].clone() for name in wanted}, self.model, has_batch_dim=True)
         cache.attention_mask = self.model._mask_of((input,), {})  # as the model's own run_with_cache sets it
         return logits.clone(), cache
+
+
+def _weights_stamp(model) -> tuple:
+    """Every parameter's and buffer's (id, dtype, device, shape, storage address, version counter): no
+    pass over the values (a few microseconds a tensor), so blind to in-place ``.data`` edits."""
+    # an inference tensor (made under torch.inference_mode) has no version counter to read
+    return tuple((id(t), t.dtype, t.device, t.shape, t.data_ptr(), None if t.is_inference() else t._version)
+                 for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def one_forward(model, tokens: Tensor, names: Iterable[str]) -> SharedForward:
