@@ -31,7 +31,6 @@ forward this saves. After such an edit, make a new ``one_forward``.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Iterable, Optional
 
 import torch
@@ -39,6 +38,7 @@ from torch import Tensor
 
 from workbench.cache import WorkbenchCache
 from workbench.padding import TokenBatch
+from workbench.utils import weights_stamp
 
 
 class SharedForward:
@@ -60,7 +60,7 @@ class SharedForward:
         self.names = frozenset(names)
         self.forwards = 0
         self._run: Optional[tuple[Tensor, dict]] = None
-        self._stamp: Optional[tuple] = None  # _weights_stamp(model) right after the run
+        self._stamp: Optional[tuple] = None  # weights_stamp(model) right after the run
 
     def __getattr__(self, name: str) -> Any:  # only what this object lacks: everything but the forwards
         return getattr(self.model, name)
@@ -81,10 +81,10 @@ class SharedForward:
                 and input.device == self.tokens.device and torch.equal(input, self.tokens))
 
     def _the_run(self) -> tuple[Tensor, dict]:
-        if self._run is None or _weights_stamp(self.model) != self._stamp:
+        if self._run is None or weights_stamp(self.model) != self._stamp:
             logits, cache = self.model.run_with_cache(self.tokens, names_filter=lambda name: name in self.names)
             self._run = (logits, dict(cache.cache_dict))
-            self._stamp = _weights_stamp(self.model)  # after the run: a buffer it fills lazily is not an edit
+            self._stamp = weights_stamp(self.model)  # after the run: a buffer it fills lazily is not an edit
             self.forwards += 1
         return self._run
 
@@ -108,14 +108,6 @@ class SharedForward:
         cache = WorkbenchCache({name: stored[name].clone() for name in wanted}, self.model, has_batch_dim=True)
         cache.attention_mask = self.model._mask_of((input,), {})  # as the model's own run_with_cache sets it
         return logits.clone(), cache
-
-
-def _weights_stamp(model) -> tuple:
-    """Every parameter's and buffer's (id, dtype, device, shape, storage address, version counter): no
-    pass over the values (a few microseconds a tensor), so blind to in-place ``.data`` edits."""
-    # an inference tensor (made under torch.inference_mode) has no version counter to read
-    return tuple((id(t), t.dtype, t.device, t.shape, t.data_ptr(), None if t.is_inference() else t._version)
-                 for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def one_forward(model, tokens: Tensor, names: Iterable[str]) -> SharedForward:

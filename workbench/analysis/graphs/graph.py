@@ -17,7 +17,6 @@ the share of the logits' input that reaches it along all paths.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
@@ -117,38 +116,13 @@ def collapse_frames(nodes, edges, groups: dict[str, Sequence[str]]):
     return out, moved.groupby(["source", "target"], as_index=False)["weight"].sum()
 
 
-_ROW = 4096  # elements per partial sum in _weights_signature
-
-
-def _sums(p: Tensor) -> tuple[float, float]:
-    """(sum, sum of squares) of a tensor's values: partial sums of ``_ROW`` elements each in float32
-    (float64 for a float64 tensor), then added exactly (``math.fsum``).
-
-    Each partial sum is one row of one reduction, made by one thread in a fixed order, and fsum's
-    result does not depend on the order of its terms: the same values give the same two numbers
-    whatever ``torch.set_num_threads`` says. A float64 sum over the whole tensor (what this was) is
-    split among threads above 32,768 elements, and changed in its last bits when their number did,
-    which would read as an edit; it was also about 3x slower (0.45 s a pass over SmolLM2-135M's
-    weights on one thread of a busy 2-core machine, against 0.1 s). A change of one weight moves
-    its row's partial sum by that change: one float32 ulp of a row sum is about 1e-7 at this
-    scale."""
-    acc = torch.float64 if p.dtype == torch.float64 else torch.float32
-    flat = p.detach().reshape(-1)
-    cut = flat.numel() - flat.numel() % _ROW
-    rows, tail = flat[:cut].view(-1, _ROW), flat[cut:].double()
-    sums = rows.sum(1, dtype=acc).tolist() + tail.tolist()
-    squares = torch.linalg.vector_norm(rows, dim=1, dtype=acc).double().square().tolist() + tail.square().tolist()
-    return math.fsum(sums), math.fsum(squares)
-
-
 def _weights_signature(model, rs) -> tuple:
-    """Every parameter's dtype, device, shape, sum and sum of squares (``_sums``: one pass, no copy,
-    the same whatever the thread count) of the model and of the transcoders behind ``rs``: what
+    """``workbench.utils.weights_signature`` of the model and of the transcoders behind ``rs``: what
     ``Graph._bound`` and a reused ``QKContext`` compare to notice an edit, ``.data`` edits included
     (they bump no version counter, so nothing cheaper sees them)."""
-    with torch.no_grad():
-        return tuple((p.dtype, str(p.device), tuple(p.shape), *_sums(p))
-                     for m in (model, rs) for p in m.parameters())
+    from workbench.utils import weights_signature
+
+    return weights_signature(model, rs)
 
 
 @dataclass(frozen=True)
