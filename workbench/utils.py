@@ -187,7 +187,7 @@ def check_path(path: Union[str, Path], what: str = "path") -> Path:
 _ROW = 4096  # elements per partial sum in weights_signature
 
 
-def _sums(p: Tensor) -> tuple[float, float]:
+def _sums(p: Tensor) -> tuple[Union[float, str], Union[float, str]]:
     """(sum, sum of squares) of a tensor's values: partial sums of ``_ROW`` elements each in float32
     (float64 for a float64 tensor), then added exactly (``math.fsum``).
 
@@ -195,17 +195,26 @@ def _sums(p: Tensor) -> tuple[float, float]:
     result does not depend on the order of its terms: the same values give the same two numbers
     whatever ``torch.set_num_threads`` says. A float64 sum over the whole tensor (what graphs compared before) is
     split among threads above 32,768 elements, and changed in its last bits when their number did,
-    which would read as an edit; it was also about 3x slower (0.45 s a pass over SmolLM2-135M's
-    weights on one thread of a busy 2-core machine, against 0.1 s). A change of one weight moves
-    its row's partial sum by that change: one float32 ulp of a row sum is about 1e-7 at this
-    scale."""
+    which would read as an edit; it was also about 3x slower (0.45-0.65 s a pass over SmolLM2-135M's
+    weights on one thread of a busy 2-core machine, against 0.16-0.18 s). A change of one weight
+    moves its row's partial sum by that change: one float32 ulp of a row sum is about 1e-7 at this
+    scale. A tensor holding NaN or inf gives a string (NaN never equals itself: the same weights
+    would read as changed)."""
     acc = torch.float64 if p.dtype == torch.float64 else torch.float32
     flat = p.detach().reshape(-1)
     cut = flat.numel() - flat.numel() % _ROW
     rows, tail = flat[:cut].view(-1, _ROW), flat[cut:].double()
     sums = rows.sum(1, dtype=acc).tolist() + tail.tolist()
     squares = torch.linalg.vector_norm(rows, dim=1, dtype=acc).double().square().tolist() + tail.square().tolist()
-    return math.fsum(sums), math.fsum(squares)
+    return _exact_sum(sums), _exact_sum(squares)
+
+
+def _exact_sum(values: list) -> Union[float, str]:
+    try:
+        total = math.fsum(values)
+    except (ValueError, OverflowError):  # inf and -inf among the terms, or a finite sum past float64
+        return "not finite"
+    return total if math.isfinite(total) else "not finite"
 
 
 def weights_signature(*modules) -> tuple:
