@@ -72,3 +72,16 @@ def test_the_algorithms_given_a_runner_see_data_edits():
     model.blocks[0].attn.W_O.data.mul_(-1.0)  # the old weights back: the runner answers again
     runner.check_weights(full=True)
     assert len(edge_effects(runner, _metric, [0, 1])) == 2
+
+
+def test_broken_weights_do_not_read_as_changed():
+    """NaN never equals itself: a signature holding one made the same weights read as changed."""
+    model = _model()
+    with torch.no_grad():
+        model.blocks[1].mlp.W_out[0, 0] = float("nan")
+        model.blocks[1].mlp.W_in[0, 0] = float("inf")
+    runner = EdgeRunner(model, _pair())
+    runner.check_weights(full=True)
+    model.blocks[0].attn.W_O.data.mul_(-1.0)  # a finite tensor edited: still seen
+    with pytest.raises(ValueError, match="weights changed"):
+        runner.check_weights(full=True)
