@@ -327,3 +327,28 @@ def test_run_with_hooks_runs_compiled_and_a_head_sweep_shares_one_graph():
             assert (a - eager(x)).abs().max() > 1e-4, "the ablation changed nothing"
             seen.append(compile_counters()["graphs"])
     assert seen[0] >= 1 and seen[1:] == [seen[0]] * 3, f"graphs traced after each head: {seen}"
+
+
+@pytest.mark.parametrize("change", ["data edit", "load_state_dict", "double"])
+def test_a_compiled_model_reads_its_weights_as_they_are_now(change):
+    """model.compile() traces the parameters as inputs of its graph, not as constants (aot_eager: the
+    graph inductor is given; inductor's ``freezing`` option, off by default, would fold them in): a
+    ``.data`` edit (no version bump), a load or a cast after the first compiled call is in the next one."""
+    eager, compiled = pair(backend="aot_eager", n_kv_heads=2, positional="rope", norm="rmsnorm")
+    x = tokens()
+    with torch.no_grad():
+        before = compiled(x)
+        for m in (eager, compiled):
+            if change == "data edit":
+                m.blocks[0].attn.W_Q.data.mul_(-1.5)
+                m.blocks[1].mlp.W_in.data.add_(0.1)
+            elif change == "load_state_dict":
+                m.load_state_dict(wb.HookedDecoder(tiny(n_kv_heads=2, positional="rope", norm="rmsnorm",
+                                                        seed=3)).state_dict())
+            else:
+                m.double()
+        after, expected = compiled(x), eager(x)
+    assert after.dtype == expected.dtype
+    close(expected, after, change)
+    if change != "double":
+        assert (before - expected).abs().max() > 1e-3  # the change does move the logits

@@ -46,6 +46,23 @@ def test_indivisible_heads_and_bad_combinations():
         tiny(ffn="moe", n_experts=2, experts_per_token=3)
 
 
+def test_a_refusal_names_its_field_as_an_attribute():
+    """A ConfigError (a ValueError) carries the field to change, so a caller (the app's Build & train
+    page) need not match the message's wording; the message is unchanged."""
+    from workbench.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        wb.ModelConfig(d_model=130, n_layers=1, n_heads=4, d_vocab=10, n_ctx=8)
+    assert isinstance(info.value, ValueError)
+    assert info.value.field == "d_head" and info.value.fields == ("d_head", "d_model", "n_heads")
+    assert str(info.value) == ("d_model=130 is not divisible by n_heads=4: set d_head explicitly or choose n_heads "
+                               "dividing d_model")
+    assert wb.ModelConfig(d_model=130, n_layers=1, n_heads=4, d_head=32, d_vocab=10, n_ctx=8).d_head == 32
+    with pytest.raises(ConfigError, match="must divide n_heads=4") as info:
+        tiny(n_heads=4, n_kv_heads=3)
+    assert info.value.field == "n_kv_heads" and info.value.fields == ("n_kv_heads", "n_heads")
+
+
 def test_json_round_trip(tmp_path):
     cfg = tiny(norm="rmsnorm", positional="rope", n_kv_heads=2, ffn="swiglu", tie_embeddings=False)
     assert wb.ModelConfig.from_json(cfg.to_json()) == cfg

@@ -15,7 +15,7 @@ from test_graphs import _clt, _model, _transcoders
 import workbench as wb
 from workbench.analysis.graphs import Graph, attribution_graph
 from workbench.analysis.graphs.checks import UnverifiedGraphWarning
-from workbench.analysis.graphs.qk import QKContext
+from workbench.analysis.graphs.qk import QKContext, qk_table
 from workbench.analysis.splice import DictionaryMismatchWarning
 from workbench.checkpoint import model_fingerprint
 
@@ -149,3 +149,92 @@ def test_the_edge_store_has_a_ceiling_when_it_spills(tmp_path, monkeypatch):
     monkeypatch.setattr(attribute, "_capacity", lambda *args: graph.n_edges // 2)
     with pytest.raises(RuntimeError, match=f"ceiling of {graph.n_edges // 2}"):
         attribution_graph(model, tcs, _tokens(7), max_n_logits=2, spill_dir=tmp_path / "b", edge_chunk=64)
+
+
+def _change(model, tcs, how: str) -> None:
+    """One of the ways a user changes weights in place after a QK context was made."""
+    with torch.no_grad():
+        if how == "model .data":  # bumps no version counter
+            model.blocks[0].attn.W_Q.data.mul_(-2.0)
+        elif how == "transcoder .data":
+            tcs[0].W_dec.data.mul_(3.0)
+        elif how == "load_state_dict":
+            model.load_state_dict(_model(norm="rmsnorm", positional="rope", seed=7).state_dict())
+        elif how == "double":
+            model.double()
+            for tc in tcs:
+                tc.double()
+
+
+@pytest.mark.parametrize("how", ["model .data", "transcoder .data", "load_state_dict", "double"])
+def test_a_qk_context_refuses_weights_changed_since_it_was_made(how):
+    """A context passed as context= was checked against the graph's prompt and fingerprint only: after an
+    edit it answered with its clean run of the old weights (the old score) where the model now scores
+    otherwise. Now every call given it re-checks the weights, as the graph's own runs do."""
+    model, tcs = _setup()
+    tokens = _tokens(6, 8)
+    graph = attribution_graph(model, tcs, tokens, max_n_logits=1, max_feature_nodes=6)
+    ctx = QKContext(graph)
+    before = wb.analysis.qk_attribution(graph, 1, 0, 7, 3, exact=1, context=ctx)
+    _change(model, tcs, how)
+
+    # the independent reference: a graph made afresh from the changed weights, and the model's own score
+    fresh = attribution_graph(model, tcs, tokens, max_n_logits=1, max_feature_nodes=6)
+    after = wb.analysis.qk_attribution(fresh, 1, 0, 7, 3, exact=1)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens.to(model.device))
+    live = float(cache["blocks.1.attn.hook_attn_scores"][0, 0, 7, 3])
+    assert after.attrs["score"] == pytest.approx(live, abs=1e-5)
+    if how in ("model .data", "load_state_dict"):  # the old context's answer is of other weights
+        assert before.attrs["score"] != pytest.approx(live, abs=1e-3)
+    for call in (lambda: wb.analysis.qk_attribution(graph, 1, 0, 7, 3, context=ctx),
+                 lambda: wb.analysis.attention_entries(graph, context=ctx),
+                 lambda: qk_table(graph, context=ctx)):
+        with pytest.raises(ValueError, match="weights changed since this QK context was made"):
+            call()
+    with pytest.raises(ValueError, match="weights changed"):  # without a context: the graph's own check
+        wb.analysis.qk_attribution(graph, 1, 0, 7, 3)
+
+
+def test_a_qk_context_answers_again_once_the_old_weights_are_back():
+    model, tcs = _setup()
+    graph = attribution_graph(model, tcs, _tokens(6, 8), max_n_logits=1, max_feature_nodes=6)
+    ctx = QKContext(graph)
+    before = wb.analysis.qk_attribution(graph, 1, 0, 7, 3, exact=1, context=ctx)
+    saved = model.blocks[0].attn.W_Q.detach().clone()
+    model.blocks[0].attn.W_Q.data.mul_(-2.0)
+    with pytest.raises(ValueError, match="weights changed"):
+        wb.analysis.qk_attribution(graph, 1, 0, 7, 3, context=ctx)
+    model.blocks[0].attn.W_Q.data.copy_(saved)
+    again = wb.analysis.qk_attribution(graph, 1, 0, 7, 3, exact=1, context=ctx)
+    torch.testing.assert_close(torch.tensor(again["contribution"].to_numpy()),
+                               torch.tensor(before["contribution"].to_numpy()), atol=0, rtol=0)
+
+
+def test_the_weights_check_does_not_depend_on_the_thread_count():
+    """The weights' signature summed each parameter in float64 across threads: with another
+    torch.set_num_threads its last bits moved, and an untouched graph refused to run ("weights
+    changed"). Its partial sums are now one thread's each, added exactly."""
+    threads = torch.get_num_threads()
+    from factories import tiny
+
+    model = wb.HookedDecoder(tiny(init_std=0.1, d_vocab=8000, d_model=128, norm="rmsnorm", positional="rope")).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # ids the prompt never reads, of magnitudes 2^-60 to 2^0: a float64 sum's rounding shows
+        spread = torch.randint(-60, 1, (7960, 128), generator=g).float()
+        model.embed.W_E[40:] = torch.randn(7960, 128, generator=g) * torch.exp2(spread)
+    tcs = _transcoders(model)
+    try:
+        torch.set_num_threads(1)
+        graph = attribution_graph(model, tcs, _tokens(8), max_n_logits=1, max_feature_nodes=6)
+        ctx = QKContext(graph)
+        for n in (2, 3, 4):
+            torch.set_num_threads(n)
+            graph.intervene([])
+            wb.analysis.qk_attribution(graph, 1, 0, 6, 2, exact=0, context=ctx)
+        with torch.no_grad():
+            model.embed.W_E.data[20, 127] += 1e-3  # one value of the largest tensor (1M values), under 4 threads
+        with pytest.raises(ValueError, match="weights changed"):
+            graph.intervene([])
+    finally:
+        torch.set_num_threads(threads)

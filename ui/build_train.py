@@ -27,8 +27,8 @@ import streamlit as st
 import workbench as wb
 from ui import common
 from workbench import viz
-from workbench.config import (AttentionChoice, FFNChoice, MoEExpertChoice, NormChoice, PlacementChoice,
-                              PositionalChoice, QKNormChoice)
+from workbench.config import (AttentionChoice, ConfigError, FFNChoice, MoEExpertChoice, NormChoice,
+                              PlacementChoice, PositionalChoice, QKNormChoice)
 from workbench.data import describe_tasks, get_task
 from workbench.accounting import training_memory_bytes
 from workbench.training import TrainConfig, train
@@ -140,9 +140,10 @@ def _config_widgets(d_vocab: int):
 
 
 def _page_reason(error: ValueError, sizes: dict) -> str:
-    """The library's reason, in terms of this page's widgets: it has no d_head box, so the library's
-    "set d_head explicitly" (meant for library users) becomes the n_heads that divide d_model."""
-    if "set d_head explicitly" not in str(error):
+    """The library's reason, in terms of this page's widgets: it has no d_head box, so a d_head the
+    library cannot derive (``ConfigError.field``, not the message's wording: "set d_head explicitly"
+    is meant for library users) becomes the n_heads that divide d_model."""
+    if not (isinstance(error, ConfigError) and error.field == "d_head"):
         return str(error)
     d_model, n_heads = int(sizes["d_model"]), int(sizes["n_heads"])
     valid = [h for h in range(1, d_model + 1) if d_model % h == 0]

@@ -28,6 +28,18 @@ QKNormChoice = Literal["none", "head", "projection"]
 AttentionChoice = Literal["mha", "mla"]
 MoERouterChoice = Literal["softmax", "sigmoid"]
 MoEGroupScoreChoice = Literal["max", "top2_sum"]
+class ConfigError(ValueError):
+    """A ModelConfig that is not a valid model, with what a caller can act on besides the message:
+    ``field``, the field to give or change (``d_head`` when it cannot be derived), and ``fields``,
+    every field the reason involves. A page with no widget for ``field`` reads these, never the
+    message's wording."""
+
+    def __init__(self, message: str, field: str, fields: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.field = field
+        self.fields = tuple(fields) or (field,)
+
+
 MLA_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 FORMAT_VERSION = 1
@@ -166,9 +178,10 @@ class ModelConfig:
             object.__setattr__(self, "d_head", self.v_head_dim)  # MLA's value head is the d_head of z and W_O
         if self.d_head is None:
             if self.d_model % self.n_heads:
-                raise ValueError(
+                raise ConfigError(
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
-                    "set d_head explicitly or choose n_heads dividing d_model"
+                    "set d_head explicitly or choose n_heads dividing d_model",
+                    field="d_head", fields=("d_head", "d_model", "n_heads"),
                 )
             object.__setattr__(self, "d_head", self.d_model // self.n_heads)
         if self.n_kv_heads is None:
@@ -185,9 +198,10 @@ class ModelConfig:
         _check_positive("n_experts", self.n_experts)
         check_int("ModelConfig.experts_per_token", self.experts_per_token, 1, self.n_experts)
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
-                "(n_kv_heads = n_heads is MHA, 1 is MQA, a divisor in between is GQA)"
+                "(n_kv_heads = n_heads is MHA, 1 is MQA, a divisor in between is GQA)",
+                field="n_kv_heads", fields=("n_kv_heads", "n_heads"),
             )
         # Only RoPE rotates: with other positions rotary_dim is inert (it still derives from d_head,
         # so an odd d_head such as d_model=100, n_heads=4 is fine until positional='rope').

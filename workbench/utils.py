@@ -181,3 +181,58 @@ def check_path(path: Union[str, Path], what: str = "path") -> Path:
         raise ValueError(f"the {what} is {len(text.encode('utf-8', 'surrogateescape'))} bytes long; file systems "
                          f"allow at most {PATH_MAX_BYTES}: use a shorter path")
     return Path(path)
+
+
+# ---- has a module changed since? ------------------------------------------------------------------
+_ROW = 4096  # elements per partial sum in weights_signature
+
+
+def _sums(p: Tensor) -> tuple[Union[float, str], Union[float, str]]:
+    """(sum, sum of squares) of a tensor's values: partial sums of ``_ROW`` elements each in float32
+    (float64 for a float64 tensor), then added exactly (``math.fsum``).
+
+    Each partial sum is one row of one reduction, made by one thread in a fixed order, and fsum's
+    result does not depend on the order of its terms: the same values give the same two numbers
+    whatever ``torch.set_num_threads`` says. A float64 sum over the whole tensor (what graphs compared before) is
+    split among threads above 32,768 elements, and changed in its last bits when their number did,
+    which would read as an edit; it was also about 3x slower (0.45-0.65 s a pass over SmolLM2-135M's
+    weights on one thread of a busy 2-core machine, against 0.16-0.18 s). A change of one weight
+    moves its row's partial sum by that change: one float32 ulp of a row sum is about 1e-7 at this
+    scale. A tensor holding NaN or inf gives a string (NaN never equals itself: the same weights
+    would read as changed)."""
+    acc = torch.float64 if p.dtype == torch.float64 else torch.float32
+    flat = p.detach().reshape(-1)
+    cut = flat.numel() - flat.numel() % _ROW
+    rows, tail = flat[:cut].view(-1, _ROW), flat[cut:].double()
+    sums = rows.sum(1, dtype=acc).tolist() + tail.tolist()
+    squares = torch.linalg.vector_norm(rows, dim=1, dtype=acc).double().square().tolist() + tail.square().tolist()
+    return _exact_sum(sums), _exact_sum(squares)
+
+
+def _exact_sum(values: list) -> Union[float, str]:
+    try:
+        total = math.fsum(values)
+    except (ValueError, OverflowError):  # inf and -inf among the terms, or a finite sum past float64
+        return "not finite"
+    return total if math.isfinite(total) else "not finite"
+
+
+def weights_signature(*modules) -> tuple:
+    """Every parameter's dtype, device, shape, sum and sum of squares (``_sums``: one pass over the
+    values, no copy of a contiguous tensor, the same whatever the thread count) of ``modules`` (anything
+    with ``parameters()``). What a cache built from the weights compares to notice an edit, ``.data``
+    edits included: those bump no version counter, so ``weights_stamp`` misses them."""
+    with torch.no_grad():
+        return tuple((p.dtype, str(p.device), tuple(p.shape), *_sums(p)) for m in modules for p in m.parameters())
+
+
+def weights_stamp(*modules) -> tuple:
+    """Every parameter's and buffer's (id, dtype, device, shape, storage address, version counter) of
+    ``modules``: no pass over the values (about a microsecond a tensor), so it sees a
+    ``load_state_dict``, a cast, a move, ``param.data = ...``, an in-place op on a parameter or an
+    optimizer step, but not an in-place edit through ``.data`` (``p.data.mul_(2)``), which bumps no
+    version counter (``weights_signature`` sees that, at the cost of a pass)."""
+    tensors = [t for m in modules for t in (*m.parameters(), *(m.buffers() if hasattr(m, "buffers") else ()))]
+    # an inference tensor (made under torch.inference_mode) has no version counter to read
+    return tuple((id(t), t.dtype, t.device, t.shape, t.data_ptr(), None if t.is_inference() else t._version)
+                 for t in tensors)

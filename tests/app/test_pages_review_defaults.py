@@ -77,6 +77,23 @@ def test_build_and_train_names_n_heads_not_a_d_head_box_it_lacks(app):
     assert "choose n_heads dividing d_model (1, 2, 5, 10, 13, 26, 65, 130)" in shown, shown
 
 
+def test_build_and_train_reads_the_errors_field_not_its_wording():
+    """The page matched the library's words "set d_head explicitly" to know it lacked a d_head box;
+    reworded, the page showed the library users' advice. It now reads ConfigError.field."""
+    from ui.build_train import _page_reason
+    from workbench.config import ConfigError
+
+    sizes = {"d_model": 130, "n_heads": 4}
+    reworded = ConfigError("d_head cannot be derived from d_model=130 and n_heads=4", field="d_head",
+                           fields=("d_head", "d_model", "n_heads"))
+    assert _page_reason(reworded, sizes) == ("d_model=130 is not divisible by n_heads=4: choose n_heads dividing "
+                                             "d_model (1, 2, 5, 10, 13, 26, 65, 130), or another d_model.")
+    quoting = ValueError("a plain error that says set d_head explicitly")  # not the library's d_head refusal
+    assert _page_reason(quoting, sizes) == str(quoting)
+    other = ConfigError("n_kv_heads=3 must divide n_heads=4", field="n_kv_heads")
+    assert _page_reason(other, sizes) == str(other)
+
+
 def test_the_launch_hints_name_the_workbench_launcher(app, tmp_path, monkeypatch):
     refusal = common.path_refusal(str(tmp_path), root=tmp_path / "ckpts", argv=[])
     assert "`./workbench.sh app -- --allow-any-path`" in refusal and "streamlit run" not in refusal

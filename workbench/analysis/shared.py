@@ -19,6 +19,14 @@ an unhooked forward takes, so a result can differ from the same analysis run alo
 bits of float32 (well under 1e-5 on the shipped checkpoints and on SmolLM2; the tests compare).
 Hooks attached to the model (ablations, steering) act on the one run as on any; do not attach
 or remove any between two analyses that share it.
+
+Weights changed between two analyses are seen where a cheap check can see them: before answering,
+the stand-in compares every parameter's and buffer's identity, dtype, device, shape, storage
+address and version counter with the run's, and runs again when any differs (a
+``load_state_dict``, a cast such as ``model.double()``, a move, ``param.data = ...``, an in-place
+op on a parameter, an optimizer step). An in-place edit through ``.data`` (``p.data.mul_(2)``) bumps
+no version counter and is not seen: only a pass over every weight would see it, as long as the
+forward this saves. After such an edit, make a new ``one_forward``.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from torch import Tensor
 
 from workbench.cache import WorkbenchCache
 from workbench.padding import TokenBatch
+from workbench.utils import weights_stamp
 
 
 class SharedForward:
@@ -51,6 +60,7 @@ class SharedForward:
         self.names = frozenset(names)
         self.forwards = 0
         self._run: Optional[tuple[Tensor, dict]] = None
+        self._stamp: Optional[tuple] = None  # weights_stamp(model) right after the run
 
     def __getattr__(self, name: str) -> Any:  # only what this object lacks: everything but the forwards
         return getattr(self.model, name)
@@ -71,9 +81,10 @@ class SharedForward:
                 and input.device == self.tokens.device and torch.equal(input, self.tokens))
 
     def _the_run(self) -> tuple[Tensor, dict]:
-        if self._run is None:
+        if self._run is None or weights_stamp(self.model) != self._stamp:
             logits, cache = self.model.run_with_cache(self.tokens, names_filter=lambda name: name in self.names)
             self._run = (logits, dict(cache.cache_dict))
+            self._stamp = weights_stamp(self.model)  # after the run: a buffer it fills lazily is not an edit
             self.forwards += 1
         return self._run
 

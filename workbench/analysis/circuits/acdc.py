@@ -51,6 +51,7 @@ def acdc(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], threshold: floa
     ``start``: a mask [senders, receivers] to prune from instead of the whole graph (its edges are
     the only ones tried; every other edge is corrupted from the start, and scores 0). On a model
     too large to try every edge, ACDC restricted to the top edges of a cheaper method's ranking."""
+    runner.check_weights(full=True)  # once, not per trial: each run checks the cheap stamp only
     g = runner.graph
     distance = distance_fn(runner, metric, kl)
     keep = g.full_mask()

@@ -37,6 +37,7 @@ from torch import Tensor
 from workbench.analysis.circuits.graph import ComputationGraph, EdgeSpec
 from workbench.analysis.common import Progress, ProgressLike, as_tokens
 from workbench.analysis.resume import needed_hooks, run_from_site
+from workbench.utils import weights_signature, weights_stamp
 
 MetricLike = Union[str, Callable[[Tensor], Tensor], None]
 
@@ -174,6 +175,13 @@ class EdgeRunner:
     ``keep`` masks are [senders, receivers] (``ComputationGraph.full_mask``, ``mask_of``): 1
     where the receiver reads the sender's value in this run, 0 where it reads the sender's
     corrupted value. Built once per prompt pair; every method reuses its caches.
+
+    Those caches are of the weights the runner was built with, so each run first compares a cheap
+    stamp of the model's tensors (``workbench.utils.weights_stamp``: a ``load_state_dict``, a cast, a
+    move, a replaced or in-place-edited parameter) and ``acdc``, ``edge_effects`` and
+    ``logit_diff_direct_effects`` also the values' signature (``weights_signature``, one pass over the
+    weights: an in-place ``.data`` edit too), and refuse with a ``ValueError`` when they differ.
+    ``check_weights(full=True)`` makes the full check on demand.
     """
 
     def __init__(self, model, ds, graph: Optional[ComputationGraph] = None):
@@ -187,6 +195,8 @@ class EdgeRunner:
             self.clean_out = _outputs(model, self.graph, self.clean_cache)
             self.corrupted_out = _outputs(model, self.graph, cache)
             del cache
+        # what check_weights compares: taken after the runs (a buffer filled lazily is not an edit)
+        self._stamp, self._signature = weights_stamp(model), weights_signature(model)
         self.delta = self.corrupted_out - self.clean_out  # what each edge's patch adds to its receiver's input
         g = self.graph
         # The stages in forward order, each with the receivers it reads for and the senders it writes.
@@ -208,6 +218,14 @@ class EdgeRunner:
             self._prefix = torch.cat([torch.zeros_like(self.clean_out[:1]), self.clean_out.cumsum(0)])
         return self._prefix
 
+    def check_weights(self, full: bool = False) -> None:
+        """A ValueError when the model's weights changed since this runner was built: the cheap stamp
+        (microseconds), and with ``full`` the values too (one pass; sees in-place ``.data`` edits)."""
+        if weights_stamp(self.model) != self._stamp or (full and weights_signature(self.model) != self._signature):
+            raise ValueError("the model's weights changed since this EdgeRunner was built (an edit, a load, a cast or "
+                             "a move): its clean and corrupted runs are of the old weights. Build it again from the "
+                             "model as it is now, or put the old weights back")
+
     # ---- metrics of the two ends -----------------------------------------------------------
     def resolve_metric(self, metric: MetricLike) -> Callable[[Tensor], Tensor]:
         """The metric function: a callable as it is, ``"kl"`` or None as ``kl_metric`` of the clean run."""
@@ -219,6 +237,7 @@ class EdgeRunner:
 
     def endpoints(self, metric: Callable[[Tensor], Tensor]) -> tuple[float, float]:
         """(metric of the clean run, metric of the corrupted run)."""
+        self.check_weights()
         with torch.no_grad():
             return float(metric_value(metric, self.clean_logits)), float(metric_value(metric, self.corrupted_logits))
 
@@ -241,6 +260,7 @@ class EdgeRunner:
               collect: Optional[list]) -> tuple[Tensor, Optional[int], int]:
         """What ``run`` and ``run_stacked`` start from: the mask on the graph's device, the first stage to
         run (None: no stage changes, the clean logits are the answer) and how many senders come before it."""
+        self.check_weights()
         g = self.graph
         keep = self._adjacency if keep is None else keep.to(self._adjacency)
         if from_stage is None:
@@ -448,6 +468,7 @@ class EdgeRunner:
         """
         g, model = self.graph, self.model
         scores = torch.zeros(len(g.senders), len(g.receivers), dtype=torch.float32, device=self.delta.device)
+        self.check_weights()
         start = (self.clean_out[0] if embed is None else embed).detach()
         entering = []  # the stream entering each stage but the last
         with torch.no_grad():
@@ -552,6 +573,7 @@ def edge_effects(runner: EdgeRunner, metric: Callable[[Tensor], Tensor], edges: 
     value, so an edge whose sender is the same in both runs leaves the clean activations
     untouched, bit for bit.
     """
+    runner.check_weights(full=True)  # once: the runs below reuse the runner's clean cache
     g, model, cache = runner.graph, runner.model, runner.clean_cache
     by_receiver: dict[int, list[int]] = defaultdict(list)
     for e in edges:

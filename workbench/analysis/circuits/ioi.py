@@ -170,6 +170,7 @@ def logit_diff_direct_effects(runner, io: Sequence[int], s: Sequence[int]) -> Te
     order), the mean over rows of logit(IO) - logit(S) at the last position when only the logits read
     that sender's corrupted value, minus the clean value. The final norm is recomputed on the patched
     stream, so each entry equals ``path_patching(model, ds, metric, sender, "logits")``'s score."""
+    runner.check_weights(full=True)
     model = runner.model
     # the ids go to the unembedding's device once: indexing a GPU matrix by CPU ids copies them each time
     io, s = (torch.as_tensor(list(ids), device=model.W_U.device) for ids in (io, s))

@@ -117,12 +117,12 @@ def collapse_frames(nodes, edges, groups: dict[str, Sequence[str]]):
 
 
 def _weights_signature(model, rs) -> tuple:
-    """Every parameter's dtype, device, sum and sum of squares (float64, one pass, no copy) of the model
-    and of the transcoders behind ``rs``: what ``Graph._bound`` compares to notice an edit."""
-    with torch.no_grad():
-        return tuple((p.dtype, str(p.device), tuple(p.shape), float(p.sum(dtype=torch.float64)),
-                      float(torch.linalg.vector_norm(p, dtype=torch.float64)))
-                     for m in (model, rs) for p in m.parameters())
+    """``workbench.utils.weights_signature`` of the model and of the transcoders behind ``rs``: what
+    ``Graph._bound`` and a reused ``QKContext`` compare to notice an edit, ``.data`` edits included
+    (they bump no version counter, so nothing cheaper sees them)."""
+    from workbench.utils import weights_signature
+
+    return weights_signature(model, rs)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def score_planted_qk(planted, n_prompts: int = 32, seed: int = 0, ratio: float =
     import pandas as pd
 
     from workbench.analysis.graphs.attribute import attribution_graph
-    from workbench.analysis.graphs.qk import QKContext, qk_attribution
+    from workbench.analysis.graphs.qk import QKContext, _attribution
 
     spec = planted.prompt_spec
     if spec.get("kind") != "repeat":
@@ -88,7 +88,7 @@ def score_planted_qk(planted, n_prompts: int = 32, seed: int = 0, ratio: float =
             layer, h = (int(x) for x in re.findall(r"\d+", head))
             for q in queries:
                 k = q - half + 1
-                frame = qk_attribution(graph, layer, h, q, k, top=None, exact=0, context=ctx)
+                frame = _attribution(ctx, layer, h, q, k, None, 0)  # ctx just made: no weight check per entry
                 found = [(_sender(*row[:4]), _sender(*row[4:])) for row in zip(
                     frame.query_kind, frame.query_unit, frame.query_layer, frame.query_index,
                     frame.key_kind, frame.key_unit, frame.key_layer, frame.key_index)]

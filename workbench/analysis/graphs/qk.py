@@ -97,6 +97,10 @@ class QKContext:
 
         self.graph = graph
         self.model, self.rs, self.cap = graph._bound()
+        # the weights' in-memory signature (Graph._bound's, which it just matched): check_weights compares it
+        # again before every reuse, since .data edits, which bump no version counter, leave every cached
+        # tensor here (the clean run, the node writes, the rotations) of the old weights
+        self.signature = graph._context[3]
         # what check_context compares with the graph a context is later given with: its prompt and, as the
         # graph it was made for recorded (bind checked the weights against it), the weights' fingerprint
         self.tokens = graph.tokens.reshape(-1).cpu().clone()
@@ -123,6 +127,18 @@ class QKContext:
         self.str_tokens = graph.str_tokens
         self._rot: dict = {}
         self._parts: dict = {}
+
+    def check_weights(self) -> None:
+        """A ValueError unless the model's and the transcoders' weights are still those this context was
+        made with: an edit (``.data`` too), a ``load_state_dict``, a cast or a device move since. One pass
+        over the weights (``Graph._bound``'s signature), made once per ``qk_attribution``,
+        ``attention_entries`` or ``qk_table`` call that is given this context."""
+        from workbench.analysis.graphs.graph import _weights_signature
+
+        if _weights_signature(self.model, self.rs) != self.signature:
+            raise ValueError("the model's or the transcoders' weights changed since this QK context was made (an "
+                             "edit, a load, a cast or a move): its clean run is of the old weights. Build the graph "
+                             "and QKContext(graph) again from the new weights, or put the old ones back")
 
     # ---- the residual stream as node writes -------------------------------------------------------
     def parts(self, layer: int, pos: int) -> _Parts:
@@ -223,12 +239,14 @@ class QKContext:
 
 
 def _context(graph, context: Optional[QKContext]) -> QKContext:
-    """``context`` once checked to be of ``graph``'s prompt and weights (a ValueError if not), or a new one."""
+    """``context`` once checked to be of ``graph``'s prompt and weights, and its weights unchanged since it
+    was made (a ValueError if not), or a new one."""
     if context is None:
         return QKContext(graph)
     from workbench.analysis.graphs.checks import check_context
 
     check_context(context, graph)
+    context.check_weights()
     return context
 
 
@@ -255,10 +273,15 @@ def qk_attribution(graph, layer: Integral, head: Integral, query_pos: Integral, 
     ``pattern_change`` for the first ``exact`` rows, NaN after. ``attrs``: ``score`` (the model's
     score, after its scale and soft-cap, before the mask), ``bilinear`` (the sum of all pairs),
     ``residual`` (score - bilinear), ``layer``, ``head``, ``query_pos``, ``key_pos``.
+    A ``context`` is re-checked against the weights on every call (``QKContext.check_weights``).
     """
+    return _attribution(_context(graph, context), layer, head, query_pos, key_pos, top, exact)
+
+
+def _attribution(ctx: QKContext, layer, head, query_pos, key_pos, top, exact):
+    """``qk_attribution`` with a context already checked (a loop over entries checks it once, before)."""
     import pandas as pd
 
-    ctx = _context(graph, context)
     model = ctx.model
     layer, head, query_pos, key_pos = _check(model, ctx.n_pos, layer, head, query_pos, key_pos)
     if top is not None and (not is_int(top) or top < 1):
@@ -351,11 +374,15 @@ def attention_entries(graph, context: Optional[QKContext] = None):
     and this is the part of the targets that flows through one key: the entries sum, over keys,
     to the head's gradient x output (the whole effect of that output, through later heads' value paths
     too, since attention is frozen). A DataFrame sorted by |weight|."""
+    return _entries(graph, _context(graph, context))
+
+
+def _entries(graph, ctx: QKContext):
+    """``attention_entries`` with a context already checked."""
     import pandas as pd
 
     from workbench.analysis.graphs.replacement import final_read, frozen_forward
 
-    ctx = _context(graph, context)
     model, rs, cap = ctx.model, ctx.rs, ctx.cap
     cfg = model.cfg
     logit_nodes = graph.nodes_of("logit")
@@ -411,12 +438,11 @@ def qk_table(graph, entries: int = 2, top: int = 5, exact: int = 0, context: Opt
 
     if not is_int(entries) or entries < 1:  # head(-1) would keep all but the last entry of each head
         raise ValueError(f"entries must be a positive integer, got {entries!r}")
-    ctx = _context(graph, context)
-    kept = attention_entries(graph, ctx).groupby(["layer", "head"], sort=False).head(entries)
+    ctx = _context(graph, context)  # checked once here, not once per entry: nothing edits the weights in between
+    kept = _entries(graph, ctx).groupby(["layer", "head"], sort=False).head(entries)
     frames = []
     for e in kept.itertuples(index=False):
-        pairs = qk_attribution(graph, int(e.layer), int(e.head), int(e.query_pos), int(e.key_pos), top=top,
-                               exact=exact, context=ctx)
+        pairs = _attribution(ctx, int(e.layer), int(e.head), int(e.query_pos), int(e.key_pos), top, exact)
         lead = pd.DataFrame({"layer": e.layer, "head": e.head, "query_pos": e.query_pos, "key_pos": e.key_pos,
                              "pattern": e.pattern, "weight": e.weight, "score": pairs.attrs["score"],
                              "residual": pairs.attrs["residual"], "rank": range(len(pairs))})

@@ -31,7 +31,7 @@ from workbench.stats import t_interval
 from workbench.utils import check_int, check_seed
 
 from workbench.analysis.graphs.attribute import attribution_graph
-from workbench.analysis.graphs.qk import QKContext, qk_attribution
+from workbench.analysis.graphs.qk import QKContext, _attribution
 
 
 def node_label(kind: str, layer: int, index: int) -> str:
@@ -92,7 +92,8 @@ def qk_pairs(model, tokens, layer: int, head: Union[int, Sequence[int]], query_p
         graph = attribution_graph(model, transcoders, ids.to(model.device))
         context = QKContext(graph)  # one clean run per prompt, whatever the number of heads
         for h in heads:
-            table = qk_attribution(graph, layer, int(h), q, k, top=top, exact=exact, context=context)
+            # the context was just made: no weight check per head (qk_attribution would make one each)
+            table = _attribution(context, layer, int(h), q, k, top, exact)
             frame = table.reset_index(drop=True).assign(
                 prompt=i, layer=layer, head=int(h), query_pos=q, key_pos=k, rank=np.arange(1, len(table) + 1),
                 score=table.attrs["score"], bilinear=table.attrs["bilinear"], residual=table.attrs["residual"])
