@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from workbench.analysis.graphs import files
-from workbench.utils import is_int
+from workbench.utils import is_int, weights_signature
 
 NODE_KINDS = ("feature", "error", "token", "logit")
 _ARRAYS = ("kind", "layer", "pos", "feature", "activation", "logit_weight", "edge_target", "edge_source",
@@ -114,15 +114,6 @@ def collapse_frames(nodes, edges, groups: dict[str, Sequence[str]]):
                           "weight": edges["weight"].to_numpy()})
     moved = moved[moved["source"] != moved["target"]]
     return out, moved.groupby(["source", "target"], as_index=False)["weight"].sum()
-
-
-def _weights_signature(model, rs) -> tuple:
-    """``workbench.utils.weights_signature`` of the model and of the transcoders behind ``rs``: what
-    ``Graph._bound`` and a reused ``QKContext`` compare to notice an edit, ``.data`` edits included
-    (they bump no version counter, so nothing cheaper sees them)."""
-    from workbench.utils import weights_signature
-
-    return weights_signature(model, rs)
 
 
 @dataclass(frozen=True)
@@ -490,7 +481,7 @@ class Graph:
                 cap = capture(model, rs, self.tokens.to(model.device)[None], **self._conventions())[0]
             finally:
                 model.train(was)
-        self._context = (model, rs, cap, _weights_signature(model, rs))
+        self._context = (model, rs, cap, weights_signature(model, rs))
         return self
 
     def _conventions(self) -> dict:
@@ -506,7 +497,7 @@ class Graph:
         if self._context is None:
             raise ValueError("this graph is not bound to a model: call graph.bind(model, transcoders) first")
         model, rs, cap, signature = self._context
-        if _weights_signature(model, rs) != signature:
+        if weights_signature(model, rs) != signature:
             raise ValueError("the model's or the transcoders' weights changed since this graph was built (an edit, a "
                              "load or a cast): build the graph again from the new weights, or put the old ones back")
         return model, rs, cap

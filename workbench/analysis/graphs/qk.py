@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from workbench.utils import is_int
+from workbench.utils import is_int, weights_signature
 
 KINDS = ("token", "feature", "error", "head", "bias")
 COLUMNS = ["query_node", "key_node", "query_kind", "key_kind", "query_layer", "key_layer", "contribution",
@@ -133,9 +133,7 @@ class QKContext:
         made with: an edit (``.data`` too), a ``load_state_dict``, a cast or a device move since. One pass
         over the weights (``Graph._bound``'s signature), made once per ``qk_attribution``,
         ``attention_entries`` or ``qk_table`` call that is given this context."""
-        from workbench.analysis.graphs.graph import _weights_signature
-
-        if _weights_signature(self.model, self.rs) != self.signature:
+        if weights_signature(self.model, self.rs) != self.signature:
             raise ValueError("the model's or the transcoders' weights changed since this QK context was made (an "
                              "edit, a load, a cast or a move): its clean run is of the old weights. Build the graph "
                              "and QKContext(graph) again from the new weights, or put the old ones back")
