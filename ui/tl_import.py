@@ -131,8 +131,10 @@ def _import_core() -> bool:
         return False
     before = set(sys.modules)
     try:
-        for name in PACKAGES:
+        packages = []
+        for name in PACKAGES:  # each in sys.modules before the next: find_spec of a submodule imports its parent
             package = _LazyPackage(name)
+            packages.append(package)
             sys.modules[name] = package.module
             parent, _, child = name.rpartition(".")
             if parent:
@@ -141,11 +143,10 @@ def _import_core() -> bool:
             importlib.import_module(name)
         # What the real __init__s would have bound by now: ``transformer_lens.ActivationCache`` is the
         # class, not the submodule of that name that importing it bound to the package.
-        for name in PACKAGES:
-            package = sys.modules[name]
-            for attr, (module, value) in package.__getattr__.__self__.names.items():
+        for package in packages:
+            for attr, (module, value) in package.names.items():
                 if module in sys.modules and value:
-                    setattr(package, attr, getattr(sys.modules[module], value))
+                    setattr(package.module, attr, getattr(sys.modules[module], value))
         return True
     except Exception:
         for name in set(sys.modules) - before:
